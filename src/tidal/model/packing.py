@@ -1,0 +1,317 @@
+"""Shared-prompt ("packed group") layout for GRPO log-probs.
+
+A GRPO group is one prompt with G sampled responses. Instead of G rows
+``prompt + r_i`` (the naive layout, which runs the prompt G times), each group
+becomes one segment ``[prompt, r_1, ..., r_G]`` of a single packed row:
+
+* a prompt token sees the earlier prompt tokens of its own group;
+* a response token sees its group's whole prompt and the earlier tokens of its
+  own response (and itself), nothing of the other responses or groups;
+* position ids restart at ``len(prompt)`` for every response, so response i
+  token j sits at position ``P + j`` exactly as in the naive layout.
+
+The first token of every response is predicted by the logits of the prompt's
+last position, which is therefore shared by all G responses of the group.
+
+Works with stock Hugging Face causal LMs: a ready 4-D mask (or a FlexAttention
+``BlockMask``) is passed straight through ``model(attention_mask=...)``, and
+``logits_to_keep`` limits the vocabulary projection to the positions that
+predict response tokens. Sliding-window layers are not supported (a custom
+4-D mask replaces their window).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+Group = tuple[Sequence[int], Sequence[Sequence[int]]]
+"""``(prompt_ids, [response_ids, ...])``."""
+
+KERNELS = ("auto", "sdpa", "flex")
+_HF_ATTENTION = {"sdpa": "sdpa", "flex": "flex_attention"}
+_PAD_ID = 0  # any valid id; padded positions never influence real ones
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Several groups packed into one row; ``T`` tokens, ``N`` response tokens."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    group_ids: torch.Tensor  # [T] index of the group each token belongs to
+    response_ids: torch.Tensor  # [T] global response index, -1 for prompt tokens
+    logit_index: torch.Tensor  # [N] position whose logits predict response token n
+    target_ids: torch.Tensor  # [N] the response tokens, in packed order
+    response_row: torch.Tensor  # [N] global response index of token n
+    response_col: torch.Tensor  # [N] index of token n inside its response
+    group_sizes: tuple[int, ...]  # G of each group
+    response_lengths: tuple[int, ...]  # length of each response, global order
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: v.to(device) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
+
+
+@dataclass(frozen=True)
+class GroupTokenLogprobs:
+    """Per-token values of one group, right-padded to its longest response."""
+
+    logprobs: torch.Tensor  # [G, R_max] float32, 0 where ``mask`` is False
+    mask: torch.Tensor  # [G, R_max] bool, True on response tokens
+    entropy: torch.Tensor | None = None  # [G, R_max] float32 when requested
+
+
+def group_num_tokens(group: Group) -> int:
+    prompt, responses = group
+    return len(prompt) + sum(len(r) for r in responses)
+
+
+def pack_groups(groups: Sequence[Group], device: torch.device | str | None = None) -> PackedBatch:
+    """Pack ``groups`` into one row ``[p_1, r_11, .., r_1G, p_2, r_21, ..]``."""
+    input_ids: list[int] = []
+    position_ids: list[int] = []
+    group_ids: list[int] = []
+    response_ids: list[int] = []
+    logit_index: list[int] = []
+    target_ids: list[int] = []
+    response_row: list[int] = []
+    response_col: list[int] = []
+    response_lengths: list[int] = []
+
+    for g, (prompt, responses) in enumerate(groups):
+        if not prompt:
+            raise ValueError(f"group {g} has an empty prompt; the first response token needs a predictor")
+        prompt_len = len(prompt)
+        prompt_last = len(input_ids) + prompt_len - 1
+        input_ids += prompt
+        position_ids += range(prompt_len)
+        group_ids += [g] * prompt_len
+        response_ids += [-1] * prompt_len
+        for response in responses:
+            row, start, length = len(response_lengths), len(input_ids), len(response)
+            input_ids += response
+            position_ids += range(prompt_len, prompt_len + length)
+            group_ids += [g] * length
+            response_ids += [row] * length
+            # token 0 is predicted by the prompt's last position, token j by token j-1
+            logit_index += [prompt_last, *range(start, start + length - 1)][:length]
+            target_ids += response
+            response_row += [row] * length
+            response_col += range(length)
+            response_lengths.append(length)
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return PackedBatch(
+        input_ids=tensor(input_ids).unsqueeze(0),
+        position_ids=tensor(position_ids).unsqueeze(0),
+        group_ids=tensor(group_ids),
+        response_ids=tensor(response_ids),
+        logit_index=tensor(logit_index),
+        target_ids=tensor(target_ids),
+        response_row=tensor(response_row),
+        response_col=tensor(response_col),
+        group_sizes=tuple(len(responses) for _, responses in groups),
+        response_lengths=tuple(response_lengths),
+    )
+
+
+def split_into_microbatches(groups: Sequence[Group], token_budget: int) -> list[list[Group]]:
+    """Greedily pack consecutive groups into micro-batches of at most ``token_budget`` packed tokens.
+
+    Order is preserved (concatenating the result gives back ``groups``). A group
+    larger than the budget on its own becomes a micro-batch by itself.
+    """
+    if token_budget <= 0:
+        raise ValueError(f"token_budget must be positive, got {token_budget}")
+    microbatches: list[list[Group]] = []
+    current: list[Group] = []
+    current_tokens = 0
+    for group in groups:
+        tokens = group_num_tokens(group)
+        if current and current_tokens + tokens > token_budget:
+            microbatches.append(current)
+            current, current_tokens = [], 0
+        current.append(group)
+        current_tokens += tokens
+    if current:
+        microbatches.append(current)
+    return microbatches
+
+
+def _visible(group_ids, response_ids, q_idx, kv_idx):
+    """Whether query ``q_idx`` may attend to key ``kv_idx`` (shared by both kernels)."""
+    kv_response = response_ids[kv_idx]
+    same_group = group_ids[q_idx] == group_ids[kv_idx]
+    prompt_or_own = (kv_response == -1) | (kv_response == response_ids[q_idx])
+    return same_group & prompt_or_own & (kv_idx <= q_idx)
+
+
+def dense_attention_mask(packed: PackedBatch) -> torch.Tensor:
+    """Boolean ``[1, 1, T, T]`` mask for SDPA, True where attention is allowed."""
+    positions = torch.arange(packed.num_tokens, device=packed.input_ids.device)
+    mask = _visible(packed.group_ids, packed.response_ids, positions[:, None], positions[None, :])
+    return mask[None, None]
+
+
+def flex_block_mask(packed: PackedBatch):
+    """FlexAttention ``BlockMask`` of the same pattern, skipping fully masked blocks."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    group_ids, response_ids = packed.group_ids, packed.response_ids
+
+    def mask_mod(batch, head, q_idx, kv_idx):
+        return _visible(group_ids, response_ids, q_idx, kv_idx)
+
+    tokens = packed.num_tokens
+    return create_block_mask(mask_mod, None, None, tokens, tokens, device=packed.input_ids.device)
+
+
+def flex_attention_supported(device: torch.device | str, requires_grad: bool = True) -> bool:
+    """FlexAttention trains on CUDA only; on CPU torch implements its forward pass but not its backward."""
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    device_type = torch.device(device).type
+    return device_type == "cuda" or (device_type == "cpu" and not requires_grad)
+
+
+def resolve_kernel(kernel: str, device: torch.device | str) -> str:
+    """Map ``"auto"`` to ``"flex"`` on CUDA and ``"sdpa"`` elsewhere; validate explicit choices."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; expected one of {KERNELS}")
+    if kernel == "auto":
+        return "flex" if torch.device(device).type == "cuda" and flex_attention_supported(device) else "sdpa"
+    if kernel == "flex" and not flex_attention_supported(device, requires_grad=torch.is_grad_enabled()):
+        raise ValueError(
+            f"FlexAttention unsupported on this device ({torch.device(device).type}, "
+            f"grad enabled={torch.is_grad_enabled()}); use kernel='sdpa'"
+        )
+    return kernel
+
+
+@contextmanager
+def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    # HF attention modules read config._attn_implementation on every forward.
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def token_logprobs_from_logits(
+    logits: torch.Tensor, target_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of ``target_ids`` (and entropy) under ``softmax(logits / temperature)``, in float32."""
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    token_logprobs = log_probs.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+    return token_logprobs, entropy
+
+
+def unpack_per_group(values: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
+    """Scatter packed per-token ``values [N]`` into one ``[G, R_max]`` tensor per group (zeros on padding)."""
+    num_responses = len(packed.response_lengths)
+    width = max(packed.response_lengths, default=0)
+    padded = values.new_zeros(num_responses, width).index_put((packed.response_row, packed.response_col), values)
+    return _split_rows_per_group(padded, packed)
+
+
+def response_masks(packed: PackedBatch) -> list[torch.Tensor]:
+    """``[G, R_max]`` boolean masks, True on real response tokens."""
+    lengths = torch.tensor(packed.response_lengths, dtype=torch.long, device=packed.input_ids.device)
+    width = max(packed.response_lengths, default=0)
+    mask = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+    return _split_rows_per_group(mask, packed)
+
+
+def _split_rows_per_group(padded: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
+    out, row = [], 0
+    for size in packed.group_sizes:
+        width = max(packed.response_lengths[row : row + size], default=0)
+        out.append(padded[row : row + size, :width])
+        row += size
+    return out
+
+
+def packed_token_logprobs(
+    model: torch.nn.Module,
+    packed: PackedBatch,
+    temperature: float = 1.0,
+    kernel: str = "auto",
+    with_entropy: bool = False,
+) -> list[GroupTokenLogprobs]:
+    """Per-token log-probs of every response in ``packed``, one forward pass, one entry per group."""
+    device = packed.input_ids.device
+    kernel = resolve_kernel(kernel, device)
+    mask = flex_block_mask(packed) if kernel == "flex" else dense_attention_mask(packed)
+    with _attention_implementation(model, _HF_ATTENTION[kernel]):
+        logits = model(
+            input_ids=packed.input_ids,
+            attention_mask=mask,
+            position_ids=packed.position_ids,
+            logits_to_keep=packed.logit_index,
+            use_cache=False,
+        ).logits[0]
+    logprobs, entropy = token_logprobs_from_logits(logits, packed.target_ids, temperature, with_entropy)
+    masks = response_masks(packed)
+    per_group_logprobs = unpack_per_group(logprobs, packed)
+    per_group_entropy = unpack_per_group(entropy, packed) if with_entropy else [None] * len(masks)
+    return [
+        GroupTokenLogprobs(logprobs=lp, mask=m, entropy=ent)
+        for lp, m, ent in zip(per_group_logprobs, masks, per_group_entropy, strict=True)
+    ]
+
+
+def naive_token_logprobs(
+    model: torch.nn.Module,
+    groups: Sequence[Group],
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> list[GroupTokenLogprobs]:
+    """Reference: each group as G right-padded rows ``prompt + r_i`` with the model's own attention.
+
+    No padding mask is passed: padding sits after every real token, and causal
+    attention keeps real tokens from seeing it.
+    """
+    device = next(model.parameters()).device
+    results = []
+    for prompt, responses in groups:
+        prompt_len, width = len(prompt), max((len(r) for r in responses), default=0)
+        targets = torch.full((len(responses), width), _PAD_ID, dtype=torch.long, device=device)
+        mask = torch.zeros(len(responses), width, dtype=torch.bool, device=device)
+        for i, response in enumerate(responses):
+            targets[i, : len(response)] = torch.tensor(response, dtype=torch.long, device=device)
+            mask[i, : len(response)] = True
+        if width == 0:
+            zeros = torch.zeros(len(responses), 0, device=device)
+            results.append(GroupTokenLogprobs(zeros, mask, zeros if with_entropy else None))
+            continue
+        prompts = torch.tensor(prompt, dtype=torch.long, device=device).expand(len(responses), -1)
+        logits = model(
+            input_ids=torch.cat([prompts, targets], dim=1),
+            logits_to_keep=torch.arange(prompt_len - 1, prompt_len + width - 1, device=device),
+            use_cache=False,
+        ).logits
+        logprobs, entropy = token_logprobs_from_logits(logits, targets, temperature, with_entropy)
+        results.append(
+            GroupTokenLogprobs(
+                logprobs=logprobs.masked_fill(~mask, 0.0),
+                mask=mask,
+                entropy=entropy.masked_fill(~mask, 0.0) if with_entropy else None,
+            )
+        )
+    return results

@@ -1,0 +1,237 @@
+"""Shared-prompt packing must reproduce the naive layout's log-probs and gradients exactly (float32)."""
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from tidal.model.packing import (
+    dense_attention_mask,
+    flex_attention_supported,
+    group_num_tokens,
+    naive_token_logprobs,
+    pack_groups,
+    packed_token_logprobs,
+    resolve_kernel,
+    split_into_microbatches,
+    unpack_per_group,
+)
+
+VOCAB = 64
+EOS = 1
+ATOL, RTOL = 1e-5, 1e-4
+FLEX_GRAD_SKIP = pytest.mark.skipif(
+    not flex_attention_supported("cpu", requires_grad=True),
+    reason="FlexAttention unsupported on this device (no backward pass on CPU)",
+)
+
+
+def tiny_model(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    if family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    model.config._attn_implementation = "sdpa"
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model(request):
+    return tiny_model(request.param)
+
+
+def make_group(rng: random.Random, prompt_len: int, response_lens: list[int], eos: bool = False):
+    prompt = [rng.randrange(2, VOCAB) for _ in range(prompt_len)]
+    responses = []
+    for length in response_lens:
+        response = [rng.randrange(2, VOCAB) for _ in range(length)]
+        if eos and response:
+            response[-1] = EOS
+        responses.append(response)
+    return prompt, responses
+
+
+def scenario(name: str):
+    rng = random.Random(name)
+    cases = {
+        "G1_P1_R1": [make_group(rng, 1, [1])],
+        "G2_P7_mixed_lengths": [make_group(rng, 7, [3, 1])],
+        "G5_P30_eos": [make_group(rng, 30, [12, 1, 7, 20, 5], eos=True)],
+        "G5_P1_len1_responses": [make_group(rng, 1, [1, 1, 1, 1, 1], eos=True)],
+        "three_groups_one_microbatch": [
+            make_group(rng, 1, [4, 1, 9, 2, 6], eos=True),
+            make_group(rng, 7, [5, 11]),
+            make_group(rng, 30, [8]),
+        ],
+        "groups_with_empty_response": [make_group(rng, 7, [0, 4]), make_group(rng, 3, [2, 0, 1])],
+    }
+    return cases[name]
+
+
+SCENARIOS = [
+    "G1_P1_R1",
+    "G2_P7_mixed_lengths",
+    "G5_P30_eos",
+    "G5_P1_len1_responses",
+    "three_groups_one_microbatch",
+    "groups_with_empty_response",
+]
+
+
+def fixed_weights(groups) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1234)
+    shapes = [(len(r), max((len(x) for x in r), default=0)) for _, r in groups]
+    return [torch.randn(shape, generator=gen) for shape in shapes]
+
+
+def loss_and_grads(model, outputs, weights):
+    loss = sum((out.logprobs * w * out.mask).sum() for out, w in zip(outputs, weights, strict=True))
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_outputs_match(packed_out, naive_out, check_entropy=False):
+    assert len(packed_out) == len(naive_out)
+    for packed, naive in zip(packed_out, naive_out, strict=True):
+        assert packed.logprobs.shape == naive.logprobs.shape
+        assert torch.equal(packed.mask, naive.mask)
+        assert torch.all(packed.logprobs[~packed.mask] == 0)
+        torch.testing.assert_close(packed.logprobs, naive.logprobs, atol=ATOL, rtol=RTOL)
+        if check_entropy:
+            torch.testing.assert_close(packed.entropy, naive.entropy, atol=ATOL, rtol=RTOL)
+
+
+def check_packed_matches_naive(model, groups, kernel, temperature=1.0):
+    weights = fixed_weights(groups)
+    naive = naive_token_logprobs(model, groups, temperature=temperature, with_entropy=True)
+    naive_grads = loss_and_grads(model, naive, weights)
+    packed = packed_token_logprobs(model, pack_groups(groups), temperature, kernel=kernel, with_entropy=True)
+    packed_grads = loss_and_grads(model, packed, weights)
+
+    assert_outputs_match(packed, naive, check_entropy=True)
+    assert naive_grads.keys() == packed_grads.keys()
+    assert any(g.abs().sum() > 0 for g in naive_grads.values())
+    for name, grad in naive_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_sdpa_matches_naive_logprobs_and_grads(model, name):
+    check_packed_matches_naive(model, scenario(name), kernel="sdpa")
+
+
+def test_sdpa_matches_naive_with_temperature(model):
+    check_packed_matches_naive(model, scenario("three_groups_one_microbatch"), kernel="sdpa", temperature=0.7)
+
+
+def test_empty_response_row_is_masked(model):
+    groups = scenario("groups_with_empty_response")
+    with torch.no_grad():
+        packed = packed_token_logprobs(model, pack_groups(groups), kernel="sdpa")
+        naive = naive_token_logprobs(model, groups)
+    assert_outputs_match(packed, naive)
+    assert not packed[0].mask[0].any() and not packed[1].mask[1].any()
+
+
+@FLEX_GRAD_SKIP
+@pytest.mark.parametrize("name", ["G5_P30_eos", "three_groups_one_microbatch"])
+def test_flex_matches_naive_logprobs_and_grads(model, name):
+    check_packed_matches_naive(model, scenario(name), kernel="flex")
+
+
+@pytest.mark.skipif(
+    not flex_attention_supported("cpu", requires_grad=False), reason="FlexAttention unsupported on this device"
+)
+def test_flex_forward_matches_naive_on_cpu():
+    model = tiny_model("qwen2")
+    groups = scenario("three_groups_one_microbatch")
+    with torch.no_grad():
+        packed = packed_token_logprobs(model, pack_groups(groups), kernel="flex")
+        naive = naive_token_logprobs(model, groups)
+    assert_outputs_match(packed, naive)
+
+
+def test_packed_differs_from_plain_causal_packing(model):
+    """Guard against a vacuous mask: ordinary causal attention over the packed row must NOT match."""
+    groups = scenario("G5_P30_eos")
+    packed = pack_groups(groups)
+    with torch.no_grad():
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids).logits[0, packed.logit_index]
+        leaky = unpack_per_group(torch.log_softmax(logits, -1).gather(-1, packed.target_ids[:, None])[:, 0], packed)
+        naive = naive_token_logprobs(model, groups)
+    assert not torch.allclose(leaky[0], naive[0].logprobs, atol=1e-3)
+
+
+def test_layout_of_one_group():
+    packed = pack_groups([([10, 11], [[20, 21], [30]])])
+    assert packed.input_ids.tolist() == [[10, 11, 20, 21, 30]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2]]
+    assert packed.logit_index.tolist() == [1, 2, 1]  # both first tokens read the prompt's last position
+    assert packed.target_ids.tolist() == [20, 21, 30]
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [1, 1, 1, 0, 0],
+            [1, 1, 1, 1, 0],
+            [1, 1, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(dense_attention_mask(packed)[0, 0], expected)
+
+
+def test_groups_do_not_see_each_other():
+    packed = pack_groups([([1], [[2]]), ([3, 4], [[5], [6]])])
+    mask = dense_attention_mask(packed)[0, 0]
+    assert not mask[2:, :2].any()
+    assert packed.position_ids.tolist() == [[0, 1, 0, 1, 2, 2]]
+    assert packed.logit_index.tolist() == [0, 3, 3]
+
+
+def test_unknown_kernel_raises():
+    with pytest.raises(ValueError, match="unknown attention kernel"):
+        resolve_kernel("flash9", "cpu")
+
+
+def test_auto_kernel_is_sdpa_on_cpu():
+    assert resolve_kernel("auto", "cpu") == "sdpa"
+
+
+def test_empty_prompt_raises():
+    with pytest.raises(ValueError, match="empty prompt"):
+        pack_groups([([], [[1, 2]])])
+
+
+def test_split_respects_token_budget_and_order():
+    rng = random.Random(7)
+    groups = [make_group(rng, rng.randint(1, 20), [rng.randint(0, 15) for _ in range(rng.randint(1, 5))]) for _ in range(40)]
+    budget = 60
+    microbatches = split_into_microbatches(groups, budget)
+    assert [g for mb in microbatches for g in mb] == groups
+    for mb in microbatches:
+        total = sum(group_num_tokens(g) for g in mb)
+        assert total <= budget or len(mb) == 1
+        assert pack_groups(mb).num_tokens == total
+    # greedy: the next micro-batch's first group would not have fit
+    for mb, nxt in zip(microbatches, microbatches[1:]):
+        assert sum(group_num_tokens(g) for g in mb) + group_num_tokens(nxt[0]) > budget
+
+
+def test_split_puts_oversized_group_alone():
+    small, big = ([1], [[2, 3]]), ([1] * 50, [[2] * 50])
+    assert split_into_microbatches([small, big, small, small], 10) == [[small], [big], [small, small]]
+    with pytest.raises(ValueError):
+        split_into_microbatches([small], 0)
