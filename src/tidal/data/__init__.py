@@ -1,0 +1,109 @@
+"""Prompt datasets: synthetic arithmetic (deterministic from the seed) and JSONL files."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tidal.config import DataConfig
+
+
+class DatasetError(ValueError):
+    """A dataset file or row is unusable; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: int
+    prompt: str
+    answer: str  # the final answer as a string, e.g. "936"
+
+
+@dataclass(frozen=True)
+class Dataset:
+    train: list[Problem]
+    eval: list[Problem]
+
+
+def arithmetic_prompt(a: int, op: str, b: int) -> str:
+    return f"{a}{op}{b}="
+
+
+def arithmetic_completion(answer: int | str) -> str:
+    """The target completion: one final-answer line."""
+    return f"A: {answer}"
+
+
+def make_arithmetic(seed: int, num_train: int, num_eval: int, max_digits: int, operations: list[str]) -> Dataset:
+    """Unique problems from `seed`; the held-out split shares none with the train split."""
+    rng = random.Random(f"tidal-arithmetic-{seed}")
+    limit = 10**max_digits
+    total = num_train + num_eval
+    if total > (limit**2) * len(operations) // 2:
+        raise DatasetError(f"data.max_digits={max_digits} is too small for {total} distinct problems")
+    seen: set[tuple[int, str, int]] = set()
+    problems: list[Problem] = []
+    while len(problems) < total:
+        a, b, op = rng.randrange(limit), rng.randrange(limit), rng.choice(operations)
+        if (a, op, b) in seen:
+            continue
+        seen.add((a, op, b))
+        value = a + b if op == "+" else a - b
+        problems.append(Problem(len(problems), arithmetic_prompt(a, op, b), str(value)))
+    return Dataset(train=problems[:num_train], eval=[Problem(i, p.prompt, p.answer) for i, p in enumerate(problems[num_train:])])
+
+
+_GSM8K_ANSWER = re.compile(r"####\s*(.+)\s*$")
+
+
+def _answer_from_row(answer: str) -> str:
+    match = _GSM8K_ANSWER.search(answer)
+    return (match.group(1) if match else answer).strip().replace(",", "")
+
+
+def read_jsonl_problems(path: str | Path, limit: int | None = None) -> list[Problem]:
+    """Rows need `question` (or `prompt`) and `answer`; GSM8K's `#### 42` answers are understood."""
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"dataset file not found: {p}")
+    problems: list[Problem] = []
+    with p.open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetError(f"{p}:{lineno}: not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{p}:{lineno}: a row must be a JSON object")
+            question = row.get("question", row.get("prompt"))
+            if not isinstance(question, str) or not isinstance(row.get("answer"), (str, int, float)):
+                raise DatasetError(f"{p}:{lineno}: a row needs string fields 'question' and 'answer'")
+            problems.append(Problem(len(problems), question.strip() + "\n", _answer_from_row(str(row["answer"]))))
+            if limit is not None and len(problems) >= limit:
+                break
+    if not problems:
+        raise DatasetError(f"{p}: no rows")
+    return problems
+
+
+def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
+    if cfg.task == "arithmetic":
+        return make_arithmetic(seed, cfg.num_train, cfg.num_eval, cfg.max_digits, list(cfg.operations))
+    train = read_jsonl_problems(cfg.path, cfg.num_train)
+    if cfg.eval_path:
+        return Dataset(train, read_jsonl_problems(cfg.eval_path, cfg.num_eval))
+    split = max(1, len(train) // 10)
+    held = [Problem(i, p.prompt, p.answer) for i, p in enumerate(train[-split:])]
+    return Dataset(train[:-split], held[: cfg.num_eval])
+
+
+def prompts_for_iteration(dataset: Dataset, seed: int, iteration: int, count: int) -> list[Problem]:
+    """The prompts of one iteration: a function of (seed, iteration) alone."""
+    rng = random.Random(f"tidal-prompts-{seed}-{iteration}")
+    n = len(dataset.train)
+    return [dataset.train[i] for i in rng.sample(range(n), min(count, n))]

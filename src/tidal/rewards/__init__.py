@@ -1,0 +1,103 @@
+"""Verifiable rewards, looked up by name; user functions as `module:function`.
+
+A reward function is `fn(completion: str, answer: str) -> float`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tidal.config import RewardConfig
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[str, str], float]
+REGISTRY: dict[str, RewardFn] = {}
+
+
+class RewardError(ValueError):
+    """A reward function cannot be found or loaded."""
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+    def deco(fn: RewardFn) -> RewardFn:
+        REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+_FINAL_ANSWER = re.compile(r"(?:A:|####)\s*(-?[\d,]*\.?\d+)")
+
+
+def extract_final_answer(completion: str) -> str | None:
+    matches = _FINAL_ANSWER.findall(completion)
+    return matches[-1].replace(",", "") if matches else None
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a.strip() == b.strip()
+
+
+@register("exact_match")
+def exact_match(completion: str, answer: str) -> float:
+    got = extract_final_answer(completion)
+    return 1.0 if got is not None and _same_number(got, answer) else 0.0
+
+
+_FORMAT = re.compile(r"^\s*(?:A:|####) -?[\d,]*\.?\d+\s*$")
+
+
+@register("format")
+def format_reward(completion: str, answer: str) -> float:
+    """1 when the completion's last line is exactly a final-answer line."""
+    lines = completion.strip().splitlines()
+    return 1.0 if lines and _FORMAT.match(lines[-1]) else 0.0
+
+
+def resolve(name: str) -> RewardFn:
+    if name in REGISTRY:
+        return REGISTRY[name]
+    if ":" not in name:
+        raise RewardError(f"unknown reward function {name!r}: registered are {sorted(REGISTRY)}, or give module:function")
+    module_name, fn_name = name.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:
+        raise RewardError(f"reward function {name!r}: cannot import module {module_name!r}: {err}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise RewardError(f"reward function {name!r}: {module_name} has no callable {fn_name!r}")
+    return fn
+
+
+@dataclass
+class RewardScorer:
+    """Weighted sum of reward functions. A function that raises scores 0 and is counted."""
+
+    functions: list[tuple[str, RewardFn, float]]
+    errors: int = 0
+    last_error: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg: RewardConfig) -> "RewardScorer":
+        return cls([(f.name, resolve(f.name), f.weight) for f in cfg.functions])
+
+    def score(self, completion: str, answer: str) -> tuple[float, dict[str, float]]:
+        parts: dict[str, float] = {}
+        for name, fn, _ in self.functions:
+            try:
+                parts[name] = float(fn(completion, answer))
+            except Exception as err:  # user code: never let it take the worker down
+                self.errors += 1
+                self.last_error = f"{name}: {type(err).__name__}: {err}"
+                log.warning("reward function %s raised %s: %s (scored 0)", name, type(err).__name__, err)
+                parts[name] = 0.0
+        return sum(w * parts[name] for name, _, w in self.functions), parts

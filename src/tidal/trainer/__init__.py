@@ -1,0 +1,1 @@
+"""The trainer role: the consumer loop, accumulation, optimizer, checkpoints."""

@@ -1,0 +1,145 @@
+"""NATS JetStream: the WORK and ROLLOUTS streams and the run's KV bucket (DESIGN §2)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+
+import nats
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+
+from tidal.config import TransportConfig
+from tidal.transport.codec import decode, encode
+
+WORKERS_CONSUMER = "workers"
+TRAINER_CONSUMER = "trainer"
+
+
+class MessageTooLargeError(ValueError):
+    """A message exceeds the server's max_payload."""
+
+
+def stream_names(run_id: str) -> dict[str, str]:
+    token = re.sub(r"[^A-Za-z0-9_-]", "_", run_id)
+    return {
+        "work_stream": f"TIDAL_{token}_WORK",
+        "work_subject": f"tidal.{token}.work",
+        "rollouts_stream": f"TIDAL_{token}_ROLLOUTS",
+        "rollouts_subject": f"tidal.{token}.rollouts",
+        "kv_bucket": f"TIDAL_{token}",
+    }
+
+
+@dataclass
+class Transport:
+    nc: nats.NATS
+    js: object
+    kv: object
+    names: dict[str, str]
+    cfg: TransportConfig
+
+    @classmethod
+    async def connect(cls, url: str, run_id: str, cfg: TransportConfig, create: bool = True) -> "Transport":
+        nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=10, name=f"tidal-{run_id}")
+        js = nc.jetstream()
+        names = stream_names(run_id)
+        if create:
+            await cls._ensure_streams(js, names, cfg)
+            kv = await js.create_key_value(bucket=names["kv_bucket"], history=1)
+        else:
+            kv = await cls._wait_for_bucket(js, names["kv_bucket"])
+        return cls(nc, js, kv, names, cfg)
+
+    @staticmethod
+    async def _wait_for_bucket(js, bucket: str, timeout: float = 60.0):
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                return await js.key_value(bucket)
+            except (BucketNotFoundError, NotFoundError):
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(f"KV bucket {bucket} did not appear within {timeout}s: is the trainer running?")
+                await asyncio.sleep(0.2)
+
+    @staticmethod
+    async def _ensure_streams(js, names: dict[str, str], cfg: TransportConfig) -> None:
+        max_bytes = cfg.max_payload_mb * 1024 * 1024
+        await js.add_stream(
+            StreamConfig(
+                name=names["work_stream"],
+                subjects=[names["work_subject"]],
+                retention=RetentionPolicy.WORK_QUEUE,
+                storage=StorageType.FILE,
+                max_msg_size=max_bytes,
+                duplicate_window=3600,
+            )
+        )
+        await js.add_stream(
+            StreamConfig(
+                name=names["rollouts_stream"],
+                subjects=[names["rollouts_subject"]],
+                retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE,
+                max_msg_size=max_bytes,
+                duplicate_window=3600,
+            )
+        )
+        ack_wait = cfg.ack_wait_seconds
+        await js.add_consumer(
+            names["work_stream"],
+            ConsumerConfig(durable_name=WORKERS_CONSUMER, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait, max_deliver=cfg.max_deliver, max_ack_pending=-1),
+        )
+        await js.add_consumer(
+            names["rollouts_stream"],
+            ConsumerConfig(durable_name=TRAINER_CONSUMER, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait, deliver_policy=DeliverPolicy.ALL, max_ack_pending=-1),
+        )
+
+    def _check_size(self, payload: bytes, what: str) -> None:
+        limit = min(self.nc.max_payload, self.cfg.max_payload_mb * 1024 * 1024)
+        if len(payload) > limit:
+            raise MessageTooLargeError(
+                f"{what} is {len(payload)} bytes, over the {limit}-byte message limit: raise transport.max_payload_mb or shorten rollout.max_new_tokens"
+            )
+
+    async def publish_work(self, item: dict) -> None:
+        payload = encode(item)
+        self._check_size(payload, f"work item {item['iteration']}/{item['prompt_id']}")
+        await self.js.publish(self.names["work_subject"], payload, headers={"Nats-Msg-Id": f"w-{item['iteration']}-{item['prompt_id']}"})
+
+    async def publish_group(self, group: dict) -> None:
+        payload = encode(group)
+        self._check_size(payload, f"group {group['iteration']}/{group['prompt_id']}")
+        await self.js.publish(self.names["rollouts_subject"], payload, headers={"Nats-Msg-Id": f"g-{group['iteration']}-{group['prompt_id']}"})
+
+    async def work_subscription(self):
+        return await self.js.pull_subscribe_bind(WORKERS_CONSUMER, stream=self.names["work_stream"])
+
+    async def rollouts_subscription(self):
+        return await self.js.pull_subscribe_bind(TRAINER_CONSUMER, stream=self.names["rollouts_stream"])
+
+    @staticmethod
+    async def fetch(sub, batch: int, timeout: float) -> list:
+        try:
+            return await sub.fetch(batch, timeout=timeout)
+        except NatsTimeout:
+            return []
+
+    async def work_queue_depth(self) -> int:
+        info = await self.js.stream_info(self.names["work_stream"])
+        return info.state.messages
+
+    async def put(self, key: str, value: dict) -> None:
+        await self.kv.put(key, encode(value))
+
+    async def get(self, key: str) -> dict | None:
+        try:
+            entry = await self.kv.get(key)
+        except KeyNotFoundError:
+            return None
+        return decode(entry.value) if entry and entry.value else None
+
+    async def close(self) -> None:
+        await self.nc.close()

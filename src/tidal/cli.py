@@ -1,0 +1,114 @@
+"""`tidal run | rollout-worker | train | eval | compile | submit`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from tidal.config import ConfigError, load_config
+
+log = logging.getLogger("tidal")
+
+
+def _common(p: argparse.ArgumentParser, nats: bool = False) -> None:
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("--run-dir", required=True, help="run directory (config, logs, weights, summary)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. trainer.iterations=5")
+    if nats:
+        p.add_argument("--nats-url", required=True, help="NATS server URL, e.g. nats://127.0.0.1:4222")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tidal", description="On-policy, periodically asynchronous RL post-training for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run every role locally (embedded NATS and MLflow)")
+    _common(run)
+    run.add_argument("--via", choices=["local", "kfp-local"], default="local", help="local processes, or the KFP pipeline on kfp.local")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    train = sub.add_parser("train", help="the trainer role (consumes groups, publishes weights)")
+    _common(train, nats=True)
+    train.add_argument("--iterations", type=int, default=None, help="run at most this many iterations, then stop (a pipeline round)")
+    worker = sub.add_parser("rollout-worker", help="a rollout worker role (generates groups)")
+    _common(worker, nats=True)
+    worker.add_argument("--worker-id", default="worker-0")
+    ev = sub.add_parser("eval", help="held-out accuracy of a weight snapshot")
+    _common(ev)
+    ev.add_argument("--weights", default=None, help="snapshot directory (default: the run's latest)")
+    try:
+        from tidal.kube import commands as kube_commands
+
+        kube_commands.register(sub)
+    except ImportError:  # the kube extra is not installed
+        pass
+    return parser
+
+
+def _run_command(args) -> int:
+    from tidal.runtime import setup_logging, set_threads
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir)
+    if args.command == "run":
+        if args.via == "kfp-local":
+            from tidal.kube.commands import run_via_kfp_local
+
+            return run_via_kfp_local(args.config, str(run_dir), args.overrides)
+        from tidal.local import run_local
+
+        run_local(cfg, run_dir, show_progress=not args.no_progress)
+        return 0
+    setup_logging()
+    import os
+
+    if os.environ.get("TIDAL_THREADS"):
+        set_threads(int(os.environ["TIDAL_THREADS"]))
+    from tidal import roles
+
+    if args.command == "train":
+        roles.run_async(roles.trainer_role(cfg, run_dir, args.nats_url, args.iterations))
+    elif args.command == "rollout-worker":
+        roles.run_async(roles.worker_role(cfg, run_dir, args.nats_url, args.worker_id))
+    elif args.command == "eval":
+        from tidal.local import evaluate_snapshot
+        from tidal.data import load_dataset
+        from tidal.weights import WeightStore
+
+        info = roles.RunInfo.load(run_dir)
+        store = WeightStore(run_dir / "weights")
+        path = args.weights or store.path(store.latest_version())
+        problems = load_dataset(cfg.data, cfg.seed).eval
+        problems = problems[: cfg.eval.num_prompts] if cfg.eval.num_prompts else problems
+        acc = evaluate_snapshot(cfg, info.base_model, problems, store.load(path))
+        print(json.dumps({"weights": str(path), "accuracy": acc, "num_prompts": len(problems)}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not hasattr(args, "config") and hasattr(args, "func"):
+        return args.func(args)
+    try:
+        return _run_command(args) if args.command in ("run", "train", "rollout-worker", "eval") else args.func(args)
+    except ConfigError as err:
+        print(f"tidal: {err}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as err:
+        print(f"tidal: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tidal: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        from tidal.local import RoleFailed
+
+        if isinstance(err, RoleFailed):
+            print(f"tidal: {err}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""One typed config for every role: YAML in, validated, clear errors out."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(_Strict):
+    """Architecture of the built-in tiny model (used when `model.name_or_path` is unset)."""
+
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    hidden_size: int = Field(128, gt=0)
+    intermediate_size: int = Field(384, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    max_position_embeddings: int = Field(128, gt=0)
+
+
+class WarmStartConfig(_Strict):
+    """Short supervised warm start on the task so RL starts with signal."""
+
+    enabled: bool = True
+    steps: int = Field(800, ge=0)
+    batch_size: int = Field(64, gt=0)
+    lr: float = Field(3e-3, gt=0)
+    examples: int = Field(20000, gt=0)
+    cache_dir: str | None = None  # default: $TIDAL_CACHE or ~/.cache/tidal
+
+
+class ModelConfig(_Strict):
+    name_or_path: str | None = None  # HF directory or hub id; None = the built-in tiny model
+    tiny: TinyModelConfig = TinyModelConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class DataConfig(_Strict):
+    task: Literal["arithmetic", "jsonl"] = "arithmetic"
+    path: str | None = None  # jsonl: rows with `question` and `answer`
+    eval_path: str | None = None
+    num_train: int = Field(5000, gt=0)
+    num_eval: int = Field(200, gt=0)
+    max_digits: int = Field(2, gt=0, le=9)
+    operations: list[Literal["+", "-"]] = ["+", "-"]
+
+    @model_validator(mode="after")
+    def _jsonl_needs_path(self) -> "DataConfig":
+        if self.task == "jsonl" and not self.path:
+            raise ValueError("data.path is required when data.task is 'jsonl'")
+        return self
+
+
+class RewardFunctionConfig(_Strict):
+    name: str  # registry name or `module:function`
+    weight: float = 1.0
+
+
+class RewardConfig(_Strict):
+    functions: list[RewardFunctionConfig] = [RewardFunctionConfig(name="exact_match")]
+
+
+class RolloutConfig(_Strict):
+    engine: Literal["hf"] = "hf"
+    workers: int = Field(1, gt=0)
+    group_size: int = Field(8, gt=1)
+    max_new_tokens: int = Field(12, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    groups_per_batch: int = Field(4, gt=0)  # groups generated together by the HF engine
+    deterministic: bool = False
+    threads: int | None = Field(None, gt=0)
+
+
+class TrainerConfig(_Strict):
+    iterations: int = Field(30, gt=0)
+    prompts_per_iteration: int = Field(16, gt=0)
+    lr: float = Field(2e-4, gt=0)
+    warmup_steps: int = Field(3, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = Field(1.0, gt=0)
+    clip_eps: float = Field(0.2, gt=0)
+    kl_coef: float = Field(0.0, ge=0)
+    std_normalize: bool = True
+    threads: int | None = Field(None, gt=0)
+    group_timeout_seconds: float = Field(600.0, gt=0)
+
+
+class EvalConfig(_Strict):
+    enabled: bool = True
+    num_prompts: int | None = Field(None, gt=0)  # None: the whole held-out split
+    max_new_tokens: int | None = Field(None, gt=0)
+    batch_size: int = Field(64, gt=0)
+
+
+class TrackingConfig(_Strict):
+    uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite in the run directory
+    experiment: str = "tidal"
+    run_name: str | None = None
+
+
+class TransportConfig(_Strict):
+    nats_url: str | None = None  # None: start an embedded nats-server in the run directory
+    max_payload_mb: int = Field(8, gt=0, le=64)
+    ack_wait_seconds: float = Field(60.0, gt=0)
+    max_deliver: int = Field(5, gt=0)
+
+
+class TidalConfig(_Strict):
+    mode: Literal["sync", "periodic"] = "periodic"
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    transport: TransportConfig = TransportConfig()
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`trainer.iterations=3` -> (["trainer", "iterations"], 3); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key=value")
+    key, raw = text.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"override {text!r} has an empty key")
+    return key.strip().split("."), yaml.safe_load(raw) if raw != "" else ""
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def config_from_dict(data: dict, source: str = "<dict>") -> TidalConfig:
+    try:
+        return TidalConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> TidalConfig:
+    data: dict = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {p} is not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        source = str(p)
+    return config_from_dict(apply_overrides(data, list(overrides)), source)
+
+
+def dump_config(cfg: TidalConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def flatten(cfg: TidalConfig) -> dict[str, str]:
+    """Dotted key -> string value, for MLflow params."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = str(node)
+
+    walk("", cfg.model_dump(mode="json"))
+    return out

@@ -1,0 +1,286 @@
+"""The embedded launcher: every role as a local process, a progress bar, a result to read."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from tqdm import tqdm
+
+from tidal.config import TidalConfig, dump_config
+from tidal.data import load_dataset
+from tidal.evaluate import held_out_accuracy
+from tidal.model.loading import load_model_and_tokenizer, prepare_base_model
+from tidal.roles import RunInfo, build_learner
+from tidal.rollout.engine import HFEngine
+from tidal.runtime import set_threads, setup_logging, split_cores
+from tidal.tracking import Tracker, start_run, tracking_uri
+from tidal.trainer.loop import RunFiles, run_sync
+from tidal.transport.server import EmbeddedNats
+from tidal.weights import WeightStore
+
+log = logging.getLogger(__name__)
+MAX_WORKER_RESTARTS = 3
+
+
+class RoleFailed(RuntimeError):
+    """A role process exited with an error; the message carries the end of its log."""
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    if not path.is_file():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def evaluate_snapshot(cfg: TidalConfig, model_dir: str | Path, problems, weights=None) -> float:
+    model, tokenizer = load_model_and_tokenizer(model_dir, cfg.model.dtype)
+    if weights is not None:
+        from tidal.model.loading import load_state_dict_tied
+
+        load_state_dict_tied(model, weights)
+    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
+    return held_out_accuracy(engine, tokenizer, problems, cfg.eval.batch_size)
+
+
+class ProgressBar:
+    def __init__(self, total: int, enabled: bool = True):
+        self.bar = tqdm(total=total, desc="RL iterations", unit="it", disable=not enabled, dynamic_ncols=True)
+
+    def update(self, m: dict) -> None:
+        self.bar.set_postfix(
+            reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.1%}", tok_s=f"{m['generated_tokens_per_s']:.0f}", it_s=f"{m['iteration_seconds']:.1f}", refresh=False
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class RoleProcesses:
+    """Trainer and rollout workers as child processes; dead workers are restarted (their work is redelivered)."""
+
+    def __init__(self, config_path: Path, run_dir: Path, nats_url: str, cfg: TidalConfig):
+        self.config_path, self.run_dir, self.nats_url, self.cfg = config_path, run_dir, nats_url, cfg
+        self.logs = run_dir / "logs"
+        self.trainer_threads, self.worker_threads = split_cores(cfg)
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {}
+        self.trainer: subprocess.Popen | None = None
+
+    def _spawn(self, args: list[str], log_name: str, threads: int) -> subprocess.Popen:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TIDAL_THREADS": str(threads)}
+        out = (self.logs / log_name).open("ab")
+        cmd = [sys.executable, "-m", "tidal.cli", *args, str(self.config_path), "--run-dir", str(self.run_dir), "--nats-url", self.nats_url]
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def start(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.trainer = self._spawn(["train"], "trainer.log", self.trainer_threads)
+        for i in range(self.cfg.rollout.workers):
+            self.start_worker(f"worker-{i}")
+
+    def start_worker(self, worker_id: str) -> None:
+        self.workers[worker_id] = self._spawn(["rollout-worker", "--worker-id", worker_id], f"{worker_id}.log", self.worker_threads)
+
+    def check(self) -> bool:
+        """True once the trainer is done; raises if a role failed for good."""
+        for wid, proc in list(self.workers.items()):
+            code = proc.poll()
+            if code not in (None, 0) and self.trainer.poll() is None:
+                self.restarts[wid] = self.restarts.get(wid, 0) + 1
+                if self.restarts[wid] > MAX_WORKER_RESTARTS:
+                    raise RoleFailed(f"rollout worker {wid} exited with code {code} {self.restarts[wid]} times:\n{tail(self.logs / f'{wid}.log')}")
+                log.warning("rollout worker %s exited with code %s; restarting (its work items are redelivered)", wid, code)
+                self.start_worker(wid)
+        code = self.trainer.poll()
+        if code is None:
+            return False
+        if code != 0:
+            raise RoleFailed(f"trainer exited with code {code}:\n{tail(self.logs / 'trainer.log')}")
+        return True
+
+    def stop(self, grace: float = 15.0) -> None:
+        deadline = time.time() + grace
+        procs = [p for p in [self.trainer, *self.workers.values()] if p is not None]
+        for p in procs:
+            while p.poll() is None and time.time() < deadline:
+                time.sleep(0.05)
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+def follow_metrics(path: Path, seen: int) -> tuple[list[dict], int]:
+    if not path.is_file():
+        return [], seen
+    lines = path.read_text().splitlines()
+    return [json.loads(l) for l in lines[seen:]], len(lines)
+
+
+def run_periodic_local(cfg: TidalConfig, config_path: Path, run_dir: Path, bar: ProgressBar) -> dict:
+    server = None
+    nats_url = cfg.transport.nats_url
+    if not nats_url:
+        server = EmbeddedNats(run_dir / "nats", cfg.transport.max_payload_mb, log_file=run_dir / "logs" / "nats-server.log").start()
+        nats_url = server.url
+    roles = RoleProcesses(config_path, run_dir, nats_url, cfg)
+    seen = 0
+    try:
+        roles.start()
+        done = False
+        while not done:
+            done = roles.check()
+            new, seen = follow_metrics(run_dir / "metrics.jsonl", seen)
+            for m in new:
+                bar.update(m)
+            if not done:
+                time.sleep(0.2)
+        new, seen = follow_metrics(run_dir / "metrics.jsonl", seen)
+        for m in new:
+            bar.update(m)
+        log.info("trainer finished; waiting for workers")
+        roles.stop()
+        log.info("roles stopped")
+        return {"groups_generated": count_rollouts(nats_url, run_dir, cfg)}
+    finally:
+        roles.stop(grace=0)
+        if server:
+            server.stop()
+
+
+def count_rollouts(nats_url: str, run_dir: Path, cfg: TidalConfig) -> int:
+    """Groups published to the ROLLOUTS stream (generated), as the server counts them."""
+    import asyncio
+
+    from tidal.transport import Transport
+
+    async def count() -> int:
+        t = await Transport.connect(nats_url, RunInfo.load(run_dir).run_id, cfg.transport, create=False)
+        try:
+            info = await t.js.stream_info(t.names["rollouts_stream"])
+            return info.state.messages
+        finally:
+            await t.close()
+
+    return asyncio.run(count())
+
+
+def summarize(cfg: TidalConfig, history: list[dict], before: float | None, after: float | None, final_weights: Path, info: RunInfo, extra: dict) -> dict:
+    def mean(key: str) -> float:
+        return sum(m[key] for m in history) / len(history) if history else 0.0
+
+    trained = sum(int(m["samples"]) // cfg.rollout.group_size for m in history)
+    return {
+        "mode": cfg.mode,
+        "iterations": len(history),
+        "accuracy_before": before,
+        "accuracy_after": after,
+        "iteration_seconds_mean": mean("iteration_seconds"),
+        "generate_seconds_mean": mean("generate_seconds"),
+        "train_seconds_mean": mean("train_seconds"),
+        "sync_seconds_mean": mean("sync_seconds"),
+        "idle_seconds_mean": mean("trainer_idle_seconds"),
+        "rollout_idle_seconds_mean": mean("rollout_idle_seconds"),
+        "staleness_max": max((m["staleness_max"] for m in history), default=0.0),
+        "reward_errors": sum(m["reward_errors"] for m in history),
+        "groups_generated": extra.get("groups_generated", trained),
+        "groups_trained": trained,
+        "groups_discarded": int(history[-1]["groups_discarded"]) if history else 0,
+        "final_weights": str(final_weights),
+        "mlflow_run_id": info.mlflow_run_id,
+        "tracking_uri": info.tracking_uri,
+    }
+
+
+def result_table(summary: dict, run_dir: Path, wall: float) -> str:
+    pct = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
+    return "\n".join(
+        [
+            f"Tidal run finished: {run_dir}  (mode {summary['mode']}, {summary['iterations']} iterations, {wall:.0f}s wall)",
+            f"  held-out accuracy    before {pct(summary['accuracy_before'])}  ->  after {pct(summary['accuracy_after'])}",
+            f"  seconds / iteration  {summary['iteration_seconds_mean']:.2f}  =  generate {summary['generate_seconds_mean']:.2f} | "
+            f"train {summary['train_seconds_mean']:.2f} | weight-sync {summary['sync_seconds_mean']:.2f} | idle {summary['idle_seconds_mean']:.2f}",
+            f"  groups               generated {summary['groups_generated']}, trained {summary['groups_trained']}, discarded {summary['groups_discarded']}; staleness max {summary['staleness_max']:.0f}",
+            f"  final weights        {summary['final_weights']}",
+            f"  MLflow               run {summary['mlflow_run_id']} in {summary['tracking_uri']}",
+            f"  summary              {run_dir / 'summary.json'}",
+        ]
+    )
+
+
+def prepare_run(cfg: TidalConfig, run_dir: Path, show_progress: bool = True) -> tuple[RunInfo, object, Path]:
+    """Resolved config, dataset check, warm start (cached), MLflow run: everything before the loop."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(dump_config(cfg))
+    dataset = load_dataset(cfg.data, cfg.seed)
+    bar = None
+
+    def progress(step: int, total: int, loss: float) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc="warm start (SFT, cached)", unit="step", disable=not show_progress, dynamic_ncols=True)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    base = prepare_base_model(cfg, dataset, progress)
+    if bar is not None:
+        bar.close()
+    if (run_dir / "run.json").is_file():
+        info = RunInfo.load(run_dir)
+    else:
+        info = RunInfo(run_id=f"{run_dir.name}-{uuid.uuid4().hex[:8]}", base_model=str(base), tracking_uri=tracking_uri(cfg, run_dir), mlflow_run_id="")
+        info.mlflow_run_id = start_run(cfg, run_dir, tags={"tidal.run_id": info.run_id})
+        info.save(run_dir)
+    return info, dataset, config_path
+
+
+def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True) -> dict:
+    run_dir = Path(run_dir).resolve()
+    t_start = time.time()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    setup_logging(run_dir / "logs" / "launcher.log")
+    set_threads(os.cpu_count() or 1)
+    info, dataset, config_path = prepare_run(cfg, run_dir, show_progress)
+    eval_set = dataset.eval[: cfg.eval.num_prompts] if cfg.eval.num_prompts else dataset.eval
+    log.info("prepared run %s", info.run_id)
+    before = evaluate_snapshot(cfg, info.base_model, eval_set) if cfg.eval.enabled else None
+    log.info("accuracy before: %s", before)
+    bar = ProgressBar(cfg.trainer.iterations, show_progress)
+    store = WeightStore(run_dir / "weights", info.base_model)
+    tracker = Tracker(info.tracking_uri, info.mlflow_run_id)
+    extra: dict = {}
+    try:
+        if cfg.mode == "sync":
+            learner, tokenizer = build_learner(cfg, info.base_model)
+            run_sync(cfg, learner, tokenizer, dataset, store, RunFiles(run_dir, bar.update), tracker)
+        else:
+            extra = run_periodic_local(cfg, config_path, run_dir, bar)
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    finally:
+        bar.close()
+    log.info("loop finished")
+    history, _ = follow_metrics(run_dir / "metrics.jsonl", 0)
+    final = store.path(store.latest_version())
+    set_threads(os.cpu_count() or 1)
+    after = evaluate_snapshot(cfg, info.base_model, eval_set, store.load(final)) if cfg.eval.enabled else None
+    summary = summarize(cfg, history, before, after, final, info, extra)
+    summary["wall_seconds"] = time.time() - t_start
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    final_metrics = {k: summary[k] for k in ("accuracy_before", "accuracy_after", "staleness_max", "groups_generated", "groups_trained", "groups_discarded") if summary[k] is not None}
+    tracker.log(final_metrics, step=len(history))
+    tracker.finish()
+    print(result_table(summary, run_dir, summary["wall_seconds"]), flush=True)
+    return summary

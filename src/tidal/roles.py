@@ -1,0 +1,91 @@
+"""Each role as a function: what `tidal train` and `tidal rollout-worker` run (locally or in a pod)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tidal.config import TidalConfig
+from tidal.data import load_dataset
+from tidal.model.loading import load_model_and_tokenizer, prepare_base_model
+from tidal.rollout.engine import HFEngine
+from tidal.rollout.worker import RolloutWorker
+from tidal.runtime import set_threads, split_cores
+from tidal.tracking import Tracker
+from tidal.trainer.learner import Learner
+from tidal.trainer.loop import RunFiles, run_periodic_trainer
+from tidal.transport import Transport
+from tidal.weights import WeightStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunInfo:
+    """Written once per run (run.json); every role reads it from the shared run directory."""
+
+    run_id: str
+    base_model: str
+    tracking_uri: str
+    mlflow_run_id: str
+
+    def save(self, run_dir: Path) -> None:
+        (run_dir / "run.json").write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "RunInfo":
+        path = run_dir / "run.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: start the run with `tidal run` (or the pipeline's prepare step) first")
+        return cls(**json.loads(path.read_text()))
+
+
+def build_learner(cfg: TidalConfig, base_model: str) -> tuple[Learner, object]:
+    model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
+    return Learner(cfg.trainer, model, tokenizer.pad_token_id, cfg.rollout.temperature), tokenizer
+
+
+async def trainer_role(cfg: TidalConfig, run_dir: Path, nats_url: str, iterations: int | None = None) -> list[dict]:
+    info = RunInfo.load(run_dir)
+    set_threads(split_cores(cfg)[0])
+    dataset = load_dataset(cfg.data, cfg.seed)
+    learner, _ = build_learner(cfg, info.base_model)
+    store = WeightStore(run_dir / "weights", info.base_model)
+    transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=True)
+    tracker = Tracker(info.tracking_uri, info.mlflow_run_id)
+    try:
+        history = await run_periodic_trainer(cfg, learner, dataset, store, RunFiles(run_dir), tracker, transport, iterations)
+        finished = (store.latest_version() or 0) >= cfg.trainer.iterations
+        await transport.put("run", {"state": "done" if finished else "round_done"})
+        log.info("trainer finished %d iterations", len(history))
+        return history
+    except BaseException:
+        await transport.put("run", {"state": "failed"})
+        raise
+    finally:
+        await transport.close()
+
+
+async def worker_role(cfg: TidalConfig, run_dir: Path, nats_url: str, worker_id: str) -> int:
+    info = RunInfo.load(run_dir)
+    set_threads(split_cores(cfg)[1])
+    model, tokenizer = load_model_and_tokenizer(info.base_model, cfg.model.dtype)
+    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
+    transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=False)
+    worker = RolloutWorker(cfg, engine, tokenizer, transport, worker_id)
+    try:
+        await worker.run()
+    finally:
+        await transport.close()
+    return worker.groups_published
+
+
+def ensure_base_model(cfg: TidalConfig, progress=None) -> str:
+    return str(prepare_base_model(cfg, load_dataset(cfg.data, cfg.seed), progress))
+
+
+def run_async(coro):
+    return asyncio.run(coro)

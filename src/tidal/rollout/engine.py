@@ -1,0 +1,100 @@
+"""The engine interface and the HF transformers engine (batched decoding with a KV cache)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]  # per token, under the processed (temperature-scaled) distribution
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+@dataclass
+class GroupRequest:
+    prompt_ids: list[int]
+    n: int
+    generator: torch.Generator | None = None  # per-group RNG: deterministic, batch-independent samples
+
+
+class RolloutEngine(Protocol):
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None: ...
+
+    def generate(self, requests: list[GroupRequest], greedy: bool = False) -> list[list[Sample]]: ...
+
+
+def group_generator(seed: int, iteration: int, prompt_id: int) -> torch.Generator:
+    """The RNG of one group: a function of (seed, iteration, prompt id) alone."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + iteration) * 1_000_003 + prompt_id)
+
+
+def gumbel_sample(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """argmax(logp + Gumbel noise) samples from softmax(logp) given uniform noise."""
+    gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0 - 1e-7)))
+    return torch.argmax(logprobs + gumbel, dim=-1)
+
+
+class HFEngine:
+    """Generates G samples per prompt with a hand-written decode loop over a stock HF causal LM."""
+
+    def __init__(self, model, eos_token_id: int, pad_token_id: int, max_new_tokens: int, temperature: float = 1.0):
+        self.model = model.eval()
+        self.eos = eos_token_id
+        self.pad = pad_token_id
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        from tidal.model.loading import load_state_dict_tied
+
+        load_state_dict_tied(self.model, state_dict)
+
+    def _noise(self, requests: list[GroupRequest], vocab: int) -> torch.Tensor:
+        parts = [torch.rand(r.n, vocab, generator=r.generator) for r in requests]
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def generate(self, requests: list[GroupRequest], greedy: bool = False) -> list[list[Sample]]:
+        rows = [r.prompt_ids for r in requests for _ in range(r.n)]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[self.pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache, logits = out.cache, out.logits[:, -1, :]
+        next_pos = positions[:, -1:] + 1
+        tokens = [[] for _ in rows]
+        logps = [[] for _ in rows]
+        reasons = ["length"] * len(rows)
+        done = torch.zeros(len(rows), dtype=torch.bool)
+        for _ in range(self.max_new_tokens):
+            lp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+            if greedy:
+                nxt = lp.argmax(-1)
+            else:
+                nxt = gumbel_sample(lp, self._noise(requests, lp.shape[-1]))
+            chosen = lp.gather(-1, nxt[:, None])[:, 0]
+            for i in torch.nonzero(~done).flatten().tolist():
+                tokens[i].append(int(nxt[i]))
+                logps[i].append(float(chosen[i]))
+                if nxt[i] == self.eos:
+                    reasons[i] = "stop"
+            done |= nxt == self.eos
+            if bool(done.all()):
+                break
+            nxt = torch.where(done, torch.full_like(nxt, self.pad), nxt)
+            mask = torch.cat([mask, (~done).long()[:, None]], dim=1)
+            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos, cache=cache, use_cache=True)
+            cache, logits = out.cache, out.logits[:, -1, :]
+            next_pos = next_pos + 1
+        samples = [Sample(t, l, r) for t, l, r in zip(tokens, logps, reasons)]
+        grouped, start = [], 0
+        for r in requests:
+            grouped.append(samples[start : start + r.n])
+            start += r.n
+        return grouped

@@ -1,0 +1,48 @@
+"""What every role sets up the same way: threads, logging, the dataset, the model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from tidal.config import TidalConfig
+
+
+def set_threads(n: int) -> None:
+    torch.set_num_threads(max(1, n))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, n))
+
+
+def split_cores(cfg: TidalConfig, cores: int | None = None) -> tuple[int, int]:
+    """(trainer threads, threads per rollout worker) for periodic mode, unless set in config."""
+    cores = cores or os.cpu_count() or 1
+    workers = cfg.rollout.workers
+    trainer = cfg.trainer.threads or max(1, cores // (workers + 1))
+    rollout = cfg.rollout.threads or max(1, (cores - trainer) // workers)
+    return trainer, rollout
+
+
+def setup_logging(log_file: str | Path | None = None, level: int = logging.INFO) -> None:
+    handlers: list[logging.Handler] = []
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    else:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    logging.basicConfig(level=level, handlers=handlers, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
+    for noisy in ("httpx", "urllib3", "alembic", "mlflow", "nats"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except Exception:
+        pass
