@@ -127,19 +127,22 @@ def check_packed_matches_naive(model, groups, kernel, temperature=1.0):
         torch.testing.assert_close(packed_grads[name], grad, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "segmented"])
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_sdpa_matches_naive_logprobs_and_grads(model, name):
-    check_packed_matches_naive(model, scenario(name), kernel="sdpa")
+def test_matches_naive_logprobs_and_grads(model, name, kernel):
+    check_packed_matches_naive(model, scenario(name), kernel=kernel)
 
 
-def test_sdpa_matches_naive_with_temperature(model):
-    check_packed_matches_naive(model, scenario("three_groups_one_microbatch"), kernel="sdpa", temperature=0.7)
+@pytest.mark.parametrize("kernel", ["sdpa", "segmented"])
+def test_matches_naive_with_temperature(model, kernel):
+    check_packed_matches_naive(model, scenario("three_groups_one_microbatch"), kernel=kernel, temperature=0.7)
 
 
-def test_empty_response_row_is_masked(model):
+@pytest.mark.parametrize("kernel", ["sdpa", "segmented"])
+def test_empty_response_row_is_masked(model, kernel):
     groups = scenario("groups_with_empty_response")
     with torch.no_grad():
-        packed = packed_token_logprobs(model, pack_groups(groups), kernel="sdpa")
+        packed = packed_token_logprobs(model, pack_groups(groups), kernel=kernel)
         naive = naive_token_logprobs(model, groups)
     assert_outputs_match(packed, naive)
     assert not packed[0].mask[0].any() and not packed[1].mask[1].any()
@@ -206,8 +209,13 @@ def test_unknown_kernel_raises():
         resolve_kernel("flash9", "cpu")
 
 
-def test_auto_kernel_is_sdpa_on_cpu():
-    assert resolve_kernel("auto", "cpu") == "sdpa"
+def test_auto_kernel_on_cpu():
+    assert resolve_kernel("auto", "cpu") == "segmented"
+
+
+def test_kernel_restores_attention_implementation(model):
+    packed_token_logprobs(model, pack_groups(scenario("G2_P7_mixed_lengths")), kernel="segmented")
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_empty_prompt_raises():

@@ -31,8 +31,9 @@ import torch
 Group = tuple[Sequence[int], Sequence[Sequence[int]]]
 """``(prompt_ids, [response_ids, ...])``."""
 
-KERNELS = ("auto", "sdpa", "flex")
-_HF_ATTENTION = {"sdpa": "sdpa", "flex": "flex_attention"}
+KERNELS = ("auto", "sdpa", "flex", "segmented")
+_SEGMENTED_ATTENTION = "tidal_segmented_sdpa"
+_HF_ATTENTION = {"sdpa": "sdpa", "flex": "flex_attention", "segmented": _SEGMENTED_ATTENTION}
 _PAD_ID = 0  # any valid id; padded positions never influence real ones
 
 
@@ -48,6 +49,7 @@ class PackedBatch:
     target_ids: torch.Tensor  # [N] the response tokens, in packed order
     response_row: torch.Tensor  # [N] global response index of token n
     response_col: torch.Tensor  # [N] index of token n inside its response
+    prompt_lengths: tuple[int, ...]  # P of each group
     group_sizes: tuple[int, ...]  # G of each group
     response_lengths: tuple[int, ...]  # length of each response, global order
 
@@ -120,6 +122,7 @@ def pack_groups(groups: Sequence[Group], device: torch.device | str | None = Non
         target_ids=tensor(target_ids),
         response_row=tensor(response_row),
         response_col=tensor(response_col),
+        prompt_lengths=tuple(len(prompt) for prompt, _ in groups),
         group_sizes=tuple(len(responses) for _, responses in groups),
         response_lengths=tuple(response_lengths),
     )
@@ -176,6 +179,76 @@ def flex_block_mask(packed: PackedBatch):
     return create_block_mask(mask_mod, None, None, tokens, tokens, device=packed.input_ids.device)
 
 
+@dataclass(frozen=True)
+class _GroupSegments:
+    """Index tensors of one group for the segmented kernel (R = longest response of the group)."""
+
+    prompt: slice  # the prompt's positions in the packed row
+    response_index: torch.Tensor  # [G, R] packed position of each response token (padding: any valid position)
+    key_index: torch.Tensor  # [G, P + R] keys of each response: the prompt, then its own tokens
+    mask: torch.Tensor  # [G, 1, R, P + R] causal over the response part, padding keys hidden
+    valid: torch.Tensor  # [G, R] True on real response tokens
+
+
+@dataclass(frozen=True)
+class SegmentedLayout:
+    groups: tuple[_GroupSegments, ...]
+    output_index: torch.Tensor  # [T] packed position of each row of the concatenated per-segment outputs
+
+
+def segmented_layout(packed: PackedBatch) -> SegmentedLayout:
+    """Index tensors the ``"segmented"`` kernel needs; built once per forward, shared by all layers."""
+    device = packed.input_ids.device
+    segments, output_index, row, prompt_start = [], [], 0, 0
+    for prompt_len, size in zip(packed.prompt_lengths, packed.group_sizes, strict=True):
+        lengths = packed.response_lengths[row : row + size]
+        width = max(lengths, default=0)
+        starts = [prompt_start + prompt_len + sum(lengths[:i]) for i in range(size)]
+        cols = torch.arange(width, device=device)
+        valid = cols[None, :] < torch.tensor(lengths, device=device, dtype=torch.long)[:, None]
+        response_index = torch.tensor(starts, device=device, dtype=torch.long)[:, None] + cols[None, :]
+        response_index = torch.where(valid, response_index, prompt_start)
+        prompt_index = torch.arange(prompt_start, prompt_start + prompt_len, device=device)
+        key_index = torch.cat([prompt_index.expand(size, -1), response_index], dim=1)
+        own_keys = (cols[None, :] <= cols[:, None])[None] & valid[:, None, :]  # [G, R, R]
+        mask = torch.cat([own_keys.new_ones(size, width, prompt_len), own_keys], dim=2)[:, None]
+        prompt = slice(prompt_start, prompt_start + prompt_len)
+        segments.append(_GroupSegments(prompt, response_index, key_index, mask, valid))
+        output_index += [prompt_index, response_index[valid]]
+        prompt_start += prompt_len + sum(lengths)
+        row += size
+    return SegmentedLayout(tuple(segments), torch.cat(output_index))
+
+
+def _segmented_sdpa(module, query, key, value, attention_mask=None, scaling=None, segmented_layout=None, **kwargs):
+    """HF attention function: prompt causal self-attention plus, per response, attention over [prompt, response].
+
+    Costs G * R * (P + R) scores per group instead of the (P + G * R)^2 of a dense mask.
+    """
+    repeats = query.shape[1] // key.shape[1]
+    query, key, value = query[0], key[0].repeat_interleave(repeats, 0), value[0].repeat_interleave(repeats, 0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    outputs = []
+    for seg in segmented_layout.groups:
+        prompt_q, prompt_k, prompt_v = query[:, seg.prompt], key[:, seg.prompt], value[:, seg.prompt]
+        outputs.append(sdpa(prompt_q, prompt_k, prompt_v, is_causal=True, scale=scaling))
+        if seg.valid.numel():
+            q = query[:, seg.response_index].transpose(0, 1)  # [G, H, R, D]
+            k, v = key[:, seg.key_index].transpose(0, 1), value[:, seg.key_index].transpose(0, 1)
+            out = sdpa(q, k, v, attn_mask=seg.mask, scale=scaling).transpose(0, 1)  # [H, G, R, D]
+            outputs.append(out[:, seg.valid])
+    packed_order = torch.empty_like(segmented_layout.output_index)
+    packed_order[segmented_layout.output_index] = torch.arange(len(packed_order), device=packed_order.device)
+    attn_output = torch.cat(outputs, dim=1)[:, packed_order]  # [H, T, D]
+    return attn_output.transpose(0, 1)[None], None
+
+
+def _register_segmented_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_SEGMENTED_ATTENTION, _segmented_sdpa)
+
+
 def flex_attention_supported(device: torch.device | str, requires_grad: bool = True) -> bool:
     """FlexAttention trains on CUDA only; on CPU torch implements its forward pass but not its backward."""
     try:
@@ -187,11 +260,11 @@ def flex_attention_supported(device: torch.device | str, requires_grad: bool = T
 
 
 def resolve_kernel(kernel: str, device: torch.device | str) -> str:
-    """Map ``"auto"`` to ``"flex"`` on CUDA and ``"sdpa"`` elsewhere; validate explicit choices."""
+    """Map ``"auto"`` to ``"flex"`` on CUDA and ``"segmented"`` elsewhere; validate explicit choices."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; expected one of {KERNELS}")
     if kernel == "auto":
-        return "flex" if torch.device(device).type == "cuda" and flex_attention_supported(device) else "sdpa"
+        return "flex" if torch.device(device).type == "cuda" and flex_attention_supported(device) else "segmented"
     if kernel == "flex" and not flex_attention_supported(device, requires_grad=torch.is_grad_enabled()):
         raise ValueError(
             f"FlexAttention unsupported on this device ({torch.device(device).type}, "
@@ -247,6 +320,16 @@ def _split_rows_per_group(padded: torch.Tensor, packed: PackedBatch) -> list[tor
     return out
 
 
+def _attention_inputs(packed: PackedBatch, kernel: str) -> dict:
+    if kernel == "flex":
+        return {"attention_mask": flex_block_mask(packed)}
+    if kernel == "segmented":
+        # A custom attention name makes HF skip mask creation; the layout reaches the attention function as a kwarg.
+        _register_segmented_attention()
+        return {"segmented_layout": segmented_layout(packed)}
+    return {"attention_mask": dense_attention_mask(packed)}
+
+
 def packed_token_logprobs(
     model: torch.nn.Module,
     packed: PackedBatch,
@@ -257,14 +340,13 @@ def packed_token_logprobs(
     """Per-token log-probs of every response in ``packed``, one forward pass, one entry per group."""
     device = packed.input_ids.device
     kernel = resolve_kernel(kernel, device)
-    mask = flex_block_mask(packed) if kernel == "flex" else dense_attention_mask(packed)
     with _attention_implementation(model, _HF_ATTENTION[kernel]):
         logits = model(
             input_ids=packed.input_ids,
-            attention_mask=mask,
             position_ids=packed.position_ids,
             logits_to_keep=packed.logit_index,
             use_cache=False,
+            **_attention_inputs(packed, kernel),
         ).logits[0]
     logprobs, entropy = token_logprobs_from_logits(logits, packed.target_ids, temperature, with_entropy)
     masks = response_masks(packed)
