@@ -279,7 +279,8 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True)
     summary = summarize(cfg, history, before, after, final, info, extra)
     summary["wall_seconds"] = time.time() - t_start
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    final_metrics = {k: summary[k] for k in ("accuracy_before", "accuracy_after", "staleness_max", "groups_generated", "groups_trained", "groups_discarded") if summary[k] is not None}
+    final_metrics = {k: summary[k] for k in ("accuracy_before", "accuracy_after") if summary[k] is not None}
+    final_metrics.update({f"total_{k}": summary[k] for k in ("groups_generated", "groups_trained", "groups_discarded")})
     tracker.log(final_metrics, step=len(history))
     tracker.finish()
     print(result_table(summary, run_dir, summary["wall_seconds"]), flush=True)

