@@ -13,11 +13,19 @@ becomes one segment ``[prompt, r_1, ..., r_G]`` of a single packed row:
 The first token of every response is predicted by the logits of the prompt's
 last position, which is therefore shared by all G responses of the group.
 
-Works with stock Hugging Face causal LMs: a ready 4-D mask (or a FlexAttention
-``BlockMask``) is passed straight through ``model(attention_mask=...)``, and
+Works with stock Hugging Face causal LMs without touching their modeling code;
 ``logits_to_keep`` limits the vocabulary projection to the positions that
-predict response tokens. Sliding-window layers are not supported (a custom
-4-D mask replaces their window).
+predict response tokens. Attention kernels (``kernel=``):
+
+* ``"flex"``: FlexAttention ``BlockMask`` passed as ``attention_mask``; skips
+  masked blocks. Default on CUDA (torch has no FlexAttention backward on CPU).
+* ``"segmented"``: a registered HF attention function running SDPA once per
+  prompt (causal) and once per group over ``[prompt, own response]`` keys,
+  G*R*(P+R) scores instead of (P+G*R)^2. Default elsewhere.
+* ``"sdpa"``: plain SDPA with a dense boolean ``[1, 1, T, T]`` mask passed as
+  ``attention_mask``; simplest, quadratic in the packed length.
+
+Sliding-window layers are not supported (the custom mask replaces the window).
 """
 
 from __future__ import annotations
@@ -268,7 +276,7 @@ def resolve_kernel(kernel: str, device: torch.device | str) -> str:
     if kernel == "flex" and not flex_attention_supported(device, requires_grad=torch.is_grad_enabled()):
         raise ValueError(
             f"FlexAttention unsupported on this device ({torch.device(device).type}, "
-            f"grad enabled={torch.is_grad_enabled()}); use kernel='sdpa'"
+            f"grad enabled={torch.is_grad_enabled()}); use kernel='segmented' or 'sdpa'"
         )
     return kernel
 
