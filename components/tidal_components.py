@@ -1,0 +1,11 @@
+"""Tidal's KFP components (defined in :mod:`tidal.kube.components`; see README.md here)."""
+
+from tidal.kube.components import (  # noqa: F401
+    evaluate,
+    finalize,
+    open_round,
+    prepare,
+    rollout_worker,
+    train,
+    weight_sync,
+)

@@ -1,0 +1,123 @@
+"""KFP v2 lightweight components, one per pipeline step.
+
+Each body imports :mod:`tidal.kube.roles` (Tidal is installed in the image: no
+per-task pip install, ``install_kfp_package=False``) and calls one role. The
+image here is a placeholder: :func:`tidal.kube.pipeline.compile_pipeline`
+writes the image of the chosen accelerator profile into the compiled YAML.
+"""
+
+
+from typing import List, NamedTuple
+
+from kfp import dsl
+
+from tidal.kube.cluster import PROFILES
+
+BASE_IMAGE = PROFILES["cpu"].image
+
+component = dsl.component(base_image=BASE_IMAGE, install_kfp_package=False)
+
+
+@component
+def prepare(
+    config_yaml: str,
+    config_path: str,
+    run_dir: str,
+    job_id: str,
+    rounds: int,
+    iterations_per_round: int,
+    rollout_workers: int,
+    group_size: int,
+    prompts_per_iteration: int,
+    mode: str,
+    experiment: str,
+    nats_url: str,
+    tracking_uri: str,
+    overrides: str,
+) -> NamedTuple("Prepared", run_dir=str, config_path=str, rounds=List[int], lanes=List[str],
+                parent_run_id=str):
+    """Validate the config, stage data, create streams and KV bucket, open the MLflow parent run."""
+    from collections import namedtuple
+
+    from tidal.kube import roles
+
+    knobs = roles.PipelineKnobs(
+        rounds=rounds, iterations_per_round=iterations_per_round, rollout_workers=rollout_workers,
+        group_size=group_size, prompts_per_iteration=prompts_per_iteration, mode=mode,
+        experiment=experiment, nats_url=nats_url, tracking_uri=tracking_uri, overrides=overrides)
+    run = roles.prepare(config_yaml=config_yaml, config_path=config_path, run_dir=run_dir,
+                        job_id=job_id, knobs=knobs)
+    prepared = namedtuple("Prepared", ["run_dir", "config_path", "rounds", "lanes", "parent_run_id"])
+    return prepared(run.run_dir, run.config_path, run.rounds, run.lanes, run.parent_run_id)
+
+
+@component
+def open_round(run_dir: str, config_path: str, round_index: int):
+    """Set the KV run state to 'running round N' before the round's workers start."""
+    from tidal.kube import roles
+
+    roles.open_round(run_dir=run_dir, config_path=config_path, round_index=int(round_index))
+
+
+@component
+def rollout_worker(run_dir: str, config_path: str, lane: str, round_index: int):
+    """One long-running rollout worker; exits when the round is over."""
+    from tidal.kube import roles
+
+    roles.rollout_worker(run_dir=run_dir, config_path=config_path, lane=lane, round_index=int(round_index))
+
+
+@component
+def train(
+    run_dir: str,
+    config_path: str,
+    round_index: int,
+    iterations: int,
+    backend: str,
+    nodes: int,
+    accelerators_per_node: int,
+    accelerator: str,
+    image: str,
+    namespace: str,
+    pipeline_job_id: str,
+):
+    """The round's trainer: a PyTorchJob (waited for, logs streamed) or, locally, the trainer role itself."""
+    from tidal.kube import roles
+
+    placement = roles.TrainerPlacement(backend=backend, nodes=nodes, accelerators_per_node=accelerators_per_node,
+                                       accelerator=accelerator, image=image, namespace=namespace,
+                                       pipeline_job_id=pipeline_job_id)
+    roles.train_round(run_dir=run_dir, config_path=config_path, round_index=int(round_index),
+                      iterations=iterations, placement=placement)
+
+
+@component
+def weight_sync(run_dir: str, round_index: int) -> NamedTuple("Synced", version=int, weights_path=str):
+    """Verify and publish the round's checkpoint: move `latest`, log it to MLflow."""
+    from collections import namedtuple
+
+    from tidal.kube import roles
+
+    synced = roles.weight_sync(run_dir=run_dir, round_index=int(round_index))
+    return namedtuple("Synced", ["version", "weights_path"])(synced.version, synced.path)
+
+
+@component
+def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int,
+             metrics: dsl.Output[dsl.Metrics]) -> float:
+    """Held-out accuracy of the round's checkpoint, to MLflow and as KFP metrics."""
+    from tidal.kube import roles
+
+    values = roles.evaluate(run_dir=run_dir, config_path=config_path, weights_path=weights_path,
+                            round_index=int(round_index))
+    for name, value in values.items():
+        metrics.log_metric(name, value)
+    return float(values.get("accuracy", next(iter(values.values()))))
+
+
+@component
+def finalize(run_dir: str, registered_model_name: str) -> str:
+    """Register the final checkpoint in the MLflow model registry; returns the model version."""
+    from tidal.kube import roles
+
+    return roles.finalize(run_dir=run_dir, registered_model_name=registered_model_name)

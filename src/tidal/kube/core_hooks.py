@@ -1,0 +1,112 @@
+"""The only place where the Kubeflow layer touches Tidal's core internals.
+
+Everything else in :mod:`tidal.kube` talks to the core through its CLI verbs
+(``tidal train``, ``tidal rollout-worker``, ``tidal eval``). Keeping these few
+calls in one adapter means a change in the core's transport, run-info or
+weight-store API is fixed here, once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+RUN_STATE_KEY = "run"
+
+
+def run_id_of(run_dir: str) -> str:
+    """The run's id, which names its streams and KV bucket: the run directory's name."""
+    return Path(run_dir).name
+
+
+def prepare_run(run_dir: str, config_path: str, tracking_uri: str, mlflow_run_id: str) -> None:
+    """Stage the base model and data, write run.json, create the streams and the KV bucket."""
+    from tidal.config import load_config
+    from tidal.roles import RunInfo, ensure_base_model, run_async
+
+    cfg = load_config(config_path)
+    run_path = Path(run_dir)
+    if not (run_path / "run.json").is_file():
+        base_model = ensure_base_model(cfg)
+        RunInfo(run_id=run_id_of(run_dir), base_model=str(base_model), tracking_uri=tracking_uri,
+                mlflow_run_id=mlflow_run_id).save(run_path)
+    run_async(_create_transport(cfg, run_dir))
+
+
+async def _create_transport(cfg, run_dir: str) -> None:
+    from tidal.transport import Transport
+
+    transport = await Transport.connect(nats_url(cfg), run_id_of(run_dir), cfg.transport, create=True)
+    await transport.close()
+
+
+def open_round(run_dir: str, config_path: str, round_index: int) -> None:
+    """Set the KV run state to running for ``round_index``, so the round's workers do not exit at once."""
+    from tidal.config import load_config
+    from tidal.roles import run_async
+
+    run_async(_put_run_state(load_config(config_path), run_dir, {"state": "running", "round": round_index}))
+
+
+async def _put_run_state(cfg, run_dir: str, state: dict) -> None:
+    from tidal.transport import Transport
+
+    transport = await Transport.connect(nats_url(cfg), run_id_of(run_dir), cfg.transport, create=True)
+    try:
+        await transport.put(RUN_STATE_KEY, state)
+    finally:
+        await transport.close()
+
+
+def nats_url(cfg) -> str:
+    if not cfg.transport.nats_url:
+        raise ValueError("transport.nats_url is empty: the pipeline needs a NATS server")
+    return cfg.transport.nats_url
+
+
+def latest_snapshot(run_dir: str) -> tuple[int, str]:
+    """``(version, path)`` of the snapshot the weight store's ``latest`` pointer names."""
+    from tidal.weights import WeightStore
+
+    store = WeightStore(Path(run_dir) / "weights")
+    version = store.latest_version()
+    if version is None:
+        raise FileNotFoundError(f"no weight snapshot published under {store.root}: did the trainer run?")
+    return version, str(store.path(version))
+
+
+def verify_snapshot(path: str) -> None:
+    """Every file in the snapshot's manifest exists and matches its sha256 (the core's check)."""
+    from tidal.weights import load_verified
+
+    load_verified(path)
+
+
+def point_latest(run_dir: str, version: int) -> None:
+    """Move the weight store's ``latest`` pointer to ``version`` (atomic rename, the store's format)."""
+    from tidal.weights import WeightStore
+
+    store = WeightStore(Path(run_dir) / "weights")
+    if not store.path(version).is_dir():
+        raise FileNotFoundError(f"cannot point latest at missing snapshot {store.path(version)}")
+    tmp = store.root / f".latest-kube-{os.getpid()}"
+    tmp.write_text(str(version))
+    os.replace(tmp, store.root / "latest")
+
+
+def read_run_state(run_dir: str, config_path: str) -> dict | None:
+    """The KV bucket's run state, e.g. ``{"state": "round_done"}``; None before anyone set it."""
+    from tidal.config import load_config
+    from tidal.roles import run_async
+
+    return run_async(_get_run_state(load_config(config_path), run_dir))
+
+
+async def _get_run_state(cfg, run_dir: str) -> dict | None:
+    from tidal.transport import Transport
+
+    transport = await Transport.connect(nats_url(cfg), run_id_of(run_dir), cfg.transport, create=False)
+    try:
+        return await transport.get(RUN_STATE_KEY)
+    finally:
+        await transport.close()

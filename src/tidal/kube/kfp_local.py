@@ -1,0 +1,97 @@
+"""``tidal run --via kfp-local``: the cluster pipeline, run on this machine by ``kfp.local``.
+
+The same pipeline definition as on Kubeflow (compiled for the ``cpu`` profile),
+executed by ``kfp.local.SubprocessRunner(use_venv=False)``: every step is a
+subprocess of this Python, no per-task venv or pip install. What the cluster
+provides is provided here instead: an embedded nats-server in the run
+directory, and an MLflow store under it unless the config names one. The
+trainer runs in its step (``trainer_backend=local``), not as a PyTorchJob.
+
+Two settings shape the loop: the rounds R (default 1) and the iterations per
+round K (default: ``trainer.iterations`` split over R rounds). Set them with the
+environment variables ``TIDAL_KFP_ROUNDS`` / ``TIDAL_KFP_ITERATIONS_PER_ROUND``
+or the pseudo-overrides ``kfp.rounds=R`` / ``kfp.iterations_per_round=K``. kfp.local runs at most two loop iterations at once, so one rollout
+worker runs beside the trainer per round.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tidal.kube import cluster
+
+LOOP_KEYS = ("kfp.rounds", "kfp.iterations_per_round")
+LOOP_ENV = {"TIDAL_KFP_ROUNDS": "kfp.rounds", "TIDAL_KFP_ITERATIONS_PER_ROUND": "kfp.iterations_per_round"}
+
+
+class KfpLocalError(RuntimeError):
+    """The local pipeline run could not start or a step failed; the message names which."""
+
+
+@dataclass(frozen=True)
+class LocalLoop:
+    rounds: int
+    iterations_per_round: int
+    overrides: list[str]
+
+
+def split_loop_overrides(overrides: list[str], total_iterations_of) -> LocalLoop:
+    """Take ``kfp.*`` keys out of ``overrides``; ``total_iterations_of(rest)`` gives trainer.iterations."""
+    loop: dict[str, int] = {}
+    rest = []
+    from_env = [f"{key}={os.environ[name]}" for name, key in LOOP_ENV.items() if os.environ.get(name)]
+    for item in from_env + overrides:
+        key, _, value = item.partition("=")
+        if key.strip() in LOOP_KEYS:
+            if not value.strip().isdigit() or int(value) < 1:
+                raise KfpLocalError(f"{key.strip()} must be a positive integer, got {value!r}")
+            loop[key.strip()] = int(value)
+        elif key.strip().startswith("kfp."):
+            raise KfpLocalError(f"unknown kfp-local option {key.strip()!r}; known: {', '.join(LOOP_KEYS)}")
+        else:
+            rest.append(item)
+    rounds = loop.get("kfp.rounds", 1)
+    per_round = loop.get("kfp.iterations_per_round") or math.ceil(total_iterations_of(rest) / rounds)
+    return LocalLoop(rounds=rounds, iterations_per_round=per_round, overrides=rest)
+
+
+def load_checked_config(config_path: str, overrides: list[str]):
+    from tidal.config import ConfigError, load_config
+
+    try:
+        return load_config(config_path, overrides)
+    except ConfigError as err:
+        raise KfpLocalError(str(err)) from None
+
+
+def run_pipeline_locally(config_path: str, run_dir: str, overrides: list[str]) -> Path:
+    """Run the whole pipeline; returns the run directory. Raises :class:`KfpLocalError` on failure."""
+    from kfp import local
+
+    from tidal.kube.pipeline import build_pipeline
+    from tidal.transport.server import EmbeddedNats
+
+    loop = split_loop_overrides(list(overrides),
+                                lambda rest: load_checked_config(config_path, rest).trainer.iterations)
+    config = load_checked_config(config_path, loop.overrides)
+    run_path = Path(run_dir).resolve()
+    run_path.mkdir(parents=True, exist_ok=True)
+    tracking_uri = config.tracking.uri or f"sqlite:///{run_path}/mlflow.db"
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(run_path / "kfp"),
+               raise_on_error=True)
+    pipeline = build_pipeline(cluster.accelerator_profile("cpu"))
+    with EmbeddedNats(run_path / "nats", max_payload_mb=config.transport.max_payload_mb) as nats:
+        try:
+            pipeline(
+                config_path=str(Path(config_path).resolve()), run_dir=str(run_path),
+                rounds=loop.rounds, iterations_per_round=loop.iterations_per_round, rollout_workers=1,
+                overrides="\n".join(loop.overrides), experiment=config.tracking.experiment,
+                nats_url=nats.url, tracking_uri=tracking_uri, trainer_backend="local",
+                registered_model_name=f"tidal-{run_path.name}",
+            )
+        except RuntimeError as err:
+            raise KfpLocalError(f"pipeline failed: {err}") from None
+    return run_path

@@ -1,0 +1,456 @@
+"""What each KFP component does, as plain functions (the components only import and call these).
+
+Every step reads and writes the run's storage — the run directory on the shared
+PVC, the NATS KV bucket, the MLflow parent run — so a round started by a fresh
+pod (or a retried one) picks up where the last round stopped. Tidal's roles run
+as ``tidal`` CLI verbs in subprocesses, exactly as on a laptop; nothing crosses
+a process boundary pickled (configs are YAML files, results JSON).
+
+Layout inside a run directory (besides what the roles write)::
+
+    config.yaml           the resolved config every step uses
+    kube/pipeline.json    the MLflow parent run and tracking URI
+    kube/round-NNN.json   what weight_sync and evaluate recorded for round NNN
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tidal.kube import cluster
+
+TRAINER_LANE = "trainer"
+WORKER_LANE_PREFIX = "rollout-"
+STATE_DIR = "kube"
+
+
+class PipelineStepError(RuntimeError):
+    """A pipeline step cannot go on; the message says which input or file is wrong."""
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def tidal_executable() -> list[str]:
+    """The ``tidal`` console script of this interpreter (the image's, or the venv's locally)."""
+    beside = Path(sys.executable).with_name("tidal")
+    if beside.is_file():
+        return [str(beside)]
+    found = shutil.which("tidal")
+    if found:
+        return [found]
+    raise PipelineStepError("the 'tidal' command is not installed next to "
+                            f"{sys.executable} nor on PATH; install Tidal in the component image")
+
+
+def run_tidal(args: list[str], capture: bool = False) -> str:
+    """Run a ``tidal`` verb; its output streams to this step's log. Raises naming the verb on failure."""
+    command = tidal_executable() + args
+    print("+ " + " ".join(command), flush=True)
+    result = subprocess.run(command, stdout=subprocess.PIPE if capture else None, text=True)
+    if result.returncode != 0:
+        raise PipelineStepError(f"'tidal {args[0]}' exited with status {result.returncode}")
+    return result.stdout or ""
+
+
+def state_dir(run_dir: str) -> Path:
+    path = Path(run_dir) / STATE_DIR
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_json_atomically(path: Path, payload: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise PipelineStepError(f"{path} is missing: did the 'prepare' step run for this run directory?")
+    return json.loads(path.read_text())
+
+
+def parse_override_lines(text: str) -> list[str]:
+    """``key=value`` per line (or separated by ``;``); blank lines and ``#`` comments ignored."""
+    items = [part.strip() for line in text.splitlines() for part in line.split(";")]
+    overrides = [item for item in items if item and not item.startswith("#")]
+    for item in overrides:
+        if "=" not in item:
+            raise PipelineStepError(f"override {item!r} must look like key=value")
+    return overrides
+
+
+def worker_lanes(rollout_workers: int) -> list[str]:
+    """The round's parallel lanes: the trainer first (kfp.local runs two lanes at a time), then workers."""
+    if rollout_workers < 1:
+        raise PipelineStepError(f"rollout_workers must be at least 1, got {rollout_workers}")
+    return [TRAINER_LANE] + [f"{WORKER_LANE_PREFIX}{i}" for i in range(rollout_workers)]
+
+
+# ---------------------------------------------------------------- prepare
+
+
+@dataclass(frozen=True)
+class PipelineKnobs:
+    """The pipeline parameters that become config overrides (0 / "" keep the config's value)."""
+
+    rounds: int
+    iterations_per_round: int
+    rollout_workers: int
+    group_size: int = 0
+    prompts_per_iteration: int = 0
+    mode: str = ""
+    experiment: str = ""
+    nats_url: str = ""
+    tracking_uri: str = ""
+    overrides: str = ""
+
+    def config_overrides(self) -> list[str]:
+        if self.rounds < 1 or self.iterations_per_round < 1:
+            raise PipelineStepError(f"rounds ({self.rounds}) and iterations_per_round "
+                                    f"({self.iterations_per_round}) must both be at least 1")
+        result = [f"trainer.iterations={self.rounds * self.iterations_per_round}",
+                  f"rollout.workers={self.rollout_workers}"]
+        optional = {"rollout.group_size": self.group_size,
+                    "trainer.prompts_per_iteration": self.prompts_per_iteration,
+                    "mode": self.mode, "tracking.experiment": self.experiment,
+                    "transport.nats_url": self.nats_url, "tracking.uri": self.tracking_uri}
+        result += [f"{key}={value}" for key, value in optional.items() if value not in (0, "", None)]
+        return result + parse_override_lines(self.overrides)
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    run_dir: str
+    config_path: str
+    rounds: list[int]
+    lanes: list[str]
+    parent_run_id: str
+
+
+def resolve_run_dir(run_dir: str, job_id: str) -> str:
+    if run_dir:
+        return run_dir
+    if not job_id:
+        raise PipelineStepError("either run_dir or the pipeline job id must be given")
+    return f"{cluster.RUNS_ROOT}/{job_id}"
+
+
+def stage_config(run_dir: str, config_yaml: str, config_path: str, overrides: list[str]) -> str:
+    """Validate the config with the overrides applied and write the resolved one into the run directory."""
+    from tidal.config import ConfigError, dump_config, load_config
+
+    source = Path(run_dir) / STATE_DIR / "submitted-config.yaml"
+    if config_yaml.strip():
+        source.write_text(config_yaml)
+    elif config_path:
+        if not Path(config_path).is_file():
+            raise PipelineStepError(f"config_path {config_path!r} does not exist in the component image")
+        shutil.copyfile(config_path, source)
+    else:
+        raise PipelineStepError("give the config as config_yaml (its text) or config_path (a file in the image)")
+    try:
+        config = load_config(source, overrides)
+    except ConfigError as err:
+        raise PipelineStepError(str(err)) from None
+    staged = Path(run_dir) / "config.yaml"
+    staged.write_text(dump_config(config))
+    return str(staged)
+
+
+def tracking_uri_for(run_dir: str, configured: str | None) -> str:
+    """Explicit config value, else $MLFLOW_TRACKING_URI (from the tidal-mlflow Secret), else sqlite in the run."""
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(run_dir).resolve()}/mlflow.db"
+
+
+def local_artifact_location(run_dir: str, tracking_uri: str) -> str | None:
+    """Artifacts of a local (sqlite) store go into the run directory, not the working directory."""
+    if tracking_uri.startswith("sqlite:"):
+        return (Path(run_dir) / "mlartifacts").resolve().as_uri()
+    return None
+
+
+def open_parent_run(run_dir: str, config_path: str) -> tuple[str, str]:
+    """Create (or, on a retried prepare, reuse) the MLflow parent run of this pipeline run."""
+    from mlflow.tracking import MlflowClient
+
+    from tidal.config import flatten, load_config
+
+    state_file = state_dir(run_dir) / "pipeline.json"
+    if state_file.is_file():
+        state = read_json(state_file)
+        return state["parent_run_id"], state["tracking_uri"]
+    config = load_config(config_path)
+    uri = tracking_uri_for(run_dir, config.tracking.uri)
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(config.tracking.experiment)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(
+        config.tracking.experiment, artifact_location=local_artifact_location(run_dir, uri))
+    run = client.create_run(experiment_id, run_name=f"pipeline-{Path(run_dir).name}",
+                            tags={"tidal.role": "pipeline", "tidal.run_dir": run_dir})
+    params = flatten(config)
+    for key, value in sorted(params.items()):
+        client.log_param(run.info.run_id, key, str(value)[:6000])
+    write_json_atomically(state_file, {"parent_run_id": run.info.run_id, "tracking_uri": uri})
+    return run.info.run_id, uri
+
+
+def prepare(config_yaml: str, config_path: str, run_dir: str, job_id: str, knobs: PipelineKnobs) -> PreparedRun:
+    """Validate the config, stage it and its data, create the streams and KV bucket, open the MLflow parent run."""
+    run_dir = resolve_run_dir(run_dir, job_id)
+    state_dir(run_dir)
+    staged = stage_config(run_dir, config_yaml, config_path, knobs.config_overrides())
+    parent_run_id, tracking_uri = open_parent_run(run_dir, staged)
+    core_prepare(run_dir, staged, tracking_uri, parent_run_id)
+    return PreparedRun(run_dir=run_dir, config_path=staged, rounds=list(range(knobs.rounds)),
+                       lanes=worker_lanes(knobs.rollout_workers), parent_run_id=parent_run_id)
+
+
+def core_prepare(run_dir: str, config_path: str, tracking_uri: str, parent_run_id: str) -> None:
+    """Stage the base model and dataset, write run.json, create the run's streams and KV bucket."""
+    from tidal.kube import core_hooks
+
+    core_hooks.prepare_run(run_dir, config_path, tracking_uri, parent_run_id)
+
+
+# ---------------------------------------------------------------- a round
+
+
+def open_round(run_dir: str, config_path: str, round_index: int) -> None:
+    """Mark the run as running round ``round_index`` so this round's workers do not exit at once."""
+    from tidal.kube import core_hooks
+
+    core_hooks.open_round(run_dir, config_path, round_index)
+    log_to_parent_run(run_dir, metrics={"round/started": float(round_index)}, step=round_index)
+
+
+ROUND_OVER_STATES = ("round_done", "done")
+WORKER_GRACE_SECONDS = 20.0
+STATE_POLL_SECONDS = 2.0
+
+
+def rollout_worker(run_dir: str, config_path: str, lane: str, round_index: int) -> None:
+    """One long-running rollout worker; the step ends when the KV run state says the round is over.
+
+    The worker exits by itself at the end of a round; if it is still running
+    ``WORKER_GRACE_SECONDS`` after the state says so (stuck in a long generation),
+    it is terminated, so a round never outlives its trainer.
+    """
+    if not lane.startswith(WORKER_LANE_PREFIX):
+        raise PipelineStepError(f"lane {lane!r} is not a rollout worker lane")
+    worker_id = f"r{round_index:03d}-{lane}"
+    command = tidal_executable() + ["rollout-worker", config_path, "--run-dir", run_dir,
+                                    "--nats-url", nats_url_of(config_path), "--worker-id", worker_id]
+    print("+ " + " ".join(command), flush=True)
+    process = subprocess.Popen(command)
+    try:
+        supervise_worker(process, lambda: run_state(run_dir, config_path))
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def run_state(run_dir: str, config_path: str) -> str:
+    from tidal.kube import core_hooks
+
+    try:
+        state = core_hooks.read_run_state(run_dir, config_path)
+    except Exception as err:  # NATS briefly unreachable: keep the worker, ask again
+        print(f"run state unavailable: {err}", flush=True)
+        return "unknown"
+    return (state or {}).get("state", "unknown")
+
+
+def supervise_worker(process: subprocess.Popen, current_state, poll_s: float = STATE_POLL_SECONDS,
+                     grace_s: float = WORKER_GRACE_SECONDS) -> None:
+    """Wait for the worker; stop it once the round is over; raise if it failed while the round was live."""
+    over_since = None
+    while True:
+        try:
+            code = process.wait(timeout=poll_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        state = current_state()
+        if code is not None:
+            if code != 0 and state not in ROUND_OVER_STATES:
+                raise PipelineStepError(f"'tidal rollout-worker' exited with status {code} while the run was {state!r}")
+            return
+        if state == "failed":
+            process.terminate()
+            raise PipelineStepError("the trainer marked the run as failed; stopped this rollout worker")
+        if state in ROUND_OVER_STATES:
+            over_since = over_since or time.monotonic()
+            if time.monotonic() - over_since > grace_s:
+                print(f"round is over ({state}); stopping the rollout worker", flush=True)
+                process.terminate()
+                try:
+                    process.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                return
+
+
+def nats_url_of(config_path: str) -> str:
+    from tidal.config import load_config
+
+    url = load_config(config_path).transport.nats_url
+    if not url:
+        raise PipelineStepError(f"{config_path}: transport.nats_url is empty; the pipeline needs a NATS server")
+    return url
+
+
+@dataclass(frozen=True)
+class TrainerPlacement:
+    """Where a round's trainer runs: ``local`` (in this pod/process) or ``pytorchjob``."""
+
+    backend: str = "local"
+    nodes: int = 1
+    accelerators_per_node: int = 1
+    accelerator: str = "cpu"
+    image: str = ""
+    namespace: str = ""
+    pipeline_job_id: str = ""
+
+
+def train_round(run_dir: str, config_path: str, round_index: int, iterations: int,
+                placement: TrainerPlacement) -> None:
+    """Train ``iterations`` iterations, resuming from the latest checkpoint in the run directory."""
+    if placement.backend == "local":
+        run_tidal(["train", config_path, "--run-dir", run_dir, "--nats-url", nats_url_of(config_path),
+                   "--iterations", str(iterations)])
+    elif placement.backend == "pytorchjob":
+        train_round_as_pytorchjob(run_dir, config_path, round_index, iterations, placement)
+    else:
+        raise PipelineStepError(f"trainer_backend must be 'local' or 'pytorchjob', got {placement.backend!r}")
+
+
+def train_round_as_pytorchjob(run_dir: str, config_path: str, round_index: int, iterations: int,
+                              placement: TrainerPlacement) -> None:
+    from tidal.kube.pytorchjob import PyTorchJobBackend, TrainerJobSpec, run_trainer_job
+
+    spec = TrainerJobSpec(
+        name=trainer_job_name(placement.pipeline_job_id or Path(run_dir).name, round_index),
+        namespace=placement.namespace or current_namespace(),
+        config_path=config_path, run_dir=run_dir, iterations=iterations,
+        profile=cluster.accelerator_profile(placement.accelerator), image=placement.image or None,
+        nodes=placement.nodes, accelerators_per_node=placement.accelerators_per_node,
+        nats_url=nats_url_of(config_path), labels={"tidal.run": Path(run_dir).name[:63]},
+    )
+    run_trainer_job(PyTorchJobBackend(), spec)
+
+
+def trainer_job_name(run_name: str, round_index: int) -> str:
+    """A DNS-1035 name unique per run and round, at most 63 characters."""
+    slug = "".join(c if c.isalnum() else "-" for c in run_name.lower()).strip("-")
+    suffix = f"-r{round_index:03d}"
+    return ("tidal-" + slug)[: 63 - len(suffix)].rstrip("-") + suffix
+
+
+def current_namespace() -> str:
+    path = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+    return path.read_text().strip() if path.is_file() else "tidal"
+
+
+# ---------------------------------------------------------------- weight sync, evaluation, finalize
+
+
+@dataclass(frozen=True)
+class SyncedWeights:
+    version: int
+    path: str
+
+
+def weight_sync(run_dir: str, round_index: int) -> SyncedWeights:
+    """Verify the round's newest snapshot against its manifest, point ``latest`` at it, log it to MLflow."""
+    from tidal.kube import core_hooks
+
+    version, path = core_hooks.latest_snapshot(run_dir)
+    try:
+        core_hooks.verify_snapshot(path)
+    except Exception as err:
+        raise PipelineStepError(f"round {round_index}: snapshot v{version} failed verification: {err}") from None
+    core_hooks.point_latest(run_dir, version)
+    synced = SyncedWeights(version=version, path=path)
+    write_json_atomically(state_dir(run_dir) / f"round-{round_index:03d}.json",
+                          {"round": round_index, **asdict(synced)})
+    log_to_parent_run(run_dir, metrics={"round/policy_version": float(version)}, step=round_index,
+                      tags={f"tidal.round{round_index:03d}.weights": path, "tidal.latest_weights": path})
+    return synced
+
+
+def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int) -> dict[str, float]:
+    """Held-out metrics of the round's snapshot (``tidal eval``), logged to MLflow per round."""
+    output = run_tidal(["eval", config_path, "--run-dir", run_dir, "--weights", weights_path], capture=True)
+    print(output, flush=True)
+    metrics = numeric_metrics(last_json_object(output))
+    if not metrics:
+        raise PipelineStepError(f"'tidal eval' printed no numeric metrics: {output[-500:]!r}")
+    log_to_parent_run(run_dir, metrics={f"eval/{k}": v for k, v in metrics.items()}, step=round_index)
+    return metrics
+
+
+def last_json_object(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise PipelineStepError(f"'tidal eval' did not print JSON: {text[-500:]!r}") from None
+
+
+def numeric_metrics(payload: dict) -> dict[str, float]:
+    return {key: float(value) for key, value in payload.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def finalize(run_dir: str, registered_model_name: str) -> str:
+    """Log the final snapshot to the parent run and register it in the MLflow model registry."""
+    from mlflow.tracking import MlflowClient
+
+    from tidal.kube import core_hooks
+
+    state = read_json(state_dir(run_dir) / "pipeline.json")
+    _, latest_path = core_hooks.latest_snapshot(run_dir)
+    core_hooks.verify_snapshot(latest_path)
+    latest = Path(latest_path)
+    client = MlflowClient(tracking_uri=state["tracking_uri"])
+    run_id = state["parent_run_id"]
+    client.log_artifacts(run_id, str(latest), artifact_path="final_model")
+    try:
+        client.create_registered_model(registered_model_name)
+    except Exception as err:  # already registered: add a version to it
+        if "already exists" not in str(err).lower() and "RESOURCE_ALREADY_EXISTS" not in str(err):
+            raise
+    source = f"{client.get_run(run_id).info.artifact_uri}/final_model"
+    version = client.create_model_version(registered_model_name, source=source, run_id=run_id,
+                                          tags={"tidal.weights": str(latest)})
+    client.set_terminated(run_id, status="FINISHED")
+    print(f"registered {registered_model_name} version {version.version} from {latest}", flush=True)
+    return str(version.version)
+
+
+def log_to_parent_run(run_dir: str, metrics: dict[str, float] | None = None, step: int = 0,
+                      tags: dict[str, str] | None = None) -> None:
+    from mlflow.entities import Metric, RunTag
+    from mlflow.tracking import MlflowClient
+
+    state = read_json(state_dir(run_dir) / "pipeline.json")
+    client = MlflowClient(tracking_uri=state["tracking_uri"])
+    now = int(time.time() * 1000)
+    client.log_batch(state["parent_run_id"],
+                     metrics=[Metric(k, v, now, step) for k, v in (metrics or {}).items()],
+                     tags=[RunTag(k, v) for k, v in (tags or {}).items()])

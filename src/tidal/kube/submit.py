@@ -1,0 +1,102 @@
+"""Submit the pipeline to Kubeflow Pipelines with ``kfp.Client`` (CI-triggered runs).
+
+Where the client finds the server and its credentials (nothing is ever read from code or config files):
+
+- ``--host`` or ``KFP_HOST``: the KFP API endpoint, e.g. ``https://kubeflow.example.com/pipeline``.
+- ``KFP_TOKEN``: a bearer token (an OIDC ID token, or ``kubectl create token``), sent as ``Authorization``.
+- ``KF_PIPELINES_SA_TOKEN_PATH``: a projected service-account token file, re-read when it rotates
+  (in-cluster CI runners; KFP's own convention).
+- ``KFP_NAMESPACE``: the Kubeflow profile namespace to run in (multi-user KFP).
+- ``KFP_SSL_CA_CERT``: a CA bundle for a private TLS endpoint.
+- ``KFP_UI_HOST``: where the run's link should point, if the UI is not at ``host``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tidal.kube.pipeline import compile_pipeline
+
+
+class SubmitError(RuntimeError):
+    """Submission cannot start: what is missing is named in the message."""
+
+
+@dataclass(frozen=True)
+class SubmittedRun:
+    run_id: str
+    url: str
+
+
+def kfp_host(host: str | None) -> str:
+    resolved = host or os.environ.get("KFP_HOST", "")
+    if not resolved:
+        raise SubmitError("no KFP endpoint: pass --host URL or set KFP_HOST")
+    return resolved.rstrip("/")
+
+
+def kfp_client_from_env(host: str | None = None) -> Any:
+    """A ``kfp.Client`` for ``host`` with credentials taken only from the environment."""
+    import kfp
+    from kfp.client import ServiceAccountTokenVolumeCredentials
+
+    token = os.environ.get("KFP_TOKEN") or None
+    token_path = os.environ.get("KF_PIPELINES_SA_TOKEN_PATH")
+    credentials = None
+    if token is None and token_path:
+        if not Path(token_path).is_file():
+            raise SubmitError(f"KF_PIPELINES_SA_TOKEN_PATH={token_path} does not exist")
+        credentials = ServiceAccountTokenVolumeCredentials(path=token_path)
+    return kfp.Client(host=kfp_host(host), existing_token=token, credentials=credentials,
+                      namespace=os.environ.get("KFP_NAMESPACE") or "kubeflow",
+                      ssl_ca_cert=os.environ.get("KFP_SSL_CA_CERT") or None)
+
+
+def pipeline_arguments(config_path: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The config file's text becomes ``config_yaml``; ``params`` set any other pipeline parameter."""
+    path = Path(config_path)
+    if not path.is_file():
+        raise SubmitError(f"config file not found: {path}")
+    from tidal.config import ConfigError, load_config
+
+    try:
+        load_config(path)
+    except ConfigError as err:
+        raise SubmitError(str(err)) from None
+    return {"config_yaml": path.read_text(), **params}
+
+
+def parse_params(items: list[str]) -> dict[str, Any]:
+    """``name=value`` pipeline parameters; integers are passed as integers."""
+    params: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SubmitError(f"pipeline parameter {item!r} must look like name=value")
+        params[name.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value
+    return params
+
+
+def run_url(host: str, run_id: str) -> str:
+    ui = os.environ.get("KFP_UI_HOST", host).rstrip("/")
+    return f"{ui}/#/runs/details/{run_id}"
+
+
+def submit_run(config_path: str, host: str | None = None, experiment: str = "tidal",
+               params: dict[str, Any] | None = None, accelerator: str = "nvidia", image: str = "",
+               run_name: str | None = None, client: Any = None) -> SubmittedRun:
+    """Compile for ``accelerator``, submit with ``config_path``'s text, return the run's id and URL."""
+    arguments = pipeline_arguments(config_path, params or {})
+    resolved_host = kfp_host(host)
+    client = client or kfp_client_from_env(resolved_host)
+    with tempfile.TemporaryDirectory() as tmp:
+        package = compile_pipeline(Path(tmp) / "tidal-pipeline.yaml", accelerator=accelerator, image=image)
+        result = client.create_run_from_pipeline_package(
+            str(package), arguments=arguments, run_name=run_name or f"tidal-{Path(config_path).stem}",
+            experiment_name=experiment, namespace=os.environ.get("KFP_NAMESPACE") or None,
+            enable_caching=False)
+    return SubmittedRun(run_id=result.run_id, url=run_url(resolved_host, result.run_id))
