@@ -42,7 +42,27 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", default="", help="image for every step (default: the profile's)")
 
 
+KUBE_EXTRA_HINT = "the Kubeflow commands need the 'kube' extra: pip install 'tidal[kube]'"
+
+
+def require_kube_extra() -> None:
+    """Fail with the install hint, not a traceback, when kfp or kubeflow-training is missing."""
+    import importlib.util
+
+    missing = [m for m in ("kfp", "kfp.kubernetes", "kubeflow.training") if _find_spec(importlib.util, m) is None]
+    if missing:
+        raise SystemExit(f"tidal: {KUBE_EXTRA_HINT} (missing: {', '.join(missing)})")
+
+
+def _find_spec(util, module: str):
+    try:
+        return util.find_spec(module)
+    except ModuleNotFoundError:
+        return None
+
+
 def compile_command(args: argparse.Namespace) -> int:
+    require_kube_extra()
     from tidal.kube.pipeline import compile_pipeline
 
     path = compile_pipeline(args.output, accelerator=args.accelerator, image=args.image)
@@ -51,6 +71,7 @@ def compile_command(args: argparse.Namespace) -> int:
 
 
 def submit_command(args: argparse.Namespace) -> int:
+    require_kube_extra()
     from tidal.kube.submit import SubmitError, parse_params, submit_run
 
     try:
@@ -66,6 +87,7 @@ def submit_command(args: argparse.Namespace) -> int:
 
 def run_via_kfp_local(config_path: str, run_dir: str, overrides: list[str]) -> int:
     """``tidal run --via kfp-local``: the whole pipeline with kfp.local's SubprocessRunner."""
+    require_kube_extra()
     from tidal.kube.kfp_local import KfpLocalError, run_pipeline_locally
 
     try:
