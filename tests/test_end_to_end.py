@@ -16,6 +16,7 @@ REQUIRED_METRICS = [
     "entropy", "clip_fraction", "grad_norm", "learning_rate", "generated_tokens_per_s", "trained_tokens_per_s",
     "samples_per_s", "iteration_seconds", "generate_seconds", "train_seconds", "sync_seconds",
     "trainer_idle_seconds", "rollout_idle_seconds", "queue_depth", "staleness_max", "reward_errors",
+    "groups_filtered", "logprob_mismatch", "tis_truncated_fraction",
 ]
 SUMMARY_KEYS = [
     "mode", "iterations", "accuracy_before", "accuracy_after", "iteration_seconds_mean", "generate_seconds_mean",
@@ -33,6 +34,9 @@ def periodic_run(tmp_path_factory, tiny_config_dict):
 
     data = copy.deepcopy(tiny_config_dict)
     data["reward"] = {"functions": [{"name": "exact_match"}, {"name": "tests.test_data_rewards:broken_reward", "weight": 0.5}]}
+    # The barely warm-started model solves nothing: every group has all-equal rewards, so DAPO
+    # dynamic sampling replaces exactly `max_replacements` groups per iteration, then accepts.
+    data["trainer"].update({"dynamic_sampling": True, "max_replacements": 2})
     root = tmp_path_factory.mktemp("periodic")
     (root / "config.yaml").write_text(yaml.safe_dump(data))
     proc = run_cli("run", str(root / "config.yaml"), "--run-dir", str(root / "run"), "--no-progress")
@@ -46,7 +50,9 @@ def test_summary_has_every_field_and_staleness_zero(periodic_run):
     assert set(SUMMARY_KEYS) <= set(summary)
     assert summary["mode"] == "periodic" and summary["iterations"] == 3
     assert summary["staleness_max"] == 0
-    assert summary["groups_trained"] == 3 * 6 == summary["groups_generated"] - summary["groups_discarded"]
+    assert summary["groups_trained"] == 3 * 6
+    assert summary["groups_filtered"] == 3 * 2
+    assert summary["groups_generated"] == summary["groups_trained"] + summary["groups_filtered"] + summary["groups_discarded"]
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
     assert Path(summary["final_weights"]).name == "v000003" and (Path(summary["final_weights"]) / "manifest.json").is_file()
     assert "held-out accuracy" in proc.stdout and "generate" in proc.stdout and "weight-sync" in proc.stdout
@@ -69,7 +75,7 @@ def test_every_metric_is_in_mlflow_for_every_iteration(periodic_run):
 def test_a_raising_reward_function_is_logged_and_counted(periodic_run):
     run_dir, _ = periodic_run
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["reward_errors"] == 6 * 4 for m in metrics)  # every sample, every iteration
+    assert all(m["reward_errors"] == (6 + 2) * 4 for m in metrics)  # every sample generated, every iteration
     assert "broken_reward raised RuntimeError: user bug" in (run_dir / "logs" / "worker-0.log").read_text()
 
 
@@ -86,7 +92,14 @@ def test_trainer_starts_before_the_last_group_of_the_iteration_is_generated(peri
 
 def test_sync_and_periodic_give_the_same_weights(tmp_path, write_config):
     """The on-policy equivalence claim: with deterministic rollouts the two modes make the same update."""
-    config = write_config({"rollout.deterministic": True, "trainer.iterations": 2, "eval.enabled": False})
+    config = write_config(
+        {
+            "rollout.deterministic": True,
+            "trainer.iterations": 2,
+            "eval.enabled": False,
+            "reward.functions": [{"name": "exact_match"}, {"name": "tests.rewards:digit_count", "weight": 0.1}],
+        }
+    )
     finals = {}
     for mode in ("sync", "periodic"):
         proc = run_cli("run", str(config), "--run-dir", str(tmp_path / mode), "--set", f"mode={mode}", "--no-progress")

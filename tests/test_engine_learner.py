@@ -8,7 +8,7 @@ import torch
 from tidal.config import TinyModelConfig, TrainerConfig
 from tidal.model.tiny import build_char_tokenizer, build_tiny_model
 from tidal.rollout.engine import GroupRequest, HFEngine, group_generator
-from tidal.trainer.learner import Learner, group_rows
+from tidal.trainer.learner import Learner
 from tidal.algo import token_logprobs_from_logits
 
 
@@ -50,7 +50,7 @@ def test_engine_logprobs_match_a_trainer_forward():
         for s in samples:
             ids = torch.tensor([prompt + s.token_ids])
             logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1]
-            ref = token_logprobs_from_logits(logits, ids[:, len(prompt) :], temperature)[0]
+            ref = token_logprobs_from_logits(logits, ids[:, len(prompt) :], temperature)[0][0]
             assert torch.allclose(ref, torch.tensor(s.logprobs), atol=1e-4)
             assert s.finish_reason in ("stop", "length")
             assert (s.finish_reason == "stop") == (s.token_ids[-1] == tok.eos_token_id)
@@ -82,12 +82,13 @@ def test_streaming_accumulation_equals_the_batch_token_mean_gradient():
     from tidal.algo import grpo_advantages
 
     for g in groups:
-        ids, attn, mask, plen = group_rows(g, tok.pad_token_id)
-        logits = ref(input_ids=ids, attention_mask=attn).logits[:, plen - 1 : -1]
-        logp = token_logprobs_from_logits(logits, ids[:, plen:])
-        adv = grpo_advantages(torch.tensor([r["reward"] for r in g["responses"]]))
-        total = total + (-adv[:, None] * torch.exp(logp - logp.detach()) * mask).sum()
-        count += int(mask.sum())
+        prompt = [int(t) for t in g["prompt_ids"]]
+        for r, adv in zip(g["responses"], grpo_advantages(torch.tensor([r["reward"] for r in g["responses"]]))):
+            ids = torch.tensor([prompt + [int(t) for t in r["token_ids"]]])
+            logits = ref(input_ids=ids).logits[:, len(prompt) - 1 : -1]
+            logp = token_logprobs_from_logits(logits, ids[:, len(prompt) :])[0]
+            total = total + (-adv * torch.exp(logp - logp.detach())).sum()
+            count += logp.numel()
     (total / count).backward()
     assert count == n_total
     for n, p in ref.named_parameters():
@@ -119,3 +120,58 @@ def test_kl_term_uses_a_frozen_reference():
     learner.train_on_group(g)
     m = learner.step()
     assert m["kl"] > 0.0 and all(not p.requires_grad for p in learner.reference.parameters())
+
+
+def test_one_update_per_iteration_has_no_old_policy_and_ratio_exactly_one():
+    from tidal.config import config_from_dict
+    from tidal.trainer.loop import IterationUpdates
+
+    rng = np.random.default_rng(3)
+    model, tok = tiny()
+    cfg = config_from_dict({"trainer": {"prompts_per_iteration": 2}})
+    learner = Learner(cfg.trainer, model, tok.pad_token_id)
+    assert learner.old_policy is None and learner.reference is None
+    updates = IterationUpdates(learner, cfg)
+    updates.add([make_group(rng, 3, [2, 5, 3], [1.0, 0.0, 0.0]), make_group(rng, 4, [3, 3], [0.0, 1.0])])
+    metrics = updates.finish()
+    assert metrics["ratio_max"] == 1.0 and metrics["optimizer_steps"] == 1.0
+    assert learner.forwards == {"policy": 1, "old": 0, "reference": 0}  # two groups packed in one micro-batch
+
+
+def test_several_updates_per_iteration_use_the_generating_policy_as_old():
+    from tidal.config import config_from_dict
+    from tidal.trainer.loop import IterationUpdates
+
+    rng = np.random.default_rng(4)
+    model, tok = tiny()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = config_from_dict({"trainer": {"prompts_per_iteration": 2, "updates_per_iteration": 2, "lr": 1e-2, "warmup_steps": 0}})
+    learner = Learner(cfg.trainer, model, tok.pad_token_id)
+    updates = IterationUpdates(learner, cfg)
+    updates.add([make_group(rng, 3, [4, 4, 4], [1.0, 0.0, 0.0])])
+    assert len(updates.updates) == 1  # the first mini-batch stepped already
+    assert any(not torch.equal(initial[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(initial[k], v) for k, v in learner.old_policy.state_dict().items())  # old = generating weights
+    updates.add([make_group(rng, 3, [4, 4, 4], [0.0, 1.0, 0.0])])
+    metrics = updates.finish()
+    assert metrics["optimizer_steps"] == 2.0
+    assert metrics["ratio_max"] != 1.0  # the second mini-batch sees pi_theta / pi_old != 1
+    assert learner.forwards["old"] == 2  # old log-probs computed once per group, never recomputed
+
+
+def test_truncated_importance_sampling_against_engine_logprobs():
+    rng = np.random.default_rng(5)
+    model, tok = tiny()
+    learner = Learner(TrainerConfig(tis_cap=1.5), model, tok.pad_token_id)
+    g = make_group(rng, 3, [4, 4], [1.0, 0.0])
+    for r in g["responses"]:
+        r["logprobs"] = np.full(len(r["token_ids"]), -20.0, dtype=np.float32)  # an engine far off the trainer
+    learner.train_on_groups([g])
+    m = learner.step()
+    assert m["logprob_mismatch"] > 5.0 and m["tis_truncated_fraction"] == 1.0
+
+
+def test_reference_can_be_offloaded_to_cpu():
+    model, tok = tiny()
+    learner = Learner(TrainerConfig(kl_coef=0.05, reference_device="cpu"), model, tok.pad_token_id)
+    assert all(p.device.type == "cpu" and not p.requires_grad for p in learner.reference.parameters())

@@ -49,13 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_command(args) -> int:
     from tidal.runtime import setup_logging, set_threads
 
-    cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir)
-    if args.command == "run":
-        if args.via == "kfp-local":
-            from tidal.kube.commands import run_via_kfp_local
+    if args.command == "run" and args.via == "kfp-local":
+        from tidal.kube.commands import run_via_kfp_local
 
-            return run_via_kfp_local(args.config, str(run_dir), args.overrides)
+        return run_via_kfp_local(args.config, str(run_dir), args.overrides)
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "run":
         from tidal.local import run_local
 
         run_local(cfg, run_dir, show_progress=not args.no_progress)

@@ -71,10 +71,27 @@ class RewardFunctionConfig(_Strict):
 
 class RewardConfig(_Strict):
     functions: list[RewardFunctionConfig] = [RewardFunctionConfig(name="exact_match")]
+    overlong_buffer: int = Field(0, ge=0)  # DAPO soft overlong penalty over the last N tokens; 0: off
+    overlong_penalty: float = Field(1.0, ge=0)
+
+
+class VLLMConfig(_Strict):
+    """vLLM engine settings (rollout.engine: vllm); None leaves vLLM's own default."""
+
+    tensor_parallel_size: int = Field(1, gt=0)
+    max_num_seqs: int | None = Field(None, gt=0)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    kv_cache_memory_gib: float | None = Field(None, gt=0)  # KV-cache size; on CPU the way to bound memory
+    max_model_len: int | None = Field(None, gt=0)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    enforce_eager: bool = False
+    seed: int | None = None  # None: the run's seed
+    platform: Literal["auto", "cpu", "cuda", "ascend"] = "auto"  # ascend: needs vllm-ascend + torch_npu
+    weight_sync: Literal["store", "nccl"] = "store"  # nccl: GPU only, falls back to the store
 
 
 class RolloutConfig(_Strict):
-    engine: Literal["hf"] = "hf"
+    engine: Literal["hf", "vllm"] = "hf"
     workers: int = Field(1, gt=0)
     group_size: int = Field(8, gt=1)
     max_new_tokens: int = Field(12, gt=0)
@@ -82,19 +99,36 @@ class RolloutConfig(_Strict):
     groups_per_batch: int = Field(4, gt=0)  # groups generated together by the HF engine
     deterministic: bool = False
     threads: int | None = Field(None, gt=0)
+    max_inflight_groups: int = Field(32, gt=0)  # vllm: groups (n=G requests) in flight per worker
+    vllm: VLLMConfig = VLLMConfig()
 
 
 class TrainerConfig(_Strict):
     iterations: int = Field(30, gt=0)
     prompts_per_iteration: int = Field(16, gt=0)
+    updates_per_iteration: int = Field(1, gt=0)  # >1: PPO-style mini-batch steps against the old policy
     lr: float = Field(2e-4, gt=0)
     warmup_steps: int = Field(3, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = Field(1.0, gt=0)
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    std_normalize: bool = True  # grpo only
+    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
     clip_eps: float = Field(0.2, gt=0)
+    clip_eps_high: float | None = Field(None, gt=0)  # DAPO clip-higher; None: same as clip_eps
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    aggregation_constant: float | None = Field(None, gt=0)  # seq_mean_token_sum_norm; None: rollout.max_new_tokens
     kl_coef: float = Field(0.0, ge=0)
-    std_normalize: bool = True
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in_reward: bool = False  # True: KL is a reward penalty instead of a loss term
+    reference_device: str | None = None  # e.g. "cpu" to offload the reference; None: with the policy
+    tis_cap: float | None = Field(None, gt=0)  # truncated importance sampling vs the engine's log-probs
+    dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups, replace with new prompts
+    max_replacements: int | None = Field(None, ge=0)  # per iteration; None: 4 x prompts_per_iteration
+    attention: Literal["auto", "sdpa", "segmented", "flex", "naive"] = "auto"  # shared-prompt kernel
+    token_budget: int = Field(16384, gt=0)  # tokens per packed micro-batch
+    device: str = "cpu"
     threads: int | None = Field(None, gt=0)
     group_timeout_seconds: float = Field(600.0, gt=0)
 
@@ -130,6 +164,12 @@ class TidalConfig(_Strict):
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
     transport: TransportConfig = TransportConfig()
+
+    @model_validator(mode="after")
+    def _vllm_needs_workers(self) -> "TidalConfig":
+        if self.mode == "sync" and self.rollout.engine == "vllm":
+            raise ValueError("rollout.engine 'vllm' runs in rollout workers: use mode 'periodic' (sync mode generates with the HF engine)")
+        return self
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

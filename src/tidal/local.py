@@ -180,6 +180,7 @@ def summarize(cfg: TidalConfig, history: list[dict], before: float | None, after
         return sum(m[key] for m in history) / len(history) if history else 0.0
 
     trained = sum(int(m["samples"]) // cfg.rollout.group_size for m in history)
+    filtered = int(sum(m.get("groups_filtered", 0) for m in history))
     return {
         "mode": cfg.mode,
         "iterations": len(history),
@@ -193,9 +194,10 @@ def summarize(cfg: TidalConfig, history: list[dict], before: float | None, after
         "rollout_idle_seconds_mean": mean("rollout_idle_seconds"),
         "staleness_max": max((m["staleness_max"] for m in history), default=0.0),
         "reward_errors": sum(m["reward_errors"] for m in history),
-        "groups_generated": extra.get("groups_generated", trained),
+        "groups_generated": extra.get("groups_generated", trained + filtered),
         "groups_trained": trained,
         "groups_discarded": int(history[-1]["groups_discarded"]) if history else 0,
+        "groups_filtered": int(sum(m.get("groups_filtered", 0) for m in history)),
         "final_weights": str(final_weights),
         "mlflow_run_id": info.mlflow_run_id,
         "tracking_uri": info.tracking_uri,
@@ -210,7 +212,8 @@ def result_table(summary: dict, run_dir: Path, wall: float) -> str:
             f"  held-out accuracy    before {pct(summary['accuracy_before'])}  ->  after {pct(summary['accuracy_after'])}",
             f"  seconds / iteration  {summary['iteration_seconds_mean']:.2f}  =  generate {summary['generate_seconds_mean']:.2f} | "
             f"train {summary['train_seconds_mean']:.2f} | weight-sync {summary['sync_seconds_mean']:.2f} | idle {summary['idle_seconds_mean']:.2f}",
-            f"  groups               generated {summary['groups_generated']}, trained {summary['groups_trained']}, discarded {summary['groups_discarded']}; staleness max {summary['staleness_max']:.0f}",
+            f"  groups               generated {summary['groups_generated']}, trained {summary['groups_trained']}, "
+            f"filtered {summary['groups_filtered']}, discarded {summary['groups_discarded']}; staleness max {summary['staleness_max']:.0f}",
             f"  final weights        {summary['final_weights']}",
             f"  MLflow               run {summary['mlflow_run_id']} in {summary['tracking_uri']}",
             f"  summary              {run_dir / 'summary.json'}",
@@ -280,7 +283,7 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True)
     summary["wall_seconds"] = time.time() - t_start
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     final_metrics = {k: summary[k] for k in ("accuracy_before", "accuracy_after") if summary[k] is not None}
-    final_metrics.update({f"total_{k}": summary[k] for k in ("groups_generated", "groups_trained", "groups_discarded")})
+    final_metrics.update({f"total_{k}": summary[k] for k in ("groups_generated", "groups_trained", "groups_discarded", "groups_filtered")})
     tracker.log(final_metrics, step=len(history))
     tracker.finish()
     print(result_table(summary, run_dir, summary["wall_seconds"]), flush=True)

@@ -45,7 +45,8 @@ class RunInfo:
 
 def build_learner(cfg: TidalConfig, base_model: str) -> tuple[Learner, object]:
     model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
-    return Learner(cfg.trainer, model, tokenizer.pad_token_id, cfg.rollout.temperature), tokenizer
+    learner = Learner(cfg.trainer, model, tokenizer.pad_token_id, cfg.rollout.temperature, cfg.reward, cfg.rollout.max_new_tokens)
+    return learner, tokenizer
 
 
 async def trainer_role(cfg: TidalConfig, run_dir: Path, nats_url: str, iterations: int | None = None) -> list[dict]:
@@ -57,6 +58,9 @@ async def trainer_role(cfg: TidalConfig, run_dir: Path, nats_url: str, iteration
     transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=True)
     tracker = Tracker(info.tracking_uri, info.mlflow_run_id)
     try:
+        state = await transport.get("run")
+        if not state or state.get("state") != "running":
+            await transport.put("run", {"state": "running"})
         history = await run_periodic_trainer(cfg, learner, dataset, store, RunFiles(run_dir), tracker, transport, iterations)
         finished = (store.latest_version() or 0) >= cfg.trainer.iterations
         await transport.put("run", {"state": "done" if finished else "round_done"})
@@ -72,6 +76,8 @@ async def trainer_role(cfg: TidalConfig, run_dir: Path, nats_url: str, iteration
 async def worker_role(cfg: TidalConfig, run_dir: Path, nats_url: str, worker_id: str) -> int:
     info = RunInfo.load(run_dir)
     set_threads(split_cores(cfg)[1])
+    if cfg.rollout.engine == "vllm":
+        return await vllm_worker_role(cfg, info, nats_url, worker_id)
     model, tokenizer = load_model_and_tokenizer(info.base_model, cfg.model.dtype)
     engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
     transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=False)
@@ -80,6 +86,26 @@ async def worker_role(cfg: TidalConfig, run_dir: Path, nats_url: str, worker_id:
         await worker.run()
     finally:
         await transport.close()
+    return worker.groups_published
+
+
+async def vllm_worker_role(cfg: TidalConfig, info: RunInfo, nats_url: str, worker_id: str) -> int:
+    from transformers import AutoTokenizer
+
+    from tidal.rollout.vllm_adapter import VLLMEngine
+    from tidal.rollout.vllm_worker import VLLMRolloutWorker
+
+    tokenizer = AutoTokenizer.from_pretrained(info.base_model)
+    engine = VLLMEngine.create(cfg, info.base_model)
+    try:
+        transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=False)
+        worker = VLLMRolloutWorker(cfg, engine, tokenizer, transport, worker_id)
+        try:
+            await worker.run()
+        finally:
+            await transport.close()
+    finally:
+        engine.shutdown()
     return worker.groups_published
 
 

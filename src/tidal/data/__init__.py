@@ -102,8 +102,13 @@ def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
     return Dataset(train[:-split], held[: cfg.num_eval])
 
 
+def iteration_prompt_order(dataset: Dataset, seed: int, iteration: int) -> list[Problem]:
+    """The iteration's prompts in order: the first `prompts_per_iteration` are the batch, the rest
+    replace groups dropped by dynamic sampling. A function of (seed, iteration) alone."""
+    order = list(range(len(dataset.train)))
+    random.Random(f"tidal-prompts-{seed}-{iteration}").shuffle(order)
+    return [dataset.train[i] for i in order]
+
+
 def prompts_for_iteration(dataset: Dataset, seed: int, iteration: int, count: int) -> list[Problem]:
-    """The prompts of one iteration: a function of (seed, iteration) alone."""
-    rng = random.Random(f"tidal-prompts-{seed}-{iteration}")
-    n = len(dataset.train)
-    return [dataset.train[i] for i in rng.sample(range(n), min(count, n))]
+    return iteration_prompt_order(dataset, seed, iteration)[:count]

@@ -8,7 +8,6 @@ weight-store API is fixed here, once.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 RUN_STATE_KEY = "run"
@@ -89,9 +88,7 @@ def point_latest(run_dir: str, version: int) -> None:
     store = WeightStore(Path(run_dir) / "weights")
     if not store.path(version).is_dir():
         raise FileNotFoundError(f"cannot point latest at missing snapshot {store.path(version)}")
-    tmp = store.root / f".latest-kube-{os.getpid()}"
-    tmp.write_text(str(version))
-    os.replace(tmp, store.root / "latest")
+    store.point_latest(version)
 
 
 def read_run_state(run_dir: str, config_path: str) -> dict | None:

@@ -27,6 +27,38 @@ def work_item(iteration: int, problem) -> dict:
     return {"iteration": iteration, "prompt_id": problem.id, "prompt": problem.prompt, "answer": problem.answer}
 
 
+def build_group(
+    item: dict, prompt: list[int], samples: list, tokenizer, scorer: RewardScorer, policy_version: int, worker_id: str, gen_start: float, gen_end: float
+) -> dict:
+    """The group message of one work item: its G samples scored, with the version that generated them."""
+    errors_before = scorer.errors
+    responses = []
+    for s in samples:
+        text = tokenizer.decode(s.token_ids, skip_special_tokens=True)
+        reward, parts = scorer.score(text, item["answer"])
+        responses.append(
+            {
+                "token_ids": np.asarray(s.token_ids, dtype=np.int32),
+                "logprobs": np.asarray(s.logprobs, dtype=np.float32),
+                "finish_reason": s.finish_reason,
+                "reward": reward,
+                "reward_parts": parts,
+                "correct": exact_match(text, item["answer"]),
+            }
+        )
+    return {
+        "iteration": item["iteration"],
+        "prompt_id": item["prompt_id"],
+        "policy_version": policy_version,
+        "worker_id": worker_id,
+        "prompt_ids": np.asarray(prompt, dtype=np.int32),
+        "responses": responses,
+        "gen_start": gen_start,
+        "gen_end": gen_end,
+        "reward_errors": scorer.errors - errors_before,
+    }
+
+
 def generate_groups(
     engine: RolloutEngine, tokenizer, scorer: RewardScorer, items: list[dict], cfg: TidalConfig, policy_version: int, worker_id: str
 ) -> list[dict]:
@@ -45,34 +77,7 @@ def generate_groups(
         outputs = engine.generate(requests)
         gen_end = time.time()
         for item, prompt, samples in zip(batch, prompts, outputs):
-            errors_before = scorer.errors
-            responses = []
-            for s in samples:
-                text = tokenizer.decode(s.token_ids, skip_special_tokens=True)
-                reward, parts = scorer.score(text, item["answer"])
-                responses.append(
-                    {
-                        "token_ids": np.asarray(s.token_ids, dtype=np.int32),
-                        "logprobs": np.asarray(s.logprobs, dtype=np.float32),
-                        "finish_reason": s.finish_reason,
-                        "reward": reward,
-                        "reward_parts": parts,
-                        "correct": exact_match(text, item["answer"]),
-                    }
-                )
-            groups.append(
-                {
-                    "iteration": item["iteration"],
-                    "prompt_id": item["prompt_id"],
-                    "policy_version": policy_version,
-                    "worker_id": worker_id,
-                    "prompt_ids": np.asarray(prompt, dtype=np.int32),
-                    "responses": responses,
-                    "gen_start": gen_start,
-                    "gen_end": gen_end,
-                    "reward_errors": scorer.errors - errors_before,
-                }
-            )
+            groups.append(build_group(item, prompt, samples, tokenizer, scorer, policy_version, worker_id, gen_start, gen_end))
     return groups
 
 
@@ -120,7 +125,7 @@ class RolloutWorker:
         idle_since = time.time()
         while True:
             state = await self.transport.get("run")
-            if state and state.get("state") in ("done", "failed"):
+            if state and state.get("state") in ("done", "failed", "round_done"):
                 log.info("worker %s: run is %s, exiting", self.worker_id, state["state"])
                 return
             msgs = await self.transport.fetch(sub, batch_size, timeout=1.0)

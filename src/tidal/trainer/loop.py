@@ -9,19 +9,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
 from safetensors.torch import load_file, save_file
 
+from tidal.algo import has_no_signal
+
 from tidal.config import TidalConfig
-from tidal.data import Dataset, prompts_for_iteration
+from tidal.data import Dataset, iteration_prompt_order
 from tidal.rewards import RewardScorer
 from tidal.rollout.engine import HFEngine
 from tidal.rollout.worker import generate_groups, work_item
-from tidal.trainer.learner import Learner, group_stats
+from tidal.trainer.learner import Learner, group_stats, merge_updates
 from tidal.transport import Transport
 from tidal.transport.codec import decode
 from tidal.weights import WeightStore
@@ -73,6 +77,8 @@ class IterationClock:
 def iteration_metrics(groups: list[dict], update: dict, clock: IterationClock, iteration: int, extra: dict) -> dict:
     elapsed = time.time() - clock.start
     stats = group_stats(groups)
+    extra = dict(extra)
+    stats["reward_errors"] += extra.pop("filtered_reward_errors", 0.0)  # dropped groups' errors still count
     gen = clock.generate_seconds()
     return {
         "iteration": iteration,
@@ -127,15 +133,56 @@ def resume_version(files: RunFiles, learner: Learner, store: WeightStore) -> int
     return version
 
 
+class IterationUpdates:
+    """Feeds one iteration's groups to the learner; with `updates_per_iteration` = k it steps after
+    every ceil(P/k) groups (PPO-style mini-batches against the old policy), else once at the end."""
+
+    def __init__(self, learner: Learner, cfg: TidalConfig):
+        self.learner = learner
+        self.steps = cfg.trainer.updates_per_iteration
+        self.per_update = math.ceil(cfg.trainer.prompts_per_iteration / self.steps)
+        self.pending = 0
+        self.updates: list[dict] = []
+        learner.begin_iteration()
+
+    def add(self, groups: list[dict]) -> None:
+        if self.steps == 1:
+            self.learner.train_on_groups(groups)
+            return
+        for g in groups:
+            self.learner.train_on_groups([g])
+            self.pending += 1
+            if self.pending >= self.per_update and len(self.updates) < self.steps - 1:
+                self.updates.append(self.learner.step())
+                self.pending = 0
+
+    def finish(self) -> dict:
+        self.updates.append(self.learner.step())
+        return merge_updates(self.updates)
+
+
+def replacement_budget(cfg: TidalConfig) -> int:
+    if not cfg.trainer.dynamic_sampling:
+        return 0
+    cap = cfg.trainer.max_replacements
+    return 4 * cfg.trainer.prompts_per_iteration if cap is None else cap
+
+
+def should_replace(group: dict, cfg: TidalConfig, used: int) -> bool:
+    """DAPO dynamic sampling: a group whose rewards are all equal carries no signal; replace it."""
+    rewards = torch.tensor([float(r["reward"]) for r in group["responses"]])
+    return used < replacement_budget(cfg) and has_no_signal(rewards)
+
+
 def finish_iteration(
-    learner: Learner, store: WeightStore, files: RunFiles, iteration: int, groups: list[dict], clock: IterationClock, extra: dict
+    updates: IterationUpdates, store: WeightStore, files: RunFiles, iteration: int, groups: list[dict], clock: IterationClock, extra: dict
 ) -> dict:
     t0 = time.time()
-    update = learner.step()
+    update = updates.finish()
     clock.train += time.time() - t0
     t0 = time.time()
-    store.publish(iteration + 1, learner.model.state_dict())
-    save_checkpoint(files, learner, iteration + 1)
+    store.publish(iteration + 1, updates.learner.model.state_dict())
+    save_checkpoint(files, updates.learner, iteration + 1)
     clock.sync += time.time() - t0
     metrics = iteration_metrics(groups, update, clock, iteration, extra)
     files.append("metrics.jsonl", metrics)
@@ -154,15 +201,29 @@ def run_sync(cfg: TidalConfig, learner: Learner, tokenizer, dataset: Dataset, st
     history = []
     for v in range(start, cfg.trainer.iterations):
         clock = IterationClock()
-        items = [work_item(v, p) for p in prompts_for_iteration(dataset, cfg.seed, v, cfg.trainer.prompts_per_iteration)]
-        groups = generate_groups(engine, tokenizer, scorer, items, cfg, v, "sync")
+        order = iteration_prompt_order(dataset, cfg.seed, v)
+        todo = order[: cfg.trainer.prompts_per_iteration]
+        spare = iter(order[cfg.trainer.prompts_per_iteration :])
+        groups, filtered, filtered_errors = [], 0, 0.0
+        while todo:
+            fresh = generate_groups(engine, tokenizer, scorer, [work_item(v, p) for p in todo], cfg, v, "sync")
+            todo = []
+            for g in fresh:
+                if should_replace(g, cfg, filtered):
+                    filtered += 1
+                    filtered_errors += g.get("reward_errors", 0)
+                    todo.append(next(spare))
+                else:
+                    groups.append(g)
         clock.gen_spans.append((clock.start, time.time()))
+        updates = IterationUpdates(learner, cfg)
+        t0 = time.time()
+        updates.add(groups)
+        t1 = time.time()
+        clock.train += t1 - t0
         for g in groups:
-            t0 = time.time()
-            learner.train_on_group(g)
-            files.append("groups.jsonl", group_record(g, t0, time.time()))
-            clock.train += time.time() - t0
-        metrics = finish_iteration(learner, store, files, v, groups, clock, {"queue_depth": 0.0, "groups_discarded": 0.0})
+            files.append("groups.jsonl", group_record(g, t0, t1))
+        metrics = finish_iteration(updates, store, files, v, groups, clock, {"queue_depth": 0.0, "groups_discarded": 0.0, "groups_filtered": float(filtered), "filtered_reward_errors": filtered_errors})
         tracker.log(metrics, step=v)
         history.append(metrics)
     return history
@@ -177,17 +238,20 @@ async def run_periodic_trainer(
     if store.latest_version() is None or store.latest_version() < start:
         store.publish(start, learner.model.state_dict())
     sub = await transport.rollouts_subscription()
-    await transport.put("run", {"state": "running", "time": time.time()})
     history = []
     discarded = 0
     for v in range(start, end):
         clock = IterationClock()
         await transport.put("policy", {"version": v, "uri": str(store.path(v))})
-        problems = prompts_for_iteration(dataset, cfg.seed, v, cfg.trainer.prompts_per_iteration)
+        order = iteration_prompt_order(dataset, cfg.seed, v)
+        spare = iter(order[cfg.trainer.prompts_per_iteration :])
+        problems = order[: cfg.trainer.prompts_per_iteration]
         for p in problems:
             await transport.publish_work(work_item(v, p))
         expected = {p.id for p in problems}
         received: dict[int, dict] = {}
+        filtered, filtered_errors = 0, 0.0
+        updates = IterationUpdates(learner, cfg)
         load_seconds = 0.0
         queue_depth = float(await transport.work_queue_depth())
         waited_since = time.time()
@@ -203,29 +267,40 @@ async def run_periodic_trainer(
                     )
                 continue
             waited_since = time.time()
+            batch = []
             for m in msgs:
                 g = decode(m.data)
                 if g["iteration"] != v or g["prompt_id"] not in expected or g["prompt_id"] in received:
                     discarded += 1  # a duplicate or leftover from an earlier attempt: never counted twice
-                    await m.ack()
                     continue
                 staleness = v - g["policy_version"]
                 if cfg.mode == "periodic" and staleness != 0:
                     raise StalenessError(f"iteration {v}: group {g['prompt_id']} was generated by version {g['policy_version']} (staleness {staleness})")
-                t0 = time.time()
-                await asyncio.to_thread(learner.train_on_group, g)
-                t1 = time.time()
-                clock.train += t1 - t0
+                if should_replace(g, cfg, filtered):
+                    filtered += 1
+                    filtered_errors += g.get("reward_errors", 0)
+                    replacement = next(spare)
+                    expected.discard(g["prompt_id"])
+                    expected.add(replacement.id)
+                    await transport.publish_work(work_item(v, replacement))
+                    continue
+                received[g["prompt_id"]] = g
+                batch.append(g)
+            t0 = time.time()
+            if batch:
+                await asyncio.to_thread(updates.add, batch)
+            t1 = time.time()
+            clock.train += t1 - t0
+            for g in batch:
                 clock.gen_spans.append((g["gen_start"], g["gen_end"]))
                 clock.rollout_idle += g.get("worker_idle_seconds", 0.0)
                 load_seconds = max(load_seconds, g.get("weight_load_seconds", 0.0))
                 files.append("groups.jsonl", group_record(g, t0, t1))
-                received[g["prompt_id"]] = g
-                await m.ack()
+            for m in msgs:
+                await m.ack()  # only after the group's gradient is in (or it was discarded)
         clock.sync += load_seconds
-        metrics = await asyncio.to_thread(
-            finish_iteration, learner, store, files, v, list(received.values()), clock, {"queue_depth": queue_depth, "groups_discarded": float(discarded)}
-        )
+        extra = {"queue_depth": queue_depth, "groups_discarded": float(discarded), "groups_filtered": float(filtered), "filtered_reward_errors": filtered_errors}
+        metrics = await asyncio.to_thread(finish_iteration, updates, store, files, v, list(received.values()), clock, extra)
         tracker.log(metrics, step=v)
         history.append(metrics)
     await transport.put("policy", {"version": end, "uri": str(store.path(end))})

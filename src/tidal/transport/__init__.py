@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 from dataclasses import dataclass
 
@@ -33,6 +34,18 @@ def stream_names(run_id: str) -> dict[str, str]:
     }
 
 
+def credentials_from_env() -> dict:
+    """NATS credentials come from the environment (a Kubernetes Secret in a cluster), never from config."""
+    env = os.environ
+    if env.get("NATS_TOKEN"):
+        return {"token": env["NATS_TOKEN"]}
+    if env.get("NATS_USER"):
+        return {"user": env["NATS_USER"], "password": env.get("NATS_PASSWORD", "")}
+    if env.get("NATS_CREDS"):
+        return {"user_credentials": env["NATS_CREDS"]}
+    return {}
+
+
 @dataclass
 class Transport:
     nc: nats.NATS
@@ -43,7 +56,7 @@ class Transport:
 
     @classmethod
     async def connect(cls, url: str, run_id: str, cfg: TransportConfig, create: bool = True) -> "Transport":
-        nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=10, name=f"tidal-{run_id}")
+        nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=10, name=f"tidal-{run_id}", **credentials_from_env())
         js = nc.jetstream()
         names = stream_names(run_id)
         if create:
@@ -124,7 +137,7 @@ class Transport:
     async def fetch(sub, batch: int, timeout: float) -> list:
         try:
             return await sub.fetch(batch, timeout=timeout)
-        except NatsTimeout:
+        except (NatsTimeout, asyncio.TimeoutError):
             return []
 
     async def work_queue_depth(self) -> int:

@@ -80,10 +80,11 @@ class WeightStore:
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        self._point_latest(version)
+        self.point_latest(version)
         return final
 
-    def _point_latest(self, version: int) -> None:
+    def point_latest(self, version: int) -> None:
+        """Moves the `latest` pointer atomically."""
         tmp = self.root / f".latest-{os.getpid()}"
         tmp.write_text(str(version))
         os.replace(tmp, self.root / "latest")

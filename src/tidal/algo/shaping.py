@@ -1,0 +1,30 @@
+"""Sample-level shaping: DAPO's dynamic-sampling filter, overlong penalty, truncated IS."""
+
+from __future__ import annotations
+
+import torch
+
+
+def has_no_signal(rewards: torch.Tensor) -> bool:
+    """DAPO dynamic sampling drops groups whose rewards are all equal (zero advantage everywhere)."""
+    return bool((rewards == rewards[0]).all())
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to max_length - buffer, then linear down to -factor."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    over = (lengths.float() - (max_length - buffer)).clamp(min=0)
+    return -factor * torch.clamp(over / buffer, max=1.0)
+
+
+def truncated_importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token min(pi_old / pi_rollout, cap): corrects the engine-vs-trainer mismatch. Returns (weights, truncated)."""
+    ratio = torch.exp(old_logp - rollout_logp).detach()
+    return ratio.clamp(max=cap), ratio > cap
+
+
+def logprob_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean |Δ log-prob| between the trainer's and the engine's view of the same tokens."""
+    mask = mask.to(old_logp.dtype)
+    return float(((old_logp - rollout_logp).abs() * mask).sum() / mask.sum().clamp(min=1))
