@@ -162,3 +162,35 @@ def test_periodic_trainer_fails_loudly_on_a_stale_group(tmp_path, tiny_config, n
             await transport.close()
 
     asyncio.run(scenario())
+
+
+def test_a_killed_rollout_worker_loses_no_group(tmp_path, write_config):
+    """SIGKILL a worker mid-iteration: its unacked work is redelivered, the launcher restarts it,
+    and every group of every iteration is trained exactly once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    config = write_config({"transport.ack_wait_seconds": 2.0, "trainer.iterations": 2, "eval.enabled": False, "rollout.groups_per_batch": 1})
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    groups_file = run_dir / "groups.jsonl"
+    deadline = time.time() + 600
+    while not (groups_file.is_file() and groups_file.read_text().strip()) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(int((run_dir / "logs" / "worker-0.pid").read_text()), signal.SIGKILL)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    records = [json.loads(l) for l in groups_file.read_text().splitlines()]
+    keys = [(r["iteration"], r["prompt_id"]) for r in records]
+    assert len(keys) == len(set(keys)) == 2 * 6
+    assert "restarting" in (run_dir / "logs" / "launcher.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["groups_trained"] == 12 and summary["staleness_max"] == 0

@@ -78,7 +78,9 @@ class RoleProcesses:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TIDAL_THREADS": str(threads)}
         out = (self.logs / log_name).open("ab")
         cmd = [sys.executable, "-m", "tidal.cli", *args, str(self.config_path), "--run-dir", str(self.run_dir), "--nats-url", self.nats_url]
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        (self.logs / f"{Path(log_name).stem}.pid").write_text(str(proc.pid))
+        return proc
 
     def start(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
