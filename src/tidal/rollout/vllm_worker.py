@@ -1,0 +1,196 @@
+"""The rollout worker over vLLM's AsyncLLM: continuous batching across groups.
+
+Up to `rollout.max_inflight_groups` groups (one `n=G` request each) are in flight; each group is
+scored, published and acked the moment its last sample finishes, and a freed slot pulls the next
+work item at once. Weights change only at the iteration boundary: a work item of another version
+waits until nothing of the current version is in flight, then the worker loads that version
+(checksums verified inside the engine), drops the prefix cache, records the version and resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+from tidal.config import TidalConfig
+from tidal.rewards import RewardScorer
+from tidal.rollout.engine import GroupRequest
+from tidal.rollout.vllm_adapter import NCCL_KEY, VLLMEngine, nccl_join, nccl_receive
+from tidal.rollout.worker import build_group
+from tidal.transport import Transport
+from tidal.transport.codec import decode
+from tidal.weights import version_dir_name
+
+log = logging.getLogger(__name__)
+STOP_STATES = ("done", "failed", "round_done")
+
+
+def group_seed(seed: int, iteration: int, prompt_id: int) -> int:
+    """Deterministic mode: a group's samples depend on (seed, iteration, prompt id) alone."""
+    return ((seed * 1_000_003 + iteration) * 1_000_003 + prompt_id) % (2**63)
+
+
+class VLLMRolloutWorker:
+    def __init__(self, cfg: TidalConfig, engine: VLLMEngine, tokenizer, transport: Transport, worker_id: str):
+        self.cfg = cfg
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.transport = transport
+        self.worker_id = worker_id
+        self.scorer = RewardScorer.from_config(cfg.reward)
+        self.score_pool = ThreadPoolExecutor(max_workers=1)  # one scorer, one thread: its error count stays exact
+        self.version: int | None = None
+        self.groups_published = 0
+        self.inflight: dict[asyncio.Task, object] = {}  # task -> its NATS message
+        self.backlog: deque = deque()  # (msg, item) pulled but not started: another version
+        self.load_seconds = 0.0
+        self.idle_seconds = 0.0
+        self.idle_since: float | None = time.time()
+        self.nccl_joined = False
+
+    # --- weights ---------------------------------------------------------------------------------
+
+    async def _policy_uri(self, version: int) -> str:
+        policy = await self.transport.get("policy")
+        while policy is None or policy["version"] < version:
+            await asyncio.sleep(0.05)
+            policy = await self.transport.get("policy")
+        return os.path.join(os.path.dirname(policy["uri"]), version_dir_name(version))
+
+    async def _receive_nccl(self, version: int) -> bool:
+        """The GPU fast path; False (use the weight store) whenever it is not set up for `version`."""
+        rdv = await self.transport.get(NCCL_KEY)
+        if not rdv or rdv.get("version") != version:
+            return False
+        try:
+            if not self.nccl_joined:
+                index = int(self.worker_id.rsplit("-", 1)[-1])
+                await nccl_join(self.engine, rdv, 1 + index * self.cfg.rollout.vllm.tensor_parallel_size)
+                self.nccl_joined = True
+            await nccl_receive(self.engine, rdv["update_info"], version)
+            return True
+        except Exception as err:  # noqa: BLE001 - any failure means: fall back to the store
+            log.warning("worker %s: NCCL weight transfer of v%d failed (%s); using the weight store", self.worker_id, version, err)
+            return False
+
+    async def _report(self, version: int, error: str) -> None:
+        log.error("worker %s refused weights v%d: %s (keeping v%s)", self.worker_id, version, error, self.version)
+        await self.transport.put(f"errors.{self.worker_id}", {"version": version, "error": error, "time": time.time()})
+
+    async def sync_weights(self, version: int) -> bool:
+        """Loads `version` with nothing in flight. False: refused (corrupt), the previous version stays."""
+        assert not self.inflight, "weights change only with nothing in flight"
+        t0 = time.time()
+        path = await self._policy_uri(version)
+        if not (self.cfg.rollout.vllm.weight_sync == "nccl" and await self._receive_nccl(version)):
+            result = await self.engine.load_snapshot(path)
+            if "error" in result:
+                await self._report(version, result["error"])
+                if result.get("partial") and self.version is not None:
+                    await self.engine.load_snapshot(await self._policy_uri(self.version))
+                return False
+        self.version = version
+        self.load_seconds += time.time() - t0
+        log.info("worker %s loaded weights v%d in %.3fs", self.worker_id, version, time.time() - t0)
+        return True
+
+    # --- one group -------------------------------------------------------------------------------
+
+    async def _run_group(self, msg, item: dict) -> None:
+        prompt = self.tokenizer(item["prompt"], add_special_tokens=False).input_ids
+        seed = group_seed(self.cfg.seed, item["iteration"], item["prompt_id"]) if self.cfg.rollout.deterministic else None
+        version = self.version
+        gen_start = time.time()
+        samples = await self.engine.generate_group(GroupRequest(prompt, self.cfg.rollout.group_size), seed, tag=f"{item['iteration']}-{item['prompt_id']}")
+        gen_end = time.time()
+        group = await asyncio.get_running_loop().run_in_executor(
+            self.score_pool, build_group, item, prompt, samples, self.tokenizer, self.scorer, version, self.worker_id, gen_start, gen_end
+        )
+        group["weight_load_seconds"], self.load_seconds = self.load_seconds, 0.0
+        group["worker_idle_seconds"], self.idle_seconds = self.idle_seconds, 0.0
+        await self.transport.publish_group(group)
+        await msg.ack()
+        self.groups_published += 1
+
+    def _start(self, msg, item: dict) -> None:
+        if self.idle_since is not None:
+            self.idle_seconds += time.time() - self.idle_since
+            self.idle_since = None
+        self.inflight[asyncio.create_task(self._run_group(msg, item))] = msg
+
+    async def _finished(self, done: set) -> None:
+        for task in done:
+            msg = self.inflight.pop(task)
+            if task.exception() is not None:
+                if self.engine.dead:
+                    raise RuntimeError(f"worker {self.worker_id}: the vLLM engine died") from task.exception()
+                log.error("worker %s: a group failed: %r; its work item goes back to the queue", self.worker_id, task.exception())
+                await msg.nak(delay=1.0)
+        if not self.inflight:
+            self.idle_since = time.time()
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    async def _pull(self, sub) -> None:
+        free = self.cfg.rollout.max_inflight_groups - len(self.inflight)
+        if self.backlog or free <= 0:
+            return
+        timeout = 0.05 if self.inflight else 1.0  # in-flight groups progress while we wait
+        for m in await self.transport.fetch(sub, free, timeout=timeout):
+            self.backlog.append((m, decode(m.data)))
+
+    async def _start_ready(self) -> None:
+        """Starts backlog items of the loaded version; switches version only with nothing in flight."""
+        while self.backlog and len(self.inflight) < self.cfg.rollout.max_inflight_groups:
+            msg, item = self.backlog[0]
+            if item["iteration"] != self.version:
+                if self.inflight:
+                    return  # drain the current version first: no sample mixes two versions
+                if not await self.sync_weights(item["iteration"]):
+                    for m, _ in self.backlog:
+                        await m.nak(delay=1.0)
+                    self.backlog.clear()
+                    return
+            self.backlog.popleft()
+            self._start(msg, item)
+
+    async def _keep_alive(self) -> None:
+        """Extends the ack deadline of every message held (in flight or waiting in the backlog)."""
+        while True:
+            await asyncio.sleep(self.cfg.transport.ack_wait_seconds / 3)
+            for m in [*self.inflight.values(), *(m for m, _ in self.backlog)]:
+                await m.in_progress()
+
+    async def _stopping(self) -> bool:
+        state = await self.transport.get("run")
+        return bool(state and state.get("state") in STOP_STATES)
+
+    async def run(self) -> None:
+        sub = await self.transport.work_subscription()
+        keep_alive = asyncio.create_task(self._keep_alive())
+        last_check = 0.0
+        try:
+            while True:
+                if not self.inflight and time.time() - last_check > 1.0:
+                    last_check = time.time()
+                    if await self._stopping():
+                        log.info("worker %s: run is over, exiting", self.worker_id)
+                        return
+                await self._pull(sub)
+                await self._start_ready()
+                if self.inflight and (len(self.inflight) >= self.cfg.rollout.max_inflight_groups or self.backlog):
+                    done, _ = await asyncio.wait(list(self.inflight), return_when=asyncio.FIRST_COMPLETED)
+                    await self._finished(done)
+                else:
+                    await self._finished({t for t in self.inflight if t.done()})
+        finally:
+            keep_alive.cancel()
+            for task in self.inflight:
+                task.cancel()
+            for m, _ in self.backlog:
+                await m.nak()
+            self.score_pool.shutdown(wait=False)

