@@ -136,7 +136,9 @@ class VLLMEngine:
         check_head_size(model_dir, device)
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return cls(AsyncLLM.from_engine_args(engine_args(cfg, model_dir)), cfg)
+        engine = cls(AsyncLLM.from_engine_args(engine_args(cfg, model_dir)), cfg)
+        start_reaper()
+        return engine
 
     async def generate_group(self, request: GroupRequest, seed: int | None = None, tag: str = "g", greedy: bool = False, max_tokens: int | None = None) -> list[Sample]:
         from vllm.inputs.engine import tokens_input
@@ -183,6 +185,37 @@ class VLLMEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+
+
+_REAPER = """
+import os, sys, time, signal
+parent, children = int(sys.argv[1]), [int(p) for p in sys.argv[2:]]
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+while alive(parent) and any(alive(c) for c in children):
+    time.sleep(1.0)
+for c in children:
+    if alive(c):
+        os.kill(c, signal.SIGKILL)
+"""
+
+
+def start_reaper() -> None:
+    """vLLM's engine processes outlive a SIGKILLed client (holding memory, or a GPU): a watcher
+    process kills them once this process is gone."""
+    import os
+    import subprocess
+    import sys
+
+    import psutil  # a vLLM dependency
+
+    children = [str(c.pid) for c in psutil.Process().children(recursive=True)]
+    if children:
+        subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), *children], start_new_session=True)
 
 
 def _retie(state: dict, hf_config) -> dict:
