@@ -28,9 +28,14 @@ class RolloutEngine(Protocol):
     def generate(self, requests: list[GroupRequest], greedy: bool = False) -> list[list[Sample]]: ...
 
 
+def group_seed(seed: int, iteration: int, prompt_id: int) -> int:
+    """Deterministic mode: a group's samples depend on (seed, iteration, prompt id) alone."""
+    return ((seed * 1_000_003 + iteration) * 1_000_003 + prompt_id) % (2**63)
+
+
 def group_generator(seed: int, iteration: int, prompt_id: int) -> torch.Generator:
-    """The RNG of one group: a function of (seed, iteration, prompt id) alone."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + iteration) * 1_000_003 + prompt_id)
+    """The RNG of one group, seeded by `group_seed`."""
+    return torch.Generator().manual_seed(group_seed(seed, iteration, prompt_id))
 
 
 def gumbel_sample(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

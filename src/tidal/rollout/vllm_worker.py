@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tidal.config import TidalConfig
 from tidal.rewards import RewardScorer
-from tidal.rollout.engine import GroupRequest
+from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import NCCL_KEY, VLLMEngine, nccl_join, nccl_receive
 from tidal.rollout.worker import build_group
 from tidal.transport import Transport
@@ -27,11 +27,6 @@ from tidal.weights import version_dir_name
 
 log = logging.getLogger(__name__)
 STOP_STATES = ("done", "failed", "round_done")
-
-
-def group_seed(seed: int, iteration: int, prompt_id: int) -> int:
-    """Deterministic mode: a group's samples depend on (seed, iteration, prompt id) alone."""
-    return ((seed * 1_000_003 + iteration) * 1_000_003 + prompt_id) % (2**63)
 
 
 class VLLMRolloutWorker:
