@@ -194,3 +194,20 @@ def test_a_killed_rollout_worker_loses_no_group(tmp_path, write_config):
     assert "restarting" in (run_dir / "logs" / "launcher.log").read_text()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["groups_trained"] == 12 and summary["staleness_max"] == 0
+
+
+def test_trainer_refuses_several_ranks_with_a_clear_error(write_config):
+    config = write_config()
+    proc = run_cli("train", str(config), "--run-dir", str(config.parent / "run"), "--nats-url", "nats://127.0.0.1:1", env={"WORLD_SIZE": "4"})
+    assert proc.returncode == 2
+    assert "WORLD_SIZE=4" in proc.stderr and "nproc_per_node=1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sync_mode_dynamic_sampling_replaces_groups_without_signal(tmp_path, write_config):
+    config = write_config({"mode": "sync", "trainer.iterations": 2, "trainer.dynamic_sampling": True, "trainer.max_replacements": 2, "eval.enabled": False})
+    proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    # the barely warm-started model solves nothing: every group is all-zero, so the cap is hit
+    assert summary["groups_filtered"] == 2 * 2 and summary["groups_trained"] == 2 * 6
+    assert summary["groups_generated"] == 2 * (6 + 2)

@@ -40,13 +40,15 @@ def tiny_model(family: str) -> torch.nn.Module:
     )
     if family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     model.config._attn_implementation = "sdpa"
     return model.float().eval()
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama"])
 def model(request):
     return tiny_model(request.param)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,7 +50,18 @@ def build_learner(cfg: TidalConfig, base_model: str) -> tuple[Learner, object]:
     return learner, tokenizer
 
 
+def require_single_rank() -> None:
+    """The trainer is one process today; several ranks would each consume the ROLLOUTS stream."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ValueError(
+            f"WORLD_SIZE={world}: the Tidal trainer does not shard across ranks yet; "
+            "run the trainer job with 1 node and nproc_per_node=1"
+        )
+
+
 async def trainer_role(cfg: TidalConfig, run_dir: Path, nats_url: str, iterations: int | None = None) -> list[dict]:
+    require_single_rank()
     info = RunInfo.load(run_dir)
     set_threads(split_cores(cfg)[0])
     dataset = load_dataset(cfg.data, cfg.seed)

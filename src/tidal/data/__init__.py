@@ -42,7 +42,7 @@ def make_arithmetic(seed: int, num_train: int, num_eval: int, max_digits: int, o
     rng = random.Random(f"tidal-arithmetic-{seed}")
     limit = 10**max_digits
     total = num_train + num_eval
-    if total > (limit**2) * len(operations) // 2:
+    if total > (limit**2) * len(operations) * 3 // 4:  # keep rejection sampling of duplicates cheap
         raise DatasetError(f"data.max_digits={max_digits} is too small for {total} distinct problems")
     seen: set[tuple[int, str, int]] = set()
     problems: list[Problem] = []
