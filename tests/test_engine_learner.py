@@ -175,3 +175,16 @@ def test_reference_can_be_offloaded_to_cpu():
     model, tok = tiny()
     learner = Learner(TrainerConfig(kl_coef=0.05, reference_device="cpu"), model, tok.pad_token_id)
     assert all(p.device.type == "cpu" and not p.requires_grad for p in learner.reference.parameters())
+
+
+def test_a_saved_tiny_model_reloads_with_the_same_tokenizer(tmp_path):
+    """AutoTokenizer would swap in Qwen2's pre-tokenizer and silently drop spaces."""
+    from tidal.model.loading import load_model_and_tokenizer
+
+    model, tok = tiny()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    _, loaded = load_model_and_tokenizer(tmp_path)
+    text = "12+34=\nA: 46"
+    assert loaded(text, add_special_tokens=False).input_ids == tok(text, add_special_tokens=False).input_ids
+    assert loaded.decode(tok(text, add_special_tokens=False).input_ids) == text

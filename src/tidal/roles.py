@@ -102,12 +102,11 @@ async def worker_role(cfg: TidalConfig, run_dir: Path, nats_url: str, worker_id:
 
 
 async def vllm_worker_role(cfg: TidalConfig, info: RunInfo, nats_url: str, worker_id: str) -> int:
-    from transformers import AutoTokenizer
-
+    from tidal.model.loading import load_tokenizer
     from tidal.rollout.vllm_adapter import VLLMEngine
     from tidal.rollout.vllm_worker import VLLMRolloutWorker
 
-    tokenizer = AutoTokenizer.from_pretrained(info.base_model)
+    tokenizer = load_tokenizer(info.base_model)
     engine = VLLMEngine.create(cfg, info.base_model)
     try:
         transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=False)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from tidal.config import TidalConfig
 from tidal.data import Dataset, Problem, arithmetic_completion
@@ -38,11 +38,22 @@ def warm_start_key(cfg: TidalConfig) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_model_and_tokenizer(path: str | Path, dtype: str = "float32"):
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+def load_tokenizer(path: str | Path):
+    """AutoTokenizer, except for a plain `tokenizers` tokenizer (ours): AutoTokenizer would pick the
+    model type's tokenizer class (e.g. Qwen2Tokenizer) and replace its pre-tokenizer."""
+    config = Path(path) / "tokenizer_config.json"
+    if config.is_file() and json.loads(config.read_text()).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model_and_tokenizer(path: str | Path, dtype: str = "float32"):
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
     return model, tokenizer
 
 
