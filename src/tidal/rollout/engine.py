@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +45,16 @@ def gumbel_sample(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor
     return torch.argmax(logprobs + gumbel, dim=-1)
 
 
+def cache_argument_name(model) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.20+); vLLM 0.32 environments pin 5.19."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
 class HFEngine:
     """Generates G samples per prompt with a hand-written decode loop over a stock HF causal LM."""
 
@@ -53,6 +64,7 @@ class HFEngine:
         self.pad = pad_token_id
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
+        self.cache_kwarg = cache_argument_name(model)
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         from tidal.model.loading import load_state_dict_tied
@@ -71,7 +83,7 @@ class HFEngine:
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache, logits = out.cache, out.logits[:, -1, :]
+        cache, logits = returned_cache(out), out.logits[:, -1, :]
         next_pos = positions[:, -1:] + 1
         tokens = [[] for _ in rows]
         logps = [[] for _ in rows]
@@ -94,8 +106,8 @@ class HFEngine:
                 break
             nxt = torch.where(done, torch.full_like(nxt, self.pad), nxt)
             mask = torch.cat([mask, (~done).long()[:, None]], dim=1)
-            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos, cache=cache, use_cache=True)
-            cache, logits = out.cache, out.logits[:, -1, :]
+            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True, **{self.cache_kwarg: cache})
+            cache, logits = returned_cache(out), out.logits[:, -1, :]
             next_pos = next_pos + 1
         samples = [Sample(t, l, r) for t, l, r in zip(tokens, logps, reasons)]
         grouped, start = [], 0
