@@ -4,3 +4,13 @@
 def digit_count(completion: str, answer: str) -> float:
     """A graded reward that differs between samples, so every group has a non-zero advantage."""
     return float(sum(c.isdigit() for c in completion))
+
+
+def slow_exact_match(completion: str, answer: str) -> float:
+    """A reward that takes a while, so an iteration lasts long enough to be interrupted in a test."""
+    import time
+
+    from tidal.rewards import exact_match
+
+    time.sleep(0.05)
+    return exact_match(completion, answer)

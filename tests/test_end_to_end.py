@@ -211,3 +211,47 @@ def test_sync_mode_dynamic_sampling_replaces_groups_without_signal(tmp_path, wri
     # the barely warm-started model solves nothing: every group is all-zero, so the cap is hit
     assert summary["groups_filtered"] == 2 * 2 and summary["groups_trained"] == 2 * 6
     assert summary["groups_generated"] == 2 * (6 + 2)
+
+
+def test_a_killed_trainer_resumes_and_loses_no_group(tmp_path, write_config):
+    """SIGKILL the trainer mid-iteration: groups are acked only after the step, so the restarted
+    trainer gets the interrupted iteration's groups again and resumes from the last checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    config = write_config(
+        {
+            "transport.ack_wait_seconds": 2.0,
+            "eval.enabled": False,
+            "rollout.groups_per_batch": 1,
+            "reward.functions": [{"name": "tests.rewards:slow_exact_match"}],
+        }
+    )
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    groups_file = run_dir / "groups.jsonl"
+
+    def records():
+        return [json.loads(l) for l in groups_file.read_text().splitlines()] if groups_file.is_file() else []
+
+    deadline = time.time() + 600
+    while not any(r["iteration"] == 1 for r in records()) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    os.kill(int((run_dir / "logs" / "trainer.pid").read_text()), signal.SIGKILL)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [0, 1, 2]
+    assert all(m["samples"] == 6 * 4 and m["staleness_max"] == 0 for m in metrics)
+    trained_in_1 = [r["prompt_id"] for r in records() if r["iteration"] == 1]
+    assert len(trained_in_1) > 6 and len(set(trained_in_1)) == 6  # interrupted, then all six again
+    assert "restarting from the last checkpoint" in (run_dir / "logs" / "launcher.log").read_text()
+    assert "resumed from checkpoint: version 1" in (run_dir / "logs" / "trainer.log").read_text()

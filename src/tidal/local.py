@@ -27,6 +27,7 @@ from tidal.weights import WeightStore
 
 log = logging.getLogger(__name__)
 MAX_WORKER_RESTARTS = 3
+MAX_TRAINER_RESTARTS = 2
 
 
 class RoleFailed(RuntimeError):
@@ -103,6 +104,13 @@ class RoleProcesses:
                 self.start_worker(wid)
         code = self.trainer.poll()
         if code is None:
+            return False
+        if code < 0 and self.restarts.get("trainer", 0) < MAX_TRAINER_RESTARTS:
+            # Killed by a signal (OOM killer, preemption): resume from the last checkpoint;
+            # the unacked groups of the interrupted iteration are redelivered to it.
+            self.restarts["trainer"] = self.restarts.get("trainer", 0) + 1
+            log.warning("trainer was killed (signal %d); restarting from the last checkpoint", -code)
+            self.trainer = self._spawn(["train"], "trainer.log", self.trainer_threads)
             return False
         if code != 0:
             raise RoleFailed(f"trainer exited with code {code}:\n{tail(self.logs / 'trainer.log')}")

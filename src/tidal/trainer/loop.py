@@ -161,6 +161,14 @@ class IterationUpdates:
         return merge_updates(self.updates)
 
 
+async def hold_messages(msgs: list, every: float) -> None:
+    """Keeps unacked messages from being redelivered while the iteration is still training on them."""
+    while True:
+        await asyncio.sleep(every)
+        for m in list(msgs):
+            await m.in_progress()
+
+
 def replacement_budget(cfg: TidalConfig) -> int:
     if not cfg.trainer.dynamic_sampling:
         return 0
@@ -255,6 +263,8 @@ async def run_periodic_trainer(
         load_seconds = 0.0
         queue_depth = float(await transport.work_queue_depth())
         waited_since = time.time()
+        held: list = []
+        keep_alive = asyncio.create_task(hold_messages(held, cfg.transport.ack_wait_seconds / 3))
         while len(received) < len(expected):
             t0 = time.time()
             msgs = await transport.fetch(sub, len(expected) - len(received), timeout=1.0)
@@ -296,11 +306,15 @@ async def run_periodic_trainer(
                 clock.rollout_idle += g.get("worker_idle_seconds", 0.0)
                 load_seconds = max(load_seconds, g.get("weight_load_seconds", 0.0))
                 files.append("groups.jsonl", group_record(g, t0, t1))
-            for m in msgs:
-                await m.ack()  # only after the group's gradient is in (or it was discarded)
+            held.extend(msgs)
         clock.sync += load_seconds
         extra = {"queue_depth": queue_depth, "groups_discarded": float(discarded), "groups_filtered": float(filtered), "filtered_reward_errors": filtered_errors}
         metrics = await asyncio.to_thread(finish_iteration, updates, store, files, v, list(received.values()), clock, extra)
+        keep_alive.cancel()
+        # Acked only now that the step and its checkpoint are on disk: a trainer that dies mid-iteration
+        # gets every group of the iteration redelivered and resumes from the last boundary.
+        for m in held:
+            await m.ack()
         tracker.log(metrics, step=v)
         history.append(metrics)
     await transport.put("policy", {"version": end, "uri": str(store.path(end))})
