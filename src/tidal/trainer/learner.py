@@ -50,10 +50,8 @@ def padded(rows: list, width: int) -> torch.Tensor:
 def token_logprobs(model, groups: list[tuple], temperature: float, attention: str, device: str, with_entropy: bool = False) -> list[GroupTokenLogprobs]:
     """Per-token log-probs of every response: the shared-prompt packed layout, or the naive one."""
     if attention == "naive":
-        outs = naive_token_logprobs(model, groups, temperature, with_entropy)
-    else:
-        outs = packed_token_logprobs(model, pack_groups(groups, device=device), temperature, attention, with_entropy)
-    return outs
+        return naive_token_logprobs(model, groups, temperature, with_entropy)
+    return packed_token_logprobs(model, pack_groups(groups, device=device), temperature, attention, with_entropy)
 
 
 class Learner:

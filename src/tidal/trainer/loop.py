@@ -45,10 +45,6 @@ class RunFiles:
     on_iteration: Callable[[dict], None] | None = None
 
     @property
-    def weights(self) -> Path:
-        return self.run_dir / "weights"
-
-    @property
     def checkpoint(self) -> Path:
         return self.run_dir / "checkpoint"
 
