@@ -21,12 +21,11 @@ from tidal.rewards import RewardScorer
 from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import NCCL_KEY, VLLMEngine, nccl_join, nccl_receive
 from tidal.rollout.worker import build_group
-from tidal.transport import Transport
+from tidal.transport import Transport, keep_in_progress
 from tidal.transport.codec import decode
 from tidal.weights import version_dir_name
 
 log = logging.getLogger(__name__)
-STOP_STATES = ("done", "failed", "round_done")
 
 
 class VLLMRolloutWorker:
@@ -50,10 +49,7 @@ class VLLMRolloutWorker:
     # --- weights ---------------------------------------------------------------------------------
 
     async def _policy_uri(self, version: int) -> str:
-        policy = await self.transport.get("policy")
-        while policy is None or policy["version"] < version:
-            await asyncio.sleep(0.05)
-            policy = await self.transport.get("policy")
+        policy = await self.transport.wait_for_policy(version)
         return os.path.join(os.path.dirname(policy["uri"]), version_dir_name(version))
 
     async def _receive_nccl(self, version: int) -> bool:
@@ -155,14 +151,10 @@ class VLLMRolloutWorker:
 
     async def _keep_alive(self) -> None:
         """Extends the ack deadline of every message held (in flight or waiting in the backlog)."""
-        while True:
-            await asyncio.sleep(self.cfg.transport.ack_wait_seconds / 3)
-            for m in [*self.inflight.values(), *(m for m, _ in self.backlog)]:
-                await m.in_progress()
+        await keep_in_progress(lambda: [*self.inflight.values(), *(m for m, _ in self.backlog)], self.cfg.transport.ack_wait_seconds / 3)
 
     async def _stopping(self) -> bool:
-        state = await self.transport.get("run")
-        return bool(state and state.get("state") in STOP_STATES)
+        return await self.transport.stopping()
 
     async def run(self) -> None:
         sub = await self.transport.work_subscription()

@@ -16,9 +16,9 @@ import numpy as np
 from tidal.config import TidalConfig
 from tidal.rewards import RewardScorer, exact_match
 from tidal.rollout.engine import GroupRequest, RolloutEngine, group_generator
-from tidal.transport import Transport
+from tidal.transport import Transport, keep_in_progress
 from tidal.transport.codec import decode
-from tidal.weights import CorruptSnapshotError, load_verified
+from tidal.weights import CorruptSnapshotError, load_verified, version_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +81,6 @@ def generate_groups(
     return groups
 
 
-async def _keep_alive(msgs, every: float) -> None:
-    """Extends the ack deadline of work in progress (long generations on real models)."""
-    while True:
-        await asyncio.sleep(every)
-        for m in msgs:
-            await m.in_progress()
-
-
 class RolloutWorker:
     def __init__(self, cfg: TidalConfig, engine: RolloutEngine, tokenizer, transport: Transport, worker_id: str):
         self.cfg = cfg
@@ -102,12 +94,9 @@ class RolloutWorker:
 
     async def _load_version(self, version: int) -> float | None:
         """Loads snapshot `version`; returns seconds taken, or None when the snapshot is refused."""
-        policy = await self.transport.get("policy")
-        while policy is None or policy["version"] < version:
-            await asyncio.sleep(0.05)
-            policy = await self.transport.get("policy")
+        policy = await self.transport.wait_for_policy(version)
         t0 = time.time()
-        path = os.path.join(os.path.dirname(policy["uri"]), f"v{version:06d}")
+        path = os.path.join(os.path.dirname(policy["uri"]), version_dir_name(version))
         try:
             state = await asyncio.to_thread(load_verified, path)
             await asyncio.to_thread(self.engine.load_state_dict, state)
@@ -124,9 +113,8 @@ class RolloutWorker:
         batch_size = 1 if self.cfg.rollout.deterministic else self.cfg.rollout.groups_per_batch
         idle_since = time.time()
         while True:
-            state = await self.transport.get("run")
-            if state and state.get("state") in ("done", "failed", "round_done"):
-                log.info("worker %s: run is %s, exiting", self.worker_id, state["state"])
+            if await self.transport.stopping():
+                log.info("worker %s: the run or round is over, exiting", self.worker_id)
                 return
             msgs = await self.transport.fetch(sub, batch_size, timeout=1.0)
             if not msgs:
@@ -147,7 +135,7 @@ class RolloutWorker:
                     continue
                 load_seconds = taken
             idle = time.time() - idle_since - load_seconds
-            keep_alive = asyncio.create_task(_keep_alive(msgs, self.cfg.transport.ack_wait_seconds / 3))
+            keep_alive = asyncio.create_task(keep_in_progress(msgs, self.cfg.transport.ack_wait_seconds / 3))
             try:
                 groups = await asyncio.to_thread(generate_groups, self.engine, self.tokenizer, self.scorer, items, self.cfg, self.version, self.worker_id)
             finally:

@@ -26,7 +26,7 @@ from tidal.rewards import RewardScorer
 from tidal.rollout.engine import HFEngine
 from tidal.rollout.worker import generate_groups, work_item
 from tidal.trainer.learner import Learner, group_stats, merge_updates
-from tidal.transport import Transport
+from tidal.transport import Transport, keep_in_progress
 from tidal.transport.codec import decode
 from tidal.weights import WeightStore
 
@@ -157,14 +157,6 @@ class IterationUpdates:
         return merge_updates(self.updates)
 
 
-async def hold_messages(msgs: list, every: float) -> None:
-    """Keeps unacked messages from being redelivered while the iteration is still training on them."""
-    while True:
-        await asyncio.sleep(every)
-        for m in list(msgs):
-            await m.in_progress()
-
-
 def replacement_budget(cfg: TidalConfig) -> int:
     if not cfg.trainer.dynamic_sampling:
         return 0
@@ -260,7 +252,8 @@ async def run_periodic_trainer(
         queue_depth = float(await transport.work_queue_depth())
         waited_since = time.time()
         held: list = []
-        keep_alive = asyncio.create_task(hold_messages(held, cfg.transport.ack_wait_seconds / 3))
+        # Held groups must not be redelivered while the iteration still trains on them.
+        keep_alive = asyncio.create_task(keep_in_progress(held, cfg.transport.ack_wait_seconds / 3))
         while len(received) < len(expected):
             t0 = time.time()
             msgs = await transport.fetch(sub, len(expected) - len(received), timeout=1.0)

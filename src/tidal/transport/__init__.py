@@ -17,6 +17,7 @@ from tidal.transport.codec import decode, encode
 
 WORKERS_CONSUMER = "workers"
 TRAINER_CONSUMER = "trainer"
+STOP_STATES = ("done", "failed", "round_done")  # run states on which rollout workers exit
 
 
 class MessageTooLargeError(ValueError):
@@ -32,6 +33,14 @@ def stream_names(run_id: str) -> dict[str, str]:
         "rollouts_subject": f"tidal.{token}.rollouts",
         "kv_bucket": f"TIDAL_{token}",
     }
+
+
+async def keep_in_progress(msgs, every: float) -> None:
+    """Extends the ack deadline of held messages (`msgs` is read afresh each round) until cancelled."""
+    while True:
+        await asyncio.sleep(every)
+        for m in list(msgs() if callable(msgs) else msgs):
+            await m.in_progress()
 
 
 def credentials_from_env() -> dict:
@@ -80,26 +89,17 @@ class Transport:
     @staticmethod
     async def _ensure_streams(js, names: dict[str, str], cfg: TransportConfig) -> None:
         max_bytes = cfg.max_payload_mb * 1024 * 1024
-        await js.add_stream(
-            StreamConfig(
-                name=names["work_stream"],
-                subjects=[names["work_subject"]],
-                retention=RetentionPolicy.WORK_QUEUE,
-                storage=StorageType.FILE,
-                max_msg_size=max_bytes,
-                duplicate_window=3600,
+        for kind, retention in (("work", RetentionPolicy.WORK_QUEUE), ("rollouts", RetentionPolicy.LIMITS)):
+            await js.add_stream(
+                StreamConfig(
+                    name=names[f"{kind}_stream"],
+                    subjects=[names[f"{kind}_subject"]],
+                    retention=retention,
+                    storage=StorageType.FILE,
+                    max_msg_size=max_bytes,
+                    duplicate_window=3600,  # Nats-Msg-Id de-duplication: redelivered work publishes once
+                )
             )
-        )
-        await js.add_stream(
-            StreamConfig(
-                name=names["rollouts_stream"],
-                subjects=[names["rollouts_subject"]],
-                retention=RetentionPolicy.LIMITS,
-                storage=StorageType.FILE,
-                max_msg_size=max_bytes,
-                duplicate_window=3600,
-            )
-        )
         ack_wait = cfg.ack_wait_seconds
         await js.add_consumer(
             names["work_stream"],
@@ -153,6 +153,18 @@ class Transport:
         except KeyNotFoundError:
             return None
         return decode(entry.value) if entry and entry.value else None
+
+    async def wait_for_policy(self, version: int) -> dict:
+        """The KV policy entry once it has reached `version`."""
+        policy = await self.get("policy")
+        while policy is None or policy["version"] < version:
+            await asyncio.sleep(0.05)
+            policy = await self.get("policy")
+        return policy
+
+    async def stopping(self) -> bool:
+        state = await self.get("run")
+        return bool(state and state.get("state") in STOP_STATES)
 
     async def close(self) -> None:
         await self.nc.close()
