@@ -50,3 +50,11 @@ def test_missing_and_malformed_files(tmp_path):
 def test_jsonl_task_requires_a_path():
     with pytest.raises(ConfigError, match="data.path is required"):
         config_from_dict({"data": {"task": "jsonl"}})
+
+
+def test_nccl_weight_sync_without_vllm_workers_is_named():
+    with pytest.raises(ConfigError, match=r"weight_sync 'nccl'.*rollout.engine 'vllm'"):
+        config_from_dict({"rollout": {"vllm": {"weight_sync": "nccl"}}})
+    with pytest.raises(ConfigError, match=r"mode 'periodic'"):
+        config_from_dict({"mode": "sync", "rollout": {"engine": "vllm", "vllm": {"weight_sync": "nccl"}}})
+    assert config_from_dict({"mode": "sync", "rollout": {"engine": "vllm"}}).rollout.engine == "vllm"

@@ -25,6 +25,7 @@ pytestmark = [
 ]
 
 ITERATIONS, PROMPTS, G = 3, 6, 4
+VLLM_SETTINGS = {"enforce_eager": True, "kv_cache_memory_gib": 0.25, "max_model_len": 128}
 KILL_AT_CALL = G * (PROMPTS + 3) + 1  # scoring the 4th group of iteration 1: after a weight sync, mid-iteration
 _calls = 0
 
@@ -48,7 +49,7 @@ def vllm_run_config(tiny_config_dict: dict, path: Path, **extra) -> Path:
         "group_size": G,
         "max_new_tokens": 8,
         "max_inflight_groups": 4,
-        "vllm": {"enforce_eager": True, "kv_cache_memory_gib": 0.25, "max_model_len": 128},
+        "vllm": dict(VLLM_SETTINGS),
     }
     data["trainer"].update({"iterations": ITERATIONS, "prompts_per_iteration": PROMPTS})
     for key, value in extra.items():
@@ -61,8 +62,10 @@ def group_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "groups.jsonl").read_text().splitlines()]
 
 
-def test_tidal_run_with_the_vllm_engine(tmp_path, tiny_config_dict):
-    config = vllm_run_config(tiny_config_dict, tmp_path / "config.yaml")
+def test_tidal_run_with_the_vllm_engine_falls_back_to_the_store_when_nccl_cannot_run(tmp_path, tiny_config_dict):
+    # weight_sync nccl on a machine without CUDA: the trainer turns NCCL off at start, every worker
+    # loads every version from the weight store, and the run completes.
+    config = vllm_run_config(tiny_config_dict, tmp_path / "config.yaml", rollout={"vllm": {**VLLM_SETTINGS, "weight_sync": "nccl"}})
     proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:] + (tmp_path / "run" / "logs" / "worker-0.log").read_text()[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -72,8 +75,32 @@ def test_tidal_run_with_the_vllm_engine(tmp_path, tiny_config_dict):
     assert all(r["policy_version"] == r["iteration"] for r in records)
     log = (tmp_path / "run" / "logs" / "worker-0.log").read_text()
     assert all(f"loaded weights v{v} " in log for v in range(ITERATIONS))
+    assert log.count("from the weight store") == ITERATIONS
+    trainer_log = (tmp_path / "run" / "logs" / "trainer.log").read_text()
+    assert "NCCL weight transfer off for the rest of the run: the trainer has no CUDA device" in trainer_log
+    launcher = (tmp_path / "run" / "logs" / "launcher.log").read_text()
+    assert launcher.count("with the BlockingVLLMEngine engine") == 2  # held-out eval before and after ran on vLLM
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["generated_tokens_per_s"] > 0 for m in metrics)
+
+
+def test_sync_mode_generates_and_evaluates_on_vllm_with_each_iterations_weights(tmp_path, tiny_config_dict):
+    config = vllm_run_config(tiny_config_dict, tmp_path / "config.yaml")
+    data = yaml.safe_load(config.read_text())
+    data["mode"] = "sync"
+    config.write_text(yaml.safe_dump(data))
+    proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["mode"] == "sync" and summary["iterations"] == ITERATIONS and summary["groups_trained"] == ITERATIONS * PROMPTS
+    assert summary["accuracy_before"] is not None and summary["accuracy_after"] is not None
+    launcher = (tmp_path / "run" / "logs" / "launcher.log").read_text()
+    assert all(f"the engine loaded weights v{v} " in launcher for v in range(ITERATIONS))
+    assert launcher.count("with the BlockingVLLMEngine engine") == 2  # eval before and after, on the same engine
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # The trainer recomputes every sample's log-probs with the weights of its iteration; vLLM's agree
+    # only if vLLM generated with those same weights (lr 1e-3 moves them visibly each step).
+    assert all(m["logprob_mismatch"] < 2e-3 for m in metrics), [m["logprob_mismatch"] for m in metrics]
 
 
 def test_a_killed_vllm_worker_loses_nothing_and_nothing_is_trained_twice(tmp_path, tiny_config_dict):

@@ -72,8 +72,8 @@ def _run_command(args) -> int:
     elif args.command == "rollout-worker":
         roles.run_async(roles.worker_role(cfg, run_dir, args.nats_url, args.worker_id))
     elif args.command == "eval":
-        from tidal.local import evaluate_snapshot
         from tidal.data import load_dataset
+        from tidal.evaluate import evaluate_snapshot
         from tidal.weights import WeightStore
 
         info = roles.RunInfo.load(run_dir)
@@ -81,7 +81,7 @@ def _run_command(args) -> int:
         path = args.weights or store.path(store.latest_version())
         problems = load_dataset(cfg.data, cfg.seed).eval
         problems = problems[: cfg.eval.num_prompts] if cfg.eval.num_prompts else problems
-        acc = evaluate_snapshot(cfg, info.base_model, problems, store.load(path))
+        acc = evaluate_snapshot(cfg, info.base_model, problems, path)
         print(json.dumps({"weights": str(path), "accuracy": acc, "num_prompts": len(problems)}))
     return 0
 

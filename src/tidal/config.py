@@ -88,6 +88,9 @@ class VLLMConfig(_Strict):
     seed: int | None = None  # None: the run's seed
     platform: Literal["auto", "cpu", "cuda", "ascend"] = "auto"  # ascend: needs vllm-ascend + torch_npu
     weight_sync: Literal["store", "nccl"] = "store"  # nccl: GPU only, falls back to the store
+    # nccl: how long the trainer waits for every engine to be ready (the first wait spans engine
+    # start-up), and for one broadcast, before it turns NCCL off for the run
+    nccl_timeout_seconds: float = Field(600.0, gt=0)
 
 
 class RolloutConfig(_Strict):
@@ -138,6 +141,7 @@ class EvalConfig(_Strict):
     num_prompts: int | None = Field(None, gt=0)  # None: the whole held-out split
     max_new_tokens: int | None = Field(None, gt=0)
     batch_size: int = Field(64, gt=0)
+    engine: Literal["rollout", "hf", "vllm"] = "rollout"  # rollout: the engine rollout.engine names
 
 
 class TrackingConfig(_Strict):
@@ -166,9 +170,12 @@ class TidalConfig(_Strict):
     transport: TransportConfig = TransportConfig()
 
     @model_validator(mode="after")
-    def _vllm_needs_workers(self) -> "TidalConfig":
-        if self.mode == "sync" and self.rollout.engine == "vllm":
-            raise ValueError("rollout.engine 'vllm' runs in rollout workers: use mode 'periodic' (sync mode generates with the HF engine)")
+    def _nccl_needs_vllm_workers(self) -> "TidalConfig":
+        if self.rollout.vllm.weight_sync == "nccl" and (self.rollout.engine != "vllm" or self.mode != "periodic"):
+            raise ValueError(
+                "rollout.vllm.weight_sync 'nccl' sends weights from the trainer to vLLM rollout workers: "
+                "it needs rollout.engine 'vllm' and mode 'periodic' (sync mode's engine loads from the weight store)"
+            )
         return self
 
 

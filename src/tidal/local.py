@@ -15,10 +15,9 @@ from tqdm import tqdm
 
 from tidal.config import TidalConfig, dump_config
 from tidal.data import load_dataset
-from tidal.evaluate import held_out_accuracy
-from tidal.model.loading import load_model_and_tokenizer, prepare_base_model
+from tidal.evaluate import eval_engine_kind, evaluate_snapshot, open_engine
+from tidal.model.loading import prepare_base_model
 from tidal.roles import RunInfo, build_learner
-from tidal.rollout.engine import HFEngine
 from tidal.runtime import set_threads, setup_logging, split_cores
 from tidal.tracking import Tracker, start_run, tracking_uri
 from tidal.trainer.loop import RunFiles, run_sync
@@ -38,16 +37,6 @@ def tail(path: Path, lines: int = 25) -> str:
     if not path.is_file():
         return "(no log)"
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def evaluate_snapshot(cfg: TidalConfig, model_dir: str | Path, problems, weights=None) -> float:
-    model, tokenizer = load_model_and_tokenizer(model_dir, cfg.model.dtype)
-    if weights is not None:
-        from tidal.model.loading import load_state_dict_tied
-
-        load_state_dict_tied(model, weights)
-    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
-    return held_out_accuracy(engine, tokenizer, problems, cfg.eval.batch_size)
 
 
 class ProgressBar:
@@ -267,28 +256,35 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True)
     info, dataset, config_path = prepare_run(cfg, run_dir, show_progress)
     eval_set = dataset.eval[: cfg.eval.num_prompts] if cfg.eval.num_prompts else dataset.eval
     log.info("prepared run %s", info.run_id)
-    before = evaluate_snapshot(cfg, info.base_model, eval_set) if cfg.eval.enabled else None
-    log.info("accuracy before: %s", before)
-    bar = ProgressBar(cfg.trainer.iterations, show_progress)
+    # Sync mode on vLLM: one engine in this process serves eval before, every rollout and eval after.
+    engine = open_engine(cfg, info.base_model, "vllm") if cfg.mode == "sync" and cfg.rollout.engine == "vllm" else None
+    eval_engine = engine if eval_engine_kind(cfg) == "vllm" else None
     store = WeightStore(run_dir / "weights", info.base_model)
     tracker = Tracker(info.tracking_uri, info.mlflow_run_id)
-    extra: dict = {}
     try:
-        if cfg.mode == "sync":
-            learner, tokenizer = build_learner(cfg, info.base_model)
-            run_sync(cfg, learner, tokenizer, dataset, store, RunFiles(run_dir, bar.update), tracker)
-        else:
-            extra = run_periodic_local(cfg, config_path, run_dir, bar)
-    except BaseException:
-        tracker.finish("FAILED")
-        raise
+        before = evaluate_snapshot(cfg, info.base_model, eval_set, engine=eval_engine) if cfg.eval.enabled else None
+        log.info("accuracy before: %s", before)
+        bar = ProgressBar(cfg.trainer.iterations, show_progress)
+        extra: dict = {}
+        try:
+            if cfg.mode == "sync":
+                learner, tokenizer = build_learner(cfg, info.base_model)
+                run_sync(cfg, learner, tokenizer, dataset, store, RunFiles(run_dir, bar.update), tracker, engine)
+            else:
+                extra = run_periodic_local(cfg, config_path, run_dir, bar)
+        except BaseException:
+            tracker.finish("FAILED")
+            raise
+        finally:
+            bar.close()
+        log.info("loop finished")
+        final = store.path(store.latest_version())
+        set_threads(os.cpu_count() or 1)
+        after = evaluate_snapshot(cfg, info.base_model, eval_set, final, engine=eval_engine) if cfg.eval.enabled else None
     finally:
-        bar.close()
-    log.info("loop finished")
+        if engine is not None:
+            engine.shutdown()
     history, _ = follow_metrics(run_dir / "metrics.jsonl", 0)
-    final = store.path(store.latest_version())
-    set_threads(os.cpu_count() or 1)
-    after = evaluate_snapshot(cfg, info.base_model, eval_set, store.load(final)) if cfg.eval.enabled else None
     summary = summarize(cfg, history, before, after, final, info, extra)
     summary["wall_seconds"] = time.time() - t_start
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

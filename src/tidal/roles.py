@@ -18,6 +18,7 @@ from tidal.runtime import set_threads, split_cores
 from tidal.tracking import Tracker
 from tidal.trainer.learner import Learner
 from tidal.trainer.loop import RunFiles, run_periodic_trainer
+from tidal.trainer.weight_push import NcclWeightPush
 from tidal.transport import Transport
 from tidal.weights import WeightStore
 
@@ -73,7 +74,8 @@ async def trainer_role(cfg: TidalConfig, run_dir: Path, nats_url: str, iteration
         state = await transport.get("run")
         if not state or state.get("state") != "running":
             await transport.put("run", {"state": "running"})
-        history = await run_periodic_trainer(cfg, learner, dataset, store, RunFiles(run_dir), tracker, transport, iterations)
+        weight_push = await NcclWeightPush.for_run(cfg, transport)
+        history = await run_periodic_trainer(cfg, learner, dataset, store, RunFiles(run_dir), tracker, transport, iterations, weight_push)
         finished = (store.latest_version() or 0) >= cfg.trainer.iterations
         await transport.put("run", {"state": "done" if finished else "round_done"})
         log.info("trainer finished %d iterations", len(history))

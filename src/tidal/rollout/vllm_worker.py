@@ -19,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from tidal.config import TidalConfig
 from tidal.rewards import RewardScorer
 from tidal.rollout.engine import GroupRequest, group_seed
-from tidal.rollout.vllm_adapter import NCCL_KEY, VLLMEngine, nccl_join, nccl_receive
+from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
 from tidal.rollout.worker import build_group
 from tidal.transport import Transport, keep_in_progress
+from tidal.transport import weight_handshake
 from tidal.transport.codec import decode
 from tidal.weights import version_dir_name
 
@@ -44,7 +45,8 @@ class VLLMRolloutWorker:
         self.load_seconds = 0.0
         self.idle_seconds = 0.0
         self.idle_since: float | None = time.time()
-        self.nccl_joined = False
+        self.nccl = cfg.rollout.vllm.weight_sync == "nccl"
+        self.nccl_group: str | None = None  # the trainer's NCCL group this engine belongs to
 
     # --- weights ---------------------------------------------------------------------------------
 
@@ -53,18 +55,20 @@ class VLLMRolloutWorker:
         return os.path.join(os.path.dirname(policy["uri"]), version_dir_name(version))
 
     async def _receive_nccl(self, version: int) -> bool:
-        """The GPU fast path; False (use the weight store) whenever it is not set up for `version`."""
-        rdv = await self.transport.get(NCCL_KEY)
-        if not rdv or rdv.get("version") != version:
+        """The GPU fast path; False (load from the weight store) whenever it is off or fails."""
+        lane = weight_handshake.lane_of(self.worker_id)
+        timeout = 2 * self.cfg.rollout.vllm.nccl_timeout_seconds  # longer than the trainer's: it decides
+        go = await weight_handshake.accept(self.transport, lane, version, self.nccl_group, timeout)
+        if go is None:
             return False
+        rendezvous = go["rendezvous"]
         try:
-            if not self.nccl_joined:
-                index = int(self.worker_id.rsplit("-", 1)[-1])
-                await nccl_join(self.engine, rdv, 1 + index * self.cfg.rollout.vllm.tensor_parallel_size)
-                self.nccl_joined = True
-            await nccl_receive(self.engine, rdv["update_info"], version)
+            if self.nccl_group != rendezvous["group"]:
+                await nccl_join(self.engine, rendezvous, 1 + lane * self.cfg.rollout.vllm.tensor_parallel_size)
+                self.nccl_group = rendezvous["group"]
+            await nccl_receive(self.engine, go["update_info"], version)
             return True
-        except Exception as err:  # noqa: BLE001 - any failure means: fall back to the store
+        except Exception as err:  # noqa: BLE001 - any failure means: load from the store
             log.warning("worker %s: NCCL weight transfer of v%d failed (%s); using the weight store", self.worker_id, version, err)
             return False
 
@@ -77,7 +81,9 @@ class VLLMRolloutWorker:
         assert not self.inflight, "weights change only with nothing in flight"
         t0 = time.time()
         path = await self._policy_uri(version)
-        if not (self.cfg.rollout.vllm.weight_sync == "nccl" and await self._receive_nccl(version)):
+        source = "over NCCL"
+        if not (self.nccl and await self._receive_nccl(version)):
+            source = "from the weight store"
             result = await self.engine.load_snapshot(path)
             if "error" in result:
                 await self._report(version, result["error"])
@@ -86,7 +92,7 @@ class VLLMRolloutWorker:
                 return False
         self.version = version
         self.load_seconds += time.time() - t0
-        log.info("worker %s loaded weights v%d in %.3fs", self.worker_id, version, time.time() - t0)
+        log.info("worker %s loaded weights v%d in %.3fs %s", self.worker_id, version, time.time() - t0, source)
         return True
 
     # --- one group -------------------------------------------------------------------------------
@@ -130,7 +136,8 @@ class VLLMRolloutWorker:
         free = self.cfg.rollout.max_inflight_groups - len(self.inflight)
         if self.backlog or free <= 0:
             return
-        timeout = 0.05 if self.inflight else 1.0  # in-flight groups progress while we wait
+        # in-flight groups progress while we wait; an idle NCCL member also watches for offers
+        timeout = 0.05 if self.inflight else (0.25 if self.nccl else 1.0)
         for m in await self.transport.fetch(sub, free, timeout=timeout):
             self.backlog.append((m, decode(m.data)))
 
@@ -153,6 +160,12 @@ class VLLMRolloutWorker:
         """Extends the ack deadline of every message held (in flight or waiting in the backlog)."""
         await keep_in_progress(lambda: [*self.inflight.values(), *(m for m, _ in self.backlog)], self.cfg.transport.ack_wait_seconds / 3)
 
+    async def _take_offer(self) -> None:
+        """An NCCL broadcast needs every engine, including one that got no work item of that version."""
+        offer = await weight_handshake.pending_offer(self.transport)
+        if offer and offer["version"] != self.version and offer["version"] > (self.version or -1):
+            await self.sync_weights(offer["version"])
+
     async def _stopping(self) -> bool:
         return await self.transport.stopping()
 
@@ -167,6 +180,8 @@ class VLLMRolloutWorker:
                     if await self._stopping():
                         log.info("worker %s: run is over, exiting", self.worker_id)
                         return
+                if self.nccl and not self.inflight:
+                    await self._take_offer()
                 await self._pull(sub)
                 await self._start_ready()
                 if self.inflight and (len(self.inflight) >= self.cfg.rollout.max_inflight_groups or self.backlog):

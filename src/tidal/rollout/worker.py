@@ -15,7 +15,7 @@ import numpy as np
 
 from tidal.config import TidalConfig
 from tidal.rewards import RewardScorer, exact_match
-from tidal.rollout.engine import GroupRequest, RolloutEngine, group_generator
+from tidal.rollout.engine import GroupRequest, RolloutEngine, group_generator, group_seed
 from tidal.transport import Transport, keep_in_progress
 from tidal.transport.codec import decode
 from tidal.weights import CorruptSnapshotError, load_verified, version_dir_name
@@ -70,7 +70,12 @@ def generate_groups(
         batch = items[start : start + chunk]
         prompts = [tokenizer(it["prompt"], add_special_tokens=False).input_ids for it in batch]
         requests = [
-            GroupRequest(p, cfg.rollout.group_size, group_generator(cfg.seed, it["iteration"], it["prompt_id"]))
+            GroupRequest(
+                p,
+                cfg.rollout.group_size,
+                group_generator(cfg.seed, it["iteration"], it["prompt_id"]),
+                group_seed(cfg.seed, it["iteration"], it["prompt_id"]) if cfg.rollout.deterministic else None,
+            )
             for p, it in zip(prompts, batch)
         ]
         gen_start = time.time()

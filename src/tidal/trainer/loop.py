@@ -187,9 +187,16 @@ def finish_iteration(
     return metrics
 
 
-def run_sync(cfg: TidalConfig, learner: Learner, tokenizer, dataset: Dataset, store: WeightStore, files: RunFiles, tracker) -> list[dict]:
-    """Generate the whole batch, then train on it: the baseline, all cores to each phase."""
-    engine = HFEngine(learner.model, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
+def run_sync(
+    cfg: TidalConfig, learner: Learner, tokenizer, dataset: Dataset, store: WeightStore, files: RunFiles, tracker, engine=None
+) -> list[dict]:
+    """Generate the whole batch, then train on it: the baseline, all cores to each phase.
+
+    `engine`: None generates with the learner's own model (HF engine, no copy); otherwise an engine
+    with `load_snapshot` (vLLM), which loads version v from the weight store before generating."""
+    shares_weights = engine is None
+    if shares_weights:
+        engine = HFEngine(learner.model, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
     scorer = RewardScorer.from_config(cfg.reward)
     start = resume_version(files, learner, store)
     if store.latest_version() is None:
@@ -197,6 +204,11 @@ def run_sync(cfg: TidalConfig, learner: Learner, tokenizer, dataset: Dataset, st
     history = []
     for v in range(start, cfg.trainer.iterations):
         clock = IterationClock()
+        if not shares_weights and engine.version != v:
+            engine.load_snapshot(store.path(v), v)
+            clock.sync += time.time() - clock.start
+            log.info("sync mode: the engine loaded weights v%d in %.3fs", v, clock.sync)
+        gen_start = time.time()
         order = iteration_prompt_order(dataset, cfg.seed, v)
         todo = order[: cfg.trainer.prompts_per_iteration]
         spare = iter(order[cfg.trainer.prompts_per_iteration :])
@@ -211,7 +223,7 @@ def run_sync(cfg: TidalConfig, learner: Learner, tokenizer, dataset: Dataset, st
                     todo.append(next(spare))
                 else:
                     groups.append(g)
-        clock.gen_spans.append((clock.start, time.time()))
+        clock.gen_spans.append((gen_start, time.time()))
         updates = IterationUpdates(learner, cfg)
         t0 = time.time()
         updates.add(groups)
@@ -226,9 +238,20 @@ def run_sync(cfg: TidalConfig, learner: Learner, tokenizer, dataset: Dataset, st
 
 
 async def run_periodic_trainer(
-    cfg: TidalConfig, learner: Learner, dataset: Dataset, store: WeightStore, files: RunFiles, tracker, transport: Transport, iterations: int | None = None
+    cfg: TidalConfig,
+    learner: Learner,
+    dataset: Dataset,
+    store: WeightStore,
+    files: RunFiles,
+    tracker,
+    transport: Transport,
+    iterations: int | None = None,
+    weight_push=None,
 ) -> list[dict]:
-    """Publishes weights v and v's work items, trains on groups in completion order, steps after the last."""
+    """Publishes weights v and v's work items, trains on groups in completion order, steps after the last.
+
+    `weight_push` (NCCL, GPU only): sends v to every engine before v's work items go out; the weight
+    store holds every version regardless, and is what workers load when the push is off."""
     start = resume_version(files, learner, store)
     end = cfg.trainer.iterations if iterations is None else min(cfg.trainer.iterations, start + iterations)
     if store.latest_version() is None or store.latest_version() < start:
@@ -239,6 +262,9 @@ async def run_periodic_trainer(
     for v in range(start, end):
         clock = IterationClock()
         await transport.put("policy", {"version": v, "uri": str(store.path(v))})
+        if weight_push is not None:
+            await weight_push.push(v, learner.model.state_dict())
+            clock.sync += time.time() - clock.start
         order = iteration_prompt_order(dataset, cfg.seed, v)
         spare = iter(order[cfg.trainer.prompts_per_iteration :])
         problems = order[: cfg.trainer.prompts_per_iteration]

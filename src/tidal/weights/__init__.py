@@ -34,8 +34,9 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drops tied aliases (safetensors refuses shared storage); the model re-ties them on load."""
+def unique_tensors(state_dict: dict[str, torch.Tensor], to_cpu: bool = True) -> dict[str, torch.Tensor]:
+    """Drops tied aliases (safetensors refuses shared storage, a broadcast sends each tensor once);
+    the model re-ties them on load."""
     seen: set[int] = set()
     out = {}
     for name, tensor in state_dict.items():
@@ -43,7 +44,7 @@ def unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         if key in seen:
             continue
         seen.add(key)
-        out[name] = tensor.detach().contiguous().cpu()
+        out[name] = tensor.detach().contiguous().cpu() if to_cpu else tensor.detach().contiguous()
     return out
 
 

@@ -1,0 +1,185 @@
+"""The NCCL weight fast path's handshake and fallback, over a real NATS server.
+
+NCCL itself cannot run here (no GPU), so the broadcast is a stand-in: a sender that records what
+it was asked to send. Everything around it is real: the trainer's NcclWeightPush, the KV protocol
+the vLLM workers use (`weight_handshake.accept`), the timeouts and the switch to the weight store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from tidal.config import TransportConfig
+from tidal.rollout.vllm_adapter import nccl_update_info
+from tidal.trainer.weight_push import NcclWeightPush, call_with_deadline
+from tidal.transport import Transport, weight_handshake
+
+TIMEOUT = 3.0
+
+
+class StandInBroadcast:
+    """Stands in for NCCL: `send` records the state and, like a collective, returns only once every
+    lane has entered the matching `receive` (a barrier of trainer + lanes)."""
+
+    def __init__(self, lanes: int, fail: bool = False):
+        self.barrier = threading.Barrier(lanes + 1, timeout=10)
+        self.fail = fail
+        self.opened: list[dict] = []
+        self.sent: list[dict] = []
+
+    def open(self, rendezvous: dict) -> "StandInBroadcast":
+        self.opened.append(rendezvous)
+        return self
+
+    def send(self, state: dict) -> None:
+        if self.fail:
+            raise RuntimeError("NCCL error: unhandled system error")
+        self.sent.append({k: v.clone() for k, v in state.items()})
+        self.barrier.wait()
+
+    async def receive(self) -> None:
+        await asyncio.to_thread(self.barrier.wait)
+
+
+def state(value: float) -> dict:
+    embed = torch.full((4, 2), value)
+    return {"model.embed_tokens.weight": embed, "lm_head.weight": embed, "model.norm.weight": torch.ones(2)}  # lm_head tied
+
+
+async def connect(url: str) -> Transport:
+    return await Transport.connect(url, "handshake", TransportConfig(), create=True)
+
+
+def make_push(transport: Transport, lanes: int, broadcast: StandInBroadcast) -> NcclWeightPush:
+    return NcclWeightPush(transport, lanes, 1, TIMEOUT, broadcast.open, nccl_update_info, ("127.0.0.1", 29555))
+
+
+async def worker(url: str, lane: int, versions: list[int], broadcast: StandInBroadcast, joined: str | None = None) -> list[dict | None]:
+    """What a vLLM worker does per version: wait for the offer, say ready, wait for go, receive."""
+    t = await Transport.connect(url, "handshake", TransportConfig(), create=False)
+    got = []
+    try:
+        for v in versions:
+            go = await weight_handshake.accept(t, lane, v, joined, timeout=2 * TIMEOUT, poll=0.02)
+            if go is not None:
+                joined = go["rendezvous"]["group"]
+                await broadcast.receive()
+            got.append(go)
+    finally:
+        await t.close()
+    return got
+
+
+def test_every_lane_says_ready_before_the_stand_in_broadcast_and_gets_each_version(nats_server):
+    async def main():
+        t = await connect(nats_server.url)
+        push = make_push(t, 2, broadcast)
+        lanes = [asyncio.create_task(worker(nats_server.url, lane, [0, 1], broadcast)) for lane in range(2)]
+        pushed = [await push.push(0, state(0.0)), await push.push(1, state(1.0))]
+        got = await asyncio.gather(*lanes)
+        await t.close()
+        return pushed, got
+
+    broadcast = StandInBroadcast(lanes=2)
+    pushed, got = asyncio.run(main())
+    assert pushed == [True, True]
+    assert [len(broadcast.sent), float(broadcast.sent[1]["model.embed_tokens.weight"][0, 0])] == [2, 1.0]
+    assert "lm_head.weight" not in broadcast.sent[0]  # a tied alias is sent once
+    for lane in got:
+        assert [g["version"] for g in lane] == [0, 1] and all(g["state"] == "go" for g in lane)
+        assert lane[0]["update_info"]["names"] == ["model.embed_tokens.weight", "model.norm.weight"]
+        assert lane[0]["rendezvous"]["world_size"] == 3 and not lane[0]["rendezvous"]["formed"] and lane[1]["rendezvous"]["formed"]
+    assert len(broadcast.opened) == 1 and broadcast.opened[0]["formed"] is False  # opened once, while forming
+
+
+def test_a_missing_lane_turns_nccl_off_and_everyone_uses_the_store(nats_server):
+    async def main():
+        t = await connect(nats_server.url)
+        push = make_push(t, 2, broadcast)
+        lane0 = asyncio.create_task(worker(nats_server.url, 0, [0], broadcast))  # lane 1 never comes
+        first = await push.push(0, state(0.0))
+        got = await lane0
+        second = await push.push(1, state(1.0))
+        off = await t.get(weight_handshake.KEY)
+        await t.close()
+        return first, second, got, off
+
+    broadcast = StandInBroadcast(lanes=2)
+    first, second, got, off = asyncio.run(main())
+    assert (first, second, got) == (False, False, [None])
+    assert broadcast.opened == []  # nobody entered the collective
+    assert off["state"] == "off" and "rollout lanes [1] were not ready for weights v0" in off["reason"]
+
+
+def test_a_restarted_engine_cannot_rejoin_a_formed_group(nats_server):
+    async def main():
+        t = await connect(nats_server.url)
+        push = make_push(t, 1, broadcast)
+        lane = asyncio.create_task(worker(nats_server.url, 0, [0], broadcast))
+        assert await push.push(0, state(0.0))
+        await lane
+        restarted = asyncio.create_task(worker(nats_server.url, 0, [1], broadcast, joined=None))  # a new engine, not a member
+        pushed = await push.push(1, state(1.0))
+        got = await restarted
+        off = await t.get(weight_handshake.KEY)
+        await t.close()
+        return pushed, got, off
+
+    broadcast = StandInBroadcast(lanes=1)
+    pushed, got, off = asyncio.run(main())
+    assert (pushed, got) == (False, [None]) and len(broadcast.sent) == 1
+    assert off["state"] == "off" and "not ready for weights v1" in off["reason"]
+
+
+def test_a_failing_broadcast_turns_nccl_off_with_its_error(nats_server):
+    async def main():
+        t = await connect(nats_server.url)
+        push = make_push(t, 1, StandInBroadcast(lanes=1, fail=True))
+        lane = asyncio.create_task(worker(nats_server.url, 0, [0], StandInBroadcast(lanes=0)))  # its receive returns at once
+        pushed = await push.push(0, state(0.0))
+        await lane
+        off = await t.get(weight_handshake.KEY)
+        await t.close()
+        return pushed, off
+
+    pushed, off = asyncio.run(main())
+    assert pushed is False and off["state"] == "off" and "NCCL error: unhandled system error" in off["reason"]
+
+
+def test_a_hung_collective_is_abandoned_after_its_deadline():
+    import threading
+
+    never = threading.Event()
+    assert "not finished after 0s" in asyncio.run(call_with_deadline(never.wait, 0.2))
+    assert asyncio.run(call_with_deadline(lambda: None, 5.0)) is None
+
+
+def test_a_trainer_without_cuda_turns_nccl_off_at_start(nats_server, tiny_config_dict):
+    from tidal.config import config_from_dict
+
+    cfg = config_from_dict({**tiny_config_dict, "rollout": {"engine": "vllm", "vllm": {"weight_sync": "nccl"}}})
+
+    async def main():
+        t = await connect(nats_server.url)
+        push = await NcclWeightPush.for_run(cfg, t)
+        off = await t.get(weight_handshake.KEY)
+        got = await worker(nats_server.url, 0, [0], StandInBroadcast(lanes=0))
+        await t.close()
+        return push, off, got
+
+    push, off, got = asyncio.run(main())
+    assert push is None and got == [None]
+    assert off["state"] == "off" and ("no CUDA device" in off["reason"] or "vllm is not installed" in off["reason"])
+
+
+def test_worker_ids_name_their_lane():
+    assert weight_handshake.lane_of("worker-3") == 3 and weight_handshake.lane_of("r002-1") == 1
+    try:
+        weight_handshake.lane_of("gpu-worker")
+    except ValueError as err:
+        assert "lane number" in str(err)
+    else:
+        raise AssertionError("a worker id without a lane was accepted")
