@@ -203,3 +203,39 @@ def test_no_sample_mixes_two_versions(setup, nats_server):
             tokens = [int(t) for t in r["token_ids"]]
             claimed = trainer_logprobs(model, states[g["policy_version"]], prompt, tokens)
             assert (torch.from_numpy(np.asarray(r["logprobs"])) - claimed).abs().max() < LOGPROB_TOL
+
+
+def test_the_nccl_calls_match_this_vllm_release(tmp_path):
+    """NCCL cannot run here, so the GPU path's vLLM calls are checked against the installed release:
+    the payloads Tidal sends must build vLLM's own dataclasses, and every call it makes must exist
+    with the parameters it passes. A vLLM upgrade that moves them fails here, not on a GPU cluster."""
+    import inspect
+
+    from vllm.distributed.weight_transfer import nccl_common, packed_tensor
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from tidal.rollout.vllm_adapter import engine_args, nccl_update_info
+    from tidal.trainer.weight_push import NcclWeightPush
+
+    push = NcclWeightPush(None, 2, 2, 1.0, None, nccl_update_info, ("10.0.0.1", 29500))
+    rendezvous = push.rendezvous()
+    assert rendezvous["world_size"] == 5  # trainer + 2 lanes x tensor-parallel 2
+    # the engine side's init payload (nccl_join) and per-version payload (nccl_receive)
+    init = {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 3, "world_size": 5, "packed": True}
+    assert NCCLWeightTransferInitInfo(**init).world_size == 5
+    state = {"a.weight": torch.zeros(3, 2), "b.bias": torch.zeros(4, dtype=torch.bfloat16)}
+    info = NCCLWeightTransferUpdateInfo(**nccl_update_info(state))
+    assert info.dtype_names == ["float32", "bfloat16"] and info.shapes == [[3, 2], [4]]
+    WeightTransferInitRequest(init_info=init), WeightTransferUpdateRequest(update_info=nccl_update_info(state))
+    # the calls and the parameters Tidal passes
+    for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update", "pause_generation", "resume_generation", "reset_prefix_cache"):
+        assert callable(getattr(AsyncLLM, name, None)), name
+    assert "weight_version" in inspect.signature(AsyncLLM.finish_weight_update).parameters
+    assert {"init_info", "rank"} <= set(inspect.signature(nccl_common.trainer_init).parameters)
+    assert {"iterator", "group", "src", "post_iter_func"} <= set(inspect.signature(packed_tensor.packed_nccl_broadcast_producer).parameters)
+    # a GPU engine is built with the NCCL backend; a CPU engine without it (it would fail to start)
+    cfg = vllm_cfg(tmp_path, vllm={"weight_sync": "nccl"})
+    assert engine_args(cfg, tmp_path, "cuda").weight_transfer_config.backend == "nccl"
+    assert engine_args(cfg, tmp_path, "cpu").weight_transfer_config is None
