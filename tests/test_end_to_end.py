@@ -19,7 +19,7 @@ REQUIRED_METRICS = [
     "groups_filtered", "logprob_mismatch", "tis_truncated_fraction",
 ]
 SUMMARY_KEYS = [
-    "mode", "iterations", "accuracy_before", "accuracy_after", "iteration_seconds_mean", "generate_seconds_mean",
+    "mode", "iterations", "accuracy_before", "accuracy_after", "sampled_accuracy_before", "sampled_accuracy_after", "iteration_seconds_mean", "generate_seconds_mean",
     "train_seconds_mean", "sync_seconds_mean", "idle_seconds_mean", "staleness_max", "groups_generated",
     "groups_trained", "groups_discarded", "final_weights", "mlflow_run_id",
 ]
@@ -54,6 +54,7 @@ def test_summary_has_every_field_and_staleness_zero(periodic_run):
     assert summary["groups_filtered"] == 3 * 2
     assert summary["groups_generated"] == summary["groups_trained"] + summary["groups_filtered"] + summary["groups_discarded"]
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
+    assert 0.0 <= summary["sampled_accuracy_before"] <= 1.0 and 0.0 <= summary["sampled_accuracy_after"] <= 1.0
     assert Path(summary["final_weights"]).name == "v000003" and (Path(summary["final_weights"]) / "manifest.json").is_file()
     assert "held-out accuracy" in proc.stdout and "generate" in proc.stdout and "weight-sync" in proc.stdout
 

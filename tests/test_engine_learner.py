@@ -188,3 +188,28 @@ def test_a_saved_tiny_model_reloads_with_the_same_tokenizer(tmp_path):
     text = "12+34=\nA: 46"
     assert loaded(text, add_special_tokens=False).input_ids == tok(text, add_special_tokens=False).input_ids
     assert loaded.decode(tok(text, add_special_tokens=False).input_ids) == text
+
+
+def test_held_out_sampled_accuracy_is_seeded_per_prompt_and_scores_every_sample():
+    from tidal.data import Problem
+    from tidal.evaluate import held_out_accuracy
+
+    model, tok = tiny()
+    eng = engine_for(model, tok)
+    problems = [Problem(i, f"{i}+1=", str(i + 1)) for i in range(6)]
+    first = held_out_accuracy(eng, tok, problems, batch_size=4, samples=3, seed=5)
+    # another batch size, the same per-prompt noise: the same samples, so the same score
+    assert held_out_accuracy(eng, tok, problems, batch_size=2, samples=3, seed=5) == first
+
+    class Answers:
+        """An engine that answers the first prompt right in 1 of its 3 samples and the rest wrong."""
+
+        def generate(self, requests, greedy=False, max_new_tokens=None):
+            from tidal.rollout.engine import Sample
+
+            def text(i, j):
+                return "A: 1" if (i, j) == (0, 0) else "A: 7"
+
+            return [[Sample(tok(text(i, j), add_special_tokens=False).input_ids, [0.0], "stop") for j in range(r.n)] for i, r in enumerate(requests)]
+
+    assert held_out_accuracy(Answers(), tok, problems[:2], batch_size=8, samples=3) == 1 / 6

@@ -81,8 +81,8 @@ def _run_command(args) -> int:
         path = args.weights or store.path(store.latest_version())
         problems = load_dataset(cfg.data, cfg.seed).eval
         problems = problems[: cfg.eval.num_prompts] if cfg.eval.num_prompts else problems
-        acc = evaluate_snapshot(cfg, info.base_model, problems, path)
-        print(json.dumps({"weights": str(path), "accuracy": acc, "num_prompts": len(problems)}))
+        scores = evaluate_snapshot(cfg, info.base_model, problems, path)
+        print(json.dumps({"weights": str(path), **scores, "num_prompts": len(problems)}))
     return 0
 
 

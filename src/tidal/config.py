@@ -142,6 +142,7 @@ class EvalConfig(_Strict):
     max_new_tokens: int | None = Field(None, gt=0)
     batch_size: int = Field(64, gt=0)
     engine: Literal["rollout", "hf", "vllm"] = "rollout"  # rollout: the engine rollout.engine names
+    samples_per_prompt: int = Field(4, ge=0)  # sampled accuracy at the rollout temperature; 0: greedy only
 
 
 class TrackingConfig(_Strict):

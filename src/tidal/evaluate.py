@@ -9,20 +9,32 @@ from tidal.config import TidalConfig
 from tidal.data import Problem
 from tidal.model.loading import load_model_and_tokenizer, load_tokenizer
 from tidal.rewards import exact_match
-from tidal.rollout.engine import GroupRequest, HFEngine, RolloutEngine
+from tidal.rollout.engine import GroupRequest, HFEngine, RolloutEngine, group_generator, group_seed
 
 log = logging.getLogger(__name__)
 
 
-def held_out_accuracy(engine: RolloutEngine, tokenizer, problems: list[Problem], batch_size: int = 64, max_new_tokens: int | None = None) -> float:
-    correct = 0
+EVAL_ITERATION = 10**9  # seeds eval samples apart from any training iteration's
+
+
+def held_out_accuracy(
+    engine: RolloutEngine, tokenizer, problems: list[Problem], batch_size: int = 64, max_new_tokens: int | None = None, samples: int = 0, seed: int = 0
+) -> float:
+    """Fraction correct: greedy (samples 0), or the mean over `samples` samples per prompt at the
+    engine's temperature, seeded per prompt so that two snapshots are compared on the same noise."""
+    correct, total = 0, 0
+    n = max(1, samples)
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
-        requests = [GroupRequest(tokenizer(p.prompt, add_special_tokens=False).input_ids, 1) for p in chunk]
-        for p, (sample,) in zip(chunk, engine.generate(requests, greedy=True, max_new_tokens=max_new_tokens)):
-            text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-            correct += exact_match(text, p.answer) > 0
-    return correct / max(1, len(problems))
+        requests = [
+            GroupRequest(tokenizer(p.prompt, add_special_tokens=False).input_ids, n, group_generator(seed, EVAL_ITERATION, p.id), group_seed(seed, EVAL_ITERATION, p.id))
+            for p in chunk
+        ]
+        for p, group in zip(chunk, engine.generate(requests, greedy=samples == 0, max_new_tokens=max_new_tokens)):
+            for sample in group:
+                correct += exact_match(tokenizer.decode(sample.token_ids, skip_special_tokens=True), p.answer) > 0
+                total += 1
+    return correct / max(1, total)
 
 
 def open_engine(cfg: TidalConfig, model_dir: str | Path, kind: str) -> RolloutEngine:
@@ -39,17 +51,23 @@ def eval_engine_kind(cfg: TidalConfig) -> str:
     return cfg.rollout.engine if cfg.eval.engine == "rollout" else cfg.eval.engine
 
 
-def evaluate_snapshot(cfg: TidalConfig, model_dir: str | Path, problems: list[Problem], snapshot: str | Path | None = None, engine: RolloutEngine | None = None) -> float:
-    """Greedy held-out accuracy of `snapshot` (a weight-store version directory; None: the base model).
-    Without `engine`, one is opened for the call and shut down after (a vLLM engine must not sit
-    on the accelerator the rollout workers need)."""
+def evaluate_snapshot(cfg: TidalConfig, model_dir: str | Path, problems: list[Problem], snapshot: str | Path | None = None, engine: RolloutEngine | None = None) -> dict:
+    """Held-out accuracy of `snapshot` (a weight-store version directory; None: the base model):
+    `accuracy` greedy, `sampled_accuracy` at the rollout temperature (what RL optimises; None when
+    eval.samples_per_prompt is 0). Without `engine`, one is opened for the call and shut down after
+    (a vLLM engine must not sit on the accelerator the rollout workers need)."""
     own = engine is None
     engine = engine or open_engine(cfg, model_dir, eval_engine_kind(cfg))
     log.info("held-out eval of %s on %d prompts with the %s engine", snapshot or model_dir, len(problems), type(engine).__name__)
     try:
         if snapshot is not None:
             engine.load_snapshot(snapshot)
-        return held_out_accuracy(engine, load_tokenizer(model_dir), problems, cfg.eval.batch_size, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
+        tokenizer, max_tokens = load_tokenizer(model_dir), cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+        k = cfg.eval.samples_per_prompt
+        return {
+            "accuracy": held_out_accuracy(engine, tokenizer, problems, cfg.eval.batch_size, max_tokens),
+            "sampled_accuracy": held_out_accuracy(engine, tokenizer, problems, max(1, cfg.eval.batch_size // k), max_tokens, k, cfg.seed) if k else None,
+        }
     finally:
         if own:
             engine.shutdown()

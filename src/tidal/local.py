@@ -174,7 +174,7 @@ def count_rollouts(nats_url: str, run_dir: Path, cfg: TidalConfig) -> int:
     return asyncio.run(count())
 
 
-def summarize(cfg: TidalConfig, history: list[dict], before: float | None, after: float | None, final_weights: Path, info: RunInfo, extra: dict) -> dict:
+def summarize(cfg: TidalConfig, history: list[dict], before: dict | None, after: dict | None, final_weights: Path, info: RunInfo, extra: dict) -> dict:
     def mean(key: str) -> float:
         return sum(m[key] for m in history) / len(history) if history else 0.0
 
@@ -183,14 +183,17 @@ def summarize(cfg: TidalConfig, history: list[dict], before: float | None, after
     return {
         "mode": cfg.mode,
         "iterations": len(history),
-        "accuracy_before": before,
-        "accuracy_after": after,
+        "accuracy_before": before and before["accuracy"],
+        "accuracy_after": after and after["accuracy"],
+        "sampled_accuracy_before": before and before["sampled_accuracy"],
+        "sampled_accuracy_after": after and after["sampled_accuracy"],
         "iteration_seconds_mean": mean("iteration_seconds"),
         "generate_seconds_mean": mean("generate_seconds"),
         "train_seconds_mean": mean("train_seconds"),
         "sync_seconds_mean": mean("sync_seconds"),
         "idle_seconds_mean": mean("trainer_idle_seconds"),
         "rollout_idle_seconds_mean": mean("rollout_idle_seconds"),
+        "eval_samples_per_prompt": cfg.eval.samples_per_prompt,
         "staleness_max": max((m["staleness_max"] for m in history), default=0.0),
         "reward_errors": sum(m["reward_errors"] for m in history),
         "groups_generated": extra.get("groups_generated", trained + filtered),
@@ -208,7 +211,9 @@ def result_table(summary: dict, run_dir: Path, wall: float) -> str:
     return "\n".join(
         [
             f"Tidal run finished: {run_dir}  (mode {summary['mode']}, {summary['iterations']} iterations, {wall:.0f}s wall)",
-            f"  held-out accuracy    before {pct(summary['accuracy_before'])}  ->  after {pct(summary['accuracy_after'])}",
+            f"  held-out accuracy    before {pct(summary['accuracy_before'])}  ->  after {pct(summary['accuracy_after'])}  (greedy)",
+            f"                       before {pct(summary['sampled_accuracy_before'])}  ->  after {pct(summary['sampled_accuracy_after'])}  "
+            f"(sampled at the rollout temperature, {summary['eval_samples_per_prompt']} per prompt: what RL optimises)",
             f"  seconds / iteration  {summary['iteration_seconds_mean']:.2f}  =  generate {summary['generate_seconds_mean']:.2f} | "
             f"train {summary['train_seconds_mean']:.2f} | weight-sync {summary['sync_seconds_mean']:.2f} | idle {summary['idle_seconds_mean']:.2f}",
             f"  groups               generated {summary['groups_generated']}, trained {summary['groups_trained']}, "
@@ -288,7 +293,7 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True)
     summary = summarize(cfg, history, before, after, final, info, extra)
     summary["wall_seconds"] = time.time() - t_start
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    final_metrics = {k: summary[k] for k in ("accuracy_before", "accuracy_after") if summary[k] is not None}
+    final_metrics = {k: summary[k] for k in ("accuracy_before", "accuracy_after", "sampled_accuracy_before", "sampled_accuracy_after") if summary[k] is not None}
     final_metrics.update({f"total_{k}": summary[k] for k in ("groups_generated", "groups_trained", "groups_discarded", "groups_filtered")})
     tracker.log(final_metrics, step=len(history))
     tracker.finish()
