@@ -183,3 +183,44 @@ def test_worker_ids_name_their_lane():
         assert "lane number" in str(err)
     else:
         raise AssertionError("a worker id without a lane was accepted")
+
+
+def test_an_idle_vllm_worker_takes_every_offer_and_joins_the_group_once(nats_server, tiny_config_dict, monkeypatch):
+    """The vLLM worker's side (VLLMRolloutWorker) with the two vLLM calls replaced by the stand-in."""
+    import tidal.rollout.vllm_worker as vllm_worker
+    from tidal.config import config_from_dict
+
+    cfg = config_from_dict({**tiny_config_dict, "rollout": {"engine": "vllm", "vllm": {"weight_sync": "nccl", "nccl_timeout_seconds": TIMEOUT}}})
+    broadcast = StandInBroadcast(lanes=1)
+    joined, received = [], []
+
+    async def join(engine, rendezvous, rank_offset):
+        joined.append((rendezvous["group"], rank_offset))
+
+    async def receive(engine, update_info, version):
+        received.append((version, update_info["names"]))
+        await broadcast.receive()
+
+    monkeypatch.setattr(vllm_worker, "nccl_join", join)
+    monkeypatch.setattr(vllm_worker, "nccl_receive", receive)
+
+    async def main():
+        t = await connect(nats_server.url)
+        worker_transport = await Transport.connect(nats_server.url, "handshake", TransportConfig(), create=False)
+        worker = vllm_worker.VLLMRolloutWorker(cfg, None, None, worker_transport, "worker-0")
+        push = make_push(t, 1, broadcast)
+        for v in (0, 1, 2):
+            await t.put("policy", {"version": v, "uri": f"/run/weights/v{v:06d}"})
+            pushed = asyncio.create_task(push.push(v, state(float(v))))
+            while not pushed.done():  # what the worker's loop does while it has nothing in flight
+                await worker._take_offer()
+                await asyncio.sleep(0.02)
+            assert pushed.result(), f"v{v} was not delivered"
+        await worker_transport.close()
+        await t.close()
+        return worker, push
+
+    worker, push = asyncio.run(main())
+    assert worker.version == 2 and [v for v, _ in received] == [0, 1, 2]
+    assert joined == [(push.group, 1)]  # rank 1: after the trainer's rank 0; joined once, for v0
+    assert received[0][1] == ["model.embed_tokens.weight", "model.norm.weight"]

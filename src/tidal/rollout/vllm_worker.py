@@ -163,7 +163,7 @@ class VLLMRolloutWorker:
     async def _take_offer(self) -> None:
         """An NCCL broadcast needs every engine, including one that got no work item of that version."""
         offer = await weight_handshake.pending_offer(self.transport)
-        if offer and offer["version"] != self.version and offer["version"] > (self.version or -1):
+        if offer and (self.version is None or offer["version"] > self.version):
             await self.sync_weights(offer["version"])
 
     async def _stopping(self) -> bool:
