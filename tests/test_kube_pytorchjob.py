@@ -64,7 +64,9 @@ def test_job_shape_for_nodes_and_accelerators(profile, resource, nodes):
         claim = {v["name"]: v for v in spec["volumes"]}["data"]["persistentVolumeClaim"]["claimName"]
         assert claim == cluster.DATA_PVC
         assert {m["mountPath"] for m in container["volumeMounts"]} == {cluster.DATA_MOUNT_PATH, "/dev/shm"}
-        secrets = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "valueFrom" in e}
+        secrets = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+        fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "fieldRef" in e.get("valueFrom", {})}
+        assert fields == {"POD_IP": "status.podIP"}  # the NCCL weight transfer's rendezvous address
         assert secrets["NATS_PASSWORD"] == cluster.NATS_SECRET
         assert secrets["MLFLOW_TRACKING_URI"] == cluster.MLFLOW_SECRET
         assert {t["key"] for t in spec["tolerations"]} == {resource}

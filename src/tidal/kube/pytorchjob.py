@@ -105,6 +105,12 @@ def secret_env() -> list[k8s.V1EnvVar]:
     return env
 
 
+def pod_ip_env() -> k8s.V1EnvVar:
+    """The pod's IP: where rollout engines reach trainer rank 0 for the NCCL weight transfer
+    (rollout.vllm.weight_sync: nccl)."""
+    return k8s.V1EnvVar(name="POD_IP", value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="status.podIP")))
+
+
 def _secret_env_var(secret: str, key: str, name: str, optional: bool) -> k8s.V1EnvVar:
     selector = k8s.V1SecretKeySelector(name=secret, key=key, optional=optional)
     return k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(secret_key_ref=selector))
@@ -125,7 +131,7 @@ def trainer_container(spec: TrainerJobSpec) -> k8s.V1Container:
         name=CONTAINER_NAME,
         image=spec.container_image,
         command=trainer_command(spec),
-        env=secret_env() + [k8s.V1EnvVar(name="PYTHONUNBUFFERED", value="1")],
+        env=secret_env() + [k8s.V1EnvVar(name="PYTHONUNBUFFERED", value="1"), pod_ip_env()],
         resources=container_resources(spec),
         volume_mounts=[
             k8s.V1VolumeMount(name="data", mount_path=cluster.DATA_MOUNT_PATH),
