@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="held-out accuracy of a weight snapshot")
     _common(ev)
     ev.add_argument("--weights", default=None, help="snapshot directory (default: the run's latest)")
+    from tidal.bench import BENCHMARKS, run_benchmark
+
+    bench = sub.add_parser("bench", help="a benchmark against its baseline, measured in the same run (prints the ratio)")
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (tidal bench NAME --help)")
+    bench.set_defaults(func=lambda args: run_benchmark(args.name, args.args) or 0)
     try:
         from tidal.kube import commands as kube_commands
 
