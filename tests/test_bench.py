@@ -22,3 +22,20 @@ def test_tidal_bench_shared_prompt_writes_both_layouts_figures(tmp_path):
 def test_an_unknown_benchmark_is_named():
     proc = run_cli("bench", "fastest")
     assert proc.returncode == 2 and "invalid choice: 'fastest'" in proc.stderr
+
+
+def test_modes_benchmark_leaves_the_warmup_iterations_out():
+    import pytest
+
+    from tidal.bench.modes import steady_state
+
+    def it(seconds, tokens):
+        return {"iteration_seconds": seconds, "generate_seconds": 1.0, "train_seconds": 1.0, "sync_seconds": 0.1, "trainer_idle_seconds": seconds - 2, "generated_tokens": tokens}
+
+    metrics = [it(30.0, 100), it(2.0, 100), it(4.0, 300)]  # iteration 0 waited for an engine to start
+    figures = steady_state(metrics, warmup=1)
+    assert figures["iteration_seconds_mean"] == 3.0 and figures["idle_seconds_mean"] == 1.0
+    assert figures["generated_tokens_per_s"] == 400 / 6.0 and figures["iterations_measured"] == 2
+    assert steady_state(metrics, warmup=0)["iteration_seconds_mean"] == 12.0
+    with pytest.raises(SystemExit, match="must exceed --warmup"):
+        steady_state(metrics, warmup=3)
