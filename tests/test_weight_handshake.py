@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import torch
 
@@ -18,6 +19,7 @@ from tidal.trainer.weight_push import NcclWeightPush, call_with_deadline
 from tidal.transport import Transport, weight_handshake
 
 TIMEOUT = 3.0
+GPU_ENGINE = SimpleNamespace(device="cuda")  # only its device is read: the vLLM calls are stood in
 
 
 class StandInBroadcast:
@@ -87,10 +89,10 @@ def test_every_lane_says_ready_before_the_stand_in_broadcast_and_gets_each_versi
     pushed, got = asyncio.run(main())
     assert pushed == [True, True]
     assert [len(broadcast.sent), float(broadcast.sent[1]["model.embed_tokens.weight"][0, 0])] == [2, 1.0]
-    assert "lm_head.weight" not in broadcast.sent[0]  # a tied alias is sent once
+    assert "lm_head.weight" in broadcast.sent[1]  # tied: vLLM's layer-by-layer reload needs it too
     for lane in got:
         assert [g["version"] for g in lane] == [0, 1] and all(g["state"] == "go" for g in lane)
-        assert lane[0]["update_info"]["names"] == ["model.embed_tokens.weight", "model.norm.weight"]
+        assert lane[0]["update_info"]["names"] == ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
         assert lane[0]["rendezvous"]["world_size"] == 3 and not lane[0]["rendezvous"]["formed"] and lane[1]["rendezvous"]["formed"]
     assert len(broadcast.opened) == 1 and broadcast.opened[0]["formed"] is False  # opened once, while forming
 
@@ -131,7 +133,8 @@ def test_a_restarted_engine_cannot_rejoin_a_formed_group(nats_server):
     broadcast = StandInBroadcast(lanes=1)
     pushed, got, off = asyncio.run(main())
     assert (pushed, got) == (False, [None]) and len(broadcast.sent) == 1
-    assert off["state"] == "off" and "not ready for weights v1" in off["reason"]
+    # the worker turns it off itself, so the trainer does not wait out its timeout
+    assert off["state"] == "off" and "lane 0's engine is not in the NCCL group that formed" in off["reason"]
 
 
 def test_a_failing_broadcast_turns_nccl_off_with_its_error(nats_server):
@@ -207,7 +210,7 @@ def test_an_idle_vllm_worker_takes_every_offer_and_joins_the_group_once(nats_ser
     async def main():
         t = await connect(nats_server.url)
         worker_transport = await Transport.connect(nats_server.url, "handshake", TransportConfig(), create=False)
-        worker = vllm_worker.VLLMRolloutWorker(cfg, None, None, worker_transport, "worker-0")
+        worker = vllm_worker.VLLMRolloutWorker(cfg, GPU_ENGINE, None, worker_transport, "worker-0")
         push = make_push(t, 1, broadcast)
         for v in (0, 1, 2):
             await t.put("policy", {"version": v, "uri": f"/run/weights/v{v:06d}"})
@@ -223,4 +226,93 @@ def test_an_idle_vllm_worker_takes_every_offer_and_joins_the_group_once(nats_ser
     worker, push = asyncio.run(main())
     assert worker.version == 2 and [v for v, _ in received] == [0, 1, 2]
     assert joined == [(push.group, 1)]  # rank 1: after the trainer's rank 0; joined once, for v0
-    assert received[0][1] == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert received[0][1] == ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+
+
+def test_a_stale_go_or_sent_is_never_answered(nats_server):
+    """A worker behind (or restarted) must not enter a broadcast that went ahead without it."""
+
+    async def main():
+        t = await connect(nats_server.url)
+        push = make_push(t, 1, broadcast)
+        lane = asyncio.create_task(worker(nats_server.url, 0, [0], broadcast))
+        assert await push.push(0, state(0.0))
+        await lane
+        after_sent = await weight_handshake.accept(t, 0, 0, None, timeout=0.5, poll=0.02)
+        await t.put(weight_handshake.KEY, {**(await t.get(weight_handshake.KEY)), "state": "go", "id": "left-over", "lanes": 1, "rendezvous": {"group": "g", "formed": False}})
+        after_go = await weight_handshake.accept(t, 0, 0, None, timeout=0.5, poll=0.02)
+        await t.close()
+        return after_sent, after_go
+
+    broadcast = StandInBroadcast(lanes=1)
+    assert asyncio.run(main()) == (None, None)
+
+
+def test_a_ready_left_from_an_earlier_offer_does_not_count(nats_server):
+    async def main():
+        t = await connect(nats_server.url)
+        await t.put(f"{weight_handshake.READY_PREFIX}0", {"version": 0, "offer": "an-earlier-trainers-offer"})
+        pushed = await make_push(t, 1, broadcast).push(0, state(0.0))
+        await t.close()
+        return pushed
+
+    broadcast = StandInBroadcast(lanes=1)
+    assert asyncio.run(main()) is False and broadcast.opened == []
+
+
+def test_a_lane_outside_the_trainers_lanes_turns_nccl_off(nats_server):
+    async def main():
+        t = await connect(nats_server.url)
+        push = make_push(t, 2, broadcast)
+        stray = asyncio.create_task(worker(nats_server.url, 3, [0], broadcast))
+        pushed = await push.push(0, state(0.0))
+        got = await stray
+        off = await t.get(weight_handshake.KEY)
+        await t.close()
+        return pushed, got, off
+
+    broadcast = StandInBroadcast(lanes=2)
+    pushed, got, off = asyncio.run(main())
+    assert (pushed, got) == (False, [None]) and "rollout lane 3 is outside the trainer's 2 lanes" in off["reason"]
+
+
+def test_a_worker_stuck_in_the_collective_exits_to_be_restarted(nats_server, tiny_config_dict, monkeypatch):
+    import tidal.rollout.vllm_worker as vllm_worker
+    from tidal.config import config_from_dict
+
+    cfg = config_from_dict({**tiny_config_dict, "rollout": {"engine": "vllm", "vllm": {"weight_sync": "nccl", "nccl_timeout_seconds": 1.0}}})
+
+    async def join(engine, rendezvous, rank_offset):
+        pass
+
+    async def receive_forever(engine, update_info, version):  # a peer never arrives
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(vllm_worker, "nccl_join", join)
+    monkeypatch.setattr(vllm_worker, "nccl_receive", receive_forever)
+    broadcast = StandInBroadcast(lanes=1)
+
+    async def main():
+        t = await connect(nats_server.url)
+        worker_transport = await Transport.connect(nats_server.url, "handshake", TransportConfig(), create=False)
+        worker = vllm_worker.VLLMRolloutWorker(cfg, GPU_ENGINE, None, worker_transport, "worker-0")
+        await t.put("policy", {"version": 0, "uri": "/run/weights/v000000"})
+        push = NcclWeightPush(t, 1, 1, 1.0, broadcast.open, nccl_update_info, ("127.0.0.1", 29555))
+        pushed = asyncio.create_task(push.push(0, state(0.0)))
+        error = None
+        try:
+            while not pushed.done():
+                await worker._take_offer()
+                await asyncio.sleep(0.02)
+        except vllm_worker.NcclStuckError as err:
+            error = err
+        result = await pushed
+        off = await t.get(weight_handshake.KEY)
+        await worker_transport.close()
+        await t.close()
+        return error, result, off
+
+    error, result, off = asyncio.run(main())
+    assert error is not None and "stuck in the collective" in str(error) and "nccl_timeout_seconds" in str(error)
+    assert result is False and off["state"] == "off" and "the broadcast of weights v0 failed" in off["reason"]
+    broadcast.barrier.abort()  # release the abandoned stand-in sender thread

@@ -261,11 +261,11 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True)
     info, dataset, config_path = prepare_run(cfg, run_dir, show_progress)
     eval_set = dataset.eval[: cfg.eval.num_prompts] if cfg.eval.num_prompts else dataset.eval
     log.info("prepared run %s", info.run_id)
+    store = WeightStore(run_dir / "weights", info.base_model)
+    tracker = Tracker(info.tracking_uri, info.mlflow_run_id)
     # Sync mode on vLLM: one engine in this process serves eval before, every rollout and eval after.
     engine = open_engine(cfg, info.base_model, "vllm") if cfg.mode == "sync" and cfg.rollout.engine == "vllm" else None
     eval_engine = engine if eval_engine_kind(cfg) == "vllm" else None
-    store = WeightStore(run_dir / "weights", info.base_model)
-    tracker = Tracker(info.tracking_uri, info.mlflow_run_id)
     try:
         before = evaluate_snapshot(cfg, info.base_model, eval_set, engine=eval_engine) if cfg.eval.enabled else None
         log.info("accuracy before: %s", before)

@@ -124,9 +124,10 @@ def to_samples(output) -> list[Sample]:
 class VLLMEngine:
     """AsyncLLM with the calls Tidal makes: generate a group, load a snapshot, shut down."""
 
-    def __init__(self, llm, cfg: TidalConfig):
+    def __init__(self, llm, cfg: TidalConfig, device: str = "cpu"):
         self.llm = llm
         self.cfg = cfg
+        self.device = device  # vLLM's platform device type: cpu, cuda, npu
 
     @classmethod
     def create(cls, cfg: TidalConfig, model_dir: str | Path) -> "VLLMEngine":
@@ -136,7 +137,7 @@ class VLLMEngine:
         check_head_size(model_dir, device)
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        engine = cls(AsyncLLM.from_engine_args(engine_args(cfg, model_dir, device)), cfg)
+        engine = cls(AsyncLLM.from_engine_args(engine_args(cfg, model_dir, device)), cfg, device)
         start_reaper()
         return engine
 

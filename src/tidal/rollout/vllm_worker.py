@@ -29,6 +29,10 @@ from tidal.weights import version_dir_name
 log = logging.getLogger(__name__)
 
 
+class NcclStuckError(RuntimeError):
+    """The engine is blocked inside an NCCL collective that will not complete."""
+
+
 class VLLMRolloutWorker:
     def __init__(self, cfg: TidalConfig, engine: VLLMEngine, tokenizer, transport: Transport, worker_id: str):
         self.cfg = cfg
@@ -45,8 +49,10 @@ class VLLMRolloutWorker:
         self.load_seconds = 0.0
         self.idle_seconds = 0.0
         self.idle_since: float | None = time.time()
-        self.nccl = cfg.rollout.vllm.weight_sync == "nccl"
+        # NCCL needs an accelerator: a CPU engine was built without a weight-transfer backend
+        self.nccl = cfg.rollout.vllm.weight_sync == "nccl" and getattr(engine, "device", "cpu") != "cpu"
         self.nccl_group: str | None = None  # the trainer's NCCL group this engine belongs to
+        self.offer_taken: str | None = None  # the last offer id this worker answered
 
     # --- weights ---------------------------------------------------------------------------------
 
@@ -55,20 +61,27 @@ class VLLMRolloutWorker:
         return os.path.join(os.path.dirname(policy["uri"]), version_dir_name(version))
 
     async def _receive_nccl(self, version: int) -> bool:
-        """The GPU fast path; False (load from the weight store) whenever it is off or fails."""
+        """The GPU fast path; False (load from the weight store) whenever it is off or fails.
+        Raises NcclStuckError when the engine is stuck inside the collective: only a restart helps."""
         lane = weight_handshake.lane_of(self.worker_id)
-        timeout = 2 * self.cfg.rollout.vllm.nccl_timeout_seconds  # longer than the trainer's: it decides
-        go = await weight_handshake.accept(self.transport, lane, version, self.nccl_group, timeout)
+        timeout = self.cfg.rollout.vllm.nccl_timeout_seconds
+        go = await weight_handshake.accept(self.transport, lane, version, self.nccl_group, 2 * timeout)  # longer: the trainer decides
         if go is None:
             return False
+        self.offer_taken = go["id"]
         rendezvous = go["rendezvous"]
         try:
             if self.nccl_group != rendezvous["group"]:
-                await nccl_join(self.engine, rendezvous, 1 + lane * self.cfg.rollout.vllm.tensor_parallel_size)
+                await asyncio.wait_for(nccl_join(self.engine, rendezvous, 1 + lane * self.cfg.rollout.vllm.tensor_parallel_size), timeout)
                 self.nccl_group = rendezvous["group"]
-            await nccl_receive(self.engine, go["update_info"], version)
+            await asyncio.wait_for(nccl_receive(self.engine, go["update_info"], version), timeout)
             return True
-        except Exception as err:  # noqa: BLE001 - any failure means: load from the store
+        except asyncio.TimeoutError:
+            raise NcclStuckError(
+                f"worker {self.worker_id}: NCCL transfer of v{version} did not finish within {timeout:.0f}s "
+                "(rollout.vllm.nccl_timeout_seconds); its engine is stuck in the collective, so the worker exits to be restarted"
+            ) from None
+        except Exception as err:  # noqa: BLE001 - any other failure means: load from the store
             log.warning("worker %s: NCCL weight transfer of v%d failed (%s); using the weight store", self.worker_id, version, err)
             return False
 
@@ -161,15 +174,23 @@ class VLLMRolloutWorker:
         await keep_in_progress(lambda: [*self.inflight.values(), *(m for m, _ in self.backlog)], self.cfg.transport.ack_wait_seconds / 3)
 
     async def _take_offer(self) -> None:
-        """An NCCL broadcast needs every engine, including one that got no work item of that version."""
+        """An NCCL broadcast needs every engine, including one that got no work item of that version,
+        and one that already holds it (a restarted trainer forms a new group and offers it again)."""
         offer = await weight_handshake.pending_offer(self.transport)
-        if offer and (self.version is None or offer["version"] > self.version):
+        if not offer or offer["id"] == self.offer_taken:
+            return
+        newer = self.version is None or offer["version"] > self.version
+        new_group = offer["rendezvous"]["group"] != self.nccl_group and not offer["rendezvous"].get("formed")
+        if newer or (new_group and offer["version"] == self.version):
+            self.offer_taken = offer["id"]
             await self.sync_weights(offer["version"])
 
     async def _stopping(self) -> bool:
         return await self.transport.stopping()
 
     async def run(self) -> None:
+        if self.cfg.rollout.vllm.weight_sync == "nccl" and not self.nccl:
+            await weight_handshake.turn_off(self.transport, f"worker {self.worker_id}'s vLLM engine runs on cpu (NCCL needs an accelerator)")
         sub = await self.transport.work_subscription()
         keep_alive = asyncio.create_task(self._keep_alive())
         last_check = 0.0

@@ -262,8 +262,8 @@ async def run_periodic_trainer(
     for v in range(start, end):
         clock = IterationClock()
         await transport.put("policy", {"version": v, "uri": str(store.path(v))})
+        pushed = weight_push is not None and await weight_push.push(v, learner.model.state_dict())
         if weight_push is not None:
-            await weight_push.push(v, learner.model.state_dict())
             clock.sync += time.time() - clock.start
         order = iteration_prompt_order(dataset, cfg.seed, v)
         spare = iter(order[cfg.trainer.prompts_per_iteration :])
@@ -322,7 +322,8 @@ async def run_periodic_trainer(
                 load_seconds = max(load_seconds, g.get("weight_load_seconds", 0.0))
                 files.append("groups.jsonl", group_record(g, t0, t1))
             held.extend(msgs)
-        clock.sync += load_seconds
+        if not pushed:  # pushed: the workers' load time is the push, already counted
+            clock.sync += load_seconds
         extra = {"queue_depth": queue_depth, "groups_discarded": float(discarded), "groups_filtered": float(filtered), "filtered_reward_errors": filtered_errors}
         metrics = await asyncio.to_thread(finish_iteration, updates, store, files, v, list(received.values()), clock, extra)
         keep_alive.cancel()

@@ -19,7 +19,6 @@ import torch
 
 from tidal.config import TidalConfig
 from tidal.transport import weight_handshake
-from tidal.weights import unique_tensors
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +33,12 @@ def rendezvous_endpoint() -> tuple[str, int]:
     with socket.socket() as s:
         s.bind(("", 0))
         return address, s.getsockname()[1]
+
+
+def broadcast_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor of the state dict, tied aliases included: vLLM's layer-by-layer reload keeps the
+    previous version's lm_head unless it is sent too (see the adapter's `_retie`)."""
+    return {name: tensor.detach().contiguous() for name, tensor in state.items()}
 
 
 async def call_with_deadline(fn: Callable[[], None], timeout: float) -> str | None:
@@ -103,7 +108,11 @@ class NcclWeightPush:
         """True once every engine holds `version`; False: the fast path is (now) off."""
         if not self.active:
             return False
-        tensors = unique_tensors(state, to_cpu=False)
+        current = await self.transport.get(weight_handshake.KEY)
+        if current and current.get("state") == "off":  # a worker turned it off (it cannot take part)
+            self.active = False
+            return False
+        tensors = broadcast_tensors(state)
         ok = await weight_handshake.offer(self.transport, version, self.lanes, self.rendezvous(), self.update_info(tensors), self.timeout)
         if ok:
             error = await call_with_deadline(lambda: self._send(tensors), self.timeout)
@@ -114,5 +123,6 @@ class NcclWeightPush:
             self.active = False
             return False
         self.formed = True
+        await weight_handshake.sent(self.transport, version)
         log.info("weights v%d sent over NCCL to %d engine lanes", version, self.lanes)
         return True
