@@ -75,6 +75,14 @@ async def worker(url: str, lane: int, versions: list[int], broadcast: StandInBro
     return got
 
 
+async def push_while(push: NcclWeightPush, version: int, *workers) -> tuple[bool, list, dict | None]:
+    """Pushes `version` while the given worker coroutines run; (pushed, each worker's result, KV state)."""
+    tasks = [asyncio.create_task(w) for w in workers]
+    pushed = await push.push(version, state(float(version)))
+    got = [await t for t in tasks]
+    return pushed, got, await push.transport.get(weight_handshake.KEY)
+
+
 def test_every_lane_says_ready_before_the_stand_in_broadcast_and_gets_each_version(nats_server):
     async def main():
         t = await connect(nats_server.url)
@@ -101,11 +109,8 @@ def test_a_missing_lane_turns_nccl_off_and_everyone_uses_the_store(nats_server):
     async def main():
         t = await connect(nats_server.url)
         push = make_push(t, 2, broadcast)
-        lane0 = asyncio.create_task(worker(nats_server.url, 0, [0], broadcast))  # lane 1 never comes
-        first = await push.push(0, state(0.0))
-        got = await lane0
-        second = await push.push(1, state(1.0))
-        off = await t.get(weight_handshake.KEY)
+        first, (got,), _ = await push_while(push, 0, worker(nats_server.url, 0, [0], broadcast))  # lane 1 never comes
+        second, _, off = await push_while(push, 1)
         await t.close()
         return first, second, got, off
 
@@ -120,13 +125,9 @@ def test_a_restarted_engine_cannot_rejoin_a_formed_group(nats_server):
     async def main():
         t = await connect(nats_server.url)
         push = make_push(t, 1, broadcast)
-        lane = asyncio.create_task(worker(nats_server.url, 0, [0], broadcast))
-        assert await push.push(0, state(0.0))
-        await lane
-        restarted = asyncio.create_task(worker(nats_server.url, 0, [1], broadcast, joined=None))  # a new engine, not a member
-        pushed = await push.push(1, state(1.0))
-        got = await restarted
-        off = await t.get(weight_handshake.KEY)
+        assert (await push_while(push, 0, worker(nats_server.url, 0, [0], broadcast)))[0]
+        restarted = worker(nats_server.url, 0, [1], broadcast, joined=None)  # a new engine, not a member
+        pushed, (got,), off = await push_while(push, 1, restarted)
         await t.close()
         return pushed, got, off
 
@@ -140,11 +141,8 @@ def test_a_restarted_engine_cannot_rejoin_a_formed_group(nats_server):
 def test_a_failing_broadcast_turns_nccl_off_with_its_error(nats_server):
     async def main():
         t = await connect(nats_server.url)
-        push = make_push(t, 1, StandInBroadcast(lanes=1, fail=True))
-        lane = asyncio.create_task(worker(nats_server.url, 0, [0], StandInBroadcast(lanes=0)))  # its receive returns at once
-        pushed = await push.push(0, state(0.0))
-        await lane
-        off = await t.get(weight_handshake.KEY)
+        failing = make_push(t, 1, StandInBroadcast(lanes=1, fail=True))
+        pushed, _, off = await push_while(failing, 0, worker(nats_server.url, 0, [0], StandInBroadcast(lanes=0)))  # its receive returns at once
         await t.close()
         return pushed, off
 
@@ -234,10 +232,7 @@ def test_a_stale_go_or_sent_is_never_answered(nats_server):
 
     async def main():
         t = await connect(nats_server.url)
-        push = make_push(t, 1, broadcast)
-        lane = asyncio.create_task(worker(nats_server.url, 0, [0], broadcast))
-        assert await push.push(0, state(0.0))
-        await lane
+        assert (await push_while(make_push(t, 1, broadcast), 0, worker(nats_server.url, 0, [0], broadcast)))[0]
         after_sent = await weight_handshake.accept(t, 0, 0, None, timeout=0.5, poll=0.02)
         await t.put(weight_handshake.KEY, {**(await t.get(weight_handshake.KEY)), "state": "go", "id": "left-over", "lanes": 1, "rendezvous": {"group": "g", "formed": False}})
         after_go = await weight_handshake.accept(t, 0, 0, None, timeout=0.5, poll=0.02)
@@ -263,11 +258,7 @@ def test_a_ready_left_from_an_earlier_offer_does_not_count(nats_server):
 def test_a_lane_outside_the_trainers_lanes_turns_nccl_off(nats_server):
     async def main():
         t = await connect(nats_server.url)
-        push = make_push(t, 2, broadcast)
-        stray = asyncio.create_task(worker(nats_server.url, 3, [0], broadcast))
-        pushed = await push.push(0, state(0.0))
-        got = await stray
-        off = await t.get(weight_handshake.KEY)
+        pushed, (got,), off = await push_while(make_push(t, 2, broadcast), 0, worker(nats_server.url, 3, [0], broadcast))
         await t.close()
         return pushed, got, off
 
