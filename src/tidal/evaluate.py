@@ -44,7 +44,7 @@ def open_engine(cfg: TidalConfig, model_dir: str | Path, kind: str) -> RolloutEn
 
         return BlockingVLLMEngine(cfg, model_dir)
     model, tokenizer = load_model_and_tokenizer(model_dir, cfg.model.dtype)
-    return HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
+    return HFEngine.for_rollout(model, tokenizer, cfg.rollout)
 
 
 def eval_engine_kind(cfg: TidalConfig) -> str:

@@ -87,38 +87,31 @@ async def trainer_role(cfg: TidalConfig, run_dir: Path, nats_url: str, iteration
         await transport.close()
 
 
+def rollout_engine(cfg: TidalConfig, base_model: str) -> tuple[object, object, type]:
+    """(engine, tokenizer, worker class) for `rollout.engine`; vLLM is imported only when asked for."""
+    if cfg.rollout.engine == "vllm":
+        from tidal.model.loading import load_tokenizer
+        from tidal.rollout.vllm_adapter import VLLMEngine
+        from tidal.rollout.vllm_worker import VLLMRolloutWorker
+
+        return VLLMEngine.create(cfg, base_model), load_tokenizer(base_model), VLLMRolloutWorker
+    model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
+    return HFEngine.for_rollout(model, tokenizer, cfg.rollout), tokenizer, RolloutWorker
+
+
 async def worker_role(cfg: TidalConfig, run_dir: Path, nats_url: str, worker_id: str) -> int:
     info = RunInfo.load(run_dir)
     set_threads(split_cores(cfg)[1])
-    if cfg.rollout.engine == "vllm":
-        return await vllm_worker_role(cfg, info, nats_url, worker_id)
-    model, tokenizer = load_model_and_tokenizer(info.base_model, cfg.model.dtype)
-    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
-    transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=False)
-    worker = RolloutWorker(cfg, engine, tokenizer, transport, worker_id)
-    try:
-        await worker.run()
-    finally:
-        await transport.close()
-    return worker.groups_published
-
-
-async def vllm_worker_role(cfg: TidalConfig, info: RunInfo, nats_url: str, worker_id: str) -> int:
-    from tidal.model.loading import load_tokenizer
-    from tidal.rollout.vllm_adapter import VLLMEngine
-    from tidal.rollout.vllm_worker import VLLMRolloutWorker
-
-    tokenizer = load_tokenizer(info.base_model)
-    engine = VLLMEngine.create(cfg, info.base_model)
+    engine, tokenizer, worker_class = rollout_engine(cfg, info.base_model)
     try:
         transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=False)
-        worker = VLLMRolloutWorker(cfg, engine, tokenizer, transport, worker_id)
+        worker = worker_class(cfg, engine, tokenizer, transport, worker_id)
         try:
             await worker.run()
         finally:
             await transport.close()
     finally:
-        engine.shutdown()
+        engine.shutdown()  # vLLM's engine processes would otherwise outlive the worker
     return worker.groups_published
 
 

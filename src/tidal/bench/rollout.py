@@ -70,9 +70,8 @@ def figures(tokens: int, seconds: float, first_group: float) -> dict:
     return {"generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "first_group_seconds": first_group}
 
 
-def bench_hf(args, path: Path, prompt_ids: list[list[int]]) -> dict:
+def bench_hf(args, model, tok, prompt_ids: list[list[int]]) -> dict:
     torch.set_num_threads(args.threads)
-    model, tok = load_model_and_tokenizer(path, args.dtype)
     engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, args.max_new_tokens)
     gen = lambda batch: engine.generate([GroupRequest(p, args.group_size, torch.Generator().manual_seed(i)) for i, p in enumerate(batch)])  # noqa: E731
     gen(prompt_ids[: args.hf_groups_per_batch])  # warm-up
@@ -119,10 +118,11 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(args, Path(tmp))
-        _, tok = load_model_and_tokenizer(path, args.dtype)
+        model, tok = load_model_and_tokenizer(path, args.dtype)
         prompt_ids = prompts(args, tok)
-        params = sum(p.numel() for p in load_model_and_tokenizer(path, args.dtype)[0].parameters())
-        hf = bench_hf(args, path, prompt_ids)
+        params = sum(p.numel() for p in model.parameters())
+        hf = bench_hf(args, model, tok, prompt_ids)
+        del model  # the vLLM half loads its own copy
         vllm = asyncio.run(bench_vllm(args, path, prompt_ids))
     result = {
         "model": args.model_dir or args.size,

@@ -72,6 +72,11 @@ class HFEngine:
         self.cache_kwarg = cache_argument_name(model)
         self.version: int | None = None  # the weight-store version loaded by load_snapshot
 
+    @classmethod
+    def for_rollout(cls, model, tokenizer, rollout_cfg) -> "HFEngine":
+        """The engine `rollout.*` describes, over `model` (shared, not copied)."""
+        return cls(model, tokenizer.eos_token_id, tokenizer.pad_token_id, rollout_cfg.max_new_tokens, rollout_cfg.temperature)
+
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         from tidal.model.loading import load_state_dict_tied
 

@@ -11,6 +11,7 @@ vllm-ascend on NPU). Nothing else in Tidal imports vllm.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -164,20 +165,26 @@ class VLLMEngine:
         """The engine processes are gone: only a restart helps."""
         return self.llm.errored
 
+    @contextlib.asynccontextmanager
+    async def swapping_weights(self):
+        """Generation paused around a weight change, and the prefix cache dropped after it."""
+        # "wait": requests still held by the scheduler finish first; then no KV block is in use.
+        await self.llm.pause_generation(mode="wait", clear_cache=True)
+        try:
+            yield
+            # Cached prompts' KV was computed by the old weights: it must go, or log-probs are wrong.
+            if not await self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM did not reset its prefix cache after a weight change")
+        finally:
+            await self.llm.resume_generation()
+
     async def load_snapshot(self, path: str | Path) -> dict:
         """Every worker process loads `path` (checksums first); the prefix cache is then dropped.
 
         Returns {"loaded": n} or {"error": msg, "partial": bool}; partial means tensors were loaded
         before the failure and the caller must reload a good version."""
-        # "wait": requests still held by the scheduler finish first; then no KV block is in use.
-        await self.llm.pause_generation(mode="wait", clear_cache=True)
-        try:
+        async with self.swapping_weights():
             results = await self.llm.collective_rpc("tidal_load_weights", args=(str(path),))
-            # Cached prompts' KV was computed by the old weights: it must go, or log-probs are wrong.
-            if not await self.llm.reset_prefix_cache():
-                raise RuntimeError("vLLM did not reset its prefix cache after a weight load")
-        finally:
-            await self.llm.resume_generation()
         bad = [r for r in results if "error" in r]
         return bad[0] if bad else results[0]
 
@@ -352,15 +359,10 @@ async def nccl_receive(engine: VLLMEngine, update_info: dict, version: int) -> N
     """Engine side, per version: receives the broadcast, then drops the prefix cache."""
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-    await engine.llm.pause_generation(mode="wait", clear_cache=True)
-    try:
+    async with engine.swapping_weights():
         await engine.llm.start_weight_update()
         await engine.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
         await engine.llm.finish_weight_update(weight_version=str(version))
-        if not await engine.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM did not reset its prefix cache after an NCCL weight update")
-    finally:
-        await engine.llm.resume_generation()
 
 
 class NcclWeightSender:

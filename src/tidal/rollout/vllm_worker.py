@@ -50,7 +50,7 @@ class VLLMRolloutWorker:
         self.idle_seconds = 0.0
         self.idle_since: float | None = time.time()
         # NCCL needs an accelerator: a CPU engine was built without a weight-transfer backend
-        self.nccl = cfg.rollout.vllm.weight_sync == "nccl" and getattr(engine, "device", "cpu") != "cpu"
+        self.nccl = cfg.rollout.vllm.weight_sync == "nccl" and engine.device != "cpu"
         self.nccl_group: str | None = None  # the trainer's NCCL group this engine belongs to
         self.offer_taken: str | None = None  # the last offer id this worker answered
 

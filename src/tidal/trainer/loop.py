@@ -196,7 +196,7 @@ def run_sync(
     with `load_snapshot` (vLLM), which loads version v from the weight store before generating."""
     shares_weights = engine is None
     if shares_weights:
-        engine = HFEngine(learner.model, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
+        engine = HFEngine.for_rollout(learner.model, tokenizer, cfg.rollout)
     scorer = RewardScorer.from_config(cfg.reward)
     start = resume_version(files, learner, store)
     if store.latest_version() is None:
@@ -262,8 +262,9 @@ async def run_periodic_trainer(
     for v in range(start, end):
         clock = IterationClock()
         await transport.put("policy", {"version": v, "uri": str(store.path(v))})
-        pushed = weight_push is not None and await weight_push.push(v, learner.model.state_dict())
+        pushed = False
         if weight_push is not None:
+            pushed = await weight_push.push(v, learner.model.state_dict())
             clock.sync += time.time() - clock.start
         order = iteration_prompt_order(dataset, cfg.seed, v)
         spare = iter(order[cfg.trainer.prompts_per_iteration :])

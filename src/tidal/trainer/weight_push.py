@@ -72,9 +72,12 @@ class NcclWeightPush:
         self.update_info = update_info  # state -> what the engines need to receive it
         self.address, self.port = endpoint
         self.group = uuid.uuid4().hex[:12]  # a restarted trainer forms a new group
-        self.formed = False
         self.active = True
-        self.sender = None
+        self.sender = None  # opened with the first broadcast: from then on the group has formed
+
+    @property
+    def formed(self) -> bool:
+        return self.sender is not None
 
     @classmethod
     async def for_run(cls, cfg: TidalConfig, transport) -> "NcclWeightPush | None":
@@ -122,7 +125,6 @@ class NcclWeightPush:
         if not ok:
             self.active = False
             return False
-        self.formed = True
         await weight_handshake.sent(self.transport, version)
         log.info("weights v%d sent over NCCL to %d engine lanes", version, self.lanes)
         return True
