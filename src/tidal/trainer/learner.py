@@ -26,6 +26,7 @@ from tidal.algo import (
     truncated_importance_weights,
 )
 from tidal.config import RewardConfig, TrainerConfig
+from tidal.devices import resolve_device
 from tidal.model.loading import load_state_dict_tied
 from tidal.model.packing import GroupTokenLogprobs, naive_token_logprobs, pack_groups, packed_token_logprobs, split_into_microbatches
 
@@ -59,13 +60,14 @@ class Learner:
         self.cfg = cfg
         self.reward_cfg = reward_cfg or RewardConfig()
         self.max_new_tokens = max_new_tokens
-        self.device = cfg.device
+        self.device = resolve_device(cfg.device)
         self.model = model.to(self.device)
         self.pad_id = pad_id
         self.temperature = temperature
         self.reference = None
+        self.reference_device = resolve_device(cfg.reference_device, "trainer.reference_device") if cfg.reference_device else self.device
         if cfg.kl_coef > 0:
-            self.reference = copy.deepcopy(model).to(cfg.reference_device or self.device).eval().requires_grad_(False)
+            self.reference = copy.deepcopy(model).to(self.reference_device).eval().requires_grad_(False)
         self.old_policy = copy.deepcopy(model).eval().requires_grad_(False) if cfg.updates_per_iteration > 1 else None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_then_constant(cfg.warmup_steps))
@@ -140,7 +142,7 @@ class Learner:
         self.forwards["policy"] += 1
         outs = token_logprobs(self.model, packing, self.temperature, cfg.attention, self.device, with_entropy=True)
         old = self._frozen_logprobs(self.old_policy, packing, self.device, "old") if self.old_policy is not None else None
-        ref = self._frozen_logprobs(self.reference, packing, cfg.reference_device or self.device, "reference") if self.reference is not None else None
+        ref = self._frozen_logprobs(self.reference, packing, self.reference_device, "reference") if self.reference is not None else None
         numerator = None
         n_tokens = 0
         for i, (group, out) in enumerate(zip(groups, outs)):

@@ -1,0 +1,32 @@
+"""trainer.device: 'auto' picks what the process can see; an absent accelerator is a named error."""
+
+import pytest
+import torch
+
+from tidal.config import config_from_dict
+from tidal.devices import resolve_device
+
+
+def test_default_trainer_device_is_auto_and_resolves_to_what_this_process_sees():
+    assert config_from_dict({}).trainer.device == "auto"
+    expected = "cuda" if torch.cuda.is_available() else "npu" if getattr(torch, "npu", None) and torch.npu.is_available() else "cpu"
+    assert resolve_device("auto") == expected
+
+
+def test_explicit_devices_pass_through():
+    assert resolve_device("cpu") == "cpu"
+    if torch.cuda.is_available():
+        assert resolve_device("cuda:0") == "cuda:0"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the error case cannot happen")
+def test_an_accelerator_the_process_cannot_see_is_named():
+    with pytest.raises(ValueError, match=r"trainer.reference_device is 'cuda:1' but this process sees no cuda device"):
+        resolve_device("cuda:1", "trainer.reference_device")
+    with pytest.raises(ValueError, match=r"trainer.device is 'npu' but this process sees no npu device"):
+        resolve_device("npu")
+
+
+def test_a_malformed_device_is_refused():
+    with pytest.raises(ValueError, match=r"trainer.device is 'gpu', not a torch device"):
+        resolve_device("gpu")
