@@ -67,3 +67,17 @@ def test_nccl_weight_sync_on_a_platform_without_cuda_is_named(platform):
         config_from_dict({"rollout": nccl})
     store = {"engine": "vllm", "vllm": {"weight_sync": "store", "platform": platform}}
     assert config_from_dict({"rollout": store}).rollout.vllm.platform == platform
+
+
+def test_relative_data_paths_in_a_config_file_are_relative_to_the_file(tmp_path, monkeypatch):
+    from tidal.config import load_config
+
+    folder = tmp_path / "examples"
+    folder.mkdir()
+    config = folder / "c.yaml"
+    config.write_text("data: {task: jsonl, path: data/train.jsonl, eval_path: /abs/test.jsonl}\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(config)
+    assert cfg.data.path == str(folder / "data" / "train.jsonl")
+    assert cfg.data.eval_path == "/abs/test.jsonl"
+    assert load_config(config, ["data.path=mine.jsonl"]).data.path == "mine.jsonl"  # an override: the working directory's

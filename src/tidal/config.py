@@ -56,11 +56,31 @@ class DataConfig(_Strict):
     num_eval: int = Field(200, gt=0)
     max_digits: int = Field(2, gt=0, le=9)
     operations: list[Literal["+", "-"]] = ["+", "-"]
+    # What the model sees: `prompt_template` around each problem's text (`{prompt}`; write literal
+    # braces as {{ }}), then, with `chat_template`, the tokenizer's chat template as one user turn
+    # (instruct models), after `system_prompt` if set.
+    prompt_template: str = "{prompt}"
+    chat_template: bool = False
+    system_prompt: str | None = None
 
     @model_validator(mode="after")
     def _jsonl_needs_path(self) -> "DataConfig":
         if self.task == "jsonl" and not self.path:
             raise ValueError("data.path is required when data.task is 'jsonl'")
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_template_has_one_prompt_field(self) -> "DataConfig":
+        import string
+
+        try:
+            fields = [name for _, name, _, _ in string.Formatter().parse(self.prompt_template) if name is not None]
+        except ValueError as err:
+            raise ValueError(f"data.prompt_template is not a valid template ({err}); write literal braces as {{{{ }}}}") from None
+        if fields != ["prompt"]:
+            raise ValueError(f"data.prompt_template must contain {{prompt}} exactly once and no other field, found {fields}")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("data.system_prompt needs data.chat_template: true (it is a chat turn)")
         return self
 
 
@@ -240,7 +260,18 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Ti
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         source = str(p)
+        data = _data_paths_from(p.parent, data)
     return config_from_dict(apply_overrides(data, list(overrides)), source)
+
+
+def _data_paths_from(base: Path, data: dict) -> dict:
+    """A config file's relative data paths are relative to the file (so an example runs from any
+    directory, and in an image); paths given as overrides stay relative to the working directory."""
+    section = data.get("data")
+    if not isinstance(section, dict):
+        return data
+    resolved = {k: str((base / v).resolve()) if k in ("path", "eval_path") and isinstance(v, str) and not Path(v).is_absolute() else v for k, v in section.items()}
+    return {**data, "data": resolved}
 
 
 def dump_config(cfg: TidalConfig) -> str:

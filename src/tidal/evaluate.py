@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
-from tidal.config import TidalConfig
-from tidal.data import Problem
+from tidal.config import DataConfig, TidalConfig
+from tidal.data import Problem, prompt_encoder
 from tidal.model.loading import load_model_and_tokenizer, load_tokenizer
 from tidal.rewards import exact_match
 from tidal.rollout.engine import GroupRequest, HFEngine, RolloutEngine, group_generator, group_seed
@@ -18,16 +19,25 @@ EVAL_ITERATION = 10**9  # seeds eval samples apart from any training iteration's
 
 
 def held_out_accuracy(
-    engine: RolloutEngine, tokenizer, problems: list[Problem], batch_size: int = 64, max_new_tokens: int | None = None, samples: int = 0, seed: int = 0
+    engine: RolloutEngine,
+    tokenizer,
+    problems: list[Problem],
+    batch_size: int = 64,
+    max_new_tokens: int | None = None,
+    samples: int = 0,
+    seed: int = 0,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> float:
     """Fraction correct: greedy (samples 0), or the mean over `samples` samples per prompt at the
-    engine's temperature, seeded per prompt so that two snapshots are compared on the same noise."""
+    engine's temperature, seeded per prompt so that two snapshots are compared on the same noise.
+    `encode` turns a problem's text into prompt ids (data.prompt_template / chat_template); default plain."""
+    encode = encode or prompt_encoder(tokenizer, DataConfig())
     correct, total = 0, 0
     n = max(1, samples)
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
         requests = [
-            GroupRequest(tokenizer(p.prompt, add_special_tokens=False).input_ids, n, group_generator(seed, EVAL_ITERATION, p.id), group_seed(seed, EVAL_ITERATION, p.id))
+            GroupRequest(encode(p.prompt), n, group_generator(seed, EVAL_ITERATION, p.id), group_seed(seed, EVAL_ITERATION, p.id))
             for p in chunk
         ]
         for p, group in zip(chunk, engine.generate(requests, greedy=samples == 0, max_new_tokens=max_new_tokens)):
@@ -63,10 +73,10 @@ def evaluate_snapshot(cfg: TidalConfig, model_dir: str | Path, problems: list[Pr
         if snapshot is not None:
             engine.load_snapshot(snapshot)
         tokenizer, max_tokens = load_tokenizer(model_dir), cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
-        k = cfg.eval.samples_per_prompt
+        k, encode = cfg.eval.samples_per_prompt, prompt_encoder(tokenizer, cfg.data)
         return {
-            "accuracy": held_out_accuracy(engine, tokenizer, problems, cfg.eval.batch_size, max_tokens),
-            "sampled_accuracy": held_out_accuracy(engine, tokenizer, problems, max(1, cfg.eval.batch_size // k), max_tokens, k, cfg.seed) if k else None,
+            "accuracy": held_out_accuracy(engine, tokenizer, problems, cfg.eval.batch_size, max_tokens, encode=encode),
+            "sampled_accuracy": held_out_accuracy(engine, tokenizer, problems, max(1, cfg.eval.batch_size // k), max_tokens, k, cfg.seed, encode) if k else None,
         }
     finally:
         if own:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,3 +113,30 @@ def iteration_prompt_order(dataset: Dataset, seed: int, iteration: int) -> list[
 
 def prompts_for_iteration(dataset: Dataset, seed: int, iteration: int, count: int) -> list[Problem]:
     return iteration_prompt_order(dataset, seed, iteration)[:count]
+
+
+def render_prompt(text: str, cfg: DataConfig) -> str | list[dict]:
+    """The problem's text as the model will see it: a string, or chat messages for a chat template."""
+    body = cfg.prompt_template.format(prompt=text)
+    if not cfg.chat_template:
+        return body
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt is not None else []
+    return system + [{"role": "user", "content": body.strip()}]
+
+
+def prompt_encoder(tokenizer, cfg: DataConfig) -> Callable[[str], list[int]]:
+    """Problem text -> prompt token ids, the same in workers, sync mode and eval."""
+    if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise DatasetError(
+            f"data.chat_template is true but the tokenizer ({getattr(tokenizer, 'name_or_path', '?') or 'built-in'}) has no chat template; "
+            "use an instruct model's tokenizer, or set data.chat_template: false"
+        )
+
+    def encode(text: str) -> list[int]:
+        rendered = render_prompt(text, cfg)
+        if isinstance(rendered, str):
+            return tokenizer(rendered, add_special_tokens=False).input_ids
+        ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
+
+    return encode

@@ -17,6 +17,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from tidal.config import TidalConfig
+from tidal.data import prompt_encoder
 from tidal.rewards import RewardScorer
 from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
@@ -38,6 +39,7 @@ class VLLMRolloutWorker:
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = tokenizer
+        self.encode_prompt = prompt_encoder(tokenizer, cfg.data)
         self.transport = transport
         self.worker_id = worker_id
         self.scorer = RewardScorer.from_config(cfg.reward)
@@ -111,7 +113,7 @@ class VLLMRolloutWorker:
     # --- one group -------------------------------------------------------------------------------
 
     async def _run_group(self, msg, item: dict) -> None:
-        prompt = self.tokenizer(item["prompt"], add_special_tokens=False).input_ids
+        prompt = self.encode_prompt(item["prompt"])
         seed = group_seed(self.cfg.seed, item["iteration"], item["prompt_id"]) if self.cfg.rollout.deterministic else None
         version = self.version
         gen_start = time.time()

@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from tidal.config import TidalConfig
+from tidal.data import prompt_encoder
 from tidal.rewards import RewardScorer, exact_match
 from tidal.rollout.engine import GroupRequest, RolloutEngine, group_generator, group_seed
 from tidal.transport import Transport, keep_in_progress
@@ -65,10 +66,11 @@ def generate_groups(
     """Generates and scores one group per work item. Deterministic mode: one group per engine call,
     with the group's own RNG, so samples depend on (seed, iteration, prompt id) alone."""
     chunk = 1 if cfg.rollout.deterministic else cfg.rollout.groups_per_batch
+    encode = prompt_encoder(tokenizer, cfg.data)
     groups = []
     for start in range(0, len(items), chunk):
         batch = items[start : start + chunk]
-        prompts = [tokenizer(it["prompt"], add_special_tokens=False).input_ids for it in batch]
+        prompts = [encode(it["prompt"]) for it in batch]
         requests = [
             GroupRequest(
                 p,
