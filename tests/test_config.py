@@ -70,7 +70,7 @@ def test_nccl_weight_sync_on_a_platform_without_cuda_is_named(platform):
 
 
 def test_relative_data_paths_in_a_config_file_are_relative_to_the_file(tmp_path, monkeypatch):
-    from tidal.config import load_config
+    from tidal.config import dump_config, load_config
 
     folder = tmp_path / "examples"
     folder.mkdir()
@@ -80,4 +80,27 @@ def test_relative_data_paths_in_a_config_file_are_relative_to_the_file(tmp_path,
     cfg = load_config(config)
     assert cfg.data.path == str(folder / "data" / "train.jsonl")
     assert cfg.data.eval_path == "/abs/test.jsonl"
-    assert load_config(config, ["data.path=mine.jsonl"]).data.path == "mine.jsonl"  # an override: the working directory's
+    overridden = load_config(config, ["data.path=mine.jsonl"])
+    assert overridden.data.path == str(tmp_path / "mine.jsonl")  # an override: the working directory's
+    # dumped (run_dir/config.yaml) and reloaded from another folder by a role: the same absolute paths
+    staged = tmp_path / "run" / "config.yaml"
+    staged.parent.mkdir()
+    staged.write_text(dump_config(overridden))
+    assert load_config(staged).data.path == overridden.data.path
+    assert load_config(config, base_dir=tmp_path / "elsewhere").data.path == str(tmp_path / "elsewhere" / "data" / "train.jsonl")
+
+
+def test_the_pipeline_stages_an_image_config_with_its_data_paths_from_the_image(tmp_path):
+    """kube prepare step: config_path is a file in the component image (examples/gsm8k.yaml); the
+    staged run config must point at the image's data, not at the run directory's copy."""
+    from pathlib import Path
+
+    from tidal.config import load_config
+    from tidal.kube.roles import STATE_DIR, stage_config
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "gsm8k.yaml"
+    (tmp_path / STATE_DIR).mkdir()
+    staged = load_config(stage_config(str(tmp_path), "", str(example), ["trainer.iterations=2"]))
+    assert staged.data.path == str(example.parent / "data" / "gsm8k" / "train.jsonl")
+    assert staged.trainer.iterations == 2
+    assert (tmp_path / STATE_DIR / "submitted-config.yaml").read_text() == example.read_text()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tidal.config import config_from_dict
-from tidal.devices import resolve_device
+from tidal.devices import device_problem, resolve_device
 
 
 def test_default_trainer_device_is_auto_and_resolves_to_what_this_process_sees():
@@ -30,3 +30,13 @@ def test_an_accelerator_the_process_cannot_see_is_named():
 def test_a_malformed_device_is_refused():
     with pytest.raises(ValueError, match=r"trainer.device is 'gpu', not a torch device"):
         resolve_device("gpu")
+
+
+
+def test_device_problems_follow_what_the_process_sees():
+    two_gpus = {"cuda": 2, "npu": 0}
+    assert device_problem("cuda:1", two_gpus) is None and device_problem("cuda", two_gpus) is None
+    assert device_problem("cuda:2", two_gpus) == "this process sees 2 cuda device(s), cuda:0 to cuda:1"
+    assert device_problem("npu", two_gpus) == "this process sees no npu device; use 'auto' or 'cpu'"
+    assert device_problem("npu:0", {"cuda": 0, "npu": 8}) is None
+    assert device_problem("cpu", two_gpus) is None

@@ -69,3 +69,15 @@ def test_every_profile_image_has_a_dockerfile():
 
     names = {profile.image.rsplit("/", 1)[1].split(":")[0] for profile in PROFILES.values()}
     assert names == {f"tidal-{image}" for image in IMAGES}
+
+
+def test_the_ascend_image_freezes_its_installed_stack_as_pip_constraints():
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    out = subprocess.run([sys.executable, str(ROOT / "images" / "ascend" / "freeze_stack.py")], capture_output=True, text=True, check=True).stdout
+    constraints = {Requirement(line).name: Requirement(line) for line in out.splitlines()}
+    assert {"torch", "transformers", "numpy"} <= set(constraints)  # installed here; torch-npu, vllm-ascend are not
+    assert Version(version("torch")) in constraints["torch"].specifier
+    assert "COPY images/ascend/freeze_stack.py" in (ROOT / "images" / "ascend" / "Dockerfile").read_text()

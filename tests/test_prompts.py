@@ -95,3 +95,14 @@ def test_workers_and_eval_generate_from_the_same_chat_prompt():
 
     held_out_accuracy(Recording(), tok, [problem], encode=prompt_encoder(tok, cfg.data))
     assert seen == [group["prompt_ids"].tolist()]
+
+
+def test_the_warm_start_trains_on_the_prompts_rl_will_use():
+    from tidal.model.loading import sft_batch
+
+    tok = build_char_tokenizer()
+    encode = prompt_encoder(tok, data_cfg(prompt_template="Q {prompt}"))
+    ids, mask, labels = sft_batch(tok, [Problem(0, "1+2=", "3")], encode)
+    prompt = encode("1+2=")
+    assert ids[0, : len(prompt)].tolist() == prompt
+    assert (labels[0, : len(prompt)] == -100).all() and tok.decode(labels[0, len(prompt) : int(mask[0].sum())].tolist()) == "A: 3<eos>"

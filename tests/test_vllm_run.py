@@ -77,7 +77,7 @@ def test_tidal_run_with_the_vllm_engine_falls_back_to_the_store_when_nccl_cannot
     log = (tmp_path / "run" / "logs" / "worker-0.log").read_text()
     assert all(f"loaded weights v{v} " in log for v in range(ITERATIONS))
     assert len(re.findall(r"loaded weights v\d+ in [\d.]+s from the weight store", log)) == ITERATIONS
-    assert "worker worker-0's vLLM engine runs on cpu (NCCL needs an accelerator)" in log
+    assert "worker worker-0's vLLM engine runs on cpu (NCCL needs CUDA)" in log
     trainer_log = (tmp_path / "run" / "logs" / "trainer.log").read_text()
     assert "NCCL weight transfer off for the rest of the run: the trainer has no CUDA device" in trainer_log
     launcher = (tmp_path / "run" / "logs" / "launcher.log").read_text()

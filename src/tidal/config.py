@@ -246,7 +246,10 @@ def config_from_dict(data: dict, source: str = "<dict>") -> TidalConfig:
         raise ConfigError(_format_validation_error(err, source)) from None
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> TidalConfig:
+def load_config(path: str | os.PathLike | None, overrides: list[str] = (), base_dir: str | os.PathLike | None = None) -> TidalConfig:
+    """The config in `path` (defaults when None) with `key=value` overrides applied. Relative data
+    paths in the file are relative to `base_dir` (default: the file's folder); in overrides, to the
+    working directory. The result holds absolute data paths, so it can be dumped and reloaded anywhere."""
     data: dict = {}
     source = "defaults"
     if path is not None:
@@ -260,13 +263,13 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Ti
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         source = str(p)
-        data = _data_paths_from(p.parent, data)
-    return config_from_dict(apply_overrides(data, list(overrides)), source)
+        data = _data_paths_from(Path(base_dir) if base_dir is not None else p.parent, data)
+    data = _data_paths_from(Path.cwd(), apply_overrides(data, list(overrides)))
+    return config_from_dict(data, source)
 
 
 def _data_paths_from(base: Path, data: dict) -> dict:
-    """A config file's relative data paths are relative to the file (so an example runs from any
-    directory, and in an image); paths given as overrides stay relative to the working directory."""
+    """Relative `data.path` / `data.eval_path` made absolute against `base`."""
     section = data.get("data")
     if not isinstance(section, dict):
         return data

@@ -5,23 +5,41 @@ from __future__ import annotations
 import torch
 
 
-def npu_available() -> bool:
-    """An Ascend NPU through torch_npu (which torch auto-loads when it is installed)."""
+def npu_count() -> int:
+    """Ascend NPUs through torch_npu (which torch auto-loads when it is installed)."""
     npu = getattr(torch, "npu", None)
-    return npu is not None and npu.is_available()
+    return npu.device_count() if npu is not None and npu.is_available() else 0
+
+
+def visible_accelerators() -> dict[str, int]:
+    return {"cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0, "npu": npu_count()}
+
+
+def device_problem(requested: str, visible: dict[str, int]) -> str | None:
+    """Why `requested` names an accelerator this process cannot use (given `visible` counts), or None."""
+    kind, _, index = requested.partition(":")
+    seen = visible.get(kind)
+    if seen is None:
+        return None
+    if seen == 0:
+        return f"this process sees no {kind} device; use 'auto' or 'cpu'"
+    if index.isdigit() and int(index) >= seen:
+        return f"this process sees {seen} {kind} device(s), {kind}:0 to {kind}:{seen - 1}"
+    return None
 
 
 def resolve_device(requested: str, key: str = "trainer.device") -> str:
-    """'auto': CUDA, else an Ascend NPU, else CPU. An explicit accelerator the process cannot see is an
-    error naming `key`, not a failure deep inside the first forward pass."""
+    """'auto': CUDA, else an Ascend NPU, else CPU. An accelerator the process cannot see is an error
+    naming `key`, not a failure deep inside the first forward pass."""
+    visible = visible_accelerators()
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "npu" if npu_available() else "cpu"
-    kind = requested.split(":")[0]  # "npu" is a device type only once torch_npu is loaded
-    visible = {"cuda": torch.cuda.is_available, "npu": npu_available}.get(kind)
-    if visible is not None and not visible():
-        raise ValueError(f"{key} is {requested!r} but this process sees no {kind} device; use 'auto' or 'cpu'")
-    try:
-        torch.device(requested)
-    except RuntimeError as err:
-        raise ValueError(f"{key} is {requested!r}, not a torch device: {err}") from None
+        return "cuda" if visible["cuda"] else "npu" if visible["npu"] else "cpu"
+    problem = device_problem(requested, visible)
+    if problem:
+        raise ValueError(f"{key} is {requested!r} but {problem}")
+    if requested.partition(":")[0] != "npu":  # "npu" is a torch device type only once torch_npu is loaded
+        try:
+            torch.device(requested)
+        except RuntimeError as err:
+            raise ValueError(f"{key} is {requested!r}, not a torch device: {err}") from None
     return requested

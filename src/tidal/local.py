@@ -14,10 +14,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tidal.config import TidalConfig, dump_config
-from tidal.data import load_dataset, prompt_encoder
+from tidal.data import load_dataset
 from tidal.evaluate import eval_engine_kind, evaluate_snapshot, open_engine
-from tidal.model.loading import load_tokenizer, prepare_base_model
-from tidal.roles import RunInfo, build_learner
+from tidal.model.loading import prepare_base_model
+from tidal.roles import RunInfo, build_learner, check_prompt_settings
 from tidal.runtime import set_threads, setup_logging, split_cores
 from tidal.tracking import Tracker, start_run, tracking_uri
 from tidal.trainer.loop import RunFiles, run_sync
@@ -243,7 +243,7 @@ def prepare_run(cfg: TidalConfig, run_dir: Path, show_progress: bool = True) -> 
     base = prepare_base_model(cfg, dataset, progress)
     if bar is not None:
         bar.close()
-    prompt_encoder(load_tokenizer(base), cfg.data)(dataset.train[0].prompt)  # a bad prompt setting fails here, not in every worker
+    check_prompt_settings(cfg, base)
     if (run_dir / "run.json").is_file():
         info = RunInfo.load(run_dir)
     else:

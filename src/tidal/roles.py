@@ -119,5 +119,14 @@ def ensure_base_model(cfg: TidalConfig, progress=None) -> str:
     return str(prepare_base_model(cfg, load_dataset(cfg.data, cfg.seed), progress))
 
 
+def check_prompt_settings(cfg: TidalConfig, base_model: str | Path) -> None:
+    """data.prompt_template / chat_template against the model's tokenizer, once, before any worker
+    starts (a tokenizer without a chat template is a DatasetError naming the key)."""
+    from tidal.data import prompt_encoder
+    from tidal.model.loading import load_tokenizer
+
+    prompt_encoder(load_tokenizer(base_model), cfg.data)("1+1=")
+
+
 def run_async(coro):
     return asyncio.run(coro)

@@ -21,12 +21,13 @@ def run_id_of(run_dir: str) -> str:
 def prepare_run(run_dir: str, config_path: str, tracking_uri: str, mlflow_run_id: str) -> None:
     """Stage the base model and data, write run.json, create the streams and the KV bucket."""
     from tidal.config import load_config
-    from tidal.roles import RunInfo, ensure_base_model, run_async
+    from tidal.roles import RunInfo, check_prompt_settings, ensure_base_model, run_async
 
     cfg = load_config(config_path)
     run_path = Path(run_dir)
     if not (run_path / "run.json").is_file():
         base_model = ensure_base_model(cfg)
+        check_prompt_settings(cfg, base_model)
         RunInfo(run_id=run_id_of(run_dir), base_model=str(base_model), tracking_uri=tracking_uri,
                 mlflow_run_id=mlflow_run_id).save(run_path)
     run_async(_create_transport(cfg, run_dir))

@@ -148,17 +148,20 @@ def stage_config(run_dir: str, config_yaml: str, config_path: str, overrides: li
     """Validate the config with the overrides applied and write the resolved one into the run directory."""
     from tidal.config import ConfigError, dump_config, load_config
 
-    source = Path(run_dir) / STATE_DIR / "submitted-config.yaml"
+    record = Path(run_dir) / STATE_DIR / "submitted-config.yaml"
     if config_yaml.strip():
-        source.write_text(config_yaml)
+        record.write_text(config_yaml)
+        # inline text has no folder of its own: its relative data paths are the working directory's
+        source, base_dir = record, Path.cwd()
     elif config_path:
         if not Path(config_path).is_file():
             raise PipelineStepError(f"config_path {config_path!r} does not exist in the component image")
-        shutil.copyfile(config_path, source)
+        shutil.copyfile(config_path, record)
+        source, base_dir = Path(config_path), None  # relative data paths: the file's folder in the image
     else:
         raise PipelineStepError("give the config as config_yaml (its text) or config_path (a file in the image)")
     try:
-        config = load_config(source, overrides)
+        config = load_config(source, overrides, base_dir)
     except ConfigError as err:
         raise PipelineStepError(str(err)) from None
     staged = Path(run_dir) / "config.yaml"

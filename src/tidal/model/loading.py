@@ -8,13 +8,14 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from tidal.config import TidalConfig
-from tidal.data import Dataset, Problem, arithmetic_completion
+from tidal.data import Dataset, Problem, arithmetic_completion, prompt_encoder
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +69,13 @@ def load_state_dict_tied(model: torch.nn.Module, state_dict: dict[str, torch.Ten
         model.tie_weights()
 
 
-def sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+completion+eos; labels only on the completion."""
+def sft_batch(tokenizer, problems: list[Problem], encode: Callable[[str], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt+completion+eos; labels only on the completion. `encode`: the prompt ids
+    RL will use (data.prompt_template), so warm start and RL see the same prompts."""
+    encode = encode or (lambda text: tokenizer(text, add_special_tokens=False).input_ids)
     rows, labels = [], []
     for p in problems:
-        prompt = tokenizer(p.prompt, add_special_tokens=False).input_ids
+        prompt = encode(p.prompt)
         completion = tokenizer(arithmetic_completion(p.answer), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         rows.append(prompt + completion)
         labels.append([-100] * len(prompt) + completion)
@@ -84,7 +87,9 @@ def sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.T
     return ids, mask, lab
 
 
-def supervised_warm_start(model, tokenizer, problems: list[Problem], steps: int, batch_size: int, lr: float, seed: int, progress=None) -> float:
+def supervised_warm_start(
+    model, tokenizer, problems: list[Problem], steps: int, batch_size: int, lr: float, seed: int, progress=None, encode: Callable[[str], list[int]] | None = None
+) -> float:
     """A short SFT so RL starts with signal. Returns the last loss."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -93,7 +98,7 @@ def supervised_warm_start(model, tokenizer, problems: list[Problem], steps: int,
     loss_value = float("nan")
     for step in range(steps):
         idx = torch.randint(len(problems), (batch_size,), generator=gen).tolist()
-        ids, mask, lab = sft_batch(tokenizer, [problems[i] for i in idx])
+        ids, mask, lab = sft_batch(tokenizer, [problems[i] for i in idx], encode)
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -125,7 +130,8 @@ def prepare_base_model(cfg: TidalConfig, dataset: Dataset, progress=None) -> Pat
         ws = cfg.model.warm_start
         pool = dataset.train[: ws.examples]
         t0 = time.time()
-        loss = supervised_warm_start(model, tokenizer, pool, ws.steps, ws.batch_size, ws.lr, cfg.seed, progress)
+        encode = prompt_encoder(tokenizer, cfg.data)
+        loss = supervised_warm_start(model, tokenizer, pool, ws.steps, ws.batch_size, ws.lr, cfg.seed, progress, encode)
         log.info("warm start: %d steps in %.1fs, final loss %.3f", ws.steps, time.time() - t0, loss)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -119,10 +119,11 @@ class HFEngine:
                 # noise from each group's seeded CPU generator: the same samples on any device
                 nxt = gumbel_sample(lp, self._noise(requests, lp.shape[-1]).to(device))
             chosen = lp.gather(-1, nxt[:, None])[:, 0]
+            step_tokens, step_logps = nxt.tolist(), chosen.tolist()  # one device sync per step, not per row
             for i in torch.nonzero(~done).flatten().tolist():
-                tokens[i].append(int(nxt[i]))
-                logps[i].append(float(chosen[i]))
-                if nxt[i] == self.eos:
+                tokens[i].append(step_tokens[i])
+                logps[i].append(step_logps[i])
+                if step_tokens[i] == self.eos:
                     reasons[i] = "stop"
             done |= nxt == self.eos
             if bool(done.all()):

@@ -78,8 +78,8 @@ def engine_args(cfg: TidalConfig, model_dir: str | Path, device: str = "cpu"):
         "gpu_memory_utilization": v.gpu_memory_utilization,
         "kv_cache_memory_bytes": int(v.kv_cache_memory_gib * 2**30) if v.kv_cache_memory_gib else None,
         "max_model_len": v.max_model_len,
-        # NCCL needs an accelerator; on CPU the workers always load from the weight store.
-        "weight_transfer_config": {"backend": "nccl"} if v.weight_sync == "nccl" and device != "cpu" else None,
+        # NCCL needs CUDA; elsewhere (CPU, Ascend) the workers always load from the weight store.
+        "weight_transfer_config": {"backend": "nccl"} if v.weight_sync == "nccl" and device == "cuda" else None,
     }
     return AsyncEngineArgs(
         model=str(model_dir),
@@ -330,7 +330,11 @@ def nccl_unavailable_reason() -> str | None:
     """Why this process cannot send weights over NCCL, or None when it can."""
     if not vllm_available():
         return f"vllm is not installed in the trainer's environment ({INSTALL_HINT})"
-    if importlib.util.find_spec("vllm.distributed.weight_transfer.nccl_common") is None:
+    try:
+        nccl_api = importlib.util.find_spec("vllm.distributed.weight_transfer.nccl_common")
+    except ModuleNotFoundError:  # find_spec raises when a parent package is missing
+        nccl_api = None
+    if nccl_api is None:
         # vLLM 0.23 (vllm-ascend's) has the weight-transfer API in another shape (trainer_init on the
         # engine class, `packed` on the update info, no weight_version); Tidal drives 0.32's and 0.33's.
         return "the trainer's vLLM predates the 0.32 NCCL weight-transfer API Tidal drives (vllm>=0.32)"

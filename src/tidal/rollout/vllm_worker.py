@@ -51,8 +51,8 @@ class VLLMRolloutWorker:
         self.load_seconds = 0.0
         self.idle_seconds = 0.0
         self.idle_since: float | None = time.time()
-        # NCCL needs an accelerator: a CPU engine was built without a weight-transfer backend
-        self.nccl = cfg.rollout.vllm.weight_sync == "nccl" and engine.device != "cpu"
+        # NCCL needs CUDA: a CPU or NPU engine was built without a weight-transfer backend
+        self.nccl = cfg.rollout.vllm.weight_sync == "nccl" and engine.device == "cuda"
         self.nccl_group: str | None = None  # the trainer's NCCL group this engine belongs to
         self.offer_taken: str | None = None  # the last offer id this worker answered
 
@@ -192,7 +192,7 @@ class VLLMRolloutWorker:
 
     async def run(self) -> None:
         if self.cfg.rollout.vllm.weight_sync == "nccl" and not self.nccl:
-            await weight_handshake.turn_off(self.transport, f"worker {self.worker_id}'s vLLM engine runs on cpu (NCCL needs an accelerator)")
+            await weight_handshake.turn_off(self.transport, f"worker {self.worker_id}'s vLLM engine runs on {self.engine.device} (NCCL needs CUDA)")
         sub = await self.transport.work_subscription()
         keep_alive = asyncio.create_task(self._keep_alive())
         last_check = 0.0

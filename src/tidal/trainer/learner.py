@@ -93,7 +93,7 @@ class Learner:
         return [o.logprobs.to(self.device) for o in outs]
 
     def shaped_rewards(self, group: dict, lengths: torch.Tensor) -> torch.Tensor:
-        rewards = torch.tensor([float(r["reward"]) for r in group["responses"]])
+        rewards = torch.tensor([float(r["reward"]) for r in group["responses"]], device=lengths.device)
         if self.reward_cfg.overlong_buffer:
             rewards = rewards + overlong_penalty(lengths, self.max_new_tokens, self.reward_cfg.overlong_buffer, self.reward_cfg.overlong_penalty)
         return rewards
@@ -156,7 +156,7 @@ class Learner:
                 rewards = kl_reward_penalty(rewards, kl.detach(), mask, cfg.kl_coef)
             advantages = compute_advantages(cfg.advantage, rewards, cfg.std_normalize)[:, None]
             loss_tok, clipped = policy_token_loss(cfg.policy_loss, logp, old_logp, advantages, mask, cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps)
-            rollout_logp = padded([r.get("logprobs", []) for r in group["responses"]], mask.shape[1])
+            rollout_logp = padded([r.get("logprobs", []) for r in group["responses"]], mask.shape[1]).to(logp.device)
             if cfg.tis_cap is not None:
                 weights, truncated = truncated_importance_weights(old_logp, rollout_logp, cfg.tis_cap)
                 loss_tok = loss_tok * weights
@@ -218,7 +218,7 @@ class Learner:
         names = {p: n for n, p in self.model.named_parameters()}
         for p, state in self.optimizer.state.items():
             for key, value in state.items():
-                out[f"{names[p]}::{key}"] = torch.as_tensor(value).detach().clone()
+                out[f"{names[p]}::{key}"] = torch.as_tensor(value).detach().cpu().clone()
         out["__scheduler_step__"] = torch.tensor(self.scheduler.last_epoch)
         return out
 
@@ -228,7 +228,8 @@ class Learner:
             if key == "__scheduler_step__":
                 continue
             name, field = key.rsplit("::", 1)
-            self.optimizer.state[params[name]][field] = value.clone()
+            # Moments live beside their parameter; AdamW keeps its `step` counter on the CPU.
+            self.optimizer.state[params[name]][field] = value.clone() if field == "step" else value.to(params[name].device, copy=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_then_constant(self.cfg.warmup_steps))
         for _ in range(int(tensors.get("__scheduler_step__", torch.tensor(0)))):
             self.scheduler.step()
