@@ -40,3 +40,21 @@ def test_device_problems_follow_what_the_process_sees():
     assert device_problem("npu", two_gpus) == "this process sees no npu device; use 'auto' or 'cpu'"
     assert device_problem("npu:0", {"cuda": 0, "npu": 8}) is None
     assert device_problem("cpu", two_gpus) is None
+
+
+def test_local_placement_gives_the_trainer_one_device_and_each_worker_its_own():
+    from tidal.devices import accelerator_placement
+
+    assert accelerator_placement(["0"], workers=1, per_worker=1) is None  # one GPU: shared
+    assert accelerator_placement(["0", "1"], workers=1, per_worker=2) is None  # tensor parallel 2 does not fit
+    assert accelerator_placement(["0", "1", "2"], 2, 1) == {"trainer": ["0"], "worker-0": ["1"], "worker-1": ["2"]}
+    assert accelerator_placement(list("01234"), 2, 2) == {"trainer": ["0"], "worker-0": ["1", "2"], "worker-1": ["3", "4"]}
+    assert accelerator_placement(["0", "1", "2"], 3, 1) == {"trainer": ["0"], "worker-0": ["1"], "worker-1": ["2"], "worker-2": ["1"]}
+
+
+def test_visible_device_ids_follow_the_parents_list():
+    from tidal.devices import visible_device_ids
+
+    assert visible_device_ids("cuda", {"CUDA_VISIBLE_DEVICES": "4, 6"}, 2) == ["4", "6"]
+    assert visible_device_ids("cuda", {}, 3) == ["0", "1", "2"]
+    assert visible_device_ids("npu", {"ASCEND_RT_VISIBLE_DEVICES": "2"}, 1) == ["2"]

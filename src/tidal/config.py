@@ -108,6 +108,9 @@ class VLLMConfig(_Strict):
     seed: int | None = None  # None: the run's seed
     platform: Literal["auto", "cpu", "cuda", "ascend"] = "auto"  # ascend: vllm-ascend's image (images/ascend)
     weight_sync: Literal["store", "nccl"] = "store"  # nccl: GPU only, falls back to the store
+    # local runs (`tidal run`): "auto" gives the trainer the first GPU/NPU and each worker its own
+    # tensor_parallel_size devices when there are enough; "shared": every role sees every device
+    placement: Literal["auto", "shared"] = "auto"
     # nccl: how long the trainer waits for every engine to be ready (the first wait spans engine
     # start-up), and for one broadcast, before it turns NCCL off for the run
     nccl_timeout_seconds: float = Field(600.0, gt=0)

@@ -43,3 +43,22 @@ def resolve_device(requested: str, key: str = "trainer.device") -> str:
         except RuntimeError as err:
             raise ValueError(f"{key} is {requested!r}, not a torch device: {err}") from None
     return requested
+
+
+VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def visible_device_ids(kind: str, environ: dict[str, str], count: int) -> list[str]:
+    """The ids a child process may be given: the parent's visible list if set, else 0..count-1."""
+    listed = environ.get(VISIBLE_DEVICES_ENV[kind], "").strip()
+    return [d.strip() for d in listed.split(",") if d.strip()] if listed else [str(i) for i in range(count)]
+
+
+def accelerator_placement(devices: list[str], workers: int, per_worker: int) -> dict[str, list[str]] | None:
+    """Local runs: the trainer on the first device and each rollout worker on its own `per_worker`
+    devices (its tensor-parallel size) when there are enough for the trainer and one worker; workers
+    beyond the devices share them round-robin. None when there are too few: every role sees them all."""
+    blocks = [devices[i : i + per_worker] for i in range(1, len(devices) - per_worker + 1, per_worker)]
+    if not blocks:
+        return None
+    return {"trainer": devices[:1], **{f"worker-{i}": blocks[i % len(blocks)] for i in range(workers)}}

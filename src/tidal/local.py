@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from tidal.config import TidalConfig, dump_config
 from tidal.data import load_dataset
+from tidal.devices import VISIBLE_DEVICES_ENV, accelerator_placement, visible_accelerators, visible_device_ids
 from tidal.evaluate import eval_engine_kind, evaluate_snapshot, open_engine
 from tidal.model.loading import prepare_base_model
 from tidal.roles import RunInfo, build_learner, check_prompt_settings
@@ -53,6 +54,22 @@ class ProgressBar:
         self.bar.close()
 
 
+def local_accelerator_env(cfg: TidalConfig, environ: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """Role -> the visible-devices variable that places it (rollout.vllm.placement); {} to share."""
+    environ = os.environ if environ is None else environ
+    visible = visible_accelerators()
+    kind = "cuda" if visible["cuda"] else "npu" if visible["npu"] else None
+    if kind is None or cfg.rollout.engine != "vllm" or cfg.rollout.vllm.placement == "shared":
+        return {}
+    devices = visible_device_ids(kind, environ, visible[kind])
+    placement = accelerator_placement(devices, cfg.rollout.workers, cfg.rollout.vllm.tensor_parallel_size)
+    if placement is None:
+        log.info("%d %s device(s) for the trainer and %d worker(s): every role shares them", len(devices), kind, cfg.rollout.workers)
+        return {}
+    log.info("device placement (%s): %s", kind, placement)
+    return {role: {VISIBLE_DEVICES_ENV[kind]: ",".join(ids)} for role, ids in placement.items()}
+
+
 class RoleProcesses:
     """Trainer and rollout workers as child processes; dead workers are restarted (their work is redelivered)."""
 
@@ -63,9 +80,11 @@ class RoleProcesses:
         self.workers: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {}
         self.trainer: subprocess.Popen | None = None
+        self.devices = local_accelerator_env(cfg)
 
     def _spawn(self, args: list[str], log_name: str, threads: int) -> subprocess.Popen:
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TIDAL_THREADS": str(threads)}
+        role = args[2] if args[0] == "rollout-worker" else "trainer"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TIDAL_THREADS": str(threads), **self.devices.get(role, {})}
         out = (self.logs / log_name).open("ab")
         cmd = [sys.executable, "-m", "tidal.cli", *args, str(self.config_path), "--run-dir", str(self.run_dir), "--nats-url", self.nats_url]
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
