@@ -33,3 +33,14 @@ def test_gsm8k_example_uses_the_full_splits_and_an_instruction_the_reward_unders
     answer = dataset.train[0].answer
     assert scorer.score(f"Step one.\n#### {answer}", answer)[0] == pytest.approx(1.1)  # correct + format
     assert scorer.score("Step one.\n#### 0.5", answer)[0] == pytest.approx(0.1)
+
+
+def test_a_model_that_cannot_be_loaded_is_named(tmp_path):
+    from tidal.model.loading import ModelLoadError, load_model_and_tokenizer
+
+    # (a hub id would be tried against the hub, with retries: offline, that is what a user sees too)
+    with pytest.raises(ModelLoadError, match=r"cannot load the tokenizer of '/nonexistent/model' \(model.name_or_path\)"):
+        load_model_and_tokenizer("/nonexistent/model")
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # a folder that is not a model
+    with pytest.raises(ModelLoadError, match=rf"of '{tmp_path}'"):
+        load_model_and_tokenizer(tmp_path)

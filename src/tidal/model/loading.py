@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -39,14 +40,27 @@ def warm_start_key(cfg: TidalConfig) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
+class ModelLoadError(ValueError):
+    """A model or tokenizer (model.name_or_path) cannot be loaded: not there, no hub access, not a model."""
+
+
+@contextlib.contextmanager
+def _loading(path: str | Path, what: str):
+    try:
+        yield
+    except (OSError, ValueError) as err:  # transformers: OSError for missing files or no hub, ValueError for broken ones
+        raise ModelLoadError(f"cannot load the {what} of {str(path)!r} (model.name_or_path): {err}") from None
+
+
 def load_tokenizer(path: str | Path):
     """AutoTokenizer, except for a plain `tokenizers` tokenizer (ours): AutoTokenizer would pick the
     model type's tokenizer class (e.g. Qwen2Tokenizer) and replace its pre-tokenizer."""
     config = Path(path) / "tokenizer_config.json"
-    if config.is_file() and json.loads(config.read_text()).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    with _loading(path, "tokenizer"):
+        if config.is_file() and json.loads(config.read_text()).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -54,7 +68,8 @@ def load_tokenizer(path: str | Path):
 
 def load_model_and_tokenizer(path: str | Path, dtype: str = "float32"):
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+    with _loading(path, "model"):
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
     return model, tokenizer
 
 
