@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from tidal.config import DataConfig, TidalConfig
+from tidal.config import TidalConfig
 from tidal.data import Problem, prompt_encoder
 from tidal.model.loading import load_model_and_tokenizer, load_tokenizer
 from tidal.rewards import exact_match
@@ -31,7 +31,7 @@ def held_out_accuracy(
     """Fraction correct: greedy (samples 0), or the mean over `samples` samples per prompt at the
     engine's temperature, seeded per prompt so that two snapshots are compared on the same noise.
     `encode` turns a problem's text into prompt ids (data.prompt_template / chat_template); default plain."""
-    encode = encode or prompt_encoder(tokenizer, DataConfig())
+    encode = encode or prompt_encoder(tokenizer)
     correct, total = 0, 0
     n = max(1, samples)
     for start in range(0, len(problems), batch_size):

@@ -82,23 +82,23 @@ class RoleProcesses:
         self.trainer: subprocess.Popen | None = None
         self.devices = local_accelerator_env(cfg)
 
-    def _spawn(self, args: list[str], log_name: str, threads: int) -> subprocess.Popen:
-        role = args[2] if args[0] == "rollout-worker" else "trainer"
+    def _spawn(self, args: list[str], role: str, threads: int) -> subprocess.Popen:
+        """`role` ("trainer" or a worker id) names its log and its device placement."""
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TIDAL_THREADS": str(threads), **self.devices.get(role, {})}
-        out = (self.logs / log_name).open("ab")
+        out = (self.logs / f"{role}.log").open("ab")
         cmd = [sys.executable, "-m", "tidal.cli", *args, str(self.config_path), "--run-dir", str(self.run_dir), "--nats-url", self.nats_url]
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        (self.logs / f"{Path(log_name).stem}.pid").write_text(str(proc.pid))
+        (self.logs / f"{role}.pid").write_text(str(proc.pid))
         return proc
 
     def start(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.trainer = self._spawn(["train"], "trainer.log", self.trainer_threads)
+        self.trainer = self._spawn(["train"], "trainer", self.trainer_threads)
         for i in range(self.cfg.rollout.workers):
             self.start_worker(f"worker-{i}")
 
     def start_worker(self, worker_id: str) -> None:
-        self.workers[worker_id] = self._spawn(["rollout-worker", "--worker-id", worker_id], f"{worker_id}.log", self.worker_threads)
+        self.workers[worker_id] = self._spawn(["rollout-worker", "--worker-id", worker_id], worker_id, self.worker_threads)
 
     def check(self) -> bool:
         """True once the trainer is done; raises if a role failed for good."""
@@ -118,7 +118,7 @@ class RoleProcesses:
             # the unacked groups of the interrupted iteration are redelivered to it.
             self.restarts["trainer"] = self.restarts.get("trainer", 0) + 1
             log.warning("trainer was killed (signal %d); restarting from the last checkpoint", -code)
-            self.trainer = self._spawn(["train"], "trainer.log", self.trainer_threads)
+            self.trainer = self._spawn(["train"], "trainer", self.trainer_threads)
             return False
         if code != 0:
             raise RoleFailed(f"trainer exited with code {code}:\n{tail(self.logs / 'trainer.log')}")

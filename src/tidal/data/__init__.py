@@ -124,8 +124,10 @@ def render_prompt(text: str, cfg: DataConfig) -> str | list[dict]:
     return system + [{"role": "user", "content": body.strip()}]
 
 
-def prompt_encoder(tokenizer, cfg: DataConfig) -> Callable[[str], list[int]]:
-    """Problem text -> prompt token ids, the same in workers, sync mode and eval."""
+def prompt_encoder(tokenizer, cfg: DataConfig | None = None) -> Callable[[str], list[int]]:
+    """Problem text -> prompt token ids, the same in workers, sync mode, eval and warm start.
+    Without `cfg`: the plain text, tokenized."""
+    cfg = DataConfig() if cfg is None else cfg
     if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
         raise DatasetError(
             f"data.chat_template is true but the tokenizer ({getattr(tokenizer, 'name_or_path', '?') or 'built-in'}) has no chat template; "

@@ -87,7 +87,7 @@ def load_state_dict_tied(model: torch.nn.Module, state_dict: dict[str, torch.Ten
 def sft_batch(tokenizer, problems: list[Problem], encode: Callable[[str], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded prompt+completion+eos; labels only on the completion. `encode`: the prompt ids
     RL will use (data.prompt_template), so warm start and RL see the same prompts."""
-    encode = encode or (lambda text: tokenizer(text, add_special_tokens=False).input_ids)
+    encode = encode or prompt_encoder(tokenizer)
     rows, labels = [], []
     for p in problems:
         prompt = encode(p.prompt)
