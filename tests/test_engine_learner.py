@@ -56,13 +56,13 @@ def test_engine_logprobs_match_a_trainer_forward():
             assert (s.finish_reason == "stop") == (s.token_ids[-1] == tok.eos_token_id)
 
 
-def make_group(rng, prompt_len, lengths, rewards):
-    return {
-        "prompt_ids": np.asarray(rng.integers(4, 90, prompt_len), dtype=np.int32),
-        "responses": [
-            {"token_ids": np.asarray(rng.integers(4, 90, n), dtype=np.int32), "reward": r} for n, r in zip(lengths, rewards)
-        ],
-    }
+def make_group(rng, prompt_len, lengths, rewards, policy_version=0):
+    from tidal.protocol import Group, Sample
+
+    samples = []
+    for n, r in zip(lengths, rewards):
+        samples.append(Sample(np.asarray(rng.integers(4, 90, n), dtype=np.int32), np.zeros(n, dtype=np.float32), r))
+    return Group(0, 0, policy_version, "test", np.asarray(rng.integers(4, 90, prompt_len), dtype=np.int32), samples)
 
 
 def test_streaming_accumulation_equals_the_batch_token_mean_gradient():
@@ -82,9 +82,9 @@ def test_streaming_accumulation_equals_the_batch_token_mean_gradient():
     from tidal.algo import grpo_advantages
 
     for g in groups:
-        prompt = [int(t) for t in g["prompt_ids"]]
-        for r, adv in zip(g["responses"], grpo_advantages(torch.tensor([r["reward"] for r in g["responses"]]))):
-            ids = torch.tensor([prompt + [int(t) for t in r["token_ids"]]])
+        prompt = g.prompt_ids.tolist()
+        for r, adv in zip(g.samples, grpo_advantages(torch.tensor(g.rewards))):
+            ids = torch.tensor([prompt + r.token_ids.tolist()])
             logits = ref(input_ids=ids).logits[:, len(prompt) - 1 : -1]
             logp = token_logprobs_from_logits(logits, ids[:, len(prompt) :])[0]
             total = total + (-adv * torch.exp(logp - logp.detach())).sum()
@@ -131,7 +131,7 @@ def test_one_update_per_iteration_has_no_old_policy_and_ratio_exactly_one():
     cfg = config_from_dict({"trainer": {"prompts_per_iteration": 2}})
     learner = Learner(cfg.trainer, model, tok.pad_token_id)
     assert learner.old_policy is None and learner.reference is None
-    updates = IterationUpdates(learner, cfg)
+    updates = IterationUpdates(learner, cfg, 0)
     updates.add([make_group(rng, 3, [2, 5, 3], [1.0, 0.0, 0.0]), make_group(rng, 4, [3, 3], [0.0, 1.0])])
     metrics = updates.finish()
     assert metrics["ratio_max"] == 1.0 and metrics["optimizer_steps"] == 1.0
@@ -147,7 +147,7 @@ def test_several_updates_per_iteration_use_the_generating_policy_as_old():
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = config_from_dict({"trainer": {"prompts_per_iteration": 2, "updates_per_iteration": 2, "lr": 1e-2, "warmup_steps": 0}})
     learner = Learner(cfg.trainer, model, tok.pad_token_id)
-    updates = IterationUpdates(learner, cfg)
+    updates = IterationUpdates(learner, cfg, 0)
     updates.add([make_group(rng, 3, [4, 4, 4], [1.0, 0.0, 0.0])])
     assert len(updates.updates) == 1  # the first mini-batch stepped already
     assert any(not torch.equal(initial[k], v) for k, v in model.state_dict().items())
@@ -164,8 +164,8 @@ def test_truncated_importance_sampling_against_engine_logprobs():
     model, tok = tiny()
     learner = Learner(TrainerConfig(tis_cap=1.5), model, tok.pad_token_id)
     g = make_group(rng, 3, [4, 4], [1.0, 0.0])
-    for r in g["responses"]:
-        r["logprobs"] = np.full(len(r["token_ids"]), -20.0, dtype=np.float32)  # an engine far off the trainer
+    for r in g.samples:
+        r.logprobs = np.full(len(r.token_ids), -20.0, dtype=np.float32)  # an engine far off the trainer
     learner.train_on_groups([g])
     m = learner.step()
     assert m["logprob_mismatch"] > 5.0 and m["tis_truncated_fraction"] == 1.0
@@ -205,11 +205,11 @@ def test_held_out_sampled_accuracy_is_seeded_per_prompt_and_scores_every_sample(
         """An engine that answers the first prompt right in 1 of its 3 samples and the rest wrong."""
 
         def generate(self, requests, greedy=False, max_new_tokens=None):
-            from tidal.rollout.engine import Sample
+            from tidal.rollout.engine import Completion
 
             def text(i, j):
                 return "A: 1" if (i, j) == (0, 0) else "A: 7"
 
-            return [[Sample(tok(text(i, j), add_special_tokens=False).input_ids, [0.0], "stop") for j in range(r.n)] for i, r in enumerate(requests)]
+            return [[Completion(tok(text(i, j), add_special_tokens=False).input_ids, [0.0], "stop") for j in range(r.n)] for i, r in enumerate(requests)]
 
     assert held_out_accuracy(Answers(), tok, problems[:2], batch_size=8, samples=3) == 1 / 6

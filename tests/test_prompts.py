@@ -98,7 +98,7 @@ def test_workers_and_eval_generate_from_the_same_chat_prompt():
 
 
 def test_the_warm_start_trains_on_the_prompts_rl_will_use():
-    from tidal.model.loading import sft_batch
+    from tidal.model.warm_start import sft_batch
 
     tok = build_char_tokenizer()
     encode = prompt_encoder(tok, data_cfg(prompt_template="Q {prompt}"))

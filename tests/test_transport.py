@@ -6,22 +6,22 @@ import numpy as np
 import pytest
 
 from tidal.config import TransportConfig
+from tidal.protocol import Group, PolicyPointer, RunState, RunStatus, Sample, WorkItem, decode_work_item, pack, unpack
 from tidal.transport import MessageTooLargeError, Transport
-from tidal.transport.codec import decode, encode
 
 
 def test_codec_roundtrips_typed_arrays_without_pickle():
     obj = {"ids": np.arange(5, dtype=np.int32), "lp": np.array([-0.5, -1.25], dtype=np.float32), "s": "x", "n": [1, 2.5]}
-    out = decode(encode(obj))
+    out = unpack(pack(obj))
     assert out["ids"].dtype == np.int32 and out["ids"].tolist() == [0, 1, 2, 3, 4]
     assert out["lp"].dtype == np.float32 and out["lp"].tolist() == [-0.5, -1.25]
     assert out["s"] == "x" and out["n"] == [1, 2.5]
     with pytest.raises(TypeError, match="cannot encode object"):
-        encode({"bad": object()})
+        pack({"bad": object()})
 
 
-def item(i: int) -> dict:
-    return {"iteration": 0, "prompt_id": i, "prompt": f"{i}+1=", "answer": str(i + 1)}
+def item(i: int) -> WorkItem:
+    return WorkItem(0, i, f"{i}+1=", str(i + 1))
 
 
 def test_unacked_work_is_redelivered_to_another_worker(nats_server):
@@ -37,14 +37,14 @@ def test_unacked_work_is_redelivered_to_another_worker(nats_server):
         sub_a = await doomed.work_subscription()
         taken = await doomed.fetch(sub_a, 1, timeout=2)
         assert len(taken) == 1
-        lost_id = decode(taken[0].data)["prompt_id"]
+        lost_id = decode_work_item(taken[0].data).prompt_id
         await doomed.nc.close()
         # "worker B" eventually gets all three, including the one A never acked.
         sub_b = await t.work_subscription()
         seen = []
         for _ in range(20):
             for m in await t.fetch(sub_b, 3, timeout=0.5):
-                seen.append(decode(m.data)["prompt_id"])
+                seen.append(decode_work_item(m.data).prompt_id)
                 await m.ack()
             if len(seen) == 3:
                 break
@@ -62,7 +62,8 @@ def test_unacked_work_is_redelivered_to_another_worker(nats_server):
 def test_oversize_message_is_refused_with_a_clear_error(nats_server):
     async def scenario():
         t = await Transport.connect(nats_server.url, "big", TransportConfig(max_payload_mb=1))
-        group = {"iteration": 3, "prompt_id": 9, "blob": np.zeros(2_000_000, dtype=np.float32)}
+        tokens = np.zeros(2_000_000, dtype=np.int32)
+        group = Group(3, 9, 3, "w", np.array([1], dtype=np.int32), [Sample(tokens, np.zeros(tokens.size, dtype=np.float32), 0.0)])
         with pytest.raises(MessageTooLargeError, match=r"group 3/9 is \d+ bytes, over the"):
             await t.publish_group(group)
         await t.close()
@@ -73,10 +74,14 @@ def test_oversize_message_is_refused_with_a_clear_error(nats_server):
 def test_kv_bucket_holds_run_state(nats_server):
     async def scenario():
         t = await Transport.connect(nats_server.url, "kv", TransportConfig())
-        assert await t.get("policy") is None
-        await t.put("policy", {"version": 4, "uri": "/w/v000004"})
+        assert await t.policy() is None and await t.run_status() is None
+        await t.put_policy(4, "/w/v000004")
+        await t.put_run_state(RunState.ROUND_DONE, 2)
         other = await Transport.connect(nats_server.url, "kv", TransportConfig(), create=False)
-        assert await other.get("policy") == {"version": 4, "uri": "/w/v000004"}
+        assert await other.policy() == PolicyPointer(4, "/w/v000004")
+        assert await other.run_status() == RunStatus(RunState.ROUND_DONE, 2) and await other.stopping()
+        await t.put("run", {"state": "paused"})  # not a run state: ignored (logged), never a crash
+        assert await other.run_status() is None
         await other.close()
         await t.close()
 

@@ -164,9 +164,8 @@ def test_no_sample_mixes_two_versions(setup, nats_server):
     claims; a sample that straddled the weight change would match neither."""
     from tidal.data import Problem
     from tidal.rollout.vllm_worker import VLLMRolloutWorker
-    from tidal.rollout.worker import work_item
+    from tidal.protocol import RunState, WorkItem, decode_group
     from tidal.transport import Transport
-    from tidal.transport.codec import decode
 
     cfg = vllm_cfg(setup["root"], max_inflight_groups=6, max_new_tokens=24)
     store, states, tok, model = setup["store"], setup["states"], setup["tok"], setup["model"]
@@ -175,34 +174,33 @@ def test_no_sample_mixes_two_versions(setup, nats_server):
     async def scenario():
         transport = await Transport.connect(nats_server.url, "mix", cfg.transport)
         worker = VLLMRolloutWorker(cfg, setup["engine"], tok, transport, "worker-0")
-        await transport.put("policy", {"version": 1, "uri": str(store.path(1))})
+        await transport.put_policy(1, str(store.path(1)))
         for p in problems:  # v0 and v1 items in one queue: the worker pulls both kinds together
-            await transport.publish_work(work_item(0, p))
+            await transport.publish_work(WorkItem(0, p.id, p.prompt, p.answer))
         for p in problems:
-            await transport.publish_work(work_item(1, p))
+            await transport.publish_work(WorkItem(1, p.id, p.prompt, p.answer))
         task = asyncio.create_task(worker.run())
         sub = await transport.rollouts_subscription()
         groups = []
         while len(groups) < 2 * len(problems):
             for m in await transport.fetch(sub, 16, timeout=5.0):
-                groups.append(decode(m.data))
+                groups.append(decode_group(m.data))
                 await m.ack()
-        await transport.put("run", {"state": "done"})
+        await transport.put_run_state(RunState.DONE)
         await asyncio.wait_for(task, 30)
         await transport.close()
         return groups
 
     groups = run(setup, scenario())
-    assert sorted((g["iteration"], g["prompt_id"]) for g in groups) == [(v, p.id) for v in (0, 1) for p in problems]
-    v0_last_end = max(g["gen_end"] for g in groups if g["iteration"] == 0)
-    assert all(g["gen_start"] >= v0_last_end for g in groups if g["iteration"] == 1), "v1 started before v0 drained"
+    assert sorted((g.iteration, g.prompt_id) for g in groups) == [(v, p.id) for v in (0, 1) for p in problems]
+    v0_last_end = max(g.gen_end for g in groups if g.iteration == 0)
+    assert all(g.gen_start >= v0_last_end for g in groups if g.iteration == 1), "v1 started before v0 drained"
     for g in groups:
-        assert g["policy_version"] == g["iteration"]
-        prompt = [int(t) for t in g["prompt_ids"]]
-        for r in g["responses"]:
-            tokens = [int(t) for t in r["token_ids"]]
-            claimed = trainer_logprobs(model, states[g["policy_version"]], prompt, tokens)
-            assert (torch.from_numpy(np.asarray(r["logprobs"])) - claimed).abs().max() < LOGPROB_TOL
+        assert g.policy_version == g.iteration
+        prompt = g.prompt_ids.tolist()
+        for r in g.samples:
+            claimed = trainer_logprobs(model, states[g.policy_version], prompt, r.token_ids.tolist())
+            assert (torch.from_numpy(np.asarray(r.logprobs)) - claimed).abs().max() < LOGPROB_TOL
 
 
 def test_the_nccl_calls_match_this_vllm_release(tmp_path):

@@ -82,7 +82,9 @@ def _run_command(args) -> int:
         from tidal.evaluate import evaluate_snapshot
         from tidal.weights import WeightStore
 
-        info = roles.RunInfo.load(run_dir)
+        from tidal.rundir import RunInfo
+
+        info = RunInfo.load(run_dir)
         store = WeightStore(run_dir / "weights")
         path = args.weights or store.path(store.latest_version())
         problems = load_dataset(cfg.data, cfg.seed).eval

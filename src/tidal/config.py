@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class ConfigError(ValueError):
@@ -126,6 +127,9 @@ class RolloutConfig(_Strict):
     deterministic: bool = False
     threads: int | None = Field(None, gt=0)
     max_inflight_groups: int = Field(32, gt=0)  # vllm: groups (n=G requests) in flight per worker
+    # mode bounded: work of iterations v+1..v+k is released while the trainer is on v, so a group
+    # may come from a policy up to k versions old; 0 is exactly periodic
+    max_staleness: int = Field(1, ge=0)
     vllm: VLLMConfig = VLLMConfig()
 
 
@@ -138,9 +142,9 @@ class TrainerConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = Field(1.0, gt=0)
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    advantage: str = "grpo"  # a name registered with tidal.algo.register_advantage
     std_normalize: bool = True  # grpo only
-    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    policy_loss: str = "ppo_clip"  # a name registered with tidal.algo.register_policy_loss
     clip_eps: float = Field(0.2, gt=0)
     clip_eps_high: float | None = Field(None, gt=0)  # DAPO clip-higher; None: same as clip_eps
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
@@ -150,6 +154,9 @@ class TrainerConfig(_Strict):
     kl_in_reward: bool = False  # True: KL is a reward penalty instead of a loss term
     reference_device: str | None = None  # e.g. "cpu" to offload the reference; None: with the policy
     tis_cap: float | None = Field(None, gt=0)  # truncated importance sampling vs the engine's log-probs
+    # mode bounded: cap of the decoupled-PPO weight pi_proximal / pi_behaviour on stale samples
+    # (AReaL's behaviour importance-weight cap); tis_cap, when set, caps every sample instead
+    behaviour_weight_cap: float = Field(5.0, gt=0)
     dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups, replace with new prompts
     max_replacements: int | None = Field(None, ge=0)  # per iteration; None: 4 x prompts_per_iteration
     attention: Literal["auto", "sdpa", "segmented", "flex", "naive"] = "auto"  # shared-prompt kernel
@@ -157,6 +164,17 @@ class TrainerConfig(_Strict):
     device: str = "auto"  # auto: CUDA, else an Ascend NPU, else CPU
     threads: int | None = Field(None, gt=0)
     group_timeout_seconds: float = Field(600.0, gt=0)
+
+    @field_validator("advantage", "policy_loss")
+    @classmethod
+    def _registered_name(cls, name: str, info: ValidationInfo) -> str:
+        from tidal.algo import advantage_fn, policy_loss_fn  # lazy: tidal.algo imports torch
+
+        try:
+            (advantage_fn if info.field_name == "advantage" else policy_loss_fn)(name)
+        except ValueError as err:  # a custom error keeps the message free of pydantic's "Value error, " prefix
+            raise PydanticCustomError("unregistered_name", "{reason}", {"reason": str(err)}) from None
+        return name
 
 
 class EvalConfig(_Strict):
@@ -182,7 +200,7 @@ class TransportConfig(_Strict):
 
 
 class TidalConfig(_Strict):
-    mode: Literal["sync", "periodic"] = "periodic"
+    mode: Literal["sync", "periodic", "bounded"] = "periodic"
     seed: int = 0
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -198,7 +216,7 @@ class TidalConfig(_Strict):
         if self.rollout.vllm.weight_sync == "nccl" and (self.rollout.engine != "vllm" or self.mode != "periodic"):
             raise ValueError(
                 "rollout.vllm.weight_sync 'nccl' sends weights from the trainer to vLLM rollout workers: "
-                "it needs rollout.engine 'vllm' and mode 'periodic' (sync mode's engine loads from the weight store)"
+                "it needs rollout.engine 'vllm' and mode 'periodic' (sync mode's engine loads from the weight store; bounded mode's workers load at their own boundaries)"
             )
         if self.rollout.vllm.weight_sync == "nccl" and self.rollout.vllm.platform in ("ascend", "cpu"):
             raise ValueError(

@@ -17,11 +17,11 @@ from tidal.config import TidalConfig, dump_config
 from tidal.data import load_dataset
 from tidal.devices import VISIBLE_DEVICES_ENV, accelerator_placement, visible_accelerators, visible_device_ids
 from tidal.evaluate import eval_engine_kind, evaluate_snapshot, open_engine
-from tidal.model.loading import prepare_base_model
-from tidal.roles import RunInfo, build_learner, check_prompt_settings
+from tidal.model.warm_start import prepare_base_model
+from tidal.roles import check_prompt_settings, sync_trainer
+from tidal.rundir import RunInfo
 from tidal.runtime import set_threads, setup_logging, split_cores
 from tidal.tracking import Tracker, start_run, tracking_uri
-from tidal.trainer.loop import RunFiles, run_sync
 from tidal.transport.server import EmbeddedNats
 from tidal.weights import WeightStore
 
@@ -217,7 +217,9 @@ def summarize(cfg: TidalConfig, history: list[dict], before: dict | None, after:
         "reward_errors": sum(m["reward_errors"] for m in history),
         "groups_generated": extra.get("groups_generated", trained + filtered),
         "groups_trained": trained,
-        "groups_discarded": int(history[-1]["groups_discarded"]) if history else 0,
+        "groups_discarded": int(sum(m["groups_discarded"] for m in history)),
+        "messages_rejected": int(sum(m.get("messages_rejected", 0) for m in history)),
+        "staleness_mean": mean("staleness_mean"),
         "groups_filtered": int(sum(m.get("groups_filtered", 0) for m in history)),
         "final_weights": str(final_weights),
         "mlflow_run_id": info.mlflow_run_id,
@@ -293,8 +295,7 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True)
         extra: dict = {}
         try:
             if cfg.mode == "sync":
-                learner, tokenizer = build_learner(cfg, info.base_model)
-                run_sync(cfg, learner, tokenizer, dataset, store, RunFiles(run_dir, bar.update), tracker, engine)
+                sync_trainer(cfg, run_dir, info, dataset, tracker, bar.update, engine)
             else:
                 extra = run_periodic_local(cfg, config_path, run_dir, bar)
         except BaseException:

@@ -1,48 +1,35 @@
-"""Each role as a function: what `tidal train` and `tidal rollout-worker` run (locally or in a pod)."""
+"""Each role as a function: what `tidal train` and `tidal rollout-worker` run (locally or in a pod).
+
+This module wires the packages together (the trainer and the rollout package never import each
+other): the trainer's group source, its NCCL weight push over the vLLM adapter, and sync mode's
+in-process generation."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tidal.config import TidalConfig
 from tidal.data import load_dataset
-from tidal.model.loading import load_model_and_tokenizer, prepare_base_model
+from tidal.model.loading import load_model_and_tokenizer
+from tidal.model.warm_start import prepare_base_model
+from tidal.protocol import GroupLimits, RunState
+from tidal.rewards import RewardScorer
 from tidal.rollout.engine import HFEngine
-from tidal.rollout.worker import RolloutWorker
+from tidal.rollout.worker import RolloutWorker, generate_groups
+from tidal.rundir import RunFiles, RunInfo
 from tidal.runtime import set_threads, split_cores
 from tidal.tracking import Tracker
 from tidal.trainer.learner import Learner
-from tidal.trainer.loop import RunFiles, run_periodic_trainer
-from tidal.trainer.weight_push import NcclWeightPush
-from tidal.transport import Transport
+from tidal.trainer.loop import max_staleness, train
+from tidal.trainer.sources import InProcessSource, QueueSource
+from tidal.trainer.weight_push import NcclWeightPush, rendezvous_endpoint
+from tidal.transport import Transport, weight_handshake
 from tidal.weights import WeightStore
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunInfo:
-    """Written once per run (run.json); every role reads it from the shared run directory."""
-
-    run_id: str
-    base_model: str
-    tracking_uri: str
-    mlflow_run_id: str
-
-    def save(self, run_dir: Path) -> None:
-        (run_dir / "run.json").write_text(json.dumps(asdict(self), indent=1))
-
-    @classmethod
-    def load(cls, run_dir: Path) -> "RunInfo":
-        path = run_dir / "run.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: start the run with `tidal run` (or the pipeline's prepare step) first")
-        return cls(**json.loads(path.read_text()))
 
 
 def build_learner(cfg: TidalConfig, base_model: str) -> tuple[Learner, object]:
@@ -56,9 +43,46 @@ def require_single_rank() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         raise ValueError(
-            f"WORLD_SIZE={world}: the Tidal trainer does not shard across ranks yet; "
-            "run the trainer job with 1 node and nproc_per_node=1"
+            f"WORLD_SIZE={world}: the Tidal trainer does not shard across ranks yet; run the trainer job with 1 node and nproc_per_node=1"
         )
+
+
+def group_limits(cfg: TidalConfig, learner: Learner, max_bytes: int):
+    """version -> what a group of that iteration may contain (validated at decode)."""
+    vocab = int(learner.model.get_input_embeddings().num_embeddings)
+
+    def limits(version: int) -> GroupLimits:
+        return GroupLimits(
+            vocab_size=vocab,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            group_size=cfg.rollout.group_size,
+            newest_version=version,
+            max_bytes=max_bytes,
+        )
+
+    return limits
+
+
+async def nccl_weight_push(cfg: TidalConfig, transport: Transport) -> NcclWeightPush | None:
+    """None unless the config asks for NCCL; turned off at once (with the reason) when this process cannot."""
+    if cfg.rollout.engine != "vllm" or cfg.rollout.vllm.weight_sync != "nccl":
+        return None
+    from tidal.rollout import vllm_adapter
+
+    reason = vllm_adapter.nccl_unavailable_reason()
+    if reason:
+        await weight_handshake.turn_off(transport, reason)
+        return None
+    v = cfg.rollout.vllm
+    return NcclWeightPush(
+        transport,
+        cfg.rollout.workers,
+        v.tensor_parallel_size,
+        v.nccl_timeout_seconds,
+        vllm_adapter.NcclWeightSender,
+        vllm_adapter.nccl_update_info,
+        rendezvous_endpoint(),
+    )
 
 
 async def trainer_role(cfg: TidalConfig, run_dir: Path, nats_url: str, iterations: int | None = None) -> list[dict]:
@@ -71,20 +95,47 @@ async def trainer_role(cfg: TidalConfig, run_dir: Path, nats_url: str, iteration
     transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=True)
     tracker = Tracker(info.tracking_uri, info.mlflow_run_id)
     try:
-        state = await transport.get("run")
-        if not state or state.get("state") != "running":
-            await transport.put("run", {"state": "running"})
-        weight_push = await NcclWeightPush.for_run(cfg, transport)
-        history = await run_periodic_trainer(cfg, learner, dataset, store, RunFiles(run_dir), tracker, transport, iterations, weight_push)
+        status = await transport.run_status()
+        if status is None or status.state is not RunState.RUNNING:
+            await transport.put_run_state(RunState.RUNNING, status.round if status else None)
+        push = await nccl_weight_push(cfg, transport)
+        weight_push = None if push is None else (lambda v: push.push(v, learner.model.state_dict()))
+        source = QueueSource(transport, group_limits(cfg, learner, transport.max_message_bytes), lambda v: str(store.path(v)), weight_push)
+        history = await train(cfg, learner, source, dataset, store, RunFiles(run_dir), tracker, iterations)
         finished = (store.latest_version() or 0) >= cfg.trainer.iterations
-        await transport.put("run", {"state": "done" if finished else "round_done"})
+        await transport.put_run_state(RunState.DONE if finished else RunState.ROUND_DONE, status.round if status else None)
         log.info("trainer finished %d iterations", len(history))
         return history
     except BaseException:
-        await transport.put("run", {"state": "failed"})
+        await transport.put_run_state(RunState.FAILED)
         raise
     finally:
         await transport.close()
+
+
+def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: WeightStore, engine=None) -> InProcessSource:
+    """Sync mode's source: generation in this process. `engine` None: the HF engine over the
+    learner's own model (no copy); else an engine with `load_snapshot` (vLLM) that loads version v
+    from the weight store before generating it."""
+    scorer = RewardScorer.from_config(cfg.reward)
+    if engine is None:
+        engine = HFEngine.for_rollout(learner.model, tokenizer, cfg.rollout)
+        load_weights = None
+    else:
+
+        def load_weights(version: int) -> None:
+            if engine.version != version:
+                engine.load_snapshot(store.path(version), version)
+
+    return InProcessSource(lambda items, version: generate_groups(engine, tokenizer, scorer, items, cfg, version, "sync"), load_weights)
+
+
+def sync_trainer(cfg: TidalConfig, run_dir: Path, info: RunInfo, dataset, tracker, on_iteration=None, engine=None) -> list[dict]:
+    """Sync mode in this process: generate, then train, all cores to each phase."""
+    learner, tokenizer = build_learner(cfg, info.base_model)
+    store = WeightStore(run_dir / "weights", info.base_model)
+    source = in_process_source(cfg, learner, tokenizer, store, engine)
+    return asyncio.run(train(cfg, learner, source, dataset, store, RunFiles(run_dir, on_iteration), tracker))
 
 
 def rollout_engine(cfg: TidalConfig, base_model: str) -> tuple[object, object, type]:
@@ -130,3 +181,5 @@ def check_prompt_settings(cfg: TidalConfig, base_model: str | Path) -> None:
 
 def run_async(coro):
     return asyncio.run(coro)
+
+

@@ -1,21 +1,58 @@
-"""Per-token policy losses. Tensors are [B, T] over response tokens; advantages are [B, 1]."""
+"""Per-token policy losses, registered by name. Tensors are [B, T] over response tokens; advantages are [B, 1].
+
+Every loss is called as ``fn(logp, old_logp, advantages, *, mask, clip_low, clip_high)`` and returns the
+per-token loss and the mask of tokens where the clipped branch was taken.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
 import torch
 
+from tidal.algo.registry import add, lookup
 
-def ppo_clip_token_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+
+class PolicyLossFn(Protocol):
+    def __call__(
+        self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *, mask: torch.Tensor, clip_low: float, clip_high: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+L = TypeVar("L", bound=PolicyLossFn)
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+_KIND = "policy loss"
+
+
+def register_policy_loss(name: str) -> Callable[[L], L]:
+    """``@register_policy_loss("name")`` makes ``fn(logp, old_logp, advantages, *, mask, clip_low, clip_high)`` a valid `trainer.policy_loss`."""
+
+    def register(fn: L) -> L:
+        add(POLICY_LOSSES, _KIND, name, fn)
+        return fn
+
+    return register
+
+
+def policy_loss_fn(name: str) -> PolicyLossFn:
+    return lookup(POLICY_LOSSES, _KIND, name)
+
+
+def policy_token_loss(
+    name: str, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip_low: float, clip_high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO-clip with DAPO's asymmetric range [1-clip_low, 1+clip_high] ("clip-higher").
+    return policy_loss_fn(name)(logp, old_logp, advantages, mask=mask, clip_low=clip_low, clip_high=clip_high)
 
-    Returns the per-token loss and the mask of tokens where the clipped branch was taken.
-    """
+
+@register_policy_loss("ppo_clip")
+def ppo_clip_token_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO-clip with DAPO's asymmetric range [1-clip_low, 1+clip_high] ("clip-higher"); per token, so `mask` is unused."""
     ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
+    return _clipped_surrogate(ratio, advantages, clip_low, clip_high)
 
 
 def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -24,6 +61,7 @@ def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.T
     return ((logp - old_logp) * mask).sum(-1, keepdim=True) / lengths
 
 
+@register_policy_loss("gspo")
 def gspo_token_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip_low: float, clip_high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,19 +72,11 @@ def gspo_token_loss(
     """
     seq_ratio = torch.exp(sequence_log_ratio(logp, old_logp, mask)).detach()
     ratio = seq_ratio * torch.exp(logp - logp.detach())
+    return _clipped_surrogate(ratio, advantages, clip_low, clip_high)
+
+
+def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-min(r * A, clip(r, 1-clip_low, 1+clip_high) * A) per token, and where the clipped branch won."""
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
-
-
-POLICY_LOSSES = ("ppo_clip", "gspo")
-
-
-def policy_token_loss(
-    name: str, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip_low: float, clip_high: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if name == "ppo_clip":
-        return ppo_clip_token_loss(logp, old_logp, advantages, clip_low, clip_high)
-    if name == "gspo":
-        return gspo_token_loss(logp, old_logp, advantages, mask, clip_low, clip_high)
-    raise ValueError(f"unknown policy loss {name!r}: choose from {list(POLICY_LOSSES)}")

@@ -6,8 +6,9 @@ import torch
 
 
 def has_no_signal(rewards: torch.Tensor) -> bool:
-    """DAPO dynamic sampling drops groups whose rewards are all equal (zero advantage everywhere)."""
-    return bool((rewards == rewards[0]).all())
+    """All rewards of the group equal (or fewer than two): every advantage estimator gives exactly zero, and
+    DAPO's dynamic sampling drops the group."""
+    return rewards.numel() < 2 or bool((rewards == rewards[0]).all())
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:

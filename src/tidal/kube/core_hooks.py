@@ -21,7 +21,8 @@ def run_id_of(run_dir: str) -> str:
 def prepare_run(run_dir: str, config_path: str, tracking_uri: str, mlflow_run_id: str) -> None:
     """Stage the base model and data, write run.json, create the streams and the KV bucket."""
     from tidal.config import load_config
-    from tidal.roles import RunInfo, check_prompt_settings, ensure_base_model, run_async
+    from tidal.roles import check_prompt_settings, ensure_base_model, run_async
+    from tidal.rundir import RunInfo
 
     cfg = load_config(config_path)
     run_path = Path(run_dir)

@@ -1,43 +1,19 @@
-"""One loading path for every model: an HF directory or hub id, or the cached tiny warm start."""
+"""One loading path for every model: an HF directory or hub id (the tiny warm start is one too)."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
-import os
-import shutil
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from tidal.config import TidalConfig
-from tidal.data import Dataset, Problem, arithmetic_completion, prompt_encoder
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cache_root(cfg: TidalConfig) -> Path:
-    root = cfg.model.warm_start.cache_dir or os.environ.get("TIDAL_CACHE") or Path.home() / ".cache" / "tidal"
-    return Path(root)
-
-
-def warm_start_key(cfg: TidalConfig) -> str:
-    """Everything the warm-started weights depend on, hashed."""
-    spec = {
-        "format": 1,
-        "tiny": cfg.model.tiny.model_dump(mode="json"),
-        "warm_start": cfg.model.warm_start.model_dump(mode="json", exclude={"cache_dir"}),
-        "data": cfg.data.model_dump(mode="json", exclude={"num_eval", "eval_path"}),
-        "seed": cfg.seed,
-    }
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class ModelLoadError(ValueError):
@@ -82,79 +58,3 @@ def load_state_dict_tied(model: torch.nn.Module, state_dict: dict[str, torch.Ten
         raise ValueError(f"weights do not fit the model: missing {really_missing[:5]}, unexpected {unexpected[:5]}")
     if tied:
         model.tie_weights()
-
-
-def sft_batch(tokenizer, problems: list[Problem], encode: Callable[[str], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+completion+eos; labels only on the completion. `encode`: the prompt ids
-    RL will use (data.prompt_template), so warm start and RL see the same prompts."""
-    encode = encode or prompt_encoder(tokenizer)
-    rows, labels = [], []
-    for p in problems:
-        prompt = encode(p.prompt)
-        completion = tokenizer(arithmetic_completion(p.answer), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        rows.append(prompt + completion)
-        labels.append([-100] * len(prompt) + completion)
-    width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
-    lab = torch.tensor([l + [-100] * (width - len(l)) for l in labels])
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    return ids, mask, lab
-
-
-def supervised_warm_start(
-    model, tokenizer, problems: list[Problem], steps: int, batch_size: int, lr: float, seed: int, progress=None, encode: Callable[[str], list[int]] | None = None
-) -> float:
-    """A short SFT so RL starts with signal. Returns the last loss."""
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / max(1, steps)))
-    model.train()
-    loss_value = float("nan")
-    for step in range(steps):
-        idx = torch.randint(len(problems), (batch_size,), generator=gen).tolist()
-        ids, mask, lab = sft_batch(tokenizer, [problems[i] for i in idx], encode)
-        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        loss_value = loss.item()
-        if progress is not None:
-            progress(step + 1, steps, loss_value)
-    model.eval()
-    return loss_value
-
-
-def prepare_base_model(cfg: TidalConfig, dataset: Dataset, progress=None) -> Path | str:
-    """The weights RL starts from: the user's model, or the cached tiny warm start (built once)."""
-    if cfg.model.name_or_path:
-        return cfg.model.name_or_path
-    from tidal.model.tiny import build_char_tokenizer, build_tiny_model
-
-    target = cache_root(cfg) / "warm-start" / warm_start_key(cfg)
-    if (target / "config.json").is_file():
-        return target
-    torch.manual_seed(cfg.seed)
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(cfg.model.tiny, tokenizer)
-    if cfg.model.warm_start.enabled and cfg.model.warm_start.steps:
-        if cfg.data.task != "arithmetic":
-            raise ValueError("model.warm_start for the tiny model needs data.task 'arithmetic'; set model.name_or_path for other tasks")
-        ws = cfg.model.warm_start
-        pool = dataset.train[: ws.examples]
-        t0 = time.time()
-        encode = prompt_encoder(tokenizer, cfg.data)
-        loss = supervised_warm_start(model, tokenizer, pool, ws.steps, ws.batch_size, ws.lr, cfg.seed, progress, encode)
-        log.info("warm start: %d steps in %.1fs, final loss %.3f", ws.steps, time.time() - t0, loss)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(tmp, target)
-    except OSError:  # another process won the race: use its copy
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target

@@ -36,6 +36,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from tidal.algo.logprobs import token_logprobs_from_logits
+
 Group = tuple[Sequence[int], Sequence[Sequence[int]]]
 """``(prompt_ids, [response_ids, ...])``."""
 
@@ -291,16 +293,6 @@ def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[Non
         yield
     finally:
         config._attn_implementation = previous
-
-
-def token_logprobs_from_logits(
-    logits: torch.Tensor, target_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of ``target_ids`` (and entropy) under ``softmax(logits / temperature)``, in float32."""
-    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    token_logprobs = log_probs.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
-    return token_logprobs, entropy
 
 
 def unpack_per_group(values: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 
 
 @dataclass
-class Sample:
+class Completion:
     token_ids: list[int]
     logprobs: list[float]  # per token, under the processed (temperature-scaled) distribution
     finish_reason: str  # "stop" (EOS) or "length"
@@ -27,7 +27,7 @@ class GroupRequest:
 class RolloutEngine(Protocol):
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None: ...
 
-    def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Sample]]: ...
+    def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Completion]]: ...
 
     def load_snapshot(self, path, version: int | None = None) -> None: ...
 
@@ -97,7 +97,7 @@ class HFEngine:
         return torch.cat(parts)
 
     @torch.no_grad()
-    def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Sample]]:
+    def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Completion]]:
         rows = [r.prompt_ids for r in requests for _ in range(r.n)]
         width = max(len(r) for r in rows)
         device = next(self.model.parameters()).device  # the trainer's, when the model is shared with it
@@ -133,7 +133,7 @@ class HFEngine:
             out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True, **{self.cache_kwarg: cache})
             cache, logits = returned_cache(out), out.logits[:, -1, :]
             next_pos = next_pos + 1
-        samples = [Sample(t, l, r) for t, l, r in zip(tokens, logps, reasons)]
+        samples = [Completion(t, l, r) for t, l, r in zip(tokens, logps, reasons)]
         grouped, start = [], 0
         for r in requests:
             grouped.append(samples[start : start + r.n])

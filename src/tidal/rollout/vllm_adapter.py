@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 from tidal.config import TidalConfig
-from tidal.rollout.engine import GroupRequest, Sample
+from tidal.rollout.engine import GroupRequest, Completion
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +112,14 @@ def sampling_params(cfg: TidalConfig, n: int, seed: int | None = None, greedy: b
     )
 
 
-def to_samples(output) -> list[Sample]:
+def to_samples(output) -> list[Completion]:
     """RequestOutput -> Samples in index order; an aborted or failed request is an error, never a group."""
     samples = []
     for c in sorted(output.outputs, key=lambda c: c.index):
         if c.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"request {output.request_id}: sample {c.index} finished with {c.finish_reason!r}")
         logprobs = [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)]
-        samples.append(Sample(list(c.token_ids), logprobs, c.finish_reason))
+        samples.append(Completion(list(c.token_ids), logprobs, c.finish_reason))
     return samples
 
 
@@ -143,7 +143,7 @@ class VLLMEngine:
         start_reaper()
         return engine
 
-    async def generate_group(self, request: GroupRequest, seed: int | None = None, tag: str = "g", greedy: bool = False, max_tokens: int | None = None) -> list[Sample]:
+    async def generate_group(self, request: GroupRequest, seed: int | None = None, tag: str = "g", greedy: bool = False, max_tokens: int | None = None) -> list[Completion]:
         from vllm.inputs.engine import tokens_input
 
         params = sampling_params(self.cfg, request.n, seed, greedy, max_tokens)
@@ -154,7 +154,7 @@ class VLLMEngine:
             raise RuntimeError(f"request {tag} ended without a final output")
         return to_samples(final)
 
-    async def generate(self, requests: list[GroupRequest], greedy: bool = False, max_tokens: int | None = None) -> list[list[Sample]]:
+    async def generate(self, requests: list[GroupRequest], greedy: bool = False, max_tokens: int | None = None) -> list[list[Completion]]:
         """The engine interface's batch call, async: all groups in flight at once."""
         import asyncio
 
@@ -220,7 +220,7 @@ class BlockingVLLMEngine:
 
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Sample]]:
+    def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Completion]]:
         return self._call(self.engine.generate(requests, greedy, max_new_tokens))
 
     def load_snapshot(self, path: str | Path, version: int | None = None) -> None:

@@ -21,10 +21,9 @@ from tidal.data import prompt_encoder
 from tidal.rewards import RewardScorer
 from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
-from tidal.rollout.worker import build_group
-from tidal.transport import Transport, keep_in_progress
-from tidal.transport import weight_handshake
-from tidal.transport.codec import decode
+from tidal.protocol import WorkItem
+from tidal.rollout.worker import build_group, decode_work, version_to_generate
+from tidal.transport import Transport, keep_in_progress, weight_handshake
 from tidal.weights import version_dir_name
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ class VLLMRolloutWorker:
 
     async def _policy_uri(self, version: int) -> str:
         policy = await self.transport.wait_for_policy(version)
-        return os.path.join(os.path.dirname(policy["uri"]), version_dir_name(version))
+        return os.path.join(os.path.dirname(policy.uri), version_dir_name(version))
 
     async def _receive_nccl(self, version: int) -> bool:
         """The GPU fast path; False (load from the weight store) whenever it is off or fails.
@@ -89,7 +88,7 @@ class VLLMRolloutWorker:
 
     async def _report(self, version: int, error: str) -> None:
         log.error("worker %s refused weights v%d: %s (keeping v%s)", self.worker_id, version, error, self.version)
-        await self.transport.put(f"errors.{self.worker_id}", {"version": version, "error": error, "time": time.time()})
+        await self.transport.report_worker_error(self.worker_id, version, error)
 
     async def sync_weights(self, version: int) -> bool:
         """Loads `version` with nothing in flight. False: refused (corrupt), the previous version stays."""
@@ -112,23 +111,23 @@ class VLLMRolloutWorker:
 
     # --- one group -------------------------------------------------------------------------------
 
-    async def _run_group(self, msg, item: dict) -> None:
-        prompt = self.encode_prompt(item["prompt"])
-        seed = group_seed(self.cfg.seed, item["iteration"], item["prompt_id"]) if self.cfg.rollout.deterministic else None
+    async def _run_group(self, msg, item: WorkItem) -> None:
+        prompt = self.encode_prompt(item.prompt)
+        seed = group_seed(self.cfg.seed, item.iteration, item.prompt_id) if self.cfg.rollout.deterministic else None
         version = self.version
         gen_start = time.time()
-        samples = await self.engine.generate_group(GroupRequest(prompt, self.cfg.rollout.group_size), seed, tag=f"{item['iteration']}-{item['prompt_id']}")
+        completions = await self.engine.generate_group(GroupRequest(prompt, self.cfg.rollout.group_size), seed, tag=f"{item.iteration}-{item.prompt_id}")
         gen_end = time.time()
         group = await asyncio.get_running_loop().run_in_executor(
-            self.score_pool, build_group, item, prompt, samples, self.tokenizer, self.scorer, version, self.worker_id, gen_start, gen_end
+            self.score_pool, build_group, item, prompt, completions, self.tokenizer, self.scorer, version, self.worker_id, gen_start, gen_end
         )
-        group["weight_load_seconds"], self.load_seconds = self.load_seconds, 0.0
-        group["worker_idle_seconds"], self.idle_seconds = self.idle_seconds, 0.0
+        group.weight_load_seconds, self.load_seconds = self.load_seconds, 0.0
+        group.worker_idle_seconds, self.idle_seconds = self.idle_seconds, 0.0
         await self.transport.publish_group(group)
         await msg.ack()
         self.groups_published += 1
 
-    def _start(self, msg, item: dict) -> None:
+    def _start(self, msg, item: WorkItem) -> None:
         if self.idle_since is not None:
             self.idle_seconds += time.time() - self.idle_since
             self.idle_since = None
@@ -153,17 +152,21 @@ class VLLMRolloutWorker:
             return
         # in-flight groups progress while we wait; an idle NCCL member also watches for offers
         timeout = 0.05 if self.inflight else (0.25 if self.nccl else 1.0)
-        for m in await self.transport.fetch(sub, free, timeout=timeout):
-            self.backlog.append((m, decode(m.data)))
+        self.backlog.extend(await decode_work(self.transport, await self.transport.fetch(sub, free, timeout=timeout), self.worker_id))
 
     async def _start_ready(self) -> None:
         """Starts backlog items of the loaded version; switches version only with nothing in flight."""
         while self.backlog and len(self.inflight) < self.cfg.rollout.max_inflight_groups:
             msg, item = self.backlog[0]
-            if item["iteration"] != self.version:
+            version = await version_to_generate(self.transport, self.cfg, item)
+            if version is None:
+                self.backlog.popleft()
+                await msg.ack()  # obsolete: the trainer has moved past its iteration
+                continue
+            if version != self.version:
                 if self.inflight:
                     return  # drain the current version first: no sample mixes two versions
-                if not await self.sync_weights(item["iteration"]):
+                if not await self.sync_weights(version):
                     for m, _ in self.backlog:
                         await m.nak(delay=1.0)
                     self.backlog.clear()

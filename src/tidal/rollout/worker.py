@@ -15,54 +15,58 @@ import numpy as np
 
 from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
+from tidal.protocol import Group, ProtocolError, Sample, WorkItem, decode_work_item
 from tidal.rewards import RewardScorer, exact_match
-from tidal.rollout.engine import GroupRequest, RolloutEngine, group_generator, group_seed
+from tidal.rollout.engine import Completion, GroupRequest, RolloutEngine, group_generator, group_seed
 from tidal.transport import Transport, keep_in_progress
-from tidal.transport.codec import decode
 from tidal.weights import CorruptSnapshotError, load_verified, version_dir_name
 
 log = logging.getLogger(__name__)
 
 
-def work_item(iteration: int, problem) -> dict:
-    return {"iteration": iteration, "prompt_id": problem.id, "prompt": problem.prompt, "answer": problem.answer}
-
-
 def build_group(
-    item: dict, prompt: list[int], samples: list, tokenizer, scorer: RewardScorer, policy_version: int, worker_id: str, gen_start: float, gen_end: float
-) -> dict:
+    item: WorkItem,
+    prompt: list[int],
+    completions: list[Completion],
+    tokenizer,
+    scorer: RewardScorer,
+    policy_version: int,
+    worker_id: str,
+    gen_start: float,
+    gen_end: float,
+) -> Group:
     """The group message of one work item: its G samples scored, with the version that generated them."""
     errors_before = scorer.errors
-    responses = []
-    for s in samples:
-        text = tokenizer.decode(s.token_ids, skip_special_tokens=True)
-        reward, parts = scorer.score(text, item["answer"])
-        responses.append(
-            {
-                "token_ids": np.asarray(s.token_ids, dtype=np.int32),
-                "logprobs": np.asarray(s.logprobs, dtype=np.float32),
-                "finish_reason": s.finish_reason,
-                "reward": reward,
-                "reward_parts": parts,
-                "correct": exact_match(text, item["answer"]),
-            }
+    samples = []
+    for c in completions:
+        text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        reward, parts = scorer.score(text, item.answer)
+        samples.append(
+            Sample(
+                token_ids=np.asarray(c.token_ids, dtype=np.int32),
+                logprobs=np.asarray(c.logprobs, dtype=np.float32),
+                reward=reward,
+                finish_reason=c.finish_reason,
+                reward_parts=parts,
+                correct=exact_match(text, item.answer),
+            )
         )
-    return {
-        "iteration": item["iteration"],
-        "prompt_id": item["prompt_id"],
-        "policy_version": policy_version,
-        "worker_id": worker_id,
-        "prompt_ids": np.asarray(prompt, dtype=np.int32),
-        "responses": responses,
-        "gen_start": gen_start,
-        "gen_end": gen_end,
-        "reward_errors": scorer.errors - errors_before,
-    }
+    return Group(
+        iteration=item.iteration,
+        prompt_id=item.prompt_id,
+        policy_version=policy_version,
+        worker_id=worker_id,
+        prompt_ids=np.asarray(prompt, dtype=np.int32),
+        samples=samples,
+        gen_start=gen_start,
+        gen_end=gen_end,
+        reward_errors=scorer.errors - errors_before,
+    )
 
 
 def generate_groups(
-    engine: RolloutEngine, tokenizer, scorer: RewardScorer, items: list[dict], cfg: TidalConfig, policy_version: int, worker_id: str
-) -> list[dict]:
+    engine: RolloutEngine, tokenizer, scorer: RewardScorer, items: list[WorkItem], cfg: TidalConfig, policy_version: int, worker_id: str
+) -> list[Group]:
     """Generates and scores one group per work item. Deterministic mode: one group per engine call,
     with the group's own RNG, so samples depend on (seed, iteration, prompt id) alone."""
     chunk = 1 if cfg.rollout.deterministic else cfg.rollout.groups_per_batch
@@ -70,22 +74,46 @@ def generate_groups(
     groups = []
     for start in range(0, len(items), chunk):
         batch = items[start : start + chunk]
-        prompts = [encode(it["prompt"]) for it in batch]
+        prompts = [encode(it.prompt) for it in batch]
         requests = [
             GroupRequest(
                 p,
                 cfg.rollout.group_size,
-                group_generator(cfg.seed, it["iteration"], it["prompt_id"]),
-                group_seed(cfg.seed, it["iteration"], it["prompt_id"]) if cfg.rollout.deterministic else None,
+                group_generator(cfg.seed, it.iteration, it.prompt_id),
+                group_seed(cfg.seed, it.iteration, it.prompt_id) if cfg.rollout.deterministic else None,
             )
             for p, it in zip(prompts, batch)
         ]
         gen_start = time.time()
         outputs = engine.generate(requests)
         gen_end = time.time()
-        for item, prompt, samples in zip(batch, prompts, outputs):
-            groups.append(build_group(item, prompt, samples, tokenizer, scorer, policy_version, worker_id, gen_start, gen_end))
+        for item, prompt, completions in zip(batch, prompts, outputs):
+            groups.append(build_group(item, prompt, completions, tokenizer, scorer, policy_version, worker_id, gen_start, gen_end))
     return groups
+
+
+async def decode_work(transport: Transport, msgs: list, worker_id: str) -> list[tuple[object, WorkItem]]:
+    """The valid work items of `msgs`; a malformed one is terminated (never redelivered) and logged."""
+    out = []
+    for m in msgs:
+        try:
+            out.append((m, decode_work_item(m.data, transport.max_message_bytes)))
+        except ProtocolError as err:
+            log.error("worker %s rejected a message on %s: %s", worker_id, m.subject, err)
+            await m.term()
+    return out
+
+
+async def version_to_generate(transport: Transport, cfg: TidalConfig, item: WorkItem) -> int | None:
+    """The policy version that must generate `item`. periodic: exactly the item's iteration, once
+    published. bounded: the newest published version, which is at least iteration -
+    rollout.max_staleness because the trainer releases work only that far ahead; None when the
+    trainer has already moved past the item's iteration (a leftover: its group would be discarded)."""
+    if cfg.mode != "bounded":
+        await transport.wait_for_policy(item.iteration)
+        return item.iteration
+    policy = await transport.wait_for_policy(0)
+    return None if policy.version > item.iteration else policy.version
 
 
 class RolloutWorker:
@@ -103,13 +131,13 @@ class RolloutWorker:
         """Loads snapshot `version`; returns seconds taken, or None when the snapshot is refused."""
         policy = await self.transport.wait_for_policy(version)
         t0 = time.time()
-        path = os.path.join(os.path.dirname(policy["uri"]), version_dir_name(version))
+        path = os.path.join(os.path.dirname(policy.uri), version_dir_name(version))
         try:
             state = await asyncio.to_thread(load_verified, path)
             await asyncio.to_thread(self.engine.load_state_dict, state)
         except (CorruptSnapshotError, ValueError) as err:
             log.error("worker %s refused weights v%d: %s (keeping v%s)", self.worker_id, version, err, self.version)
-            await self.transport.put(f"errors.{self.worker_id}", {"version": version, "error": str(err), "time": time.time()})
+            await self.transport.report_worker_error(self.worker_id, version, str(err))
             return None
         self.version = version
         log.info("worker %s loaded weights v%d in %.3fs", self.worker_id, version, time.time() - t0)
@@ -123,19 +151,24 @@ class RolloutWorker:
             if await self.transport.stopping():
                 log.info("worker %s: the run or round is over, exiting", self.worker_id)
                 return
-            msgs = await self.transport.fetch(sub, batch_size, timeout=1.0)
-            if not msgs:
+            pulled = await decode_work(self.transport, await self.transport.fetch(sub, batch_size, timeout=1.0), self.worker_id)
+            if not pulled:
                 continue
-            items = [decode(m.data) for m in msgs]
-            iteration = items[0]["iteration"]
-            same = [(m, it) for m, it in zip(msgs, items) if it["iteration"] == iteration]
-            for m, it in zip(msgs, items):
-                if it["iteration"] != iteration:
-                    await m.nak()  # another version: handle it on a later pull
-            msgs, items = [m for m, _ in same], [it for _, it in same]
+            iteration = pulled[0][1].iteration
+            for m, it in pulled:
+                if it.iteration != iteration:
+                    await m.nak()  # another iteration: handle it on a later pull
+            pulled = [(m, it) for m, it in pulled if it.iteration == iteration]
+            version = await version_to_generate(self.transport, self.cfg, pulled[0][1])
+            if version is None:
+                log.info("worker %s: dropping %d obsolete work item(s) of iteration %d", self.worker_id, len(pulled), iteration)
+                for m, _ in pulled:
+                    await m.ack()
+                continue
+            msgs, items = [m for m, _ in pulled], [it for _, it in pulled]
             load_seconds = 0.0
-            if self.version != iteration:
-                taken = await self._load_version(iteration)
+            if self.version != version:
+                taken = await self._load_version(version)
                 if taken is None:
                     for m in msgs:
                         await m.nak(delay=1.0)
@@ -148,8 +181,8 @@ class RolloutWorker:
             finally:
                 keep_alive.cancel()
             for i, (m, g) in enumerate(zip(msgs, groups)):
-                g["weight_load_seconds"] = load_seconds if i == 0 else 0.0
-                g["worker_idle_seconds"] = idle if i == 0 else 0.0
+                g.weight_load_seconds = load_seconds if i == 0 else 0.0
+                g.worker_idle_seconds = idle if i == 0 else 0.0
                 await self.transport.publish_group(g)
                 await m.ack()
                 self.groups_published += 1

@@ -17,7 +17,6 @@ from typing import Callable
 
 import torch
 
-from tidal.config import TidalConfig
 from tidal.transport import weight_handshake
 
 log = logging.getLogger(__name__)
@@ -78,20 +77,6 @@ class NcclWeightPush:
     @property
     def formed(self) -> bool:
         return self.sender is not None
-
-    @classmethod
-    async def for_run(cls, cfg: TidalConfig, transport) -> "NcclWeightPush | None":
-        """None unless the config asks for NCCL; turned off at once (with the reason) when this process cannot."""
-        if cfg.rollout.engine != "vllm" or cfg.rollout.vllm.weight_sync != "nccl":
-            return None
-        from tidal.rollout import vllm_adapter
-
-        reason = vllm_adapter.nccl_unavailable_reason()
-        if reason:
-            await weight_handshake.turn_off(transport, reason)
-            return None
-        v = cfg.rollout.vllm
-        return cls(transport, cfg.rollout.workers, v.tensor_parallel_size, v.nccl_timeout_seconds, vllm_adapter.NcclWeightSender, vllm_adapter.nccl_update_info, rendezvous_endpoint())
 
     def rendezvous(self) -> dict:
         return {

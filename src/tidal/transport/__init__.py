@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 
 import nats
@@ -13,11 +15,12 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolic
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
 from tidal.config import TransportConfig
-from tidal.transport.codec import decode, encode
+from tidal.protocol import Group, KVKey, PolicyPointer, ProtocolError, RunState, RunStatus, WorkItem, pack, policy_pointer_from, run_status_from, unpack
+
+log = logging.getLogger(__name__)
 
 WORKERS_CONSUMER = "workers"
 TRAINER_CONSUMER = "trainer"
-STOP_STATES = ("done", "failed", "round_done")  # run states on which rollout workers exit
 
 
 class MessageTooLargeError(ValueError):
@@ -111,21 +114,25 @@ class Transport:
         )
 
     def _check_size(self, payload: bytes, what: str) -> None:
-        limit = min(self.nc.max_payload, self.cfg.max_payload_mb * 1024 * 1024)
+        limit = self.max_message_bytes
         if len(payload) > limit:
             raise MessageTooLargeError(
                 f"{what} is {len(payload)} bytes, over the {limit}-byte message limit: raise transport.max_payload_mb or shorten rollout.max_new_tokens"
             )
 
-    async def publish_work(self, item: dict) -> None:
-        payload = encode(item)
-        self._check_size(payload, f"work item {item['iteration']}/{item['prompt_id']}")
-        await self.js.publish(self.names["work_subject"], payload, headers={"Nats-Msg-Id": f"w-{item['iteration']}-{item['prompt_id']}"})
+    @property
+    def max_message_bytes(self) -> int:
+        return min(self.nc.max_payload, self.cfg.max_payload_mb * 1024 * 1024)
 
-    async def publish_group(self, group: dict) -> None:
-        payload = encode(group)
-        self._check_size(payload, f"group {group['iteration']}/{group['prompt_id']}")
-        await self.js.publish(self.names["rollouts_subject"], payload, headers={"Nats-Msg-Id": f"g-{group['iteration']}-{group['prompt_id']}"})
+    async def publish_work(self, item: WorkItem) -> None:
+        payload = pack(item)
+        self._check_size(payload, f"work item {item.iteration}/{item.prompt_id}")
+        await self.js.publish(self.names["work_subject"], payload, headers={"Nats-Msg-Id": item.msg_id})
+
+    async def publish_group(self, group: Group) -> None:
+        payload = pack(group)
+        self._check_size(payload, f"group {group.iteration}/{group.prompt_id}")
+        await self.js.publish(self.names["rollouts_subject"], payload, headers={"Nats-Msg-Id": group.msg_id})
 
     async def work_subscription(self):
         return await self.js.pull_subscribe_bind(WORKERS_CONSUMER, stream=self.names["work_stream"])
@@ -144,27 +151,52 @@ class Transport:
         info = await self.js.stream_info(self.names["work_stream"])
         return info.state.messages
 
-    async def put(self, key: str, value: dict) -> None:
-        await self.kv.put(key, encode(value))
+    async def put(self, key: str, value) -> None:
+        """A message dataclass or plain msgpack data under `key` (see protocol.KVKey)."""
+        await self.kv.put(key, pack(value))
 
-    async def get(self, key: str) -> dict | None:
+    async def get(self, key: str):
+        """Plain data under `key`; None when absent."""
         try:
             entry = await self.kv.get(key)
         except KeyNotFoundError:
             return None
-        return decode(entry.value) if entry and entry.value else None
+        return unpack(entry.value) if entry and entry.value else None
 
-    async def wait_for_policy(self, version: int) -> dict:
-        """The KV policy entry once it has reached `version`."""
-        policy = await self.get("policy")
-        while policy is None or policy["version"] < version:
+    async def put_policy(self, version: int, uri: str) -> None:
+        await self.put(KVKey.POLICY, PolicyPointer(version, uri))
+
+    async def policy(self) -> PolicyPointer | None:
+        raw = await self.get(KVKey.POLICY)
+        return None if raw is None else policy_pointer_from(raw)
+
+    async def wait_for_policy(self, version: int) -> PolicyPointer:
+        """The KV policy pointer once it has reached `version`."""
+        policy = await self.policy()
+        while policy is None or policy.version < version:
             await asyncio.sleep(0.05)
-            policy = await self.get("policy")
+            policy = await self.policy()
         return policy
 
+    async def put_run_state(self, state: RunState, round_index: int | None = None) -> None:
+        await self.put(KVKey.RUN, RunStatus(state, round_index))
+
+    async def run_status(self) -> RunStatus | None:
+        raw = await self.get(KVKey.RUN)
+        if raw is None:
+            return None
+        try:
+            return run_status_from(raw)
+        except ProtocolError as err:
+            log.error("ignoring a malformed run state in the KV bucket: %s", err)
+            return None
+
     async def stopping(self) -> bool:
-        state = await self.get("run")
-        return bool(state and state.get("state") in STOP_STATES)
+        status = await self.run_status()
+        return bool(status and status.state.stops_workers)
+
+    async def report_worker_error(self, worker_id: str, version: int, error: str) -> None:
+        await self.put(KVKey.worker_error(worker_id), {"version": version, "error": error, "time": time.time()})
 
     async def close(self) -> None:
         await self.nc.close()

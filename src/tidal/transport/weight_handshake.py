@@ -25,10 +25,12 @@ import logging
 import time
 import uuid
 
+from tidal.protocol import KVKey
+
 log = logging.getLogger(__name__)
 
-KEY = "weight_sync.nccl"
-READY_PREFIX = "weight_sync.ready."
+KEY = KVKey.NCCL
+READY_PREFIX = KVKey.NCCL_READY_PREFIX
 
 
 def lane_of(worker_id: str) -> int:

@@ -1,0 +1,107 @@
+"""What an iteration reports: a timer for its phases, its metrics line and one record per trained group."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import numpy as np
+
+from tidal.protocol import Group
+
+
+class Timer:
+    """Seconds per named phase: `with timer("train"): ...` adds the block's wall time to `timer["train"]`."""
+
+    def __init__(self) -> None:
+        self.start = time.time()
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - t0
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+
+    def __getitem__(self, phase: str) -> float:
+        return self.seconds.get(phase, 0.0)
+
+    def elapsed(self) -> float:
+        return time.time() - self.start
+
+
+def generation_span(groups: list[Group]) -> float:
+    """From the first group's generation start to the last one's end: the iteration's generate time."""
+    if not groups:
+        return 0.0
+    return max(g.gen_end for g in groups) - min(g.gen_start for g in groups)
+
+
+def group_stats(groups: list[Group]) -> dict[str, float]:
+    """Reward/accuracy/length statistics over every sample of an iteration."""
+    rewards = np.array([s.reward for g in groups for s in g.samples], dtype=np.float64)
+    correct = np.array([s.correct for g in groups for s in g.samples], dtype=np.float64)
+    lengths = np.array([len(s.token_ids) for g in groups for s in g.samples], dtype=np.float64)
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "accuracy": float(correct.mean()),
+        "response_length_mean": float(lengths.mean()),
+        "response_length_max": float(lengths.max()),
+        "generated_tokens": float(lengths.sum()),
+        "samples": float(len(rewards)),
+        "reward_errors": float(sum(g.reward_errors for g in groups)),
+    }
+
+
+def staleness_stats(groups: list[Group], version: int, max_staleness: int) -> dict[str, float]:
+    """Staleness (version trained minus version that generated) of the iteration's groups: max,
+    mean, and the fraction of groups at each staleness 0..max_staleness (a histogram per iteration)."""
+    staleness = np.array([version - g.policy_version for g in groups], dtype=np.float64)
+    out = {"staleness_max": float(staleness.max()), "staleness_mean": float(staleness.mean())}
+    for s in range(max_staleness + 1):
+        out[f"staleness_fraction_{s}"] = float((staleness == s).mean())
+    return out
+
+
+def iteration_metrics(version: int, groups: list[Group], update: dict, timer: Timer, max_staleness: int, extra: dict) -> dict:
+    stats = group_stats(groups)
+    elapsed = timer.elapsed()
+    generate = generation_span(groups)
+    return {
+        "iteration": version,
+        **stats,
+        **update,
+        **staleness_stats(groups, version, max_staleness),
+        "iteration_seconds": elapsed,
+        "generate_seconds": generate,
+        "train_seconds": timer["train"],
+        "sync_seconds": timer["sync"],
+        "trainer_idle_seconds": timer["idle"],
+        "rollout_idle_seconds": float(sum(g.worker_idle_seconds for g in groups)),
+        "generated_tokens_per_s": stats["generated_tokens"] / generate if generate > 0 else 0.0,
+        "trained_tokens_per_s": update["trained_tokens"] / timer["train"] if timer["train"] > 0 else 0.0,
+        "samples_per_s": stats["samples"] / elapsed if elapsed > 0 else 0.0,
+        **extra,
+    }
+
+
+def group_record(group: Group, version: int, train_start: float, train_end: float) -> dict:
+    return {
+        "iteration": group.iteration,
+        "prompt_id": group.prompt_id,
+        "policy_version": group.policy_version,
+        "trained_version": version,
+        "worker_id": group.worker_id,
+        "gen_start": group.gen_start,
+        "gen_end": group.gen_end,
+        "train_start": train_start,
+        "train_end": train_end,
+        "reward_mean": float(np.mean(group.rewards)),
+    }
