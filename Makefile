@@ -16,7 +16,7 @@ ifndef TORCH_INDEX
 TORCH_INDEX := $(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('https://download.pytorch.org/whl/cpu/torch/', timeout=5); print('--extra-index-url https://download.pytorch.org/whl/cpu')" 2>/dev/null)
 endif
 
-.PHONY: run test test-core test-vllm install install-test install-vllm clean
+.PHONY: run test lint format test-core test-vllm install install-test install-vllm clean
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (or run: make PYTHON=python3 ...)"; exit 1; }
@@ -41,7 +41,17 @@ install-vllm: $(VLLM_VENV)/.installed
 run: install
 	$(BIN)/tidal run $(CONFIG) --run-dir $(RUN_DIR)
 
-test: test-core test-vllm
+test: lint test-core test-vllm
+
+# One line length (pyproject's [tool.ruff]) for the whole tree; `make format` rewrites in place.
+LINTED = src tests benchmarks components pipelines
+lint: install-test
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+
+format: install-test
+	$(BIN)/ruff check --fix $(LINTED)
+	$(BIN)/ruff format $(LINTED)
 
 test-core: install-test
 	$(BIN)/python -m pytest -q -m "not vllm"

@@ -27,7 +27,6 @@ import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
-
 from verl.trainer.ppo import core_algos  # hard requirement: no importorskip
 from verl.workers.config import ActorConfig
 
@@ -109,7 +108,14 @@ def test_verl_core_algos_is_the_pinned_reference():
     pin = re.search(r'"verl==([^"]+)"', pyproject)
     assert pin, "verl must be pinned in the test extra"
     assert importlib.metadata.version("verl") == pin.group(1)
-    for name in ("compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage", "compute_policy_loss_vanilla", "compute_policy_loss_gspo", "agg_loss", "kl_penalty"):
+    for name in (
+        "compute_grpo_outcome_advantage",
+        "compute_rloo_outcome_advantage",
+        "compute_policy_loss_vanilla",
+        "compute_policy_loss_gspo",
+        "agg_loss",
+        "kl_penalty",
+    ):
         assert callable(getattr(core_algos, name))
 
 

@@ -8,8 +8,26 @@ from tests.conftest import run_cli
 def test_tidal_bench_shared_prompt_writes_both_layouts_figures(tmp_path):
     out = tmp_path / "bench.json"
     proc = run_cli(
-        "bench", "shared-prompt", "--prompt-len", "24", "--response-len", "8", "--group-size", "3",
-        "--repeats", "1", "--layers", "1", "--hidden", "32", "--heads", "2", "--threads", "1", "--json", str(out),
+        "bench",
+        "shared-prompt",
+        "--prompt-len",
+        "24",
+        "--response-len",
+        "8",
+        "--group-size",
+        "3",
+        "--repeats",
+        "1",
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--threads",
+        "1",
+        "--json",
+        str(out),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = json.loads(out.read_text())["results"]
@@ -30,7 +48,14 @@ def test_modes_benchmark_leaves_the_warmup_iterations_out():
     from tidal.bench.modes import steady_state
 
     def it(seconds, tokens):
-        return {"iteration_seconds": seconds, "generate_seconds": 1.0, "train_seconds": 1.0, "sync_seconds": 0.1, "trainer_idle_seconds": seconds - 2, "generated_tokens": tokens}
+        return {
+            "iteration_seconds": seconds,
+            "generate_seconds": 1.0,
+            "train_seconds": 1.0,
+            "sync_seconds": 0.1,
+            "trainer_idle_seconds": seconds - 2,
+            "generated_tokens": tokens,
+        }
 
     metrics = [it(30.0, 100), it(2.0, 100), it(4.0, 300)]  # iteration 0 waited for an engine to start
     figures = steady_state(metrics, warmup=1)

@@ -32,7 +32,6 @@ def test_a_malformed_device_is_refused():
         resolve_device("gpu")
 
 
-
 def test_device_problems_follow_what_the_process_sees():
     two_gpus = {"cuda": 2, "npu": 0}
     assert device_problem("cuda:1", two_gpus) is None and device_problem("cuda", two_gpus) is None

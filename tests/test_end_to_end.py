@@ -12,16 +12,51 @@ from safetensors.torch import load_file
 from tests.conftest import run_cli
 
 REQUIRED_METRICS = [
-    "reward_mean", "reward_std", "accuracy", "response_length_mean", "response_length_max", "policy_loss", "kl",
-    "entropy", "clip_fraction", "grad_norm", "learning_rate", "generated_tokens_per_s", "trained_tokens_per_s",
-    "samples_per_s", "iteration_seconds", "generate_seconds", "train_seconds", "sync_seconds",
-    "trainer_idle_seconds", "rollout_idle_seconds", "queue_depth", "staleness_max", "reward_errors",
-    "groups_filtered", "logprob_mismatch", "tis_truncated_fraction",
+    "reward_mean",
+    "reward_std",
+    "accuracy",
+    "response_length_mean",
+    "response_length_max",
+    "policy_loss",
+    "kl",
+    "entropy",
+    "clip_fraction",
+    "grad_norm",
+    "learning_rate",
+    "generated_tokens_per_s",
+    "trained_tokens_per_s",
+    "samples_per_s",
+    "iteration_seconds",
+    "generate_seconds",
+    "train_seconds",
+    "sync_seconds",
+    "trainer_idle_seconds",
+    "rollout_idle_seconds",
+    "queue_depth",
+    "staleness_max",
+    "reward_errors",
+    "groups_filtered",
+    "logprob_mismatch",
+    "tis_truncated_fraction",
 ]
 SUMMARY_KEYS = [
-    "mode", "iterations", "accuracy_before", "accuracy_after", "sampled_accuracy_before", "sampled_accuracy_after", "iteration_seconds_mean", "generate_seconds_mean",
-    "train_seconds_mean", "sync_seconds_mean", "idle_seconds_mean", "staleness_max", "groups_generated",
-    "groups_trained", "groups_discarded", "final_weights", "mlflow_run_id",
+    "mode",
+    "iterations",
+    "accuracy_before",
+    "accuracy_after",
+    "sampled_accuracy_before",
+    "sampled_accuracy_after",
+    "iteration_seconds_mean",
+    "generate_seconds_mean",
+    "train_seconds_mean",
+    "sync_seconds_mean",
+    "idle_seconds_mean",
+    "staleness_max",
+    "groups_generated",
+    "groups_trained",
+    "groups_discarded",
+    "final_weights",
+    "mlflow_run_id",
 ]
 
 
@@ -91,8 +126,9 @@ def test_trainer_starts_before_the_last_group_of_the_iteration_is_generated(peri
         assert first_train < last_generated, f"iteration {v}: no overlap"
 
 
-def test_sync_and_periodic_give_the_same_weights(tmp_path, write_config):
-    """The on-policy equivalence claim: with deterministic rollouts the two modes make the same update."""
+def test_sync_periodic_and_bounded_k0_give_the_same_weights(tmp_path, write_config):
+    """The on-policy equivalence claim, through the one loop: with deterministic rollouts, sync,
+    periodic and bounded with max_staleness 0 make the same update."""
     config = write_config(
         {
             "rollout.deterministic": True,
@@ -102,8 +138,10 @@ def test_sync_and_periodic_give_the_same_weights(tmp_path, write_config):
         }
     )
     finals = {}
-    for mode in ("sync", "periodic"):
-        proc = run_cli("run", str(config), "--run-dir", str(tmp_path / mode), "--set", f"mode={mode}", "--no-progress")
+    for mode in ("sync", "periodic", "bounded"):
+        proc = run_cli(
+            "run", str(config), "--run-dir", str(tmp_path / mode), "--set", f"mode={mode}", "--set", "rollout.max_staleness=0", "--no-progress"
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         finals[mode] = load_file(str(tmp_path / mode / "weights" / "v000002" / "model.safetensors"))
     start = load_file(str(tmp_path / "sync" / "weights" / "v000000" / "model.safetensors"))
@@ -111,6 +149,7 @@ def test_sync_and_periodic_give_the_same_weights(tmp_path, write_config):
     assert moved > 1e-4  # the check means something: training changed the weights
     for name, tensor in finals["sync"].items():
         torch.testing.assert_close(finals["periodic"][name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(finals["bounded"][name], finals["periodic"][name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_bad_config_is_a_clear_error(write_config):
@@ -186,7 +225,10 @@ def test_a_killed_rollout_worker_loses_no_group(tmp_path, write_config):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     groups_file = run_dir / "groups.jsonl"
     deadline = time.time() + 600
@@ -211,7 +253,9 @@ def test_trainer_refuses_several_ranks_with_a_clear_error(write_config):
 
 
 def test_sync_mode_dynamic_sampling_replaces_groups_without_signal(tmp_path, write_config):
-    config = write_config({"mode": "sync", "trainer.iterations": 2, "trainer.dynamic_sampling": True, "trainer.max_replacements": 2, "eval.enabled": False})
+    config = write_config(
+        {"mode": "sync", "trainer.iterations": 2, "trainer.dynamic_sampling": True, "trainer.max_replacements": 2, "eval.enabled": False}
+    )
     proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -242,7 +286,10 @@ def test_a_killed_trainer_resumes_and_loses_no_group(tmp_path, write_config):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     groups_file = run_dir / "groups.jsonl"
 
@@ -262,3 +309,121 @@ def test_a_killed_trainer_resumes_and_loses_no_group(tmp_path, write_config):
     assert len(trained_in_1) > 6 and len(set(trained_in_1)) == 6  # interrupted, then all six again
     assert "restarting from the last checkpoint" in (run_dir / "logs" / "launcher.log").read_text()
     assert "resumed from checkpoint: version 1" in (run_dir / "logs" / "trainer.log").read_text()
+
+
+def embedded_nats_url(run_dir: Path) -> str:
+    """The URL of a running `tidal run`'s embedded nats-server, from the config it wrote."""
+    import re
+
+    conf = (run_dir / "nats" / "nats-server.conf").read_text()
+    return "nats://" + re.search(r'listen: "([^"]+)"', conf).group(1)
+
+
+def test_forged_and_malformed_groups_are_rejected_and_counted_and_the_run_finishes(tmp_path, write_config):
+    """Bad messages injected into the ROLLOUTS stream mid-run: each is terminated, counted in
+    messages_rejected and logged with its reason; none is trained on and the run completes."""
+    import math
+    import subprocess
+    import sys
+    import time
+
+    import msgpack
+    import nats
+    import numpy as np
+
+    from tests.conftest import ROOT
+    from tidal.protocol import Group, Sample, pack
+    from tidal.rundir import RunInfo
+    from tidal.transport import stream_names
+
+    config = write_config({"eval.enabled": False, "reward.functions": [{"name": "tests.rewards:slow_exact_match"}]})
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    groups_file = run_dir / "groups.jsonl"
+    deadline = time.time() + 600
+    while not (groups_file.is_file() and groups_file.read_text().strip()) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+
+    def sample(tokens, reward=1.0, logprob=-0.5):
+        t = np.asarray(tokens, dtype=np.int32)
+        return Sample(t, np.full(t.size, logprob, dtype=np.float32), reward)
+
+    def forged(**kw):
+        fields = dict(
+            iteration=0, prompt_id=0, policy_version=0, worker_id="rogue", prompt_ids=np.array([5, 6], dtype=np.int32), samples=[sample([7])] * 4
+        )
+        return pack(Group(**{**fields, **kw}))
+
+    bad = [
+        b"\xc1 not msgpack",
+        msgpack.packb({"iteration": 0, "prompt_id": 3}),  # missing fields
+        forged(samples=[sample([7, 10**6])] * 4),  # a token id outside the vocabulary: once crashed the embedding lookup
+        forged(samples=[sample([7], reward=math.nan)] * 4),
+        forged(samples=[sample([7], logprob=-math.inf)] * 4),
+        forged(samples=[sample(range(1, 40))] * 4),  # more than max_new_tokens
+        forged(iteration=50, policy_version=50),  # a version from the future
+        forged(samples=[sample([7])] * 3),  # not group_size samples
+    ]
+
+    async def inject():
+        info = RunInfo.load(run_dir)
+        nc = await nats.connect(embedded_nats_url(run_dir))
+        js = nc.jetstream()
+        for i, payload in enumerate(bad):
+            await js.publish(stream_names(info.run_id)["rollouts_subject"], payload, headers={"Nats-Msg-Id": f"forged-{i}"})
+        await nc.close()
+
+    asyncio.run(inject())
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["messages_rejected"] == len(bad)
+    assert summary["groups_trained"] == 3 * 6 and summary["iterations"] == 3
+    records = [json.loads(l) for l in groups_file.read_text().splitlines()]
+    assert len({(r["iteration"], r["prompt_id"]) for r in records}) == len(records) == 3 * 6
+    assert all(r["worker_id"] != "rogue" for r in records)
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    for reason in (
+        "not a msgpack message",
+        "missing field",
+        "outside the vocabulary",
+        "reward is not finite",
+        "logprobs: not finite",
+        "more than max_new_tokens",
+        "from the future",
+        "expected group_size",
+    ):
+        assert reason in log, reason
+    assert "rejected a message on tidal." in log
+    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m["messages_rejected"] for m in metrics) == len(bad) and metrics[-1]["messages_rejected_total"] == len(bad)
+
+
+def test_bounded_mode_trains_stale_groups_within_the_bound_and_records_the_histogram(tmp_path, write_config):
+    config = write_config({"mode": "bounded", "rollout.max_staleness": 2, "trainer.iterations": 4, "eval.enabled": False})
+    proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mode"] == "bounded" and summary["groups_trained"] == 4 * 6 and summary["staleness_max"] <= 2
+    records = [json.loads(l) for l in (run_dir / "groups.jsonl").read_text().splitlines()]
+    assert len({(r["iteration"], r["prompt_id"]) for r in records}) == len(records) == 4 * 6
+    assert all(0 <= r["trained_version"] - r["policy_version"] <= 2 for r in records)
+    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:
+        fractions = [m[f"staleness_fraction_{s}"] for s in range(3)]
+        assert abs(sum(fractions) - 1.0) < 1e-9
+        stale = [r for r in records if r["iteration"] == m["iteration"] and r["policy_version"] < r["iteration"]]
+        assert m["staleness_fraction_0"] == pytest.approx(1.0 - len(stale) / 6)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    history = client.get_metric_history(summary["mlflow_run_id"], "staleness_fraction_1")
+    assert sorted(h.step for h in history) == [0, 1, 2, 3]

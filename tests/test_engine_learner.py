@@ -5,11 +5,11 @@ import copy
 import numpy as np
 import torch
 
+from tidal.algo import token_logprobs_from_logits
 from tidal.config import TinyModelConfig, TrainerConfig
 from tidal.model.tiny import build_char_tokenizer, build_tiny_model
 from tidal.rollout.engine import GroupRequest, HFEngine, group_generator
 from tidal.trainer.learner import Learner
-from tidal.algo import token_logprobs_from_logits
 
 
 def tiny():
@@ -210,6 +210,8 @@ def test_held_out_sampled_accuracy_is_seeded_per_prompt_and_scores_every_sample(
             def text(i, j):
                 return "A: 1" if (i, j) == (0, 0) else "A: 7"
 
-            return [[Completion(tok(text(i, j), add_special_tokens=False).input_ids, [0.0], "stop") for j in range(r.n)] for i, r in enumerate(requests)]
+            return [
+                [Completion(tok(text(i, j), add_special_tokens=False).input_ids, [0.0], "stop") for j in range(r.n)] for i, r in enumerate(requests)
+            ]
 
     assert held_out_accuracy(Answers(), tok, problems[:2], batch_size=8, samples=3) == 1 / 6

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
@@ -30,16 +29,19 @@ def test_tidal_run_via_kfp_local_two_rounds(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY_CONFIG)
     run_dir = tmp_path / "run"
-    env = {**os.environ, "TIDAL_CACHE": str(tmp_path / "cache"), "TIDAL_KFP_ROUNDS": "2",
-           "TIDAL_KFP_ITERATIONS_PER_ROUND": "1"}
+    env = {**os.environ, "TIDAL_CACHE": str(tmp_path / "cache"), "TIDAL_KFP_ROUNDS": "2", "TIDAL_KFP_ITERATIONS_PER_ROUND": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    result = subprocess.run([sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir),
-                             "--via", "kfp-local"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                            timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--via", "kfp-local"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=900,
+    )
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
-    assert "Pipeline \x1b[95m'tidal-grpo'\x1b[0m finished with status \x1b[92mSUCCESS" in log or \
-        "'tidal-grpo' finished with status SUCCESS" in log
+    assert "Pipeline \x1b[95m'tidal-grpo'\x1b[0m finished with status \x1b[92mSUCCESS" in log or "'tidal-grpo' finished with status SUCCESS" in log
 
     rounds = [json.loads((run_dir / "kube" / f"round-{i:03d}.json").read_text()) for i in (0, 1)]
     assert [r["version"] for r in rounds] == [1, 2]  # round 2 resumed from round 1's checkpoint

@@ -24,8 +24,7 @@ def kubectl() -> str:
 
 
 def build_overlay(name: str) -> list[dict]:
-    result = subprocess.run([kubectl(), "kustomize", str(ROOT / "manifests" / "overlays" / name)],
-                            capture_output=True, text=True)
+    result = subprocess.run([kubectl(), "kustomize", str(ROOT / "manifests" / "overlays" / name)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
@@ -56,8 +55,11 @@ def test_kubernetes_validate_cli_passes_strictly(overlay, tmp_path):
     name, objects = overlay
     built = tmp_path / f"{name}.yaml"
     built.write_text(yaml.safe_dump_all(objects))
-    result = subprocess.run([str(Path(sys.executable).with_name("kubernetes-validate")), "--strict",
-                             "-k", cluster.KUBERNETES_VERSION, str(built)], capture_output=True, text=True)
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("kubernetes-validate")), "--strict", "-k", cluster.KUBERNETES_VERSION, str(built)],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("passed") == len(objects)
 
@@ -94,10 +96,14 @@ def test_nats_has_jetstream_on_a_pvc_and_auth_from_the_secret(overlay):
     conf = by_kind(objects, "ConfigMap")["tidal-nats-config"]["data"]["nats.conf"]
     assert "jetstream" in conf and "$NATS_PASSWORD" in conf
     assert nats["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "jetstream"
-    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in nats["spec"]["template"]["spec"]["containers"][0]["env"]
-           if "secretKeyRef" in e.get("valueFrom", {})}
+    env = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in nats["spec"]["template"]["spec"]["containers"][0]["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
     assert {name: (ref["name"], ref["key"]) for name, ref in env.items()} == {
-        env_name: (cluster.NATS_SECRET, key) for key, env_name in cluster.NATS_SECRET_ENV.items()}
+        env_name: (cluster.NATS_SECRET, key) for key, env_name in cluster.NATS_SECRET_ENV.items()
+    }
 
 
 def test_rbac_allows_pytorchjobs_and_nothing_more(overlay):
@@ -109,16 +115,14 @@ def test_rbac_allows_pytorchjobs_and_nothing_more(overlay):
         (("",), ("pods", "pods/log")): {"get", "list", "watch"},
     }
     (binding,) = by_kind(objects, "RoleBinding").values()
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": cluster.PIPELINE_SERVICE_ACCOUNT,
-                                    "namespace": "tidal"}]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": cluster.PIPELINE_SERVICE_ACCOUNT, "namespace": "tidal"}]
 
 
 def test_only_tidal_pods_reach_nats_and_mlflow(overlay):
     _, objects = overlay
     policies = by_kind(objects, "NetworkPolicy")
     for service in ("tidal-nats", "tidal-mlflow"):
-        (policy,) = [p for p in policies.values()
-                     if p["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": service}]
+        (policy,) = [p for p in policies.values() if p["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": service}]
         (rule,) = policy["spec"]["ingress"]
         assert rule["from"] == [{"podSelector": {"matchLabels": cluster.TIDAL_POD_LABEL}}]
 
@@ -130,8 +134,10 @@ def platform_settings(objects) -> dict:
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("compiled")
-    return {profile: list(yaml.safe_load_all(compile_pipeline(out / f"{profile}.yaml", profile).read_text()))
-            for profile in sorted(set(PROFILE_OF_OVERLAY.values()))}
+    return {
+        profile: list(yaml.safe_load_all(compile_pipeline(out / f"{profile}.yaml", profile).read_text()))
+        for profile in sorted(set(PROFILE_OF_OVERLAY.values()))
+    }
 
 
 def test_compiled_pipeline_matches_what_the_overlay_promises(overlay, compiled):
@@ -167,6 +173,5 @@ def secret_names_used_by_services(objects) -> set:
     names = set()
     for _, spec in pod_specs(objects):
         for container in spec["containers"]:
-            names |= {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
-                      if "secretKeyRef" in e.get("valueFrom", {})}
+            names |= {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
     return names

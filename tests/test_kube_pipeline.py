@@ -42,8 +42,16 @@ def dag_tasks(spec):
 def test_every_parameter_has_a_default(compiled):
     spec, _ = compiled
     parameters = spec["root"]["inputDefinitions"]["parameters"]
-    assert {"config_yaml", "config_path", "rounds", "iterations_per_round", "rollout_workers",
-            "trainer_backend", "trainer_nodes", "registered_model_name"} <= set(parameters)
+    assert {
+        "config_yaml",
+        "config_path",
+        "rounds",
+        "iterations_per_round",
+        "rollout_workers",
+        "trainer_backend",
+        "trainer_nodes",
+        "registered_model_name",
+    } <= set(parameters)
     missing = [name for name, p in parameters.items() if not p.get("isOptional") or "defaultValue" not in p]
     assert missing == []
 
@@ -53,8 +61,7 @@ def test_rounds_run_one_after_another_with_lanes_in_parallel(compiled):
     loops = {c: t for c, _, t in dag_tasks(spec) if "parameterIterator" in t}
     assert loops["comp-tidal-grpo-loop"]["iteratorPolicy"] == {"parallelismLimit": 1}
     assert "iteratorPolicy" not in loops["comp-tidal-grpo-round"]  # lanes: all at once
-    conditions = [t["triggerPolicy"]["condition"] for _, _, t in dag_tasks(spec) if "triggerPolicy" in t
-                  and "condition" in t["triggerPolicy"]]
+    conditions = [t["triggerPolicy"]["condition"] for _, _, t in dag_tasks(spec) if "triggerPolicy" in t and "condition" in t["triggerPolicy"]]
     assert any("== 'trainer'" in c and not c.startswith("!") for c in conditions)
     round_tasks = spec["components"]["comp-tidal-grpo-round"]["dag"]["tasks"]
     assert set(round_tasks["evaluate"]["dependentTasks"]) == {"weight-sync"}
@@ -130,8 +137,7 @@ def kfp_api_server():
 def test_submit_with_mocked_kfp_api_server(kfp_api_server, monkeypatch):
     monkeypatch.setenv("KFP_TOKEN", "token-from-env")
     config = ROOT / "examples" / "arithmetic.yaml"
-    run = submit_run(str(config), host=kfp_api_server, experiment="ci", params={"rounds": 3},
-                     accelerator="ascend")
+    run = submit_run(str(config), host=kfp_api_server, experiment="ci", params={"rounds": 3}, accelerator="ascend")
     assert run.run_id == "run-42" and run.url == f"{kfp_api_server}/#/runs/details/run-42"
     (create_run,) = [r for r in FakeKfpApi.requests if r[:2] == ("POST", "/apis/v2beta1/runs")]
     _, _, auth, body = create_run
@@ -140,22 +146,19 @@ def test_submit_with_mocked_kfp_api_server(kfp_api_server, monkeypatch):
     assert body["runtime_config"]["parameters"]["config_yaml"] == config.read_text()
     assert body["runtime_config"]["parameters"]["rounds"] == 3
     executors = body["pipeline_spec"]["pipeline_spec"]["deploymentSpec"]["executors"]
-    assert executors["exec-rollout-worker"]["container"]["resources"]["accelerator"]["resourceType"] == \
-        "huawei.com/Ascend910"
+    assert executors["exec-rollout-worker"]["container"]["resources"]["accelerator"]["resourceType"] == "huawei.com/Ascend910"
 
 
 def test_submit_cli_prints_the_run_url_with_mocked_kfp_api_server(kfp_api_server, monkeypatch):
     env = {**__import__("os").environ, "KFP_HOST": kfp_api_server, "KFP_TOKEN": "t"}
-    result = tidal("submit", str(ROOT / "examples" / "arithmetic.yaml"), "--experiment", "ci", "-p", "rounds=2",
-                   env=env)
+    result = tidal("submit", str(ROOT / "examples" / "arithmetic.yaml"), "--experiment", "ci", "-p", "rounds=2", env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("/#/runs/details/run-42")
 
 
 def test_submit_without_a_host_says_how_to_give_one(monkeypatch):
     monkeypatch.delenv("KFP_HOST", raising=False)
-    result = tidal("submit", str(ROOT / "examples" / "arithmetic.yaml"),
-                   env={k: v for k, v in __import__("os").environ.items() if k != "KFP_HOST"})
+    result = tidal("submit", str(ROOT / "examples" / "arithmetic.yaml"), env={k: v for k, v in __import__("os").environ.items() if k != "KFP_HOST"})
     assert result.returncode == 2 and "pass --host URL or set KFP_HOST" in result.stderr
 
 
@@ -169,10 +172,10 @@ def test_submit_rejects_a_bad_config_before_contacting_the_server(tmp_path):
 
 
 def test_pipeline_knobs_become_config_overrides():
-    knobs = roles.PipelineKnobs(rounds=3, iterations_per_round=4, rollout_workers=2, group_size=0,
-                                mode="sync", overrides="# comment\nseed=7; rollout.max_new_tokens=5\n")
-    assert knobs.config_overrides() == ["trainer.iterations=12", "rollout.workers=2", "mode=sync", "seed=7",
-                                        "rollout.max_new_tokens=5"]
+    knobs = roles.PipelineKnobs(
+        rounds=3, iterations_per_round=4, rollout_workers=2, group_size=0, mode="sync", overrides="# comment\nseed=7; rollout.max_new_tokens=5\n"
+    )
+    assert knobs.config_overrides() == ["trainer.iterations=12", "rollout.workers=2", "mode=sync", "seed=7", "rollout.max_new_tokens=5"]
     with pytest.raises(roles.PipelineStepError, match="must both be at least 1"):
         roles.PipelineKnobs(rounds=0, iterations_per_round=1, rollout_workers=1).config_overrides()
     with pytest.raises(roles.PipelineStepError, match="'seed' must look like key=value"):

@@ -3,7 +3,6 @@
 import copy
 
 import pytest
-
 from kubernetes import client as k8s
 
 from tidal.kube import cluster
@@ -20,9 +19,16 @@ from tidal.kube.pytorchjob import (
 
 
 def make_spec(profile="nvidia", nodes=1, accelerators=8, **extra):
-    return TrainerJobSpec(name="tidal-demo-r3", config_path="/mnt/tidal/runs/demo/config.yaml",
-                          run_dir="/mnt/tidal/runs/demo", profile=cluster.PROFILES[profile],
-                          nodes=nodes, accelerators_per_node=accelerators, iterations=20, **extra)
+    return TrainerJobSpec(
+        name="tidal-demo-r3",
+        config_path="/mnt/tidal/runs/demo/config.yaml",
+        run_dir="/mnt/tidal/runs/demo",
+        profile=cluster.PROFILES[profile],
+        nodes=nodes,
+        accelerators_per_node=accelerators,
+        iterations=20,
+        **extra,
+    )
 
 
 def manifest_for(**kwargs):
@@ -100,6 +106,7 @@ def break_job(mutate):
 def test_container_not_named_pytorch_is_rejected():
     def rename(m):
         pod_spec(m)["containers"][0]["name"] = "trainer"
+
     message = break_job(rename)
     assert "spec.pytorchReplicaSpecs.Master.template.spec.containers" in message and "'pytorch'" in message
 
@@ -107,18 +114,21 @@ def test_container_not_named_pytorch_is_rejected():
 def test_container_without_image_is_rejected():
     def drop_image(m):
         del pod_spec(m, "Worker")["containers"][0]["image"]
+
     assert "spec.pytorchReplicaSpecs.Worker.template.spec.containers[0].image: must be specified" in break_job(drop_image)
 
 
 def test_two_masters_are_rejected():
     def two_masters(m):
         m["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = 2
+
     assert "spec.pytorchReplicaSpecs.Master.replicas: must be 1" in break_job(two_masters)
 
 
 def test_missing_master_is_rejected():
     def no_master(m):
         del m["spec"]["pytorchReplicaSpecs"]["Master"]
+
     assert "exactly one Master replica" in break_job(no_master)
 
 
@@ -126,6 +136,7 @@ def test_elastic_policy_without_worker_is_rejected():
     def elastic_single(m):
         del m["spec"]["pytorchReplicaSpecs"]["Worker"]
         m["spec"]["elasticPolicy"] = {"minReplicas": 1, "maxReplicas": 2}
+
     assert "Worker: must be configured if elasticPolicy is used" in break_job(elastic_single)
 
 
@@ -133,6 +144,7 @@ def test_unknown_replica_type_and_bad_name_are_rejected():
     def chief(m):
         m["metadata"]["name"] = "Tidal_Run"
         m["spec"]["pytorchReplicaSpecs"]["Chief"] = m["spec"]["pytorchReplicaSpecs"]["Worker"]
+
     message = break_job(chief)
     assert "metadata.name: 'Tidal_Run' must be a DNS-1035 label" in message
     assert "spec.pytorchReplicaSpecs.Chief: replica type must be one of Master, Worker" in message
@@ -142,6 +154,7 @@ def test_bad_nproc_and_clean_pod_policy_are_rejected():
     def bad(m):
         m["spec"]["nprocPerNode"] = "many"
         m["spec"]["runPolicy"]["cleanPodPolicy"] = "Sometimes"
+
     message = break_job(bad)
     assert "spec.nprocPerNode: 'many'" in message and "spec.runPolicy.cleanPodPolicy: 'Sometimes'" in message
 
@@ -150,14 +163,14 @@ def test_schema_rejects_misspelled_field_in_serialized_job():
     def typo(m):
         pod_spec(m, "Worker")["containers"][0]["imagePullPolicyy"] = "Always"
         m["spec"]["runPolicy"]["backofLimit"] = 3
+
     message = break_job(typo)
     assert "'imagePullPolicyy' was unexpected" in message and "'backofLimit' was unexpected" in message
 
 
 def test_bad_spec_fails_when_building():
     with pytest.raises(PyTorchJobRejected, match="metadata.name"):
-        build_pytorchjob(TrainerJobSpec(name="Round 1", config_path="c", run_dir="r",
-                                        profile=cluster.PROFILES["cpu"]))
+        build_pytorchjob(TrainerJobSpec(name="Round 1", config_path="c", run_dir="r", profile=cluster.PROFILES["cpu"]))
     with pytest.raises(ValueError, match="trainer nodes must be at least 1"):
         build_pytorchjob(make_spec(nodes=0))
 

@@ -156,9 +156,7 @@ def test_flex_matches_naive_logprobs_and_grads(model, name):
     check_packed_matches_naive(model, scenario(name), kernel="flex")
 
 
-@pytest.mark.skipif(
-    not flex_attention_supported("cpu", requires_grad=False), reason="FlexAttention unsupported on this device"
-)
+@pytest.mark.skipif(not flex_attention_supported("cpu", requires_grad=False), reason="FlexAttention unsupported on this device")
 def test_flex_forward_matches_naive_on_cpu():
     model = tiny_model("qwen2")
     groups = scenario("three_groups_one_microbatch")

@@ -12,10 +12,7 @@ from tidal.rewards import RewardScorer
 from tidal.rollout.engine import HFEngine
 from tidal.rollout.worker import generate_groups, work_item
 
-CHATML = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+CHATML = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 
 
 def chat_tokenizer():

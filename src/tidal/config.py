@@ -65,13 +65,13 @@ class DataConfig(_Strict):
     system_prompt: str | None = None
 
     @model_validator(mode="after")
-    def _jsonl_needs_path(self) -> "DataConfig":
+    def _jsonl_needs_path(self) -> DataConfig:
         if self.task == "jsonl" and not self.path:
             raise ValueError("data.path is required when data.task is 'jsonl'")
         return self
 
     @model_validator(mode="after")
-    def _prompt_template_has_one_prompt_field(self) -> "DataConfig":
+    def _prompt_template_has_one_prompt_field(self) -> DataConfig:
         import string
 
         try:
@@ -212,7 +212,7 @@ class TidalConfig(_Strict):
     transport: TransportConfig = TransportConfig()
 
     @model_validator(mode="after")
-    def _nccl_needs_vllm_workers(self) -> "TidalConfig":
+    def _nccl_needs_vllm_workers(self) -> TidalConfig:
         if self.rollout.vllm.weight_sync == "nccl" and (self.rollout.engine != "vllm" or self.mode != "periodic"):
             raise ValueError(
                 "rollout.vllm.weight_sync 'nccl' sends weights from the trainer to vLLM rollout workers: "
@@ -294,7 +294,10 @@ def _data_paths_from(base: Path, data: dict) -> dict:
     section = data.get("data")
     if not isinstance(section, dict):
         return data
-    resolved = {k: str((base / v).resolve()) if k in ("path", "eval_path") and isinstance(v, str) and not Path(v).is_absolute() else v for k, v in section.items()}
+    resolved = {
+        k: str((base / v).resolve()) if k in ("path", "eval_path") and isinstance(v, str) and not Path(v).is_absolute() else v
+        for k, v in section.items()
+    }
     return {**data, "data": resolved}
 
 

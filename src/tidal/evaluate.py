@@ -37,8 +37,7 @@ def held_out_accuracy(
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
         requests = [
-            GroupRequest(encode(p.prompt), n, group_generator(seed, EVAL_ITERATION, p.id), group_seed(seed, EVAL_ITERATION, p.id))
-            for p in chunk
+            GroupRequest(encode(p.prompt), n, group_generator(seed, EVAL_ITERATION, p.id), group_seed(seed, EVAL_ITERATION, p.id)) for p in chunk
         ]
         for p, group in zip(chunk, engine.generate(requests, greedy=samples == 0, max_new_tokens=max_new_tokens)):
             for sample in group:
@@ -61,7 +60,9 @@ def eval_engine_kind(cfg: TidalConfig) -> str:
     return cfg.rollout.engine if cfg.eval.engine == "rollout" else cfg.eval.engine
 
 
-def evaluate_snapshot(cfg: TidalConfig, model_dir: str | Path, problems: list[Problem], snapshot: str | Path | None = None, engine: RolloutEngine | None = None) -> dict:
+def evaluate_snapshot(
+    cfg: TidalConfig, model_dir: str | Path, problems: list[Problem], snapshot: str | Path | None = None, engine: RolloutEngine | None = None
+) -> dict:
     """Held-out accuracy of `snapshot` (a weight-store version directory; None: the base model):
     `accuracy` greedy, `sampled_accuracy` at the rollout temperature (what RL optimises; None when
     eval.samples_per_prompt is 0). Without `engine`, one is opened for the call and shut down after
@@ -76,7 +77,9 @@ def evaluate_snapshot(cfg: TidalConfig, model_dir: str | Path, problems: list[Pr
         k, encode = cfg.eval.samples_per_prompt, prompt_encoder(tokenizer, cfg.data)
         return {
             "accuracy": held_out_accuracy(engine, tokenizer, problems, cfg.eval.batch_size, max_tokens, encode=encode),
-            "sampled_accuracy": held_out_accuracy(engine, tokenizer, problems, max(1, cfg.eval.batch_size // k), max_tokens, k, cfg.seed, encode) if k else None,
+            "sampled_accuracy": held_out_accuracy(engine, tokenizer, problems, max(1, cfg.eval.batch_size // k), max_tokens, k, cfg.seed, encode)
+            if k
+            else None,
         }
     finally:
         if own:

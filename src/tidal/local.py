@@ -46,7 +46,11 @@ class ProgressBar:
 
     def update(self, m: dict) -> None:
         self.bar.set_postfix(
-            reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.1%}", tok_s=f"{m['generated_tokens_per_s']:.0f}", it_s=f"{m['iteration_seconds']:.1f}", refresh=False
+            reward=f"{m['reward_mean']:.3f}",
+            acc=f"{m['accuracy']:.1%}",
+            tok_s=f"{m['generated_tokens_per_s']:.0f}",
+            it_s=f"{m['iteration_seconds']:.1f}",
+            refresh=False,
         )
         self.bar.update(1)
 
@@ -193,7 +197,9 @@ def count_rollouts(nats_url: str, run_dir: Path, cfg: TidalConfig) -> int:
     return asyncio.run(count())
 
 
-def summarize(cfg: TidalConfig, history: list[dict], before: dict | None, after: dict | None, final_weights: Path, info: RunInfo, extra: dict) -> dict:
+def summarize(
+    cfg: TidalConfig, history: list[dict], before: dict | None, after: dict | None, final_weights: Path, info: RunInfo, extra: dict
+) -> dict:
     def mean(key: str) -> float:
         return sum(m[key] for m in history) / len(history) if history else 0.0
 
@@ -268,7 +274,9 @@ def prepare_run(cfg: TidalConfig, run_dir: Path, show_progress: bool = True) -> 
     if (run_dir / "run.json").is_file():
         info = RunInfo.load(run_dir)
     else:
-        info = RunInfo(run_id=f"{run_dir.name}-{uuid.uuid4().hex[:8]}", base_model=str(base), tracking_uri=tracking_uri(cfg, run_dir), mlflow_run_id="")
+        info = RunInfo(
+            run_id=f"{run_dir.name}-{uuid.uuid4().hex[:8]}", base_model=str(base), tracking_uri=tracking_uri(cfg, run_dir), mlflow_run_id=""
+        )
         info.mlflow_run_id = start_run(cfg, run_dir, tags={"tidal.run_id": info.run_id})
         info.save(run_dir)
     return info, dataset, config_path
@@ -314,7 +322,9 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True)
     summary = summarize(cfg, history, before, after, final, info, extra)
     summary["wall_seconds"] = time.time() - t_start
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    final_metrics = {k: summary[k] for k in ("accuracy_before", "accuracy_after", "sampled_accuracy_before", "sampled_accuracy_after") if summary[k] is not None}
+    final_metrics = {
+        k: summary[k] for k in ("accuracy_before", "accuracy_after", "sampled_accuracy_before", "sampled_accuracy_after") if summary[k] is not None
+    }
     final_metrics.update({f"total_{k}": summary[k] for k in ("groups_generated", "groups_trained", "groups_discarded", "groups_filtered")})
     tracker.log(final_metrics, step=len(history))
     tracker.finish()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 import msgpack
@@ -27,7 +27,7 @@ class ProtocolError(ValueError):
 # --- run state and KV keys ---------------------------------------------------------------------
 
 
-class RunState(str, Enum):
+class RunState(StrEnum):
     RUNNING = "running"
     ROUND_DONE = "round_done"  # a pipeline round is over; the next round starts new workers
     DONE = "done"

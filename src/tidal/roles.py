@@ -23,7 +23,7 @@ from tidal.rundir import RunFiles, RunInfo
 from tidal.runtime import set_threads, split_cores
 from tidal.tracking import Tracker
 from tidal.trainer.learner import Learner
-from tidal.trainer.loop import max_staleness, train
+from tidal.trainer.loop import train
 from tidal.trainer.sources import InProcessSource, QueueSource
 from tidal.trainer.weight_push import NcclWeightPush, rendezvous_endpoint
 from tidal.transport import Transport, weight_handshake
@@ -181,5 +181,3 @@ def check_prompt_settings(cfg: TidalConfig, base_model: str | Path) -> None:
 
 def run_async(coro):
     return asyncio.run(coro)
-
-

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 
 @dataclass
@@ -21,7 +21,7 @@ class RunInfo:
         (Path(run_dir) / "run.json").write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
-    def load(cls, run_dir: Path) -> "RunInfo":
+    def load(cls, run_dir: Path) -> RunInfo:
         path = Path(run_dir) / "run.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: start the run with `tidal run` (or the pipeline's prepare step) first")

@@ -41,8 +41,22 @@ def steady_state(metrics: list[dict], warmup: int) -> dict:
 
 def run_mode(mode: str, config: str, iterations: int, warmup: int, overrides: list[str], workdir: Path) -> dict:
     run_dir = workdir / mode
-    cmd = [sys.executable, "-m", "tidal.cli", "run", config, "--run-dir", str(run_dir), "--no-progress",
-           "--set", f"mode={mode}", "--set", f"trainer.iterations={iterations}", "--set", "eval.enabled=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tidal.cli",
+        "run",
+        config,
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        "--set",
+        f"mode={mode}",
+        "--set",
+        f"trainer.iterations={iterations}",
+        "--set",
+        "eval.enabled=false",
+    ]
     for o in overrides:
         cmd += ["--set", o]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -65,13 +79,27 @@ def main(argv: list[str] | None = None) -> None:
         for mode in ("sync", "periodic"):
             results[mode] = run_mode(mode, args.config, args.iterations, args.warmup, args.overrides, Path(tmp))
             r = results[mode]
-            print(f"{mode:9s} {r['iteration_seconds_mean']:.3f} s/iteration = generate {r['generate_seconds_mean']:.3f} | "
-                  f"train {r['train_seconds_mean']:.3f} | weight-sync {r['sync_seconds_mean']:.3f} | idle {r['idle_seconds_mean']:.3f}; "
-                  f"{r['generated_tokens_per_s']:.0f} generated tokens/s")
+            print(
+                f"{mode:9s} {r['iteration_seconds_mean']:.3f} s/iteration = generate {r['generate_seconds_mean']:.3f} | "
+                f"train {r['train_seconds_mean']:.3f} | weight-sync {r['sync_seconds_mean']:.3f} | idle {r['idle_seconds_mean']:.3f}; "
+                f"{r['generated_tokens_per_s']:.0f} generated tokens/s"
+            )
     ratio = results["sync"]["iteration_seconds_mean"] / results["periodic"]["iteration_seconds_mean"]
     print(f"speedup (sync / periodic iteration time): {ratio:.2f}x")
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"results": results, "speedup": ratio, "config": args.config, "iterations": args.iterations, "warmup": args.warmup, "overrides": args.overrides}, indent=1))
+        Path(args.json_path).write_text(
+            json.dumps(
+                {
+                    "results": results,
+                    "speedup": ratio,
+                    "config": args.config,
+                    "iterations": args.iterations,
+                    "warmup": args.warmup,
+                    "overrides": args.overrides,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -136,11 +136,17 @@ def main(argv=None) -> dict:
         "tokens_per_s_ratio_vllm_over_hf": vllm["tokens_per_s"] / hf["tokens_per_s"],
         "first_group_ratio_hf_over_vllm": hf["first_group_seconds"] / vllm["first_group_seconds"],
     }
-    print(f"model {result['model']} ({params / 1e6:.1f}M params), {args.prompts} prompts x G={args.group_size}, up to {args.max_new_tokens} new tokens, {args.dtype}")
+    print(
+        f"model {result['model']} ({params / 1e6:.1f}M params), {args.prompts} prompts x G={args.group_size}, up to {args.max_new_tokens} new tokens, {args.dtype}"
+    )
     for name in ("hf", "vllm"):
         r = result[name]
-        print(f"  {name:5s} {r['tokens_per_s']:9.0f} tokens/s   first group after {r['first_group_seconds']:.3f}s   ({r['generated_tokens']} tokens in {r['seconds']:.2f}s)")
-    print(f"  vLLM / HF tokens/s: {result['tokens_per_s_ratio_vllm_over_hf']:.2f}x   time to first group, HF / vLLM: {result['first_group_ratio_hf_over_vllm']:.2f}x")
+        print(
+            f"  {name:5s} {r['tokens_per_s']:9.0f} tokens/s   first group after {r['first_group_seconds']:.3f}s   ({r['generated_tokens']} tokens in {r['seconds']:.2f}s)"
+        )
+    print(
+        f"  vLLM / HF tokens/s: {result['tokens_per_s_ratio_vllm_over_hf']:.2f}x   time to first group, HF / vLLM: {result['first_group_ratio_hf_over_vllm']:.2f}x"
+    )
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=1))
     return result

@@ -39,8 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--kernel", default="auto", help="shared-layout attention kernel: auto, sdpa or flex")
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); 1 avoids OpenMP "
-        "spin-wait slowdowns when other processes share the cores"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice); 1 avoids OpenMP spin-wait slowdowns when other processes share the cores",
     )
     parser.add_argument("--json", dest="json_path", help="write results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one measurement as JSON

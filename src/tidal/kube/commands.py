@@ -15,30 +15,37 @@ from tidal.kube.cluster import PROFILES
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``compile`` and ``submit`` to the ``tidal`` command."""
     compile_parser = subparsers.add_parser(
-        "compile", help="write the Kubeflow pipeline YAML",
-        description="Compile Tidal's KFP pipeline for one accelerator profile.")
+        "compile", help="write the Kubeflow pipeline YAML", description="Compile Tidal's KFP pipeline for one accelerator profile."
+    )
     compile_parser.add_argument("--output", "-o", required=True, help="where to write the pipeline YAML")
     add_profile_arguments(compile_parser)
     compile_parser.set_defaults(func=compile_command)
 
     submit_parser = subparsers.add_parser(
-        "submit", help="submit a run to Kubeflow Pipelines",
+        "submit",
+        help="submit a run to Kubeflow Pipelines",
         description="Compile the pipeline and start a run on a KFP server. The endpoint comes from --host "
-                    "or KFP_HOST; credentials from KFP_TOKEN or KF_PIPELINES_SA_TOKEN_PATH; the profile "
-                    "namespace from KFP_NAMESPACE (see docs/kubernetes.md).")
+        "or KFP_HOST; credentials from KFP_TOKEN or KF_PIPELINES_SA_TOKEN_PATH; the profile "
+        "namespace from KFP_NAMESPACE (see docs/kubernetes.md).",
+    )
     submit_parser.add_argument("config", help="Tidal config YAML; its text is the run's config_yaml parameter")
     submit_parser.add_argument("--host", default=None, help="KFP API endpoint (default: $KFP_HOST)")
     submit_parser.add_argument("--experiment", default="tidal", help="KFP experiment (default: tidal)")
     submit_parser.add_argument("--run-name", default=None, help="display name of the run")
-    submit_parser.add_argument("--param", "-p", action="append", default=[], metavar="NAME=VALUE",
-                               help="set a pipeline parameter, e.g. -p rounds=8 (repeatable)")
+    submit_parser.add_argument(
+        "--param", "-p", action="append", default=[], metavar="NAME=VALUE", help="set a pipeline parameter, e.g. -p rounds=8 (repeatable)"
+    )
     add_profile_arguments(submit_parser)
     submit_parser.set_defaults(func=submit_command)
 
 
 def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--accelerator", choices=sorted(PROFILES), default="nvidia",
-                        help="accelerator profile: image, device resource, node placement (default: nvidia)")
+    parser.add_argument(
+        "--accelerator",
+        choices=sorted(PROFILES),
+        default="nvidia",
+        help="accelerator profile: image, device resource, node placement (default: nvidia)",
+    )
     parser.add_argument("--image", default="", help="image for every step (default: the profile's)")
 
 
@@ -75,9 +82,15 @@ def submit_command(args: argparse.Namespace) -> int:
     from tidal.kube.submit import SubmitError, parse_params, submit_run
 
     try:
-        run = submit_run(args.config, host=args.host, experiment=args.experiment,
-                         params=parse_params(args.param), accelerator=args.accelerator, image=args.image,
-                         run_name=args.run_name)
+        run = submit_run(
+            args.config,
+            host=args.host,
+            experiment=args.experiment,
+            params=parse_params(args.param),
+            accelerator=args.accelerator,
+            image=args.image,
+            run_name=args.run_name,
+        )
     except SubmitError as err:
         print(f"tidal submit: {err}", file=sys.stderr)
         return 2

@@ -6,8 +6,7 @@ image here is a placeholder: :func:`tidal.kube.pipeline.compile_pipeline`
 writes the image of the chosen accelerator profile into the compiled YAML.
 """
 
-
-from typing import List, NamedTuple
+from typing import NamedTuple
 
 from kfp import dsl
 
@@ -34,19 +33,25 @@ def prepare(
     nats_url: str,
     tracking_uri: str,
     overrides: str,
-) -> NamedTuple("Prepared", run_dir=str, config_path=str, rounds=List[int], lanes=List[str],
-                parent_run_id=str):
+) -> NamedTuple("Prepared", run_dir=str, config_path=str, rounds=list[int], lanes=list[str], parent_run_id=str):
     """Validate the config, stage data, create streams and KV bucket, open the MLflow parent run."""
     from collections import namedtuple
 
     from tidal.kube import roles
 
     knobs = roles.PipelineKnobs(
-        rounds=rounds, iterations_per_round=iterations_per_round, rollout_workers=rollout_workers,
-        group_size=group_size, prompts_per_iteration=prompts_per_iteration, mode=mode,
-        experiment=experiment, nats_url=nats_url, tracking_uri=tracking_uri, overrides=overrides)
-    run = roles.prepare(config_yaml=config_yaml, config_path=config_path, run_dir=run_dir,
-                        job_id=job_id, knobs=knobs)
+        rounds=rounds,
+        iterations_per_round=iterations_per_round,
+        rollout_workers=rollout_workers,
+        group_size=group_size,
+        prompts_per_iteration=prompts_per_iteration,
+        mode=mode,
+        experiment=experiment,
+        nats_url=nats_url,
+        tracking_uri=tracking_uri,
+        overrides=overrides,
+    )
+    run = roles.prepare(config_yaml=config_yaml, config_path=config_path, run_dir=run_dir, job_id=job_id, knobs=knobs)
     prepared = namedtuple("Prepared", ["run_dir", "config_path", "rounds", "lanes", "parent_run_id"])
     return prepared(run.run_dir, run.config_path, run.rounds, run.lanes, run.parent_run_id)
 
@@ -84,11 +89,16 @@ def train(
     """The round's trainer: a PyTorchJob (waited for, logs streamed) or, locally, the trainer role itself."""
     from tidal.kube import roles
 
-    placement = roles.TrainerPlacement(backend=backend, nodes=nodes, accelerators_per_node=accelerators_per_node,
-                                       accelerator=accelerator, image=image, namespace=namespace,
-                                       pipeline_job_id=pipeline_job_id)
-    roles.train_round(run_dir=run_dir, config_path=config_path, round_index=int(round_index),
-                      iterations=iterations, placement=placement)
+    placement = roles.TrainerPlacement(
+        backend=backend,
+        nodes=nodes,
+        accelerators_per_node=accelerators_per_node,
+        accelerator=accelerator,
+        image=image,
+        namespace=namespace,
+        pipeline_job_id=pipeline_job_id,
+    )
+    roles.train_round(run_dir=run_dir, config_path=config_path, round_index=int(round_index), iterations=iterations, placement=placement)
 
 
 @component
@@ -103,13 +113,11 @@ def weight_sync(run_dir: str, round_index: int) -> NamedTuple("Synced", version=
 
 
 @component
-def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int,
-             metrics: dsl.Output[dsl.Metrics]) -> float:
+def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int, metrics: dsl.Output[dsl.Metrics]) -> float:
     """Held-out accuracy of the round's checkpoint, to MLflow and as KFP metrics."""
     from tidal.kube import roles
 
-    values = roles.evaluate(run_dir=run_dir, config_path=config_path, weights_path=weights_path,
-                            round_index=int(round_index))
+    values = roles.evaluate(run_dir=run_dir, config_path=config_path, weights_path=weights_path, round_index=int(round_index))
     for name, value in values.items():
         metrics.log_metric(name, value)
     return float(values.get("accuracy", next(iter(values.values()))))

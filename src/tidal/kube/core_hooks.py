@@ -29,8 +29,7 @@ def prepare_run(run_dir: str, config_path: str, tracking_uri: str, mlflow_run_id
     if not (run_path / "run.json").is_file():
         base_model = ensure_base_model(cfg)
         check_prompt_settings(cfg, base_model)
-        RunInfo(run_id=run_id_of(run_dir), base_model=str(base_model), tracking_uri=tracking_uri,
-                mlflow_run_id=mlflow_run_id).save(run_path)
+        RunInfo(run_id=run_id_of(run_dir), base_model=str(base_model), tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id).save(run_path)
     run_async(_create_transport(cfg, run_dir))
 
 

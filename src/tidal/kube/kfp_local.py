@@ -74,22 +74,26 @@ def run_pipeline_locally(config_path: str, run_dir: str, overrides: list[str]) -
     from tidal.kube.pipeline import build_pipeline
     from tidal.transport.server import EmbeddedNats
 
-    loop = split_loop_overrides(list(overrides),
-                                lambda rest: load_checked_config(config_path, rest).trainer.iterations)
+    loop = split_loop_overrides(list(overrides), lambda rest: load_checked_config(config_path, rest).trainer.iterations)
     config = load_checked_config(config_path, loop.overrides)
     run_path = Path(run_dir).resolve()
     run_path.mkdir(parents=True, exist_ok=True)
     tracking_uri = config.tracking.uri or f"sqlite:///{run_path}/mlflow.db"
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(run_path / "kfp"),
-               raise_on_error=True)
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(run_path / "kfp"), raise_on_error=True)
     pipeline = build_pipeline(cluster.accelerator_profile("cpu"))
     with EmbeddedNats(run_path / "nats", max_payload_mb=config.transport.max_payload_mb) as nats:
         try:
             pipeline(
-                config_path=str(Path(config_path).resolve()), run_dir=str(run_path),
-                rounds=loop.rounds, iterations_per_round=loop.iterations_per_round, rollout_workers=1,
-                overrides="\n".join(loop.overrides), experiment=config.tracking.experiment,
-                nats_url=nats.url, tracking_uri=tracking_uri, trainer_backend="local",
+                config_path=str(Path(config_path).resolve()),
+                run_dir=str(run_path),
+                rounds=loop.rounds,
+                iterations_per_round=loop.iterations_per_round,
+                rollout_workers=1,
+                overrides="\n".join(loop.overrides),
+                experiment=config.tracking.experiment,
+                nats_url=nats.url,
+                tracking_uri=tracking_uri,
+                trainer_backend="local",
                 registered_model_name=f"tidal-{run_path.name}",
             )
         except RuntimeError as err:

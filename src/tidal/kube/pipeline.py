@@ -18,10 +18,9 @@ picks the image, the accelerator resource and node placement. Everything a user
 chooses per run is a pipeline parameter with a default.
 """
 
-
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, List
 
 import yaml
 from kfp import compiler, dsl, kubernetes
@@ -34,22 +33,18 @@ PIPELINE_NAME = "tidal-grpo"
 DEFAULT_CONFIG_PATH = "/opt/tidal/examples/arithmetic.yaml"
 
 
-def on_cluster(task: dsl.PipelineTask, needs_nats: bool = True, cpu: str = "500m",
-               memory: str = "1Gi") -> dsl.PipelineTask:
+def on_cluster(task: dsl.PipelineTask, needs_nats: bool = True, cpu: str = "500m", memory: str = "1Gi") -> dsl.PipelineTask:
     """What every step gets on Kubernetes: the data PVC, secrets as env, the NetworkPolicy label,
     a non-root security context, resource requests, and no caching (steps are stateful)."""
     task.set_caching_options(False)
     task.set_cpu_request(cpu).set_memory_request(memory).set_memory_limit(memory)
     kubernetes.mount_pvc(task, pvc_name=cluster.DATA_PVC, mount_path=cluster.DATA_MOUNT_PATH)
     if needs_nats:
-        kubernetes.use_secret_as_env(task, secret_name=cluster.NATS_SECRET,
-                                     secret_key_to_env=cluster.NATS_SECRET_ENV)
-    kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET,
-                                 secret_key_to_env=cluster.MLFLOW_SECRET_ENV, optional=True)
+        kubernetes.use_secret_as_env(task, secret_name=cluster.NATS_SECRET, secret_key_to_env=cluster.NATS_SECRET_ENV)
+    kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_ENV, optional=True)
     for key, value in cluster.TIDAL_POD_LABEL.items():
         kubernetes.add_pod_label(task, label_key=key, label_value=value)
-    kubernetes.set_security_context(task, run_as_user=cluster.RUN_AS_USER, run_as_group=cluster.RUN_AS_GROUP,
-                                    run_as_non_root=True)
+    kubernetes.set_security_context(task, run_as_user=cluster.RUN_AS_USER, run_as_group=cluster.RUN_AS_GROUP, run_as_non_root=True)
     return task
 
 
@@ -60,10 +55,8 @@ def on_accelerator(task: dsl.PipelineTask, profile: AcceleratorProfile, count) -
     for key, value in profile.node_selector.items():
         kubernetes.add_node_selector(task, label_key=key, label_value=value)
     for toleration in profile.tolerations:
-        kubernetes.add_toleration(task, key=toleration.key, operator=toleration.operator,
-                                  effect=toleration.effect)
-    kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory",
-                               size_limit=profile.shm_size)
+        kubernetes.add_toleration(task, key=toleration.key, operator=toleration.operator, effect=toleration.effect)
+    kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory", size_limit=profile.shm_size)
     return task
 
 
@@ -71,47 +64,86 @@ def build_pipeline(profile: AcceleratorProfile) -> Callable:
     """The pipeline function for one accelerator profile."""
 
     @dsl.pipeline(name=f"{PIPELINE_NAME}-round", description="One round: rollout workers ∥ trainer, then sync and eval.")
-    def round_pipeline(run_dir: str, config_path: str, round_index: int, lanes: List[str],
-                       iterations_per_round: int, trainer_backend: str, trainer_nodes: int,
-                       trainer_accelerators_per_node: int, worker_accelerators: int,
-                       worker_cpu: str, worker_memory: str, trainer_image: str, namespace: str):
+    def round_pipeline(
+        run_dir: str,
+        config_path: str,
+        round_index: int,
+        lanes: list[str],
+        iterations_per_round: int,
+        trainer_backend: str,
+        trainer_nodes: int,
+        trainer_accelerators_per_node: int,
+        worker_accelerators: int,
+        worker_cpu: str,
+        worker_memory: str,
+        trainer_image: str,
+        namespace: str,
+    ):
         opened = on_cluster(open_round(run_dir=run_dir, config_path=config_path, round_index=round_index))
         with dsl.ParallelFor(lanes) as lane:
             with dsl.If(lane == "trainer", name="trainer-lane"):
-                trainer = train(run_dir=run_dir, config_path=config_path, round_index=round_index,
-                                iterations=iterations_per_round, backend=trainer_backend, nodes=trainer_nodes,
-                                accelerators_per_node=trainer_accelerators_per_node, accelerator=profile.name,
-                                image=trainer_image, namespace=namespace,
-                                pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+                trainer = train(
+                    run_dir=run_dir,
+                    config_path=config_path,
+                    round_index=round_index,
+                    iterations=iterations_per_round,
+                    backend=trainer_backend,
+                    nodes=trainer_nodes,
+                    accelerators_per_node=trainer_accelerators_per_node,
+                    accelerator=profile.name,
+                    image=trainer_image,
+                    namespace=namespace,
+                    pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                )
                 on_cluster(trainer).set_display_name("train").after(opened)
             with dsl.Else(name="rollout-lane"):
-                worker = rollout_worker(run_dir=run_dir, config_path=config_path, lane=lane,
-                                        round_index=round_index)
+                worker = rollout_worker(run_dir=run_dir, config_path=config_path, lane=lane, round_index=round_index)
                 on_cluster(worker, cpu=worker_cpu, memory=worker_memory).set_display_name("rollout-worker")
                 on_accelerator(worker, profile, worker_accelerators).after(opened)
         synced = on_cluster(weight_sync(run_dir=run_dir, round_index=round_index), needs_nats=False)
         synced.after(trainer).after(worker)
-        evaluation = evaluate(run_dir=run_dir, config_path=config_path,
-                              weights_path=synced.outputs["weights_path"], round_index=round_index)
+        evaluation = evaluate(run_dir=run_dir, config_path=config_path, weights_path=synced.outputs["weights_path"], round_index=round_index)
         on_cluster(evaluation, needs_nats=False, cpu=worker_cpu, memory=worker_memory)
         on_accelerator(evaluation, profile, 1)
 
     @dsl.pipeline(name=f"{PIPELINE_NAME}-loop", description="Rounds, one after another.")
-    def training_loop(run_dir: str, config_path: str, rounds: List[int], lanes: List[str],
-                      iterations_per_round: int, trainer_backend: str, trainer_nodes: int,
-                      trainer_accelerators_per_node: int, worker_accelerators: int,
-                      worker_cpu: str, worker_memory: str, trainer_image: str, namespace: str):
+    def training_loop(
+        run_dir: str,
+        config_path: str,
+        rounds: list[int],
+        lanes: list[str],
+        iterations_per_round: int,
+        trainer_backend: str,
+        trainer_nodes: int,
+        trainer_accelerators_per_node: int,
+        worker_accelerators: int,
+        worker_cpu: str,
+        worker_memory: str,
+        trainer_image: str,
+        namespace: str,
+    ):
         with dsl.ParallelFor(rounds, parallelism=1) as round_index:
-            round_pipeline(run_dir=run_dir, config_path=config_path, round_index=round_index, lanes=lanes,
-                           iterations_per_round=iterations_per_round, trainer_backend=trainer_backend,
-                           trainer_nodes=trainer_nodes, trainer_accelerators_per_node=trainer_accelerators_per_node,
-                           worker_accelerators=worker_accelerators, worker_cpu=worker_cpu,
-                           worker_memory=worker_memory, trainer_image=trainer_image,
-                           namespace=namespace).set_caching_options(False)
+            round_pipeline(
+                run_dir=run_dir,
+                config_path=config_path,
+                round_index=round_index,
+                lanes=lanes,
+                iterations_per_round=iterations_per_round,
+                trainer_backend=trainer_backend,
+                trainer_nodes=trainer_nodes,
+                trainer_accelerators_per_node=trainer_accelerators_per_node,
+                worker_accelerators=worker_accelerators,
+                worker_cpu=worker_cpu,
+                worker_memory=worker_memory,
+                trainer_image=trainer_image,
+                namespace=namespace,
+            ).set_caching_options(False)
 
-    @dsl.pipeline(name=PIPELINE_NAME,
-                  description=f"Tidal GRPO with periodic asynchrony ({profile.name}): rounds of rollout "
-                              "workers ∥ trainer, weight sync and evaluation, tracked in MLflow.")
+    @dsl.pipeline(
+        name=PIPELINE_NAME,
+        description=f"Tidal GRPO with periodic asynchrony ({profile.name}): rounds of rollout "
+        "workers ∥ trainer, weight sync and evaluation, tracked in MLflow.",
+    )
     def tidal_pipeline(
         config_yaml: str = "",
         config_path: str = DEFAULT_CONFIG_PATH,
@@ -140,18 +172,39 @@ def build_pipeline(profile: AcceleratorProfile) -> Callable:
         run_dir (default /mnt/tidal/runs/<job id>), rounds × iterations_per_round iterations in all,
         rollout_workers pods per round; group_size, prompts_per_iteration, mode: 0/'' keep the config's;
         overrides: key=value lines for any other config key; trainer_backend: pytorchjob or local."""
-        prepared = on_cluster(prepare(
-            config_yaml=config_yaml, config_path=config_path, run_dir=run_dir,
-            job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, rounds=rounds, iterations_per_round=iterations_per_round,
-            rollout_workers=rollout_workers, group_size=group_size, prompts_per_iteration=prompts_per_iteration,
-            mode=mode, experiment=experiment, nats_url=nats_url, tracking_uri=tracking_uri, overrides=overrides))
+        prepared = on_cluster(
+            prepare(
+                config_yaml=config_yaml,
+                config_path=config_path,
+                run_dir=run_dir,
+                job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                rounds=rounds,
+                iterations_per_round=iterations_per_round,
+                rollout_workers=rollout_workers,
+                group_size=group_size,
+                prompts_per_iteration=prompts_per_iteration,
+                mode=mode,
+                experiment=experiment,
+                nats_url=nats_url,
+                tracking_uri=tracking_uri,
+                overrides=overrides,
+            )
+        )
         loop = training_loop(
-            run_dir=prepared.outputs["run_dir"], config_path=prepared.outputs["config_path"],
-            rounds=prepared.outputs["rounds"], lanes=prepared.outputs["lanes"],
-            iterations_per_round=iterations_per_round, trainer_backend=trainer_backend,
-            trainer_nodes=trainer_nodes, trainer_accelerators_per_node=trainer_accelerators_per_node,
-            worker_accelerators=worker_accelerators, worker_cpu=worker_cpu, worker_memory=worker_memory,
-            trainer_image=trainer_image, namespace=namespace)
+            run_dir=prepared.outputs["run_dir"],
+            config_path=prepared.outputs["config_path"],
+            rounds=prepared.outputs["rounds"],
+            lanes=prepared.outputs["lanes"],
+            iterations_per_round=iterations_per_round,
+            trainer_backend=trainer_backend,
+            trainer_nodes=trainer_nodes,
+            trainer_accelerators_per_node=trainer_accelerators_per_node,
+            worker_accelerators=worker_accelerators,
+            worker_cpu=worker_cpu,
+            worker_memory=worker_memory,
+            trainer_image=trainer_image,
+            namespace=namespace,
+        )
         loop.set_caching_options(False)
         final = finalize(run_dir=prepared.outputs["run_dir"], registered_model_name=registered_model_name)
         on_cluster(final, needs_nats=False).after(loop)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from kubeflow.training import models as kf
 from kubeflow.training.api_client import ApiClient
@@ -87,8 +88,7 @@ class TrainerJobSpec:
 
 def trainer_command(spec: TrainerJobSpec) -> list[str]:
     """``torchrun`` reads nodes/rank/master from the PET_* variables the operator sets."""
-    command = ["torchrun", "--no-python", "tidal", "train", spec.config_path,
-               "--run-dir", spec.run_dir, "--nats-url", spec.nats_url]
+    command = ["torchrun", "--no-python", "tidal", "train", spec.config_path, "--run-dir", spec.run_dir, "--nats-url", spec.nats_url]
     if spec.iterations is not None:
         command += ["--iterations", str(spec.iterations)]
     for override in spec.overrides:
@@ -98,10 +98,8 @@ def trainer_command(spec: TrainerJobSpec) -> list[str]:
 
 def secret_env() -> list[k8s.V1EnvVar]:
     """NATS credentials (required) and MLflow endpoint/credentials (optional keys)."""
-    env = [_secret_env_var(cluster.NATS_SECRET, key, name, optional=False)
-           for key, name in cluster.NATS_SECRET_ENV.items()]
-    env += [_secret_env_var(cluster.MLFLOW_SECRET, key, name, optional=True)
-            for key, name in cluster.MLFLOW_SECRET_ENV.items()]
+    env = [_secret_env_var(cluster.NATS_SECRET, key, name, optional=False) for key, name in cluster.NATS_SECRET_ENV.items()]
+    env += [_secret_env_var(cluster.MLFLOW_SECRET, key, name, optional=True) for key, name in cluster.MLFLOW_SECRET_ENV.items()]
     return env
 
 
@@ -146,8 +144,7 @@ def trainer_container(spec: TrainerJobSpec) -> k8s.V1Container:
 
 def pod_template(spec: TrainerJobSpec) -> k8s.V1PodTemplateSpec:
     labels = {**cluster.TIDAL_POD_LABEL, "app.kubernetes.io/component": "trainer", **spec.labels}
-    tolerations = [k8s.V1Toleration(key=t.key, operator=t.operator, effect=t.effect)
-                   for t in spec.profile.tolerations] or None
+    tolerations = [k8s.V1Toleration(key=t.key, operator=t.operator, effect=t.effect) for t in spec.profile.tolerations] or None
     pod_spec = k8s.V1PodSpec(
         containers=[trainer_container(spec)],
         service_account_name=cluster.WORKLOAD_SERVICE_ACCOUNT,
@@ -162,10 +159,8 @@ def pod_template(spec: TrainerJobSpec) -> k8s.V1PodTemplateSpec:
             seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
         ),
         volumes=[
-            k8s.V1Volume(name="data", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
-                claim_name=cluster.DATA_PVC)),
-            k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(
-                medium="Memory", size_limit=spec.profile.shm_size)),
+            k8s.V1Volume(name="data", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=cluster.DATA_PVC)),
+            k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=spec.profile.shm_size)),
         ],
     )
     return k8s.V1PodTemplateSpec(metadata=k8s.V1ObjectMeta(labels=labels), spec=pod_spec)
@@ -174,11 +169,9 @@ def pod_template(spec: TrainerJobSpec) -> k8s.V1PodTemplateSpec:
 def replica_specs(spec: TrainerJobSpec) -> dict[str, kf.KubeflowOrgV1ReplicaSpec]:
     if spec.nodes < 1:
         raise ValueError(f"trainer nodes must be at least 1, got {spec.nodes}")
-    replicas = {"Master": kf.KubeflowOrgV1ReplicaSpec(
-        replicas=1, restart_policy="OnFailure", template=pod_template(spec))}
+    replicas = {"Master": kf.KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy="OnFailure", template=pod_template(spec))}
     if spec.nodes > 1:
-        replicas["Worker"] = kf.KubeflowOrgV1ReplicaSpec(
-            replicas=spec.nodes - 1, restart_policy="OnFailure", template=pod_template(spec))
+        replicas["Worker"] = kf.KubeflowOrgV1ReplicaSpec(replicas=spec.nodes - 1, restart_policy="OnFailure", template=pod_template(spec))
     return replicas
 
 
@@ -193,8 +186,7 @@ def build_pytorchjob(spec: TrainerJobSpec) -> kf.KubeflowOrgV1PyTorchJob:
     job = kf.KubeflowOrgV1PyTorchJob(
         api_version=API_VERSION,
         kind=KIND,
-        metadata=k8s.V1ObjectMeta(name=spec.name, namespace=spec.namespace,
-                                  labels={**cluster.TIDAL_POD_LABEL, **spec.labels}),
+        metadata=k8s.V1ObjectMeta(name=spec.name, namespace=spec.namespace, labels={**cluster.TIDAL_POD_LABEL, **spec.labels}),
         spec=kf.KubeflowOrgV1PyTorchJobSpec(
             nproc_per_node=spec.nproc_per_node,
             pytorch_replica_specs=replica_specs(spec),
@@ -251,8 +243,7 @@ def webhook_rule_violations(manifest: dict) -> list[str]:
 def _name_violations(metadata: dict) -> list[str]:
     name = metadata.get("name") or ""
     if len(name) > 63 or not _DNS1035.match(name):
-        return [f"metadata.name: {name!r} must be a DNS-1035 label (lower-case letters, digits, '-', "
-                "starting with a letter, at most 63 characters)"]
+        return [f"metadata.name: {name!r} must be a DNS-1035 label (lower-case letters, digits, '-', starting with a letter, at most 63 characters)"]
     return []
 
 
@@ -303,8 +294,7 @@ def _replica_violations(replica_type: str, replica: dict) -> list[str]:
             problems.append(f"{path}.template.spec.containers[{index}].image: must be specified")
     if not any(c.get("name") == CONTAINER_NAME for c in containers):
         names = [c.get("name") for c in containers]
-        problems.append(f"{path}.template.spec.containers: one container must be named "
-                        f"{CONTAINER_NAME!r} (found {names})")
+        problems.append(f"{path}.template.spec.containers: one container must be named {CONTAINER_NAME!r} (found {names})")
     return problems
 
 
@@ -337,8 +327,7 @@ def pytorchjob_json_schema(kubernetes_version: str) -> dict:
     defs = dict(definitions["$defs"])
     _add_model_definition(kf.KubeflowOrgV1PyTorchJob, defs)
     root = dict(defs[_model_key(kf.KubeflowOrgV1PyTorchJob)])
-    root["properties"] = {**root["properties"],
-                          "apiVersion": {"const": API_VERSION}, "kind": {"const": KIND}}
+    root["properties"] = {**root["properties"], "apiVersion": {"const": API_VERSION}, "kind": {"const": KIND}}
     root["required"] = ["apiVersion", "kind", "metadata", "spec"]
     return {"$schema": definitions["$schema"], "$defs": defs, **root}
 
@@ -363,13 +352,18 @@ def _add_model_definition(model: type, defs: dict) -> None:
     if key in defs:
         return
     defs[key] = {}  # placeholder against recursion
-    properties = {model.attribute_map[attr]: _type_schema(type_name, defs)
-                  for attr, type_name in model.openapi_types.items()}
+    properties = {model.attribute_map[attr]: _type_schema(type_name, defs) for attr, type_name in model.openapi_types.items()}
     defs[key] = {"type": "object", "properties": properties, "additionalProperties": False}
 
 
-_SCALARS = {"str": {"type": "string"}, "int": {"type": "integer"}, "bool": {"type": "boolean"},
-            "float": {"type": "number"}, "datetime": {"type": "string"}, "object": {}}
+_SCALARS = {
+    "str": {"type": "string"},
+    "int": {"type": "integer"},
+    "bool": {"type": "boolean"},
+    "float": {"type": "number"},
+    "datetime": {"type": "string"},
+    "object": {},
+}
 
 
 def _type_schema(type_name: str, defs: dict) -> dict:
@@ -389,14 +383,12 @@ def _type_schema(type_name: str, defs: dict) -> dict:
 
 def _kubernetes_definition_key(type_name: str, defs: dict) -> str:
     """``V1PodTemplateSpec`` -> ``io.k8s.api.core.v1.PodTemplateSpec``; ``K8sIoApiAutoscalingV2MetricSpec`` too."""
-    match = re.match(r"^(?:K8sIoApi(?P<group>[A-Z][a-z]+))?(?P<version>V\d+(?:(?:alpha|beta)\d+)?)(?P<kind>[A-Z]\w*)$",
-                     type_name)
+    match = re.match(r"^(?:K8sIoApi(?P<group>[A-Z][a-z]+))?(?P<version>V\d+(?:(?:alpha|beta)\d+)?)(?P<kind>[A-Z]\w*)$", type_name)
     if not match:
         raise ValueError(f"cannot map SDK type {type_name!r} to a Kubernetes definition")
     version, kind = match["version"].lower(), match["kind"]
     group = match["group"].lower() if match["group"] else None
-    candidates = [key for key in defs
-                  if key.endswith(f".{version}.{kind}") and (group is None or f".{group}." in key)]
+    candidates = [key for key in defs if key.endswith(f".{version}.{kind}") and (group is None or f".{group}." in key)]
     preferred = [key for key in candidates if ".api.core." in key or ".apis.meta." in key]
     chosen = preferred or candidates
     if len(chosen) != 1:
@@ -437,8 +429,7 @@ class PyTorchJobBackend:
     account (or ``~/.kube/config`` outside a cluster), created on first use.
     """
 
-    def __init__(self, client: Any = None, client_factory: Callable[[], Any] | None = None,
-                 polling_interval_s: int = 15):
+    def __init__(self, client: Any = None, client_factory: Callable[[], Any] | None = None, polling_interval_s: int = 15):
         self._client = client
         self._client_factory = client_factory or _default_training_client
         self.polling_interval_s = polling_interval_s
@@ -456,15 +447,16 @@ class PyTorchJobBackend:
 
     def stream_logs(self, name: str, namespace: str) -> None:
         started = {"Running", "Succeeded", "Failed"}
-        self.client.wait_for_job_conditions(name=name, namespace=namespace, expected_conditions=started,
-                                            wait_timeout=24 * 3600, polling_interval=self.polling_interval_s)
+        self.client.wait_for_job_conditions(
+            name=name, namespace=namespace, expected_conditions=started, wait_timeout=24 * 3600, polling_interval=self.polling_interval_s
+        )
         self.client.get_job_logs(name=name, namespace=namespace, follow=True)
 
     def wait(self, name: str, namespace: str, timeout_s: int) -> JobOutcome:
         finished = {"Succeeded", "Failed"}
-        job = self.client.wait_for_job_conditions(name=name, namespace=namespace, expected_conditions=finished,
-                                                  wait_timeout=timeout_s,
-                                                  polling_interval=self.polling_interval_s)
+        job = self.client.wait_for_job_conditions(
+            name=name, namespace=namespace, expected_conditions=finished, wait_timeout=timeout_s, polling_interval=self.polling_interval_s
+        )
         conditions = (job.status.conditions or []) if job.status else []
         succeeded = any(c.type == "Succeeded" and c.status == "True" for c in conditions)
         message = conditions[-1].message if conditions else ""

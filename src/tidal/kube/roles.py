@@ -46,8 +46,7 @@ def tidal_executable() -> list[str]:
     found = shutil.which("tidal")
     if found:
         return [found]
-    raise PipelineStepError("the 'tidal' command is not installed next to "
-                            f"{sys.executable} nor on PATH; install Tidal in the component image")
+    raise PipelineStepError(f"the 'tidal' command is not installed next to {sys.executable} nor on PATH; install Tidal in the component image")
 
 
 def run_tidal(args: list[str], capture: bool = False) -> str:
@@ -115,14 +114,16 @@ class PipelineKnobs:
 
     def config_overrides(self) -> list[str]:
         if self.rounds < 1 or self.iterations_per_round < 1:
-            raise PipelineStepError(f"rounds ({self.rounds}) and iterations_per_round "
-                                    f"({self.iterations_per_round}) must both be at least 1")
-        result = [f"trainer.iterations={self.rounds * self.iterations_per_round}",
-                  f"rollout.workers={self.rollout_workers}"]
-        optional = {"rollout.group_size": self.group_size,
-                    "trainer.prompts_per_iteration": self.prompts_per_iteration,
-                    "mode": self.mode, "tracking.experiment": self.experiment,
-                    "transport.nats_url": self.nats_url, "tracking.uri": self.tracking_uri}
+            raise PipelineStepError(f"rounds ({self.rounds}) and iterations_per_round ({self.iterations_per_round}) must both be at least 1")
+        result = [f"trainer.iterations={self.rounds * self.iterations_per_round}", f"rollout.workers={self.rollout_workers}"]
+        optional = {
+            "rollout.group_size": self.group_size,
+            "trainer.prompts_per_iteration": self.prompts_per_iteration,
+            "mode": self.mode,
+            "tracking.experiment": self.experiment,
+            "transport.nats_url": self.nats_url,
+            "tracking.uri": self.tracking_uri,
+        }
         result += [f"{key}={value}" for key, value in optional.items() if value not in (0, "", None)]
         return result + parse_override_lines(self.overrides)
 
@@ -195,10 +196,12 @@ def open_parent_run(run_dir: str, config_path: str) -> tuple[str, str]:
     uri = tracking_uri_for(run_dir, config.tracking.uri)
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name(config.tracking.experiment)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(
-        config.tracking.experiment, artifact_location=local_artifact_location(run_dir, uri))
-    run = client.create_run(experiment_id, run_name=f"pipeline-{Path(run_dir).name}",
-                            tags={"tidal.role": "pipeline", "tidal.run_dir": run_dir})
+    experiment_id = (
+        experiment.experiment_id
+        if experiment
+        else client.create_experiment(config.tracking.experiment, artifact_location=local_artifact_location(run_dir, uri))
+    )
+    run = client.create_run(experiment_id, run_name=f"pipeline-{Path(run_dir).name}", tags={"tidal.role": "pipeline", "tidal.run_dir": run_dir})
     params = flatten(config)
     for key, value in sorted(params.items()):
         client.log_param(run.info.run_id, key, str(value)[:6000])
@@ -213,8 +216,9 @@ def prepare(config_yaml: str, config_path: str, run_dir: str, job_id: str, knobs
     staged = stage_config(run_dir, config_yaml, config_path, knobs.config_overrides())
     parent_run_id, tracking_uri = open_parent_run(run_dir, staged)
     core_prepare(run_dir, staged, tracking_uri, parent_run_id)
-    return PreparedRun(run_dir=run_dir, config_path=staged, rounds=list(range(knobs.rounds)),
-                       lanes=worker_lanes(knobs.rollout_workers), parent_run_id=parent_run_id)
+    return PreparedRun(
+        run_dir=run_dir, config_path=staged, rounds=list(range(knobs.rounds)), lanes=worker_lanes(knobs.rollout_workers), parent_run_id=parent_run_id
+    )
 
 
 def core_prepare(run_dir: str, config_path: str, tracking_uri: str, parent_run_id: str) -> None:
@@ -250,8 +254,16 @@ def rollout_worker(run_dir: str, config_path: str, lane: str, round_index: int) 
     if not lane.startswith(WORKER_LANE_PREFIX):
         raise PipelineStepError(f"lane {lane!r} is not a rollout worker lane")
     worker_id = f"r{round_index:03d}-{lane}"
-    command = tidal_executable() + ["rollout-worker", config_path, "--run-dir", run_dir,
-                                    "--nats-url", nats_url_of(config_path), "--worker-id", worker_id]
+    command = tidal_executable() + [
+        "rollout-worker",
+        config_path,
+        "--run-dir",
+        run_dir,
+        "--nats-url",
+        nats_url_of(config_path),
+        "--worker-id",
+        worker_id,
+    ]
     print("+ " + " ".join(command), flush=True)
     process = subprocess.Popen(command)
     try:
@@ -273,8 +285,7 @@ def run_state(run_dir: str, config_path: str) -> str:
     return (state or {}).get("state", "unknown")
 
 
-def supervise_worker(process: subprocess.Popen, current_state, poll_s: float = STATE_POLL_SECONDS,
-                     grace_s: float = WORKER_GRACE_SECONDS) -> None:
+def supervise_worker(process: subprocess.Popen, current_state, poll_s: float = STATE_POLL_SECONDS, grace_s: float = WORKER_GRACE_SECONDS) -> None:
     """Wait for the worker; stop it once the round is over; raise if it failed while the round was live."""
     over_since = None
     while True:
@@ -324,29 +335,31 @@ class TrainerPlacement:
     pipeline_job_id: str = ""
 
 
-def train_round(run_dir: str, config_path: str, round_index: int, iterations: int,
-                placement: TrainerPlacement) -> None:
+def train_round(run_dir: str, config_path: str, round_index: int, iterations: int, placement: TrainerPlacement) -> None:
     """Train ``iterations`` iterations, resuming from the latest checkpoint in the run directory."""
     if placement.backend == "local":
-        run_tidal(["train", config_path, "--run-dir", run_dir, "--nats-url", nats_url_of(config_path),
-                   "--iterations", str(iterations)])
+        run_tidal(["train", config_path, "--run-dir", run_dir, "--nats-url", nats_url_of(config_path), "--iterations", str(iterations)])
     elif placement.backend == "pytorchjob":
         train_round_as_pytorchjob(run_dir, config_path, round_index, iterations, placement)
     else:
         raise PipelineStepError(f"trainer_backend must be 'local' or 'pytorchjob', got {placement.backend!r}")
 
 
-def train_round_as_pytorchjob(run_dir: str, config_path: str, round_index: int, iterations: int,
-                              placement: TrainerPlacement) -> None:
+def train_round_as_pytorchjob(run_dir: str, config_path: str, round_index: int, iterations: int, placement: TrainerPlacement) -> None:
     from tidal.kube.pytorchjob import PyTorchJobBackend, TrainerJobSpec, run_trainer_job
 
     spec = TrainerJobSpec(
         name=trainer_job_name(placement.pipeline_job_id or Path(run_dir).name, round_index),
         namespace=placement.namespace or current_namespace(),
-        config_path=config_path, run_dir=run_dir, iterations=iterations,
-        profile=cluster.accelerator_profile(placement.accelerator), image=placement.image or None,
-        nodes=placement.nodes, accelerators_per_node=placement.accelerators_per_node,
-        nats_url=nats_url_of(config_path), labels={"tidal.run": Path(run_dir).name[:63]},
+        config_path=config_path,
+        run_dir=run_dir,
+        iterations=iterations,
+        profile=cluster.accelerator_profile(placement.accelerator),
+        image=placement.image or None,
+        nodes=placement.nodes,
+        accelerators_per_node=placement.accelerators_per_node,
+        nats_url=nats_url_of(config_path),
+        labels={"tidal.run": Path(run_dir).name[:63]},
     )
     run_trainer_job(PyTorchJobBackend(), spec)
 
@@ -383,10 +396,13 @@ def weight_sync(run_dir: str, round_index: int) -> SyncedWeights:
         raise PipelineStepError(f"round {round_index}: snapshot v{version} failed verification: {err}") from None
     core_hooks.point_latest(run_dir, version)
     synced = SyncedWeights(version=version, path=path)
-    write_json_atomically(state_dir(run_dir) / f"round-{round_index:03d}.json",
-                          {"round": round_index, **asdict(synced)})
-    log_to_parent_run(run_dir, metrics={"round/policy_version": float(version)}, step=round_index,
-                      tags={f"tidal.round{round_index:03d}.weights": path, "tidal.latest_weights": path})
+    write_json_atomically(state_dir(run_dir) / f"round-{round_index:03d}.json", {"round": round_index, **asdict(synced)})
+    log_to_parent_run(
+        run_dir,
+        metrics={"round/policy_version": float(version)},
+        step=round_index,
+        tags={f"tidal.round{round_index:03d}.weights": path, "tidal.latest_weights": path},
+    )
     return synced
 
 
@@ -416,8 +432,7 @@ def last_json_object(text: str) -> dict:
 
 
 def numeric_metrics(payload: dict) -> dict[str, float]:
-    return {key: float(value) for key, value in payload.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    return {key: float(value) for key, value in payload.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
 def finalize(run_dir: str, registered_model_name: str) -> str:
@@ -439,21 +454,21 @@ def finalize(run_dir: str, registered_model_name: str) -> str:
         if "already exists" not in str(err).lower() and "RESOURCE_ALREADY_EXISTS" not in str(err):
             raise
     source = f"{client.get_run(run_id).info.artifact_uri}/final_model"
-    version = client.create_model_version(registered_model_name, source=source, run_id=run_id,
-                                          tags={"tidal.weights": str(latest)})
+    version = client.create_model_version(registered_model_name, source=source, run_id=run_id, tags={"tidal.weights": str(latest)})
     client.set_terminated(run_id, status="FINISHED")
     print(f"registered {registered_model_name} version {version.version} from {latest}", flush=True)
     return str(version.version)
 
 
-def log_to_parent_run(run_dir: str, metrics: dict[str, float] | None = None, step: int = 0,
-                      tags: dict[str, str] | None = None) -> None:
+def log_to_parent_run(run_dir: str, metrics: dict[str, float] | None = None, step: int = 0, tags: dict[str, str] | None = None) -> None:
     from mlflow.entities import Metric, RunTag
     from mlflow.tracking import MlflowClient
 
     state = read_json(state_dir(run_dir) / "pipeline.json")
     client = MlflowClient(tracking_uri=state["tracking_uri"])
     now = int(time.time() * 1000)
-    client.log_batch(state["parent_run_id"],
-                     metrics=[Metric(k, v, now, step) for k, v in (metrics or {}).items()],
-                     tags=[RunTag(k, v) for k, v in (tags or {}).items()])
+    client.log_batch(
+        state["parent_run_id"],
+        metrics=[Metric(k, v, now, step) for k, v in (metrics or {}).items()],
+        tags=[RunTag(k, v) for k, v in (tags or {}).items()],
+    )

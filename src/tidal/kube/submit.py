@@ -51,9 +51,13 @@ def kfp_client_from_env(host: str | None = None) -> Any:
         if not Path(token_path).is_file():
             raise SubmitError(f"KF_PIPELINES_SA_TOKEN_PATH={token_path} does not exist")
         credentials = ServiceAccountTokenVolumeCredentials(path=token_path)
-    return kfp.Client(host=kfp_host(host), existing_token=token, credentials=credentials,
-                      namespace=os.environ.get("KFP_NAMESPACE") or "kubeflow",
-                      ssl_ca_cert=os.environ.get("KFP_SSL_CA_CERT") or None)
+    return kfp.Client(
+        host=kfp_host(host),
+        existing_token=token,
+        credentials=credentials,
+        namespace=os.environ.get("KFP_NAMESPACE") or "kubeflow",
+        ssl_ca_cert=os.environ.get("KFP_SSL_CA_CERT") or None,
+    )
 
 
 def pipeline_arguments(config_path: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -86,9 +90,16 @@ def run_url(host: str, run_id: str) -> str:
     return f"{ui}/#/runs/details/{run_id}"
 
 
-def submit_run(config_path: str, host: str | None = None, experiment: str = "tidal",
-               params: dict[str, Any] | None = None, accelerator: str = "nvidia", image: str = "",
-               run_name: str | None = None, client: Any = None) -> SubmittedRun:
+def submit_run(
+    config_path: str,
+    host: str | None = None,
+    experiment: str = "tidal",
+    params: dict[str, Any] | None = None,
+    accelerator: str = "nvidia",
+    image: str = "",
+    run_name: str | None = None,
+    client: Any = None,
+) -> SubmittedRun:
     """Compile for ``accelerator``, submit with ``config_path``'s text, return the run's id and URL."""
     arguments = pipeline_arguments(config_path, params or {})
     resolved_host = kfp_host(host)
@@ -96,7 +107,11 @@ def submit_run(config_path: str, host: str | None = None, experiment: str = "tid
     with tempfile.TemporaryDirectory() as tmp:
         package = compile_pipeline(Path(tmp) / "tidal-pipeline.yaml", accelerator=accelerator, image=image)
         result = client.create_run_from_pipeline_package(
-            str(package), arguments=arguments, run_name=run_name or f"tidal-{Path(config_path).stem}",
-            experiment_name=experiment, namespace=os.environ.get("KFP_NAMESPACE") or None,
-            enable_caching=False)
+            str(package),
+            arguments=arguments,
+            run_name=run_name or f"tidal-{Path(config_path).stem}",
+            experiment_name=experiment,
+            namespace=os.environ.get("KFP_NAMESPACE") or None,
+            enable_caching=False,
+        )
     return SubmittedRun(run_id=result.run_id, url=run_url(resolved_host, result.run_id))

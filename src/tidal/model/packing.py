@@ -352,10 +352,7 @@ def packed_token_logprobs(
     masks = response_masks(packed)
     per_group_logprobs = unpack_per_group(logprobs, packed)
     per_group_entropy = unpack_per_group(entropy, packed) if with_entropy else [None] * len(masks)
-    return [
-        GroupTokenLogprobs(logprobs=lp, mask=m, entropy=ent)
-        for lp, m, ent in zip(per_group_logprobs, masks, per_group_entropy, strict=True)
-    ]
+    return [GroupTokenLogprobs(logprobs=lp, mask=m, entropy=ent) for lp, m, ent in zip(per_group_logprobs, masks, per_group_entropy, strict=True)]
 
 
 def naive_token_logprobs(

@@ -37,7 +37,9 @@ def warm_start_key(cfg: TidalConfig) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def sft_batch(tokenizer, problems: list[Problem], encode: Callable[[str], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sft_batch(
+    tokenizer, problems: list[Problem], encode: Callable[[str], list[int]] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded prompt+completion+eos; labels only on the completion. `encode`: the prompt ids
     RL will use (data.prompt_template), so warm start and RL see the same prompts."""
     encode = encode or prompt_encoder(tokenizer)
@@ -56,7 +58,15 @@ def sft_batch(tokenizer, problems: list[Problem], encode: Callable[[str], list[i
 
 
 def supervised_warm_start(
-    model, tokenizer, problems: list[Problem], steps: int, batch_size: int, lr: float, seed: int, progress=None, encode: Callable[[str], list[int]] | None = None
+    model,
+    tokenizer,
+    problems: list[Problem],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    progress=None,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> float:
     """A short SFT so RL starts with signal. Returns the last loss."""
     gen = torch.Generator().manual_seed(seed)

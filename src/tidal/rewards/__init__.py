@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from tidal.config import RewardConfig
 
@@ -87,7 +87,7 @@ class RewardScorer:
     last_error: str | None = field(default=None, repr=False)
 
     @classmethod
-    def from_config(cls, cfg: RewardConfig) -> "RewardScorer":
+    def from_config(cls, cfg: RewardConfig) -> RewardScorer:
         return cls([(f.name, resolve(f.name), f.weight) for f in cfg.functions])
 
     def score(self, completion: str, answer: str) -> tuple[float, dict[str, float]]:

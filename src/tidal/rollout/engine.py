@@ -73,7 +73,7 @@ class HFEngine:
         self.version: int | None = None  # the weight-store version loaded by load_snapshot
 
     @classmethod
-    def for_rollout(cls, model, tokenizer, rollout_cfg) -> "HFEngine":
+    def for_rollout(cls, model, tokenizer, rollout_cfg) -> HFEngine:
         """The engine `rollout.*` describes, over `model` (shared, not copied)."""
         return cls(model, tokenizer.eos_token_id, tokenizer.pad_token_id, rollout_cfg.max_new_tokens, rollout_cfg.temperature)
 

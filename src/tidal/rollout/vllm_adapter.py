@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 from tidal.config import TidalConfig
-from tidal.rollout.engine import GroupRequest, Completion
+from tidal.rollout.engine import Completion, GroupRequest
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class VLLMEngine:
         self.device = device  # vLLM's platform device type: cpu, cuda, npu
 
     @classmethod
-    def create(cls, cfg: TidalConfig, model_dir: str | Path) -> "VLLMEngine":
+    def create(cls, cfg: TidalConfig, model_dir: str | Path) -> VLLMEngine:
         """Starts vLLM's engine processes; call it in a process started normally (not at import)."""
         require_vllm()
         device = check_platform(cfg.rollout.vllm.platform)
@@ -143,7 +143,9 @@ class VLLMEngine:
         start_reaper()
         return engine
 
-    async def generate_group(self, request: GroupRequest, seed: int | None = None, tag: str = "g", greedy: bool = False, max_tokens: int | None = None) -> list[Completion]:
+    async def generate_group(
+        self, request: GroupRequest, seed: int | None = None, tag: str = "g", greedy: bool = False, max_tokens: int | None = None
+    ) -> list[Completion]:
         from vllm.inputs.engine import tokens_input
 
         params = sampling_params(self.cfg, request.n, seed, greedy, max_tokens)
@@ -347,7 +349,11 @@ def nccl_unavailable_reason() -> str | None:
 
 def nccl_update_info(state: dict) -> dict:
     """What the engines need to size their receive buffers: names, dtypes and shapes, in send order."""
-    return {"names": list(state), "dtype_names": [str(t.dtype).split(".")[-1] for t in state.values()], "shapes": [list(t.shape) for t in state.values()]}
+    return {
+        "names": list(state),
+        "dtype_names": [str(t.dtype).split(".")[-1] for t in state.values()],
+        "shapes": [list(t.shape) for t in state.values()],
+    }
 
 
 async def nccl_join(engine: VLLMEngine, rendezvous: dict, rank_offset: int) -> None:

@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
+from tidal.protocol import WorkItem
 from tidal.rewards import RewardScorer
 from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
-from tidal.protocol import WorkItem
 from tidal.rollout.worker import build_group, decode_work, version_to_generate
 from tidal.transport import Transport, keep_in_progress, weight_handshake
 from tidal.weights import version_dir_name
@@ -77,7 +77,7 @@ class VLLMRolloutWorker:
                 self.nccl_group = rendezvous["group"]
             await asyncio.wait_for(nccl_receive(self.engine, go["update_info"], version), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise NcclStuckError(
                 f"worker {self.worker_id}: NCCL transfer of v{version} did not finish within {timeout:.0f}s "
                 "(rollout.vllm.nccl_timeout_seconds); its engine is stuck in the collective, so the worker exits to be restarted"
@@ -116,7 +116,9 @@ class VLLMRolloutWorker:
         seed = group_seed(self.cfg.seed, item.iteration, item.prompt_id) if self.cfg.rollout.deterministic else None
         version = self.version
         gen_start = time.time()
-        completions = await self.engine.generate_group(GroupRequest(prompt, self.cfg.rollout.group_size), seed, tag=f"{item.iteration}-{item.prompt_id}")
+        completions = await self.engine.generate_group(
+            GroupRequest(prompt, self.cfg.rollout.group_size), seed, tag=f"{item.iteration}-{item.prompt_id}"
+        )
         gen_end = time.time()
         group = await asyncio.get_running_loop().run_in_executor(
             self.score_pool, build_group, item, prompt, completions, self.tokenizer, self.scorer, version, self.worker_id, gen_start, gen_end

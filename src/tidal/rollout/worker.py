@@ -177,7 +177,9 @@ class RolloutWorker:
             idle = time.time() - idle_since - load_seconds
             keep_alive = asyncio.create_task(keep_in_progress(msgs, self.cfg.transport.ack_wait_seconds / 3))
             try:
-                groups = await asyncio.to_thread(generate_groups, self.engine, self.tokenizer, self.scorer, items, self.cfg, self.version, self.worker_id)
+                groups = await asyncio.to_thread(
+                    generate_groups, self.engine, self.tokenizer, self.scorer, items, self.cfg, self.version, self.worker_id
+                )
             finally:
                 keep_alive.cancel()
             for i, (m, g) in enumerate(zip(msgs, groups)):

@@ -28,8 +28,8 @@ from tidal.algo import (
 from tidal.config import RewardConfig, TrainerConfig
 from tidal.devices import resolve_device
 from tidal.model.loading import load_state_dict_tied
-from tidal.protocol import Group
 from tidal.model.packing import GroupTokenLogprobs, naive_token_logprobs, pack_groups, packed_token_logprobs, split_into_microbatches
+from tidal.protocol import Group
 
 
 def warmup_then_constant(warmup_steps: int):
@@ -49,7 +49,9 @@ def padded(rows: list, width: int) -> torch.Tensor:
     return out
 
 
-def token_logprobs(model, groups: list[tuple], temperature: float, attention: str, device: str, with_entropy: bool = False) -> list[GroupTokenLogprobs]:
+def token_logprobs(
+    model, groups: list[tuple], temperature: float, attention: str, device: str, with_entropy: bool = False
+) -> list[GroupTokenLogprobs]:
     """Per-token log-probs of every response: the shared-prompt packed layout, or the naive one."""
     if attention == "naive":
         return naive_token_logprobs(model, groups, temperature, with_entropy)
@@ -57,7 +59,15 @@ def token_logprobs(model, groups: list[tuple], temperature: float, attention: st
 
 
 class Learner:
-    def __init__(self, cfg: TrainerConfig, model: torch.nn.Module, pad_id: int, temperature: float = 1.0, reward_cfg: RewardConfig | None = None, max_new_tokens: int = 0):
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        model: torch.nn.Module,
+        pad_id: int,
+        temperature: float = 1.0,
+        reward_cfg: RewardConfig | None = None,
+        max_new_tokens: int = 0,
+    ):
         self.cfg = cfg
         self.reward_cfg = reward_cfg or RewardConfig()
         self.max_new_tokens = max_new_tokens
@@ -80,7 +90,16 @@ class Learner:
         self.units = 0.0
         self.tokens = 0
         self.groups = 0
-        self.sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0, "computed_tokens": 0.0, "mismatch": 0.0, "tis_truncated": 0.0, "ratio_max": 0.0}
+        self.sums = {
+            "loss": 0.0,
+            "kl": 0.0,
+            "entropy": 0.0,
+            "clipped": 0.0,
+            "computed_tokens": 0.0,
+            "mismatch": 0.0,
+            "tis_truncated": 0.0,
+            "ratio_max": 0.0,
+        }
         self.model.zero_grad(set_to_none=True)
 
     def begin_iteration(self, version: int = 0) -> None:

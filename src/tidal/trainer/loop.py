@@ -66,7 +66,7 @@ class IterationPlan:
     discarded: int = 0
 
     @classmethod
-    def for_iteration(cls, cfg: TidalConfig, dataset: Dataset, version: int) -> tuple["IterationPlan", list[WorkItem]]:
+    def for_iteration(cls, cfg: TidalConfig, dataset: Dataset, version: int) -> tuple[IterationPlan, list[WorkItem]]:
         order = iteration_prompt_order(dataset, cfg.seed, version)
         first = order[: cfg.trainer.prompts_per_iteration]
         plan = cls(version, {p.id for p in first}, list(order[cfg.trainer.prompts_per_iteration :]), replacement_budget(cfg))

@@ -13,8 +13,9 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Protocol
+from typing import Protocol
 
 from tidal.protocol import Group, GroupLimits, ProtocolError, WorkItem, decode_group
 from tidal.transport import Transport, keep_in_progress

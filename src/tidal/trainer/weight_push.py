@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -62,7 +62,16 @@ async def call_with_deadline(fn: Callable[[], None], timeout: float) -> str | No
 class NcclWeightPush:
     """Offers each version to every engine lane and broadcasts it once all are ready."""
 
-    def __init__(self, transport, lanes: int, tensor_parallel_size: int, timeout: float, open_sender: Callable, update_info: Callable, endpoint: tuple[str, int]):
+    def __init__(
+        self,
+        transport,
+        lanes: int,
+        tensor_parallel_size: int,
+        timeout: float,
+        open_sender: Callable,
+        update_info: Callable,
+        endpoint: tuple[str, int],
+    ):
         self.transport = transport
         self.lanes = lanes
         self.tp = tensor_parallel_size

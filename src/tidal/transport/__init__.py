@@ -15,7 +15,19 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolic
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
 from tidal.config import TransportConfig
-from tidal.protocol import Group, KVKey, PolicyPointer, ProtocolError, RunState, RunStatus, WorkItem, pack, policy_pointer_from, run_status_from, unpack
+from tidal.protocol import (
+    Group,
+    KVKey,
+    PolicyPointer,
+    ProtocolError,
+    RunState,
+    RunStatus,
+    WorkItem,
+    pack,
+    policy_pointer_from,
+    run_status_from,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +79,7 @@ class Transport:
     cfg: TransportConfig
 
     @classmethod
-    async def connect(cls, url: str, run_id: str, cfg: TransportConfig, create: bool = True) -> "Transport":
+    async def connect(cls, url: str, run_id: str, cfg: TransportConfig, create: bool = True) -> Transport:
         nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=10, name=f"tidal-{run_id}", **credentials_from_env())
         js = nc.jetstream()
         names = stream_names(run_id)
@@ -86,7 +98,7 @@ class Transport:
                 return await js.key_value(bucket)
             except (BucketNotFoundError, NotFoundError):
                 if asyncio.get_running_loop().time() > deadline:
-                    raise TimeoutError(f"KV bucket {bucket} did not appear within {timeout}s: is the trainer running?")
+                    raise TimeoutError(f"KV bucket {bucket} did not appear within {timeout}s: is the trainer running?") from None
                 await asyncio.sleep(0.2)
 
     @staticmethod
@@ -106,11 +118,15 @@ class Transport:
         ack_wait = cfg.ack_wait_seconds
         await js.add_consumer(
             names["work_stream"],
-            ConsumerConfig(durable_name=WORKERS_CONSUMER, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait, max_deliver=cfg.max_deliver, max_ack_pending=-1),
+            ConsumerConfig(
+                durable_name=WORKERS_CONSUMER, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait, max_deliver=cfg.max_deliver, max_ack_pending=-1
+            ),
         )
         await js.add_consumer(
             names["rollouts_stream"],
-            ConsumerConfig(durable_name=TRAINER_CONSUMER, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait, deliver_policy=DeliverPolicy.ALL, max_ack_pending=-1),
+            ConsumerConfig(
+                durable_name=TRAINER_CONSUMER, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait, deliver_policy=DeliverPolicy.ALL, max_ack_pending=-1
+            ),
         )
 
     def _check_size(self, payload: bytes, what: str) -> None:
@@ -144,7 +160,7 @@ class Transport:
     async def fetch(sub, batch: int, timeout: float) -> list:
         try:
             return await sub.fetch(batch, timeout=timeout)
-        except (NatsTimeout, asyncio.TimeoutError):
+        except (TimeoutError, NatsTimeout):
             return []
 
     async def work_queue_depth(self) -> int:

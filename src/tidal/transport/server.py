@@ -40,13 +40,11 @@ class EmbeddedNats:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 20.0) -> "EmbeddedNats":
+    def start(self, timeout: float = 20.0) -> EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
         conf.write_text(
-            f'listen: "127.0.0.1:{self.port}"\n'
-            f"max_payload: {self.max_payload_mb}MB\n"
-            f'jetstream {{ store_dir: "{self.store_dir / "jetstream"}" }}\n'
+            f'listen: "127.0.0.1:{self.port}"\nmax_payload: {self.max_payload_mb}MB\njetstream {{ store_dir: "{self.store_dir / "jetstream"}" }}\n'
         )
         log = self.log_file.open("ab")
         self.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
@@ -71,7 +69,7 @@ class EmbeddedNats:
                 self.proc.kill()
         self.proc = None
 
-    def __enter__(self) -> "EmbeddedNats":
+    def __enter__(self) -> EmbeddedNats:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,79 @@
+"""The import graph of src/tidal (every import, including ones inside functions) keeps DESIGN §5's
+layering: the trainer and the rollout package never import each other, and algo/ is pure tensor math."""
+
+import ast
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "tidal"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Absolute names of every module that `module` (with this source) imports, relative ones resolved."""
+    package = module if is_package else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from tidal import rollout`
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p.read_text(), module_name(p), p.name == "__init__.py") for p in SRC.rglob("*.py")}
+
+
+def inside(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def forbidden_edges(graph: dict[str, set[str]]) -> list[str]:
+    stdlib = sys.stdlib_module_names
+    bad = []
+    for module, imported in sorted(graph.items()):
+        for name in sorted(imported):
+            if inside(module, "tidal.trainer") and inside(name, "tidal.rollout"):
+                bad.append(f"{module} -> {name} (trainer must not import rollout)")
+            if inside(module, "tidal.rollout") and inside(name, "tidal.trainer"):
+                bad.append(f"{module} -> {name} (rollout must not import trainer)")
+            top = name.split(".")[0]
+            if inside(module, "tidal.algo") and not (top in stdlib or top == "torch" or inside(name, "tidal.algo") or name == "__future__"):
+                bad.append(f"{module} -> {name} (algo may import only torch and the standard library)")
+    return bad
+
+
+def test_the_import_graph_has_no_forbidden_edge():
+    graph = import_graph()
+    assert len(graph) > 40 and "tidal.trainer.loop" in graph  # the walk saw the tree
+    assert forbidden_edges(graph) == []
+
+
+def test_the_check_catches_each_kind_of_forbidden_edge():
+    graph = {
+        "tidal.trainer.loop": {"tidal.rollout.worker"},
+        "tidal.rollout.worker": {"tidal.trainer"},
+        "tidal.algo.losses": {"tidal.model.packing", "numpy", "torch", "math"},
+    }
+    bad = forbidden_edges(graph)
+    assert len(bad) == 4 and any("numpy" in b for b in bad) and any("tidal.model.packing" in b for b in bad)
+
+
+def test_relative_and_function_level_imports_are_seen():
+    source = "import torch\n\ndef f():\n    from ..rollout import worker\n    from . import learner\n"
+    found = imports_of(source, "tidal.trainer.probe")
+    assert {"tidal.rollout.worker", "tidal.trainer.learner", "torch"} <= found
+    assert forbidden_edges({"tidal.trainer.probe": found}) == [
+        "tidal.trainer.probe -> tidal.rollout (trainer must not import rollout)",
+        "tidal.trainer.probe -> tidal.rollout.worker (trainer must not import rollout)",
+    ]
