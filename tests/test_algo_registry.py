@@ -140,3 +140,17 @@ def _stdlib() -> frozenset[str]:
     import sys
 
     return frozenset(sys.stdlib_module_names) | {"__future__"}
+
+
+def test_a_users_module_function_is_a_valid_advantage_and_is_used(scratch_names):
+    name = scratch_names(ADVANTAGES, "tests.rewards:median_baseline")
+    cfg = config_from_dict({"trainer": {"advantage": name}})
+    assert cfg.trainer.advantage == name
+    rewards = torch.tensor([0.0, 1.0, 5.0])
+    assert compute_advantages(name, rewards).tolist() == [-1.0, 0.0, 4.0]
+    with pytest.raises(
+        ConfigError, match=r"trainer\.advantage: advantage estimator 'tests.rewards:nope': module 'tests.rewards' has no function 'nope'"
+    ):
+        config_from_dict({"trainer": {"advantage": "tests.rewards:nope"}})
+    with pytest.raises(ConfigError, match="cannot import module 'no_such_pkg'"):
+        config_from_dict({"trainer": {"policy_loss": "no_such_pkg:loss"}})

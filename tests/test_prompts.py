@@ -8,9 +8,10 @@ from tidal.config import ConfigError, DataConfig, TinyModelConfig, config_from_d
 from tidal.data import DatasetError, Problem, prompt_encoder, render_prompt
 from tidal.evaluate import held_out_accuracy
 from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+from tidal.protocol import WorkItem
 from tidal.rewards import RewardScorer
 from tidal.rollout.engine import HFEngine
-from tidal.rollout.worker import generate_groups, work_item
+from tidal.rollout.worker import generate_groups
 
 CHATML = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 
@@ -80,8 +81,10 @@ def test_workers_and_eval_generate_from_the_same_chat_prompt():
     model = build_tiny_model(TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1), tok).eval()
     engine = HFEngine.for_rollout(model, tok, cfg.rollout)
     problem = Problem(3, "12+7=", "19")
-    (group,) = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), [work_item(0, problem)], cfg, 0, "w0")
-    assert tok.decode(group["prompt_ids"].tolist()) == "<|user|>12+7=\n<|assistant|>"
+    (group,) = generate_groups(
+        engine, tok, RewardScorer.from_config(cfg.reward), [WorkItem(0, problem.id, problem.prompt, problem.answer)], cfg, 0, "w0"
+    )
+    assert tok.decode(group.prompt_ids.tolist()) == "<|user|>12+7=\n<|assistant|>"
 
     seen = []
 
@@ -91,7 +94,7 @@ def test_workers_and_eval_generate_from_the_same_chat_prompt():
             return engine.generate(requests, greedy, max_new_tokens)
 
     held_out_accuracy(Recording(), tok, [problem], encode=prompt_encoder(tok, cfg.data))
-    assert seen == [group["prompt_ids"].tolist()]
+    assert seen == [group.prompt_ids.tolist()]
 
 
 def test_the_warm_start_trains_on_the_prompts_rl_will_use():

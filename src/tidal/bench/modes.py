@@ -1,13 +1,16 @@
-"""sync vs periodic on the same config and machine: seconds per iteration and its split.
+"""sync vs periodic vs bounded (k = 1, 2) on the same config and machine: seconds per iteration
+and held-out accuracy after the same number of iterations, so the price of strict on-policy is measured.
 
-    tidal bench modes [--config examples/arithmetic.yaml] [--iterations 10] [--warmup 1] [--set k=v ...] [--json out.json]
+    tidal bench modes [--config examples/arithmetic.yaml] [--iterations 10] [--warmup 1] [--systems sync,periodic,bounded-k1,bounded-k2]
+                      [--no-eval] [--set k=v ...] [--json out.json]
     (or: python benchmarks/modes.py ...)
 
-Runs `tidal run` once per mode (held-out eval off, same seed, same warm start) and prints, from
-each run's metrics.jsonl, the mean split (generate / train / weight-sync / idle) and the ratio
-sync / periodic of the mean iteration time (> 1: periodic is faster). The first `--warmup`
-iterations are left out of both: in periodic mode the trainer's first iteration waits for the
-rollout workers to start (a vLLM engine takes tens of seconds), which sync mode does before its loop.
+Runs `tidal run` once per system (same seed, same warm start) and prints, from each run's
+metrics.jsonl, the mean split (generate / train / weight-sync / idle), the mean staleness and the
+ratio of sync's mean iteration time to each system's (> 1: faster than sync), and from its
+summary.json the held-out accuracy (greedy and sampled) after the run. The first `--warmup`
+iterations are left out of the timings: in periodic mode the trainer's first iteration waits for
+the rollout workers to start (a vLLM engine takes tens of seconds), which sync mode does before its loop.
 """
 
 from __future__ import annotations
@@ -18,6 +21,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+SYSTEMS = {  # name -> config overrides
+    "sync": ["mode=sync"],
+    "periodic": ["mode=periodic"],
+    "bounded-k1": ["mode=bounded", "rollout.max_staleness=1"],
+    "bounded-k2": ["mode=bounded", "rollout.max_staleness=2"],
+}
 
 SPLIT = {  # figure -> the per-iteration metric it is the mean of
     "iteration_seconds_mean": "iteration_seconds",
@@ -39,59 +49,64 @@ def steady_state(metrics: list[dict], warmup: int) -> dict:
     return figures
 
 
-def run_mode(mode: str, config: str, iterations: int, warmup: int, overrides: list[str], workdir: Path) -> dict:
-    run_dir = workdir / mode
-    cmd = [
-        sys.executable,
-        "-m",
-        "tidal.cli",
-        "run",
-        config,
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-        "--set",
-        f"mode={mode}",
-        "--set",
-        f"trainer.iterations={iterations}",
-        "--set",
-        "eval.enabled=false",
-    ]
-    for o in overrides:
+def run_system(name: str, config: str, iterations: int, warmup: int, evaluate: bool, overrides: list[str], workdir: Path) -> dict:
+    run_dir = workdir / name
+    cmd = [sys.executable, "-m", "tidal.cli", "run", config, "--run-dir", str(run_dir), "--no-progress"]
+    for o in [*SYSTEMS[name], f"trainer.iterations={iterations}", f"eval.enabled={str(evaluate).lower()}", *overrides]:
         cmd += ["--set", o]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{name} run failed:\n{proc.stderr[-3000:]}")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return steady_state(metrics, warmup)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    figures = steady_state(metrics, warmup)
+    figures["staleness_mean"] = sum(m.get("staleness_mean", 0.0) for m in metrics) / len(metrics)
+    for key in ("accuracy_before", "accuracy_after", "sampled_accuracy_before", "sampled_accuracy_after"):
+        figures[key] = summary.get(key)
+    return figures
+
+
+def percent(x: float | None) -> str:
+    return "  n/a" if x is None else f"{x:5.1%}"
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="tidal bench modes", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="examples/arithmetic.yaml")
     ap.add_argument("--iterations", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=1, help="leading iterations left out of the means")
+    ap.add_argument("--warmup", type=int, default=1, help="leading iterations left out of the timings")
+    ap.add_argument("--systems", default="sync,periodic,bounded-k1,bounded-k2", help=f"comma-separated, from {list(SYSTEMS)}")
+    ap.add_argument("--no-eval", dest="evaluate", action="store_false", help="timings only: no held-out accuracy")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        raise SystemExit(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
     results = {}
     with tempfile.TemporaryDirectory(prefix="tidal-bench-modes-") as tmp:
-        for mode in ("sync", "periodic"):
-            results[mode] = run_mode(mode, args.config, args.iterations, args.warmup, args.overrides, Path(tmp))
-            r = results[mode]
+        for name in systems:
+            results[name] = r = run_system(name, args.config, args.iterations, args.warmup, args.evaluate, args.overrides, Path(tmp))
             print(
-                f"{mode:9s} {r['iteration_seconds_mean']:.3f} s/iteration = generate {r['generate_seconds_mean']:.3f} | "
+                f"{name:11s} {r['iteration_seconds_mean']:.3f} s/iteration = generate {r['generate_seconds_mean']:.3f} | "
                 f"train {r['train_seconds_mean']:.3f} | weight-sync {r['sync_seconds_mean']:.3f} | idle {r['idle_seconds_mean']:.3f}; "
-                f"{r['generated_tokens_per_s']:.0f} generated tokens/s"
+                f"staleness {r['staleness_mean']:.2f}; held-out greedy {percent(r['accuracy_before'])} -> {percent(r['accuracy_after'])}, "
+                f"sampled {percent(r['sampled_accuracy_before'])} -> {percent(r['sampled_accuracy_after'])}",
+                flush=True,
             )
-    ratio = results["sync"]["iteration_seconds_mean"] / results["periodic"]["iteration_seconds_mean"]
-    print(f"speedup (sync / periodic iteration time): {ratio:.2f}x")
+    baseline = results.get("sync") or results[systems[0]]
+    base_name = "sync" if "sync" in results else systems[0]
+    speedups = {name: baseline["iteration_seconds_mean"] / r["iteration_seconds_mean"] for name, r in results.items()}
+    for name, ratio in speedups.items():
+        print(f"speedup vs {base_name} ({base_name} iteration time / {name}'s): {name} {ratio:.2f}x")
     if args.json_path:
         Path(args.json_path).write_text(
             json.dumps(
                 {
                     "results": results,
-                    "speedup": ratio,
+                    "speedup_vs": base_name,
+                    "speedups": speedups,
                     "config": args.config,
                     "iterations": args.iterations,
                     "warmup": args.warmup,

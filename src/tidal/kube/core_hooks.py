@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-RUN_STATE_KEY = "run"
+from tidal.protocol import RunState
+
+# run states after which a round's rollout workers may stop (the worker pods' supervisor reads them)
+ROUND_OVER_STATES = (RunState.ROUND_DONE.value, RunState.DONE.value)
 
 
 def run_id_of(run_dir: str) -> str:
@@ -45,15 +48,15 @@ def open_round(run_dir: str, config_path: str, round_index: int) -> None:
     from tidal.config import load_config
     from tidal.roles import run_async
 
-    run_async(_put_run_state(load_config(config_path), run_dir, {"state": "running", "round": round_index}))
+    run_async(_put_run_state(load_config(config_path), run_dir, RunState.RUNNING, round_index))
 
 
-async def _put_run_state(cfg, run_dir: str, state: dict) -> None:
+async def _put_run_state(cfg, run_dir: str, state: RunState, round_index: int) -> None:
     from tidal.transport import Transport
 
     transport = await Transport.connect(nats_url(cfg), run_id_of(run_dir), cfg.transport, create=True)
     try:
-        await transport.put(RUN_STATE_KEY, state)
+        await transport.put_run_state(state, round_index)
     finally:
         await transport.close()
 
@@ -92,8 +95,8 @@ def point_latest(run_dir: str, version: int) -> None:
     store.point_latest(version)
 
 
-def read_run_state(run_dir: str, config_path: str) -> dict | None:
-    """The KV bucket's run state, e.g. ``{"state": "round_done"}``; None before anyone set it."""
+def read_run_state(run_dir: str, config_path: str) -> str | None:
+    """The KV bucket's run state, e.g. ``"round_done"``; None before anyone set it (or if malformed)."""
     from tidal.config import load_config
     from tidal.roles import run_async
 
@@ -105,6 +108,7 @@ async def _get_run_state(cfg, run_dir: str) -> dict | None:
 
     transport = await Transport.connect(nats_url(cfg), run_id_of(run_dir), cfg.transport, create=False)
     try:
-        return await transport.get(RUN_STATE_KEY)
+        status = await transport.run_status()
+        return None if status is None else status.state.value
     finally:
         await transport.close()

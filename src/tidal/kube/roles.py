@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tidal.kube import cluster
+from tidal.kube import cluster, core_hooks
 
 TRAINER_LANE = "trainer"
 WORKER_LANE_PREFIX = "rollout-"
@@ -223,7 +223,6 @@ def prepare(config_yaml: str, config_path: str, run_dir: str, job_id: str, knobs
 
 def core_prepare(run_dir: str, config_path: str, tracking_uri: str, parent_run_id: str) -> None:
     """Stage the base model and dataset, write run.json, create the run's streams and KV bucket."""
-    from tidal.kube import core_hooks
 
     core_hooks.prepare_run(run_dir, config_path, tracking_uri, parent_run_id)
 
@@ -233,13 +232,11 @@ def core_prepare(run_dir: str, config_path: str, tracking_uri: str, parent_run_i
 
 def open_round(run_dir: str, config_path: str, round_index: int) -> None:
     """Mark the run as running round ``round_index`` so this round's workers do not exit at once."""
-    from tidal.kube import core_hooks
 
     core_hooks.open_round(run_dir, config_path, round_index)
     log_to_parent_run(run_dir, metrics={"round/started": float(round_index)}, step=round_index)
 
 
-ROUND_OVER_STATES = ("round_done", "done")
 WORKER_GRACE_SECONDS = 20.0
 STATE_POLL_SECONDS = 2.0
 
@@ -275,14 +272,13 @@ def rollout_worker(run_dir: str, config_path: str, lane: str, round_index: int) 
 
 
 def run_state(run_dir: str, config_path: str) -> str:
-    from tidal.kube import core_hooks
 
     try:
         state = core_hooks.read_run_state(run_dir, config_path)
     except Exception as err:  # NATS briefly unreachable: keep the worker, ask again
         print(f"run state unavailable: {err}", flush=True)
         return "unknown"
-    return (state or {}).get("state", "unknown")
+    return state or "unknown"
 
 
 def supervise_worker(process: subprocess.Popen, current_state, poll_s: float = STATE_POLL_SECONDS, grace_s: float = WORKER_GRACE_SECONDS) -> None:
@@ -295,13 +291,13 @@ def supervise_worker(process: subprocess.Popen, current_state, poll_s: float = S
             code = None
         state = current_state()
         if code is not None:
-            if code != 0 and state not in ROUND_OVER_STATES:
+            if code != 0 and state not in core_hooks.ROUND_OVER_STATES:
                 raise PipelineStepError(f"'tidal rollout-worker' exited with status {code} while the run was {state!r}")
             return
         if state == "failed":
             process.terminate()
             raise PipelineStepError("the trainer marked the run as failed; stopped this rollout worker")
-        if state in ROUND_OVER_STATES:
+        if state in core_hooks.ROUND_OVER_STATES:
             over_since = over_since or time.monotonic()
             if time.monotonic() - over_since > grace_s:
                 print(f"round is over ({state}); stopping the rollout worker", flush=True)
@@ -387,7 +383,6 @@ class SyncedWeights:
 
 def weight_sync(run_dir: str, round_index: int) -> SyncedWeights:
     """Verify the round's newest snapshot against its manifest, point ``latest`` at it, log it to MLflow."""
-    from tidal.kube import core_hooks
 
     version, path = core_hooks.latest_snapshot(run_dir)
     try:
@@ -438,8 +433,6 @@ def numeric_metrics(payload: dict) -> dict[str, float]:
 def finalize(run_dir: str, registered_model_name: str) -> str:
     """Log the final snapshot to the parent run and register it in the MLflow model registry."""
     from mlflow.tracking import MlflowClient
-
-    from tidal.kube import core_hooks
 
     state = read_json(state_dir(run_dir) / "pipeline.json")
     _, latest_path = core_hooks.latest_snapshot(run_dir)
