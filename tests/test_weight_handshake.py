@@ -160,12 +160,13 @@ def test_a_hung_collective_is_abandoned_after_its_deadline():
 
 def test_a_trainer_without_cuda_turns_nccl_off_at_start(nats_server, tiny_config_dict):
     from tidal.config import config_from_dict
+    from tidal.roles import nccl_weight_push
 
     cfg = config_from_dict({**tiny_config_dict, "rollout": {"engine": "vllm", "vllm": {"weight_sync": "nccl"}}})
 
     async def main():
         t = await connect(nats_server.url)
-        push = await NcclWeightPush.for_run(cfg, t)
+        push = await nccl_weight_push(cfg, t)
         off = await t.get(weight_handshake.KEY)
         got = await worker(nats_server.url, 0, [0], StandInBroadcast(lanes=0))
         await t.close()
