@@ -245,11 +245,13 @@ def test_a_killed_rollout_worker_loses_no_group(tmp_path, write_config):
     assert summary["groups_trained"] == 12 and summary["staleness_max"] == 0
 
 
-def test_trainer_refuses_several_ranks_with_a_clear_error(write_config):
-    config = write_config()
+def test_the_single_strategy_on_several_ranks_is_a_clear_error(write_config):
+    config = write_config({"trainer.strategy": "single"})
+    (config.parent / "run").mkdir()
+    (config.parent / "run" / "run.json").write_text(json.dumps({"run_id": "x", "base_model": "m", "tracking_uri": "", "mlflow_run_id": ""}))
     proc = run_cli("train", str(config), "--run-dir", str(config.parent / "run"), "--nats-url", "nats://127.0.0.1:1", env={"WORLD_SIZE": "4"})
     assert proc.returncode == 2
-    assert "WORLD_SIZE=4" in proc.stderr and "nproc_per_node=1" in proc.stderr and "Traceback" not in proc.stderr
+    assert "trainer.strategy 'single' cannot run on 4 ranks: use 'fsdp2'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_sync_mode_dynamic_sampling_replaces_groups_without_signal(tmp_path, write_config):

@@ -162,6 +162,14 @@ class TrainerConfig(_Strict):
     attention: Literal["auto", "sdpa", "segmented", "flex", "naive"] = "auto"  # shared-prompt kernel
     token_budget: int = Field(16384, gt=0)  # tokens per packed micro-batch
     device: str = "auto"  # auto: CUDA, else an Ascend NPU, else CPU
+    # Several trainer ranks (torchrun): `strategy` auto is single at one rank, fsdp2 above;
+    # `ranks` is how many `tidal run` starts on this machine (the PyTorchJob sets its own world size)
+    strategy: Literal["auto", "single", "fsdp2"] = "auto"
+    ranks: int = Field(1, gt=0)
+    param_dtype: Literal["float32", "bfloat16", "float16"] | None = None  # fsdp2 mixed precision; None: the model's dtype
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = None  # fsdp2 gradient reduction dtype
+    cpu_offload: bool = False  # fsdp2: parameters, gradients and optimizer state on the CPU
+    activation_checkpointing: bool = False
     threads: int | None = Field(None, gt=0)
     group_timeout_seconds: float = Field(600.0, gt=0)
 
@@ -218,6 +226,10 @@ class TidalConfig(_Strict):
                 "rollout.vllm.weight_sync 'nccl' sends weights from the trainer to vLLM rollout workers: "
                 "it needs rollout.engine 'vllm' and mode 'periodic' (sync mode's engine loads from the weight store; bounded mode's workers load at their own boundaries)"
             )
+        if self.trainer.ranks > 1 and self.mode == "sync":
+            raise ValueError("trainer.ranks > 1 needs mode 'periodic' or 'bounded' (sync mode trains in the launcher's one process)")
+        if self.trainer.ranks > 1 and self.trainer.strategy == "single":
+            raise ValueError("trainer.strategy 'single' is one process: use 'fsdp2' (or 'auto') with trainer.ranks > 1")
         if self.rollout.vllm.weight_sync == "nccl" and self.rollout.vllm.platform in ("ascend", "cpu"):
             raise ValueError(
                 f"rollout.vllm.weight_sync 'nccl' needs CUDA GPUs but rollout.vllm.platform is "

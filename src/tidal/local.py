@@ -81,6 +81,7 @@ class RoleProcesses:
         self.config_path, self.run_dir, self.nats_url, self.cfg = config_path, run_dir, nats_url, cfg
         self.logs = run_dir / "logs"
         self.trainer_threads, self.worker_threads = split_cores(cfg)
+        self.trainer_threads = max(1, self.trainer_threads // cfg.trainer.ranks)  # per rank
         self.workers: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {}
         self.trainer: subprocess.Popen | None = None
@@ -90,10 +91,19 @@ class RoleProcesses:
         """`role` ("trainer" or a worker id) names its log and its device placement."""
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TIDAL_THREADS": str(threads), **self.devices.get(role, {})}
         out = (self.logs / f"{role}.log").open("ab")
-        cmd = [sys.executable, "-m", "tidal.cli", *args, str(self.config_path), "--run-dir", str(self.run_dir), "--nats-url", self.nats_url]
+        cmd = [*self._launcher(role), "tidal.cli", *args, str(self.config_path), "--run-dir", str(self.run_dir), "--nats-url", self.nats_url]
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         (self.logs / f"{role}.pid").write_text(str(proc.pid))
         return proc
+
+    def _launcher(self, role: str) -> list[str]:
+        """`python -m`, or for several trainer ranks torchrun (standalone rendezvous on this machine),
+        which restarts every rank from the last checkpoint if one of them dies."""
+        ranks = self.cfg.trainer.ranks
+        if role != "trainer" or ranks == 1:
+            return [sys.executable, "-m"]
+        restarts = ["--max-restarts", str(MAX_TRAINER_RESTARTS)]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *restarts, "-m"]
 
     def start(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)

@@ -9,10 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from pathlib import Path
+
+import torch
 
 from tidal.config import TidalConfig
 from tidal.data import load_dataset
+from tidal.devices import resolve_device
 from tidal.model.loading import load_model_and_tokenizer
 from tidal.model.warm_start import prepare_base_model
 from tidal.protocol import GroupLimits, RunState
@@ -22,9 +26,12 @@ from tidal.rollout.worker import RolloutWorker, generate_groups
 from tidal.rundir import RunFiles, RunInfo
 from tidal.runtime import set_threads, split_cores
 from tidal.tracking import Tracker
+from tidal.trainer.distributed import DistContext, context_from_env, init_process_group
+from tidal.trainer.distributed import shutdown as shutdown_process_group
 from tidal.trainer.learner import Learner
 from tidal.trainer.loop import train
-from tidal.trainer.sources import InProcessSource, QueueSource
+from tidal.trainer.sources import BroadcastSource, InProcessSource, QueueSource
+from tidal.trainer.strategy import Strategy, build_strategy
 from tidal.trainer.weight_push import NcclWeightPush, rendezvous_endpoint
 from tidal.transport import Transport, weight_handshake
 from tidal.weights import WeightStore
@@ -32,19 +39,36 @@ from tidal.weights import WeightStore
 log = logging.getLogger(__name__)
 
 
-def build_learner(cfg: TidalConfig, base_model: str) -> tuple[Learner, object]:
+def build_learner(cfg: TidalConfig, base_model: str, strategy: Strategy | None = None, device: str | None = None) -> tuple[Learner, object]:
     model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
-    learner = Learner(cfg.trainer, model, tokenizer.pad_token_id, cfg.rollout.temperature, cfg.reward, cfg.rollout.max_new_tokens)
+    learner = Learner(
+        cfg.trainer, model, tokenizer.pad_token_id, cfg.rollout.temperature, cfg.reward, cfg.rollout.max_new_tokens, strategy=strategy, device=device
+    )
     return learner, tokenizer
 
 
-def require_single_rank() -> None:
-    """The trainer is one process today; several ranks would each consume the ROLLOUTS stream."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ValueError(
-            f"WORLD_SIZE={world}: the Tidal trainer does not shard across ranks yet; run the trainer job with 1 node and nproc_per_node=1"
-        )
+def rank_device(cfg: TidalConfig, ctx: DistContext) -> str:
+    """trainer.device for this rank: an accelerator is indexed by the local rank under torchrun."""
+    device = resolve_device(cfg.trainer.device)
+    kind = device.partition(":")[0]
+    if ctx.distributed and kind in ("cuda", "npu"):
+        device = f"{kind}:{ctx.local_rank}"
+        getattr(torch, kind).set_device(ctx.local_rank)
+    return device
+
+
+def start_trainer_ranks(cfg: TidalConfig, run_dir: Path) -> tuple[DistContext, Strategy, str]:
+    """This process's rank (torchrun's environment), its process group, strategy and device."""
+    ctx = context_from_env()
+    set_threads(max(1, split_cores(cfg)[0] // ctx.local_world_size))
+    strategy = build_strategy(cfg.trainer, ctx)  # first: a strategy that cannot run here is an error before any rendezvous
+    device = rank_device(cfg, ctx)
+    init_process_group(ctx, device.partition(":")[0])
+    if ctx.distributed:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs" / f"trainer-rank{ctx.rank}.pid").write_text(str(os.getpid()))
+        log.info("trainer rank %d of %d on %s, strategy %s", ctx.rank, ctx.world_size, device, strategy.name)
+    return ctx, strategy, device
 
 
 def group_limits(cfg: TidalConfig, learner: Learner, max_bytes: int):
@@ -86,11 +110,31 @@ async def nccl_weight_push(cfg: TidalConfig, transport: Transport) -> NcclWeight
 
 
 async def trainer_role(cfg: TidalConfig, run_dir: Path, nats_url: str, iterations: int | None = None) -> list[dict]:
-    require_single_rank()
+    """The trainer, on one rank or many (torchrun): rank 0 alone talks to NATS and MLflow."""
     info = RunInfo.load(run_dir)
-    set_threads(split_cores(cfg)[0])
+    ctx, strategy, device = start_trainer_ranks(cfg, run_dir)
+    try:
+        if not ctx.is_main:
+            return await follower_trainer(cfg, run_dir, info, ctx, strategy, device, iterations)
+        return await main_trainer(cfg, run_dir, nats_url, info, ctx, strategy, device, iterations)
+    finally:
+        shutdown_process_group()
+
+
+async def follower_trainer(
+    cfg, run_dir: Path, info: RunInfo, ctx: DistContext, strategy: Strategy, device: str, iterations: int | None
+) -> list[dict]:
+    learner, _ = build_learner(cfg, info.base_model, strategy, device)
+    store = WeightStore(run_dir / "weights", info.base_model)
+    source = BroadcastSource(None, ctx)
+    return await train(cfg, learner, source, load_dataset(cfg.data, cfg.seed), store, RunFiles(run_dir), None, iterations)
+
+
+async def main_trainer(
+    cfg, run_dir: Path, nats_url: str, info: RunInfo, ctx: DistContext, strategy: Strategy, device: str, iterations: int | None
+) -> list[dict]:
     dataset = load_dataset(cfg.data, cfg.seed)
-    learner, _ = build_learner(cfg, info.base_model)
+    learner, _ = build_learner(cfg, info.base_model, strategy, device)
     store = WeightStore(run_dir / "weights", info.base_model)
     transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=True)
     tracker = Tracker(info.tracking_uri, info.mlflow_run_id)
@@ -101,6 +145,8 @@ async def trainer_role(cfg: TidalConfig, run_dir: Path, nats_url: str, iteration
         push = await nccl_weight_push(cfg, transport)
         weight_push = None if push is None else (lambda v: push.push(v, learner.model.state_dict()))
         source = QueueSource(transport, group_limits(cfg, learner, transport.max_message_bytes), lambda v: str(store.path(v)), weight_push)
+        if ctx.distributed:
+            source = BroadcastSource(source, ctx)
         history = await train(cfg, learner, source, dataset, store, RunFiles(run_dir), tracker, iterations)
         finished = (store.latest_version() or 0) >= cfg.trainer.iterations
         await transport.put_run_state(RunState.DONE if finished else RunState.ROUND_DONE, status.round if status else None)
@@ -125,7 +171,9 @@ def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: Weig
 
         def load_weights(version: int) -> None:
             if engine.version != version:
+                t0 = time.perf_counter()
                 engine.load_snapshot(store.path(version), version)
+                log.info("sync mode: the engine loaded weights v%d in %.3fs", version, time.perf_counter() - t0)
 
     return InProcessSource(lambda items, version: generate_groups(engine, tokenizer, scorer, items, cfg, version, "sync"), load_weights)
 

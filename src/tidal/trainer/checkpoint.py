@@ -1,4 +1,10 @@
-"""Optimizer state at an iteration boundary, as safetensors + JSON (no pickle), and resuming from it."""
+"""Optimizer state at an iteration boundary, as safetensors + JSON (no pickle), and resuming from it.
+
+Each rank writes its own shard (`optimizer-rank{r}-of-{n}.safetensors`): under fsdp2 that is its
+slice of the AdamW moments, so a large run never gathers optimizer state on one host. Rank 0 writes
+`state.json` last, after every shard is on disk, so a checkpoint is either complete or not there.
+A checkpoint resumes on the same number of ranks; another world size is refused with a clear error.
+"""
 
 from __future__ import annotations
 
@@ -8,27 +14,53 @@ import logging
 from safetensors.torch import load_file, save_file
 
 from tidal.rundir import RunFiles
+from tidal.trainer.distributed import DistContext, barrier
 from tidal.trainer.learner import Learner
 from tidal.weights import WeightStore
 
 log = logging.getLogger(__name__)
 
 
+def shard_name(rank: int, world_size: int) -> str:
+    return f"optimizer-rank{rank}-of-{world_size}.safetensors"
+
+
 def save_checkpoint(files: RunFiles, learner: Learner, next_version: int) -> None:
+    """Every rank calls it (a barrier separates the shards from state.json)."""
+    ctx = learner.ctx
     files.checkpoint.mkdir(parents=True, exist_ok=True)
-    tmp = files.checkpoint / "optimizer.safetensors.tmp"
+    final = files.checkpoint / shard_name(ctx.rank, ctx.world_size)
+    tmp = final.with_name(final.name + ".tmp")
     save_file(learner.optimizer_tensors(), str(tmp))
-    tmp.replace(files.checkpoint / "optimizer.safetensors")
-    (files.checkpoint / "state.json").write_text(json.dumps({"next_version": next_version}))
+    tmp.replace(final)
+    barrier(ctx)
+    if ctx.is_main:
+        state = files.checkpoint / "state.json"
+        state.with_name("state.json.tmp").write_text(json.dumps({"next_version": next_version, "world_size": ctx.world_size}))
+        state.with_name("state.json.tmp").replace(state)
+    barrier(ctx)
 
 
-def resume_version(files: RunFiles, learner: Learner, store: WeightStore) -> int:
+def checkpoint_world_size(files: RunFiles) -> int | None:
+    state_file = files.checkpoint / "state.json"
+    return json.loads(state_file.read_text()).get("world_size", 1) if state_file.is_file() else None
+
+
+def resume_version(files: RunFiles, learner: Learner, store: WeightStore, ctx: DistContext | None = None) -> int:
     """The version to start from: 0 on a fresh run, else the last completed boundary."""
+    ctx = ctx or learner.ctx
     state_file = files.checkpoint / "state.json"
     if not state_file.is_file():
         return 0
-    version = json.loads(state_file.read_text())["next_version"]
+    state = json.loads(state_file.read_text())
+    saved_world = state.get("world_size", 1)
+    if saved_world != ctx.world_size:
+        raise ValueError(
+            f"the checkpoint in {files.checkpoint} was written by {saved_world} trainer rank(s) and this trainer has "
+            f"{ctx.world_size}: resume with trainer.ranks={saved_world} (the optimizer shards do not reshard)"
+        )
+    version = state["next_version"]
     learner.load_weights(store.load(version))
-    learner.load_optimizer_tensors(load_file(str(files.checkpoint / "optimizer.safetensors")))
+    learner.load_optimizer_tensors(load_file(str(files.checkpoint / shard_name(ctx.rank, ctx.world_size))))
     log.info("resumed from checkpoint: version %d", version)
     return version

@@ -151,6 +151,13 @@ class WorkRelease:
         self.released = max(self.released, version)
 
 
+def publish_weights(store: WeightStore, version: int, learner: Learner) -> None:
+    """Every rank gathers (a collective under fsdp2); rank 0 writes the snapshot."""
+    state = learner.full_state_dict()
+    if learner.ctx.is_main:
+        store.publish(version, state)
+
+
 async def train(
     cfg: TidalConfig,
     learner: Learner,
@@ -162,11 +169,15 @@ async def train(
     iterations: int | None = None,
 ) -> list[dict]:
     """Runs iterations from the last checkpoint to `trainer.iterations` (or `iterations` more: a
-    pipeline round) and returns their metrics."""
+    pipeline round) and returns their metrics.
+
+    Under several ranks every rank runs this loop on the same groups (the source broadcasts them)
+    and trains its share; only rank 0 writes the weight store, the run's records and MLflow."""
+    main = learner.ctx.is_main
     start = resume_version(files, learner, store)
     end = cfg.trainer.iterations if iterations is None else min(cfg.trainer.iterations, start + iterations)
     if store.latest_version() is None or store.latest_version() < start:
-        store.publish(start, learner.model.state_dict())
+        publish_weights(store, start, learner)
     allowed = max_staleness(cfg)
     release = WorkRelease(cfg, dataset, end)
     history: list[dict] = []
@@ -208,12 +219,13 @@ async def train(
             train_start = time.time()
             with timer("train"):
                 await asyncio.to_thread(updates.add, batch)
-            files.append_many("groups.jsonl", [group_record(g, v, train_start, time.time()) for g in batch])
+            if main:
+                files.append_many("groups.jsonl", [group_record(g, v, train_start, time.time()) for g in batch])
         groups = list(plan.received.values())
         with timer("train"):
             update = await asyncio.to_thread(updates.finish)
         with timer("sync"):
-            await asyncio.to_thread(store.publish, v + 1, learner.model.state_dict())
+            await asyncio.to_thread(publish_weights, store, v + 1, learner)
             await asyncio.to_thread(save_checkpoint, files, learner, v + 1)
         await source.commit(v)
         if not pushed:  # pushed: the workers' load time is the push, already counted
@@ -228,10 +240,11 @@ async def train(
         }
         metrics = iteration_metrics(v, groups, update, timer, allowed, extra)
         metrics["reward_errors"] += plan.filtered_reward_errors  # dropped groups' reward errors still count
-        files.append("metrics.jsonl", metrics)
-        if files.on_iteration:
-            files.on_iteration(metrics)
-        tracker.log(metrics, step=v)
+        if main:
+            files.append("metrics.jsonl", metrics)
+            if files.on_iteration:
+                files.on_iteration(metrics)
+            tracker.log(metrics, step=v)
         history.append(metrics)
     await source.finish(end)
     return history

@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tidal.protocol import Group, GroupLimits, ProtocolError, WorkItem, decode_group
+from tidal.protocol import Group, GroupLimits, ProtocolError, WorkItem, decode_group, pack, unpack
+from tidal.trainer.distributed import DistContext, broadcast_bytes
 from tidal.transport import Transport, keep_in_progress
 
 log = logging.getLogger(__name__)
@@ -165,3 +166,44 @@ class QueueSource:
         if self.keep_alive is not None:
             self.keep_alive.cancel()
         await self.transport.put_policy(next_version, self.policy_uri(next_version))
+
+
+class BroadcastSource:
+    """Several trainer ranks: rank 0 alone talks to the real source (consume, dedupe, ack, publish
+    work); every batch it receives reaches the other ranks as raw msgpack bytes over the CPU process
+    group, so every rank decodes the same groups in the same order."""
+
+    def __init__(self, inner: GroupSource | None, ctx: DistContext):
+        if ctx.is_main and inner is None:
+            raise ValueError("rank 0 needs the real group source")
+        self.inner, self.ctx = inner, ctx
+
+    async def begin_iteration(self, version: int) -> tuple[float, bool]:
+        return await self.inner.begin_iteration(version) if self.ctx.is_main else (0.0, False)
+
+    async def request(self, items: list[WorkItem]) -> None:
+        if self.ctx.is_main:
+            await self.inner.request(items)
+
+    async def receive(self, version: int, wanted: int, timeout: float) -> Arrivals:
+        payload = None
+        if self.ctx.is_main:
+            arrivals = await self.inner.receive(version, wanted, timeout)
+            payload = pack(
+                {"groups": [pack(g) for g in arrivals.groups], "rejected": arrivals.rejected, "generating_seconds": arrivals.generating_seconds}
+            )
+        data = unpack(await asyncio.to_thread(broadcast_bytes, payload, self.ctx))
+        if self.ctx.is_main:
+            return arrivals
+        return Arrivals([decode_group(g) for g in data["groups"]], data["rejected"], data["generating_seconds"])
+
+    async def commit(self, version: int) -> None:
+        if self.ctx.is_main:
+            await self.inner.commit(version)
+
+    async def queue_depth(self) -> int:
+        return await self.inner.queue_depth() if self.ctx.is_main else 0
+
+    async def finish(self, next_version: int) -> None:
+        if self.ctx.is_main:
+            await self.inner.finish(next_version)

@@ -1,0 +1,160 @@
+"""How the trainer's models are laid out over ranks: `single` (one process) or `fsdp2` (each
+decoder layer and the root sharded with `fully_shard`). The strategy wraps the models and owns
+what differs between layouts (gradient reduction, clipping, gathering full weights, optimizer
+shards); the loss math in `algo/` and the learner's accumulation do not change.
+
+DESIGN §4 divides the summed per-token loss by the *global* token count once, at the step; FSDP
+averages gradients over ranks by default, so every FSDP module is told to sum instead
+(`set_gradient_divide_factor(1.0)`, which gloo accepts only with `set_force_sum_reduction_for_comms`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tidal.config import TrainerConfig
+from tidal.model.loading import load_state_dict_tied
+from tidal.trainer.distributed import DistContext
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Strategy(Protocol):
+    name: str
+    ctx: DistContext
+
+    def wrap(self, model: torch.nn.Module, trainable: bool) -> torch.nn.Module: ...
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float: ...
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]: ...
+
+    def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None: ...
+
+    def local_shard(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def like_param(self, local: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor: ...
+
+
+def resolve_strategy_name(requested: str, world_size: int) -> str:
+    if requested == "auto":
+        return "single" if world_size == 1 else "fsdp2"
+    if requested == "single" and world_size > 1:
+        raise ValueError(f"trainer.strategy 'single' cannot run on {world_size} ranks: use 'fsdp2' (or 'auto')")
+    return requested
+
+
+class SingleStrategy:
+    name = "single"
+
+    def __init__(self, cfg: TrainerConfig, ctx: DistContext):
+        self.cfg, self.ctx = cfg, ctx
+
+    def wrap(self, model: torch.nn.Module, trainable: bool) -> torch.nn.Module:
+        return model
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return model.state_dict()
+
+    def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        load_state_dict_tied(model, state)
+
+    def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def like_param(self, local: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+        return local.to(param.device, copy=True)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks to shard one by one: HF models name their layer class in `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"fsdp2: found no decoder layers to shard in {type(model).__name__} (no _no_split_modules)")
+    return layers
+
+
+class FSDP2Strategy:
+    name = "fsdp2"
+
+    def __init__(self, cfg: TrainerConfig, ctx: DistContext):
+        self.cfg, self.ctx = cfg, ctx
+
+    def _policies(self) -> dict:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        mixed = MixedPrecisionPolicy(
+            param_dtype=DTYPES[self.cfg.param_dtype] if self.cfg.param_dtype else None,
+            reduce_dtype=DTYPES[self.cfg.reduce_dtype] if self.cfg.reduce_dtype else None,
+        )
+        return {"mp_policy": mixed, "offload_policy": CPUOffloadPolicy() if self.cfg.cpu_offload else OffloadPolicy()}
+
+    def wrap(self, model: torch.nn.Module, trainable: bool) -> torch.nn.Module:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if trainable and self.cfg.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policies = self._policies()
+        for layer in decoder_layers(model):
+            fully_shard(layer, **policies)
+        fully_shard(model, **policies)
+        if trainable:  # sum, not average, over ranks: the step divides by the global token count
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        full = getattr(norm, "full_tensor", None)
+        return float(full() if full else norm)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """A collective: every rank calls it; rank 0 gets the full weights on the CPU, the others {}."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if getattr(getattr(model, "config", None), "tie_word_embeddings", False):  # gathered as a copy, not an alias
+            state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
+        return state
+
+    def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Every rank passes the full weights (read from the shared weight store); each keeps its shard."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+        if tied:
+            state = {k: v for k, v in state.items() if "lm_head" not in k}
+        result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        really_missing = [k for k in result.missing_keys if not (tied and "lm_head" in k)]
+        if result.unexpected_keys or really_missing:
+            raise ValueError(f"weights do not fit the model: missing {really_missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+
+    def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        to_local = getattr(tensor, "to_local", None)
+        return to_local() if to_local else tensor
+
+    def like_param(self, local: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(param, DTensor):
+            return local.to(param.device, copy=True)
+        local = local.to(param.to_local().device, copy=True)
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+
+
+STRATEGIES = {"single": SingleStrategy, "fsdp2": FSDP2Strategy}
+
+
+def build_strategy(cfg: TrainerConfig, ctx: DistContext) -> Strategy:
+    name = resolve_strategy_name(cfg.strategy, ctx.world_size)
+    if name not in STRATEGIES:
+        raise ValueError(f"trainer.strategy {name!r} is not available (one of {sorted(STRATEGIES)})")
+    return STRATEGIES[name](cfg, ctx)
