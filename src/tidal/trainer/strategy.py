@@ -22,20 +22,35 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class Strategy(Protocol):
+    """What a layout owns. `wrap` returns the module the learner runs forward passes on."""
+
     name: str
     ctx: DistContext
 
     def wrap(self, model: torch.nn.Module, trainable: bool) -> torch.nn.Module: ...
 
-    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float: ...
+    def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def zero_grad(self, model: torch.nn.Module) -> None: ...
+
+    def scale_gradients(self, model: torch.nn.Module, factor: float) -> None:
+        """Multiplies the accumulated (summed over ranks) gradients by `factor` (1 / global units)."""
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        """Clips by the global norm over every rank's shard; returns the norm before clipping."""
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]: ...
 
     def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None: ...
 
-    def local_shard(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def optimizer_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """This rank's optimizer state as `param_name::field` -> tensor (safetensors, no pickle)."""
 
-    def like_param(self, local: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor: ...
+    def load_optimizer_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None: ...
 
 
 def resolve_strategy_name(requested: str, world_size: int) -> str:
@@ -46,7 +61,59 @@ def resolve_strategy_name(requested: str, world_size: int) -> str:
     return requested
 
 
-class SingleStrategy:
+class TorchOptimizerLayout:
+    """What single and fsdp2 share: a torch AdamW over the module's (possibly sharded) parameters,
+    autograd's backward, gradients on `param.grad`."""
+
+    cfg: TrainerConfig
+    ctx: DistContext
+
+    def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas, weight_decay=self.cfg.weight_decay)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def zero_grad(self, model: torch.nn.Module) -> None:
+        model.zero_grad(set_to_none=True)
+
+    def scale_gradients(self, model: torch.nn.Module, factor: float) -> None:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
+        full = getattr(norm, "full_tensor", None)  # fsdp2: a DTensor
+        return float(full() if full else norm)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def like_param(self, local: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+        return local.to(param.device, copy=True)
+
+    def optimizer_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        names = {p: n for n, p in model.named_parameters()}
+        out = {}
+        for p, state in optimizer.state.items():
+            for key, value in state.items():
+                local = self.local_shard(value) if torch.is_tensor(value) else torch.as_tensor(value)
+                out[f"{names[p]}::{key}"] = local.detach().cpu().clone()
+        return out
+
+    def load_optimizer_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+        params = dict(model.named_parameters())
+        for key, value in tensors.items():
+            name, field = key.rsplit("::", 1)
+            # Moments live beside (and sharded like) their parameter; AdamW keeps its `step` counter on the CPU.
+            optimizer.state[params[name]][field] = value.clone() if field == "step" else self.like_param(value, params[name])
+
+
+class SingleStrategy(TorchOptimizerLayout):
     name = "single"
 
     def __init__(self, cfg: TrainerConfig, ctx: DistContext):
@@ -55,20 +122,11 @@ class SingleStrategy:
     def wrap(self, model: torch.nn.Module, trainable: bool) -> torch.nn.Module:
         return model
 
-    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()
 
     def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         load_state_dict_tied(model, state)
-
-    def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def like_param(self, local: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
-        return local.to(param.device, copy=True)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -80,7 +138,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-class FSDP2Strategy:
+class FSDP2Strategy(TorchOptimizerLayout):
     name = "fsdp2"
 
     def __init__(self, cfg: TrainerConfig, ctx: DistContext):
@@ -110,11 +168,6 @@ class FSDP2Strategy:
                     module.set_gradient_divide_factor(1.0)
                     module.set_force_sum_reduction_for_comms(True)
         return model
-
-    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        full = getattr(norm, "full_tensor", None)
-        return float(full() if full else norm)
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """A collective: every rank calls it; rank 0 gets the full weights on the CPU, the others {}."""
