@@ -64,3 +64,17 @@ def test_modes_benchmark_leaves_the_warmup_iterations_out():
     assert steady_state(metrics, warmup=0)["iteration_seconds_mean"] == 12.0
     with pytest.raises(SystemExit, match="must exceed --warmup"):
         steady_state(metrics, warmup=3)
+
+
+def test_tidal_bench_trainer_shows_fsdp2_halving_memory_per_rank(tmp_path):
+    out = tmp_path / "trainer.json"
+    args = ["--strategies", "single,fsdp2", "--hidden", "64", "--layers", "2", "--groups", "4", "--iterations", "1", "--json", str(out)]
+    proc = run_cli("bench", "trainer", *args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert sorted(results) == ["fsdp2@1", "fsdp2@2", "single@1"]
+    single, sharded = results["single@1"], results["fsdp2@2"]
+    assert all(r["tokens_per_s"] > 0 and r["trained_tokens"] > 0 for r in results.values())
+    assert results["fsdp2@1"]["resident_bytes_per_rank"] == single["resident_bytes_per_rank"]  # one rank holds everything
+    assert 0.45 < sharded["resident_bytes_per_rank"] / single["resident_bytes_per_rank"] < 0.6  # about half per rank at 2
+    assert "share them" in proc.stdout and "fsdp2@2" in proc.stdout

@@ -31,7 +31,7 @@ from tidal.trainer.distributed import shutdown as shutdown_process_group
 from tidal.trainer.learner import Learner
 from tidal.trainer.loop import train
 from tidal.trainer.sources import BroadcastSource, InProcessSource, QueueSource
-from tidal.trainer.strategy import Strategy, build_strategy
+from tidal.trainer.strategy import Strategy, build_strategy, resolve_strategy_name
 from tidal.trainer.weight_push import NcclWeightPush, rendezvous_endpoint
 from tidal.transport import Transport, weight_handshake
 from tidal.weights import WeightStore
@@ -61,9 +61,10 @@ def start_trainer_ranks(cfg: TidalConfig, run_dir: Path) -> tuple[DistContext, S
     """This process's rank (torchrun's environment), its process group, strategy and device."""
     ctx = context_from_env()
     set_threads(max(1, split_cores(cfg)[0] // ctx.local_world_size))
-    strategy = build_strategy(cfg.trainer, ctx)  # first: a strategy that cannot run here is an error before any rendezvous
+    resolve_strategy_name(cfg.trainer.strategy, ctx.world_size)  # one that cannot run here: an error before any rendezvous
     device = rank_device(cfg, ctx)
     init_process_group(ctx, device.partition(":")[0])
+    strategy = build_strategy(cfg.trainer, ctx)
     if ctx.distributed:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (run_dir / "logs" / f"trainer-rank{ctx.rank}.pid").write_text(str(os.getpid()))

@@ -53,6 +53,22 @@ def init_process_group(ctx: DistContext, device_type: str, timeout_seconds: floa
     dist.init_process_group(BACKENDS[device_type], rank=ctx.rank, world_size=ctx.world_size, timeout=datetime.timedelta(seconds=timeout_seconds))
 
 
+def ensure_process_group(ctx: DistContext, device_type: str) -> None:
+    """A sharding strategy needs a process group even at one rank (fsdp2 at world size 1, e.g. to
+    compare it with `single`): a private one on a free loopback port when torchrun gave none."""
+    if dist.is_initialized():
+        return
+    if ctx.distributed:
+        init_process_group(ctx, device_type)
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(BACKENDS[device_type], init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -15,8 +15,9 @@ from typing import Protocol
 import torch
 
 from tidal.config import TrainerConfig
+from tidal.devices import resolve_device
 from tidal.model.loading import load_state_dict_tied
-from tidal.trainer.distributed import DistContext
+from tidal.trainer.distributed import DistContext, ensure_process_group
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -143,6 +144,7 @@ class FSDP2Strategy(TorchOptimizerLayout):
 
     def __init__(self, cfg: TrainerConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
+        ensure_process_group(ctx, resolve_device(cfg.device).partition(":")[0])
 
     def _policies(self) -> dict:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy

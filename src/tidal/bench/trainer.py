@@ -1,0 +1,191 @@
+"""Trainer strategies side by side: trained tokens/s and memory per rank for single, fsdp2 and
+deepspeed at 1 and 2 ranks, on the same model and the same groups (one run).
+
+    tidal bench trainer [--strategies single,fsdp2,deepspeed] [--ranks 1,2] [--hidden 256] [--layers 4]
+                        [--groups 16] [--group-size 8] [--prompt-len 48] [--response-len 48] [--iterations 4]
+                        [--warmup 1] [--json out.json]
+    (or: python benchmarks/trainer.py ...)
+
+Each configuration runs in its own processes (torchrun for 2 ranks, gloo on CPU). Memory per rank
+is what the layout keeps resident: parameters + gradients + optimizer state of this rank's shard
+(bytes of the local tensors, at the end of an iteration's accumulation), and the process's peak
+RSS. Ratios are against `single` at 1 rank, measured in the same run. On a CPU machine the ranks
+share its cores, so tokens/s at 2 ranks shows the cost of sharding, not a speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def synthetic_groups(iteration: int, count: int, group_size: int, prompt_len: int, response_len: int, vocab: int):
+    """Fixed-length groups with graded rewards (every group trains): the same on every rank."""
+    import numpy as np
+
+    from tidal.protocol import Group, Sample
+
+    rng = np.random.default_rng(iteration)
+    groups = []
+    for i in range(count):
+        prompt = rng.integers(4, vocab, prompt_len, dtype=np.int32)
+        samples = [
+            Sample(rng.integers(4, vocab, response_len, dtype=np.int32), np.full(response_len, -1.0, dtype=np.float32), float(r))
+            for r in rng.permutation(group_size)
+        ]
+        groups.append(Group(iteration, i, iteration, "bench", prompt, samples))
+    return groups
+
+
+def local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def resident_bytes(learner) -> dict[str, int]:
+    import torch
+
+    params = list(learner.model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    optimizer_state = [v for state in learner.optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {"param_bytes": local_bytes(params), "grad_bytes": local_bytes(grads), "optimizer_bytes": local_bytes(optimizer_state)}
+
+
+def worker(args) -> None:
+    """One rank: train `iterations` iterations on synthetic groups, write this configuration's figures."""
+    import torch
+
+    from tidal.config import TinyModelConfig, TrainerConfig
+    from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+    from tidal.trainer.distributed import all_reduce_max, all_reduce_sum, context_from_env, init_process_group, shutdown
+    from tidal.trainer.learner import Learner
+    from tidal.trainer.strategy import build_strategy
+
+    ctx = context_from_env()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+    init_process_group(ctx, "cpu")
+    torch.manual_seed(0)
+    tok = build_char_tokenizer()
+    tiny = TinyModelConfig(
+        hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2, max_position_embeddings=512
+    )
+    model = build_tiny_model(tiny, tok)
+    cfg = TrainerConfig(strategy=args.strategy, device="cpu", warmup_steps=0, token_budget=args.token_budget)
+    learner = Learner(cfg, model, tok.pad_token_id, strategy=build_strategy(cfg, ctx), device="cpu")
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    seconds, tokens, memory = 0.0, 0.0, {}
+    for it in range(args.warmup + args.iterations):
+        groups = synthetic_groups(it, args.groups, args.group_size, args.prompt_len, args.response_len, vocab)
+        learner.begin_iteration(it)
+        t0 = time.perf_counter()
+        learner.train_on_groups(groups)
+        memory = resident_bytes(learner)  # gradients are allocated now, optimizer state from the previous step
+        metrics = learner.step()
+        elapsed = time.perf_counter() - t0
+        if it >= args.warmup:
+            seconds += all_reduce_max([elapsed], ctx)[0]
+            tokens += metrics["trained_tokens"]
+    memory["optimizer_bytes"] = resident_bytes(learner)["optimizer_bytes"]  # after a step: the moments exist
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    fields = ["param_bytes", "grad_bytes", "optimizer_bytes", "peak_rss_bytes"]
+    mine = [memory["param_bytes"], memory["grad_bytes"], memory["optimizer_bytes"], peak_rss]
+    per_rank = all_reduce_sum([v if r == ctx.rank else 0.0 for r in range(ctx.world_size) for v in mine], ctx)
+    if ctx.is_main:
+        ranks = [dict(zip(fields, per_rank[r * len(fields) : (r + 1) * len(fields)])) for r in range(ctx.world_size)]
+        Path(args.out).write_text(json.dumps({"seconds": seconds, "trained_tokens": tokens, "ranks": ranks}))
+    shutdown()
+
+
+def run_configuration(strategy: str, ranks: int, args, workdir: Path) -> dict:
+    out = workdir / f"{strategy}-{ranks}.json"
+    launcher = [sys.executable, "-m"]
+    if ranks > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m"]
+    options = ["--hidden", args.hidden, "--layers", args.layers, "--groups", args.groups, "--group-size", args.group_size]
+    options += ["--prompt-len", args.prompt_len, "--response-len", args.response_len, "--iterations", args.iterations, "--warmup", args.warmup]
+    options += ["--token-budget", args.token_budget]
+    cmd = [*launcher, "tidal.bench.trainer", "--worker", "--strategy", strategy, "--out", str(out), *map(str, options)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))})
+    if proc.returncode != 0:
+        raise SystemExit(f"{strategy} at {ranks} rank(s) failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(out.read_text())
+    result["tokens_per_s"] = result["trained_tokens"] / result["seconds"]
+    result["resident_bytes_per_rank"] = max(r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in result["ranks"])
+    result["peak_rss_bytes_per_rank"] = max(r["peak_rss_bytes"] for r in result["ranks"])
+    return result
+
+
+def available(strategy: str) -> str | None:
+    """Why `strategy` cannot run here, or None."""
+    if strategy == "deepspeed":
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            return "deepspeed is not installed (pip install 'tidal[deepspeed]')"
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="tidal bench trainer", description=__doc__.splitlines()[0])
+    ap.add_argument("--strategies", default="single,fsdp2,deepspeed")
+    ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=48)
+    ap.add_argument("--response-len", type=int, default=48)
+    ap.add_argument("--iterations", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--token-budget", type=int, default=4096)
+    ap.add_argument("--json", dest="json_path")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--strategy", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    configurations = []
+    for strategy in [s.strip() for s in args.strategies.split(",") if s.strip()]:
+        for ranks in [int(r) for r in args.ranks.split(",")]:
+            if strategy == "single" and ranks > 1:
+                continue  # one process by definition
+            configurations.append((strategy, ranks))
+    cores = os.cpu_count() or 1
+    print(f"{cores} CPU core(s); ranks of one configuration share them, so 2 ranks show the cost of sharding here, not a speed-up")
+    results, skipped = {}, {}
+    with tempfile.TemporaryDirectory(prefix="tidal-bench-trainer-") as tmp:
+        for strategy, ranks in configurations:
+            reason = available(strategy)
+            if reason:
+                skipped[f"{strategy}@{ranks}"] = reason
+                continue
+            results[f"{strategy}@{ranks}"] = run_configuration(strategy, ranks, args, Path(tmp))
+    base = results.get("single@1")
+    mib = 1024 * 1024
+    for name, r in results.items():
+        ratios = ""
+        if base:
+            ratios = f"  tokens/s x{r['tokens_per_s'] / base['tokens_per_s']:.2f}, resident/rank x{r['resident_bytes_per_rank'] / base['resident_bytes_per_rank']:.2f}"
+        print(
+            f"{name:12s} {r['tokens_per_s']:8.0f} trained tokens/s  resident/rank {r['resident_bytes_per_rank'] / mib:7.1f} MiB "
+            f"(params+grads+optimizer)  peak RSS/rank {r['peak_rss_bytes_per_rank'] / mib:7.1f} MiB{ratios}"
+        )
+    for name, reason in skipped.items():
+        print(f"{name:12s} skipped: {reason}")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({"results": results, "skipped": skipped, "cores": cores, "options": vars(args)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
