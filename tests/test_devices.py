@@ -49,6 +49,9 @@ def test_local_placement_gives_the_trainer_one_device_and_each_worker_its_own():
     assert accelerator_placement(["0", "1", "2"], 2, 1) == {"trainer": ["0"], "worker-0": ["1"], "worker-1": ["2"]}
     assert accelerator_placement(list("01234"), 2, 2) == {"trainer": ["0"], "worker-0": ["1", "2"], "worker-1": ["3", "4"]}
     assert accelerator_placement(["0", "1", "2"], 3, 1) == {"trainer": ["0"], "worker-0": ["1"], "worker-1": ["2"], "worker-2": ["1"]}
+    # two trainer ranks: one device each, then the workers
+    assert accelerator_placement(list("0123"), 2, 1, trainer_ranks=2) == {"trainer": ["0", "1"], "worker-0": ["2"], "worker-1": ["3"]}
+    assert accelerator_placement(["0", "1"], 1, 1, trainer_ranks=2) is None  # no device left for a worker: shared
 
 
 def test_visible_device_ids_follow_the_parents_list():

@@ -54,11 +54,13 @@ def visible_device_ids(kind: str, environ: dict[str, str], count: int) -> list[s
     return [d.strip() for d in listed.split(",") if d.strip()] if listed else [str(i) for i in range(count)]
 
 
-def accelerator_placement(devices: list[str], workers: int, per_worker: int) -> dict[str, list[str]] | None:
-    """Local runs: the trainer on the first device and each rollout worker on its own `per_worker`
-    devices (its tensor-parallel size) when there are enough for the trainer and one worker; workers
-    beyond the devices share them round-robin. None when there are too few: every role sees them all."""
-    blocks = [devices[i : i + per_worker] for i in range(1, len(devices) - per_worker + 1, per_worker)]
+def accelerator_placement(devices: list[str], workers: int, per_worker: int, trainer_ranks: int = 1) -> dict[str, list[str]] | None:
+    """Local runs: the trainer on the first `trainer_ranks` devices (one per rank) and each rollout
+    worker on its own `per_worker` devices (its tensor-parallel size) when there are enough for the
+    trainer and one worker; workers beyond the devices share them round-robin. None when there are
+    too few: every role sees them all."""
+    first = trainer_ranks
+    blocks = [devices[i : i + per_worker] for i in range(first, len(devices) - per_worker + 1, per_worker)]
     if not blocks:
         return None
-    return {"trainer": devices[:1], **{f"worker-{i}": blocks[i % len(blocks)] for i in range(workers)}}
+    return {"trainer": devices[:first], **{f"worker-{i}": blocks[i % len(blocks)] for i in range(workers)}}

@@ -66,7 +66,7 @@ def local_accelerator_env(cfg: TidalConfig, environ: dict[str, str] | None = Non
     if kind is None or cfg.rollout.engine != "vllm" or cfg.rollout.vllm.placement == "shared":
         return {}
     devices = visible_device_ids(kind, environ, visible[kind])
-    placement = accelerator_placement(devices, cfg.rollout.workers, cfg.rollout.vllm.tensor_parallel_size)
+    placement = accelerator_placement(devices, cfg.rollout.workers, cfg.rollout.vllm.tensor_parallel_size, cfg.trainer.ranks)
     if placement is None:
         log.info("%d %s device(s) for the trainer and %d worker(s): every role shares them", len(devices), kind, cfg.rollout.workers)
         return {}
