@@ -85,3 +85,31 @@ def test_a_raising_reward_scores_zero_logs_and_counts(caplog):
         reward, parts = scorer.score("A: 3", "3")
     assert reward == 1.0 and parts["tests.test_data_rewards:broken_reward"] == 0.0
     assert scorer.errors == 1 and "user bug" in caplog.text
+
+
+def nan_reward(completion: str, answer: str) -> float:
+    return float("nan")
+
+
+def string_reward(completion: str, answer: str):
+    return "0.5"
+
+
+@pytest.mark.parametrize("bad", ["nan_reward", "string_reward"])
+def test_a_reward_that_is_not_a_finite_number_is_an_error_counted_and_scores_zero(bad, caplog):
+    name = f"tests.test_data_rewards:{bad}"
+    scorer = RewardScorer.from_config(RewardConfig(functions=[{"name": "exact_match"}, {"name": name}]))
+    reward, parts = scorer.score("A: 3", "3")
+    assert reward == 1.0 and parts[name] == 0.0 and scorer.errors == 1
+    assert "not a finite number" in scorer.last_error or "str '0.5', not a number" in scorer.last_error
+
+
+def test_numpy_and_integer_rewards_are_numbers():
+    import numpy as np
+
+    from tidal.rewards import checked_reward
+
+    assert checked_reward(np.float32(0.25)) == 0.25 and checked_reward(1) == 1.0
+    for bad in (float("inf"), None, True, "1"):
+        with pytest.raises((TypeError, ValueError)):
+            checked_reward(bad)

@@ -38,6 +38,12 @@ REQUIRED_METRICS = [
     "groups_filtered",
     "logprob_mismatch",
     "tis_truncated_fraction",
+    "messages_rejected",
+    "staleness_mean",
+    "zero_advantage_group_fraction",
+    "pass_at_group_size",
+    "response_length_correct_mean",
+    "response_length_incorrect_mean",
 ]
 SUMMARY_KEYS = [
     "mode",

@@ -215,3 +215,15 @@ def test_held_out_sampled_accuracy_is_seeded_per_prompt_and_scores_every_sample(
             ]
 
     assert held_out_accuracy(Answers(), tok, problems[:2], batch_size=8, samples=3) == 1 / 6
+
+
+def test_learning_diagnostics_count_groups_without_signal_and_solved_prompts():
+    from tidal.trainer.metrics import learning_diagnostics
+
+    rng = np.random.default_rng(9)
+    flat = make_group(rng, 3, [2, 2], [0.1, 0.1])  # all equal: no signal
+    mixed = make_group(rng, 3, [4, 6], [1.0, 0.0])
+    mixed.samples[0].correct = 1.0
+    d = learning_diagnostics([flat, mixed])
+    assert d["zero_advantage_group_fraction"] == 0.5 and d["pass_at_group_size"] == 0.5
+    assert d["response_length_correct_mean"] == 4.0 and d["response_length_incorrect_mean"] == (2 + 2 + 6) / 3

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
+import numbers
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,10 +96,22 @@ class RewardScorer:
         parts: dict[str, float] = {}
         for name, fn, _ in self.functions:
             try:
-                parts[name] = float(fn(completion, answer))
+                parts[name] = checked_reward(fn(completion, answer))
             except Exception as err:  # user code: never let it take the worker down
                 self.errors += 1
                 self.last_error = f"{name}: {type(err).__name__}: {err}"
                 log.warning("reward function %s raised %s: %s (scored 0)", name, type(err).__name__, err)
                 parts[name] = 0.0
         return sum(w * parts[name] for name, _, w in self.functions), parts
+
+
+def checked_reward(value: object) -> float:
+    """A reward must be a finite real number: NaN or inf would turn every weight into NaN, and a
+    string ("0.5") or None is a bug in the function, not a score. Anything else raises (and is
+    counted as a reward error, scoring 0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"returned {type(value).__name__} {value!r}, not a number")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"returned {result}, not a finite number")
+    return result

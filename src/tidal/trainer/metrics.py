@@ -57,6 +57,23 @@ def group_stats(groups: list[Group]) -> dict[str, float]:
         "generated_tokens": float(lengths.sum()),
         "samples": float(len(rewards)),
         "reward_errors": float(sum(g.reward_errors for g in groups)),
+        **learning_diagnostics(groups),
+    }
+
+
+def learning_diagnostics(groups: list[Group]) -> dict[str, float]:
+    """What a user checks first when a run does not learn: how many groups carry no signal (all
+    rewards equal: zero advantage), how often G samples find the answer at all (pass@G on the
+    training prompts), and whether correct answers are shorter or longer than wrong ones."""
+    no_signal = [len(set(g.rewards)) == 1 for g in groups]
+    solved = [any(s.correct > 0 for s in g.samples) for g in groups]
+    right = [len(s.token_ids) for g in groups for s in g.samples if s.correct > 0]
+    wrong = [len(s.token_ids) for g in groups for s in g.samples if s.correct <= 0]
+    return {
+        "zero_advantage_group_fraction": float(np.mean(no_signal)),
+        "pass_at_group_size": float(np.mean(solved)),
+        "response_length_correct_mean": float(np.mean(right)) if right else 0.0,
+        "response_length_incorrect_mean": float(np.mean(wrong)) if wrong else 0.0,
     }
 
 
