@@ -113,3 +113,33 @@ def test_numpy_and_integer_rewards_are_numbers():
     for bad in (float("inf"), None, True, "1"):
         with pytest.raises((TypeError, ValueError)):
             checked_reward(bad)
+
+
+# Hand-labelled completions on which the regex (`exact_match`) and math-verify disagree, both ways.
+# The label is what a grader reading the completion would say.
+DISAGREEMENTS = [
+    # (completion, answer, hand label, regex, math-verify)
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0, 0.0, 1.0),  # LaTeX fraction in a box
+    ("The answer is 3/4", "0.75", 1.0, 0.0, 1.0),  # a plain fraction, no A: line
+    ("$1,234.50", "1234.5", 1.0, 0.0, 1.0),  # currency and a thousands separator
+    ("A: 1/2", "0.5", 1.0, 0.0, 1.0),  # the regex reads only decimals
+    ("A: 7 no wait 9", "7", 0.0, 1.0, 0.0),  # changed its mind: the regex trusts the first A:
+    ("#### 7\nbut I think it is 9", "7", 0.0, 1.0, 0.0),  # the same after ####
+]
+
+
+@pytest.mark.parametrize("completion,answer,label,regex,verified", DISAGREEMENTS)
+def test_math_verify_and_the_regex_disagree_both_ways_and_math_verify_matches_the_hand_label(completion, answer, label, regex, verified):
+    from tidal.rewards import math_verify_reward
+
+    assert exact_match(completion, answer) == regex
+    assert math_verify_reward(completion, answer) == verified == label
+
+
+def test_math_verify_is_registered_and_scores_on_worker_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    scorer = RewardScorer.from_config(RewardConfig(functions=[{"name": "math_verify"}]))
+    with ThreadPoolExecutor(1) as pool:  # workers score off the main thread, where SIGALRM timeouts cannot work
+        reward, parts = pool.submit(scorer.score, "so \\boxed{42}", "42").result()
+    assert reward == 1.0 and parts == {"math_verify": 1.0} and scorer.errors == 0

@@ -33,6 +33,7 @@ def test_gsm8k_example_uses_the_full_splits_and_an_instruction_the_reward_unders
     answer = dataset.train[0].answer
     assert scorer.score(f"Step one.\n#### {answer}", answer)[0] == pytest.approx(1.1)  # correct + format
     assert scorer.score("Step one.\n#### 0.5", answer)[0] == pytest.approx(0.1)
+    assert "math_verify" in scorer.score(f"#### {answer}", answer)[1]  # the math-verify reward, not the regex
 
 
 def test_a_model_that_cannot_be_loaded_is_named(tmp_path):

@@ -10,6 +10,7 @@ import logging
 import math
 import numbers
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -62,6 +63,22 @@ def format_reward(completion: str, answer: str) -> float:
     """1 when the completion's last line is exactly a final-answer line."""
     lines = completion.strip().splitlines()
     return 1.0 if lines and _FORMAT.match(lines[-1]) else 0.0
+
+
+@register("math_verify")
+def math_verify_reward(completion: str, answer: str) -> float:
+    """1 when the completion's final answer equals `answer` mathematically, by the math-verify
+    package: \\boxed{}, `####`, fractions, LaTeX, units and thousands separators are understood
+    (`exact_match` reads only `A:` / `####` numbers). math-verify's timeouts use SIGALRM, which
+    works only on a process's main thread; rewards are scored on worker threads, so there they run
+    without one."""
+    from math_verify import parse, verify
+
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(answer, parsing_timeout=timeout)
+    if not gold:
+        gold = parse(f"${answer}$", parsing_timeout=timeout)
+    return 1.0 if verify(gold, parse(completion, parsing_timeout=timeout), timeout_seconds=timeout) else 0.0
 
 
 def resolve(name: str) -> RewardFn:
