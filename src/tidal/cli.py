@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="held-out accuracy of a weight snapshot")
     _common(ev)
     ev.add_argument("--weights", default=None, help="snapshot directory (default: the run's latest)")
+    ev.add_argument("--follow", action="store_true", help="evaluate every eval.every-th version as training publishes it (MLflow eval/*)")
     from tidal.bench import BENCHMARKS, run_benchmark
 
     bench = sub.add_parser("bench", help="a benchmark against its baseline, measured in the same run (prints the ratio)")
@@ -87,9 +88,17 @@ def _run_command(args) -> int:
 
         info = RunInfo.load(run_dir)
         store = WeightStore(run_dir / "weights")
-        path = args.weights or store.path(store.latest_version())
         problems = load_dataset(cfg.data, cfg.seed).eval
         problems = problems[: cfg.eval.num_prompts] if cfg.eval.num_prompts else problems
+        if args.follow:
+            from tidal.evaluate import follow_run
+            from tidal.tracking import Tracker
+
+            if not cfg.eval.every:
+                raise ValueError("tidal eval --follow needs eval.every (evaluate every N-th version)")
+            follow_run(cfg, run_dir, info.base_model, problems, Tracker(info.tracking_uri, info.mlflow_run_id).log)
+            return 0
+        path = args.weights or store.path(store.latest_version())
         scores = evaluate_snapshot(cfg, info.base_model, problems, path)
         print(json.dumps({"weights": str(path), **scores, "num_prompts": len(problems)}))
     return 0

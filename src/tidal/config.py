@@ -192,6 +192,17 @@ class EvalConfig(_Strict):
     batch_size: int = Field(64, gt=0)
     engine: Literal["rollout", "hf", "vllm"] = "rollout"  # rollout: the engine rollout.engine names
     samples_per_prompt: int = Field(4, ge=0)  # sampled accuracy at the rollout temperature; 0: greedy only
+    k: list[int] = [1, 4]  # pass@k (unbiased estimator) and maj@k over the samples; each k <= samples_per_prompt
+    # evaluate every N-th version while training continues (a separate eval process), so MLflow shows
+    # a held-out learning curve (eval/*); None: only before and after the run
+    every: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _k_within_samples(self) -> EvalConfig:
+        too_many = [k for k in self.k if k < 1 or k > self.samples_per_prompt] if self.samples_per_prompt else []
+        if too_many:
+            raise ValueError(f"eval.k {too_many} must each be between 1 and eval.samples_per_prompt ({self.samples_per_prompt})")
+        return self
 
 
 class TrackingConfig(_Strict):

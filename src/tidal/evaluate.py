@@ -3,19 +3,80 @@
 from __future__ import annotations
 
 import logging
+import math
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 from tidal.config import TidalConfig
 from tidal.data import Problem, prompt_encoder
 from tidal.model.loading import load_model_and_tokenizer, load_tokenizer
-from tidal.rewards import exact_match
+from tidal.rewards import exact_match, extract_final_answer
 from tidal.rollout.engine import GroupRequest, HFEngine, RolloutEngine, group_generator, group_seed
 
 log = logging.getLogger(__name__)
 
 
 EVAL_ITERATION = 10**9  # seeds eval samples apart from any training iteration's
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chen et al. (2021): the probability that at least one of k samples drawn without
+    replacement from n (c of them correct) is correct, 1 - C(n-c, k) / C(n, k)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(answers: list[str | None], gold: str) -> bool:
+    """maj@k: the most frequent extracted answer (ties: the one seen first; no answer never wins) is correct."""
+    counts = Counter(a for a in answers if a is not None)
+    if not counts:
+        return False
+    best = max(counts.values())
+    winner = next(a for a in answers if a is not None and counts[a] == best)
+    return exact_match(f"A: {winner}", gold) > 0
+
+
+def held_out_scores(
+    engine: RolloutEngine,
+    tokenizer,
+    problems: list[Problem],
+    batch_size: int = 64,
+    max_new_tokens: int | None = None,
+    samples: int = 0,
+    seed: int = 0,
+    encode: Callable[[str], list[int]] | None = None,
+    ks: tuple[int, ...] = (),
+) -> dict[str, float]:
+    """`accuracy`: the fraction correct, greedy (samples 0) or the mean over `samples` samples per
+    prompt at the engine's temperature, seeded per prompt so that two snapshots are compared on the
+    same noise; with samples, `pass@k` and `maj@k` for each k in `ks`, averaged over prompts.
+    `encode` turns a problem's text into prompt ids (data.prompt_template / chat_template); default plain."""
+    encode = encode or prompt_encoder(tokenizer)
+    n = max(1, samples)
+    correct = 0
+    passes = {k: 0.0 for k in ks}
+    majorities = {k: 0 for k in ks}
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        requests = [
+            GroupRequest(encode(p.prompt), n, group_generator(seed, EVAL_ITERATION, p.id), group_seed(seed, EVAL_ITERATION, p.id)) for p in chunk
+        ]
+        for p, group in zip(chunk, engine.generate(requests, greedy=samples == 0, max_new_tokens=max_new_tokens)):
+            texts = [tokenizer.decode(sample.token_ids, skip_special_tokens=True) for sample in group]
+            right = sum(exact_match(t, p.answer) > 0 for t in texts)
+            correct += right
+            for k in ks:
+                passes[k] += pass_at_k(len(texts), right, k)
+                majorities[k] += majority_correct([extract_final_answer(t) for t in texts[:k]], p.answer)
+    scores = {"accuracy": correct / max(1, n * len(problems))}
+    for k in ks:
+        scores[f"pass_at_{k}"] = passes[k] / max(1, len(problems))
+        scores[f"maj_at_{k}"] = majorities[k] / max(1, len(problems))
+    return scores
 
 
 def held_out_accuracy(
@@ -26,24 +87,9 @@ def held_out_accuracy(
     max_new_tokens: int | None = None,
     samples: int = 0,
     seed: int = 0,
-    encode: Callable[[str], list[int]] | None = None,
+    encode=None,
 ) -> float:
-    """Fraction correct: greedy (samples 0), or the mean over `samples` samples per prompt at the
-    engine's temperature, seeded per prompt so that two snapshots are compared on the same noise.
-    `encode` turns a problem's text into prompt ids (data.prompt_template / chat_template); default plain."""
-    encode = encode or prompt_encoder(tokenizer)
-    correct, total = 0, 0
-    n = max(1, samples)
-    for start in range(0, len(problems), batch_size):
-        chunk = problems[start : start + batch_size]
-        requests = [
-            GroupRequest(encode(p.prompt), n, group_generator(seed, EVAL_ITERATION, p.id), group_seed(seed, EVAL_ITERATION, p.id)) for p in chunk
-        ]
-        for p, group in zip(chunk, engine.generate(requests, greedy=samples == 0, max_new_tokens=max_new_tokens)):
-            for sample in group:
-                correct += exact_match(tokenizer.decode(sample.token_ids, skip_special_tokens=True), p.answer) > 0
-                total += 1
-    return correct / max(1, total)
+    return held_out_scores(engine, tokenizer, problems, batch_size, max_new_tokens, samples, seed, encode)["accuracy"]
 
 
 def open_engine(cfg: TidalConfig, model_dir: str | Path, kind: str) -> RolloutEngine:
@@ -65,7 +111,7 @@ def evaluate_snapshot(
 ) -> dict:
     """Held-out accuracy of `snapshot` (a weight-store version directory; None: the base model):
     `accuracy` greedy, `sampled_accuracy` at the rollout temperature (what RL optimises; None when
-    eval.samples_per_prompt is 0). Without `engine`, one is opened for the call and shut down after
+    eval.samples_per_prompt is 0), and `pass@k` / `maj@k` over those samples for each eval.k. Without `engine`, one is opened for the call and shut down after
     (a vLLM engine must not sit on the accelerator the rollout workers need)."""
     own = engine is None
     engine = engine or open_engine(cfg, model_dir, eval_engine_kind(cfg))
@@ -75,12 +121,62 @@ def evaluate_snapshot(
             engine.load_snapshot(snapshot)
         tokenizer, max_tokens = load_tokenizer(model_dir), cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
         k, encode = cfg.eval.samples_per_prompt, prompt_encoder(tokenizer, cfg.data)
-        return {
+        scores = {
             "accuracy": held_out_accuracy(engine, tokenizer, problems, cfg.eval.batch_size, max_tokens, encode=encode),
-            "sampled_accuracy": held_out_accuracy(engine, tokenizer, problems, max(1, cfg.eval.batch_size // k), max_tokens, k, cfg.seed, encode)
-            if k
-            else None,
+            "sampled_accuracy": None,
         }
+        if k:
+            sampled = held_out_scores(
+                engine, tokenizer, problems, max(1, cfg.eval.batch_size // k), max_tokens, k, cfg.seed, encode, tuple(cfg.eval.k)
+            )
+            scores["sampled_accuracy"] = sampled.pop("accuracy")
+            scores.update(sampled)
+        return scores
     finally:
         if own:
             engine.shutdown()
+
+
+def curve_targets(latest: int, every: int, final: int, done: set[int]) -> list[int]:
+    """Versions still to evaluate, newest first: every `every`-th one up to `latest`, and the final one.
+    Only the newest pending one is worth evaluating when eval falls behind; older ones are skipped."""
+    wanted = [v for v in range(0, latest + 1) if (v % every == 0 or v == final) and v not in done]
+    return sorted(wanted, reverse=True)
+
+
+def follow_run(cfg: TidalConfig, run_dir: Path, base_model: str, problems: list[Problem], log_metrics, poll_seconds: float = 0.5) -> list[dict]:
+    """The held-out learning curve, while training continues: evaluates each eval.every-th version
+    as soon as the weight store holds it, logs `eval/*` at that version's step, appends eval.jsonl,
+    and returns once the final version (trainer.iterations) is evaluated. When evaluation is slower
+    than training, it evaluates the newest pending version and skips the ones it fell behind on."""
+    import json
+    import time
+
+    from tidal.weights import WeightStore
+
+    store = WeightStore(run_dir / "weights")
+    final = cfg.trainer.iterations
+    records_path = run_dir / "eval.jsonl"
+    done = {json.loads(line)["version"] for line in records_path.read_text().splitlines()} if records_path.is_file() else set()
+    engine = open_engine(cfg, base_model, eval_engine_kind(cfg))
+    records = []
+    try:
+        while final not in done:
+            latest = store.latest_version()
+            pending = curve_targets(latest, cfg.eval.every, final, done) if latest is not None else []
+            if not pending:
+                time.sleep(poll_seconds)
+                continue
+            version = pending[0]
+            t0 = time.perf_counter()
+            scores = evaluate_snapshot(cfg, base_model, problems, store.path(version), engine=engine)
+            record = {"version": version, "seconds": time.perf_counter() - t0, **scores}
+            log_metrics({f"eval/{k}": v for k, v in scores.items() if v is not None}, version)
+            with records_path.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            records.append(record)
+            done.update(v for v in pending)  # the skipped ones too: the curve moves on
+            log.info("held-out eval of v%d: %s", version, scores)
+    finally:
+        engine.shutdown()
+    return records

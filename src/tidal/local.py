@@ -207,6 +207,44 @@ def count_rollouts(nats_url: str, run_dir: Path, cfg: TidalConfig) -> int:
     return asyncio.run(count())
 
 
+def start_curve_eval(cfg: TidalConfig, config_path: Path, run_dir: Path) -> subprocess.Popen | None:
+    """eval.every: a process that evaluates versions as the trainer publishes them (the held-out curve)."""
+    if not (cfg.eval.enabled and cfg.eval.every):
+        return None
+    out = (run_dir / "logs" / "eval.log").open("ab")
+    cmd = [sys.executable, "-m", "tidal.cli", "eval", str(config_path), "--run-dir", str(run_dir), "--follow"]
+    threads = str(max(1, (os.cpu_count() or 1) // (cfg.rollout.workers + 2)))
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": threads, "TIDAL_THREADS": threads})
+
+
+def finish_curve_eval(curve: subprocess.Popen | None, run_dir: Path, timeout: float = 1800.0) -> None:
+    """Waits for the curve's last point (the final version); its failure fails the run, loudly."""
+    if curve is None:
+        return
+    log.info("waiting for the held-out curve's last evaluation")
+    code = curve.wait(timeout)
+    if code != 0:
+        raise RoleFailed(f"held-out curve evaluation exited with code {code}:\n{tail(run_dir / 'logs' / 'eval.log')}")
+
+
+def sparkline(values: list[float]) -> str:
+    """A held-out curve in one line of text."""
+    if not values:
+        return ""
+    bars = "▁▂▃▄▅▆▇█"
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    return "".join(bars[min(len(bars) - 1, int((v - low) / span * (len(bars) - 1) + 0.5))] for v in values)
+
+
+def at_k_before_after(before: dict | None, after: dict | None) -> dict[str, float]:
+    """pass_at_k / maj_at_k of the held-out eval before and after, as `pass_at_4_before` etc."""
+    if not (before and after):
+        return {}
+    keys = [k for k in before if k.startswith(("pass_at_", "maj_at_")) and k in after]
+    return {f"{k}_{when}": scores[k] for k in keys for when, scores in (("before", before), ("after", after))}
+
+
 def summarize(
     cfg: TidalConfig, history: list[dict], before: dict | None, after: dict | None, final_weights: Path, info: RunInfo, extra: dict
 ) -> dict:
@@ -243,6 +281,27 @@ def summarize(
     }
 
 
+def at_k_lines(summary: dict, pct) -> list[str]:
+    ks = sorted({int(k.split("_")[2]) for k in summary if k.startswith(("pass_at_", "maj_at_")) and k.endswith("_before")})
+    parts = [
+        f"{name}@{k} {pct(summary[f'{name}_at_{k}_before'])} -> {pct(summary[f'{name}_at_{k}_after'])}"
+        for name in ("pass", "maj")
+        for k in ks
+        if f"{name}_at_{k}_before" in summary
+    ]
+    return [f"                       {', '.join(parts)}"] if parts else []
+
+
+def curve_lines(summary: dict, pct) -> list[str]:
+    curve = summary.get("eval_curve") or []
+    key = "sampled_accuracy" if curve and curve[0].get("sampled_accuracy") is not None else "accuracy"
+    values = [point[key] for point in curve]
+    if not values:
+        return []
+    versions = f"v{curve[0]['version']}..v{curve[-1]['version']}"
+    return [f"  held-out curve       {sparkline(values)}  {pct(values[0])} -> {pct(values[-1])} ({key}, {versions}, {len(values)} points)"]
+
+
 def result_table(summary: dict, run_dir: Path, wall: float) -> str:
     pct = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
     return "\n".join(
@@ -251,6 +310,8 @@ def result_table(summary: dict, run_dir: Path, wall: float) -> str:
             f"  held-out accuracy    before {pct(summary['accuracy_before'])}  ->  after {pct(summary['accuracy_after'])}  (greedy)",
             f"                       before {pct(summary['sampled_accuracy_before'])}  ->  after {pct(summary['sampled_accuracy_after'])}  "
             f"(sampled at the rollout temperature, {summary['eval_samples_per_prompt']} per prompt: what RL optimises)",
+            *at_k_lines(summary, pct),
+            *curve_lines(summary, pct),
             f"  seconds / iteration  {summary['iteration_seconds_mean']:.2f}  =  generate {summary['generate_seconds_mean']:.2f} | "
             f"train {summary['train_seconds_mean']:.2f} | weight-sync {summary['sync_seconds_mean']:.2f} | idle {summary['idle_seconds_mean']:.2f}",
             f"  groups               generated {summary['groups_generated']}, trained {summary['groups_trained']}, "
@@ -311,16 +372,20 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True)
         log.info("accuracy before: %s", before)
         bar = ProgressBar(cfg.trainer.iterations, show_progress)
         extra: dict = {}
+        curve = start_curve_eval(cfg, config_path, run_dir)
         try:
             if cfg.mode == "sync":
                 sync_trainer(cfg, run_dir, info, dataset, tracker, bar.update, engine)
             else:
                 extra = run_periodic_local(cfg, config_path, run_dir, bar)
+            finish_curve_eval(curve, run_dir)
         except BaseException:
             tracker.finish("FAILED")
             raise
         finally:
             bar.close()
+            if curve is not None and curve.poll() is None:
+                curve.kill()
         log.info("loop finished")
         final = store.path(store.latest_version())
         set_threads(os.cpu_count() or 1)
@@ -330,6 +395,8 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True)
             engine.shutdown()
     history, _ = follow_metrics(run_dir / "metrics.jsonl", 0)
     summary = summarize(cfg, history, before, after, final, info, extra)
+    summary["eval_curve"] = follow_metrics(run_dir / "eval.jsonl", 0)[0]
+    summary.update(at_k_before_after(before, after))
     summary["wall_seconds"] = time.time() - t_start
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     final_metrics = {
