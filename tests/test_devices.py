@@ -60,3 +60,16 @@ def test_visible_device_ids_follow_the_parents_list():
     assert visible_device_ids("cuda", {"CUDA_VISIBLE_DEVICES": "4, 6"}, 2) == ["4", "6"]
     assert visible_device_ids("cuda", {}, 3) == ["0", "1", "2"]
     assert visible_device_ids("npu", {"ASCEND_RT_VISIBLE_DEVICES": "2"}, 1) == ["2"]
+
+
+def test_vllm_on_cpu_sizes_each_engines_kv_cache_from_the_memory_available():
+    from tidal.config import config_from_dict
+    from tidal.rollout.vllm_adapter import cpu_kv_cache_bytes, engines_on_this_machine, start_failure_hint
+
+    gib = 2**30
+    assert cpu_kv_cache_bytes(20 * gib, 2) == int(20 * gib * 0.4 / 2)  # two engines share 40% of what is free
+    assert cpu_kv_cache_bytes(512 * gib, 1) == 8 * gib and cpu_kv_cache_bytes(gib // 4, 4) == 2**28  # clamped
+    cfg = config_from_dict({"rollout": {"engine": "vllm", "workers": 3}, "eval": {"every": 5}})
+    assert engines_on_this_machine(cfg) == 4  # the held-out curve's engine too
+    hint = start_failure_hint(ValueError("Available memory on node 0 is less than desired CPU memory utilization\nmore"), "cpu")
+    assert hint.startswith("the vLLM engine did not start on cpu: Available memory on node 0") and "rollout.vllm.kv_cache_memory_gib" in hint

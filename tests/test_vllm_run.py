@@ -124,3 +124,19 @@ def test_a_killed_vllm_worker_loses_nothing_and_nothing_is_trained_twice(tmp_pat
     assert len(trained) == ITERATIONS * PROMPTS and set(trained.values()) == {1}
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["iterations"] == ITERATIONS and summary["groups_trained"] == ITERATIONS * PROMPTS and summary["staleness_max"] == 0
+
+
+def test_the_vllm_engine_on_cpu_starts_with_no_memory_key_set(tmp_path, tiny_config_dict):
+    """The documented switch alone (rollout.engine: vllm) must work: without kv_cache_memory_gib,
+    vLLM on CPU would reserve 92% of RAM per engine and two workers could not start."""
+    config = vllm_run_config(tiny_config_dict, tmp_path / "config.yaml", eval={"enabled": False})
+    data = yaml.safe_load(config.read_text())
+    data["rollout"]["workers"] = 2
+    data["rollout"]["vllm"].pop("kv_cache_memory_gib")
+    config.write_text(yaml.safe_dump(data))
+    proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["groups_trained"] == ITERATIONS * PROMPTS
+    for worker in ("worker-0", "worker-1"):
+        assert re.search(r"vLLM on CPU: KV cache [\d.]+ GiB", (tmp_path / "run" / "logs" / f"{worker}.log").read_text())

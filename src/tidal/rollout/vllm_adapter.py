@@ -68,15 +68,41 @@ def check_head_size(model_dir: str | Path, device: str) -> None:
         )
 
 
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what a new engine can take without swapping)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def engines_on_this_machine(cfg: TidalConfig) -> int:
+    """vLLM engines a local run starts at once: one per rollout worker, plus the held-out curve's."""
+    curve = cfg.eval.enabled and cfg.eval.every and (cfg.eval.engine == "vllm" or (cfg.eval.engine == "rollout" and cfg.rollout.engine == "vllm"))
+    return cfg.rollout.workers + (1 if curve else 0)
+
+
+def cpu_kv_cache_bytes(available: int, engines: int, share: float = 0.4, floor: int = 2**28, ceiling: int = 8 * 2**30) -> int:
+    """A CPU engine's KV cache when the config sets none: vLLM's default reserves 92% of RAM per
+    engine, so two engines (or a trainer beside one) cannot start. Each engine gets an equal part of
+    `share` of the memory available now, between 256 MiB and 8 GiB."""
+    return int(min(ceiling, max(floor, available * share / max(1, engines))))
+
+
 def engine_args(cfg: TidalConfig, model_dir: str | Path, device: str = "cpu"):
-    """AsyncEngineArgs from config: the keys Tidal needs, vLLM's defaults for everything unset."""
+    """AsyncEngineArgs from config: the keys Tidal needs, vLLM's defaults for everything unset
+    (except on CPU, where the KV cache is sized from the memory available: see cpu_kv_cache_bytes)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     v = cfg.rollout.vllm
+    kv_bytes = int(v.kv_cache_memory_gib * 2**30) if v.kv_cache_memory_gib else None
+    if kv_bytes is None and device == "cpu" and v.gpu_memory_utilization is None:
+        kv_bytes = cpu_kv_cache_bytes(available_memory_bytes(), engines_on_this_machine(cfg))
+        log.info("vLLM on CPU: KV cache %.2f GiB (rollout.vllm.kv_cache_memory_gib sets it)", kv_bytes / 2**30)
     optional = {
         "max_num_seqs": v.max_num_seqs,
         "gpu_memory_utilization": v.gpu_memory_utilization,
-        "kv_cache_memory_bytes": int(v.kv_cache_memory_gib * 2**30) if v.kv_cache_memory_gib else None,
+        "kv_cache_memory_bytes": kv_bytes,
         "max_model_len": v.max_model_len,
         # NCCL needs CUDA; elsewhere (CPU, Ascend) the workers always load from the weight store.
         "weight_transfer_config": {"backend": "nccl"} if v.weight_sync == "nccl" and device == "cuda" else None,
@@ -123,6 +149,19 @@ def to_samples(output) -> list[Completion]:
     return samples
 
 
+class VLLMStartError(RuntimeError):
+    """vLLM's engine did not start; the message names the config key to change."""
+
+
+def start_failure_hint(err: BaseException, device: str) -> str:
+    first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    if device == "cpu":
+        key = "rollout.vllm.kv_cache_memory_gib (smaller) or rollout.workers (fewer engines)"
+    else:
+        key = "rollout.vllm.gpu_memory_utilization (lower, when the trainer shares the GPU) or rollout.vllm.max_model_len"
+    return f"the vLLM engine did not start on {device}: {first[:300]} -- change {key}"
+
+
 class VLLMEngine:
     """AsyncLLM with the calls Tidal makes: generate a group, load a snapshot, shut down."""
 
@@ -139,7 +178,11 @@ class VLLMEngine:
         check_head_size(model_dir, device)
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        engine = cls(AsyncLLM.from_engine_args(engine_args(cfg, model_dir, device)), cfg, device)
+        try:
+            llm = AsyncLLM.from_engine_args(engine_args(cfg, model_dir, device))
+        except Exception as err:  # noqa: BLE001 - vLLM raises many types at start-up; the user needs one line
+            raise VLLMStartError(start_failure_hint(err, device)) from err
+        engine = cls(llm, cfg, device)
         start_reaper()
         return engine
 
