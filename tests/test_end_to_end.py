@@ -44,6 +44,8 @@ REQUIRED_METRICS = [
     "pass_at_group_size",
     "response_length_correct_mean",
     "response_length_incorrect_mean",
+    "pipeline_efficiency",
+    "generation_tail_seconds",
 ]
 SUMMARY_KEYS = [
     "mode",

@@ -3,6 +3,7 @@
 import copy
 
 import numpy as np
+import pytest
 import torch
 
 from tidal.algo import token_logprobs_from_logits
@@ -227,3 +228,15 @@ def test_learning_diagnostics_count_groups_without_signal_and_solved_prompts():
     d = learning_diagnostics([flat, mixed])
     assert d["zero_advantage_group_fraction"] == 0.5 and d["pass_at_group_size"] == 0.5
     assert d["response_length_correct_mean"] == 4.0 and d["response_length_incorrect_mean"] == (2 + 2 + 6) / 3
+
+
+def test_pipeline_efficiency_is_the_slower_phase_plus_sync_over_the_iteration():
+    from tidal.trainer.metrics import generation_tail, pipeline_efficiency
+
+    assert pipeline_efficiency(generate=2.0, train=1.0, sync=0.5, iteration=2.5) == 1.0  # perfect overlap
+    assert pipeline_efficiency(generate=2.0, train=1.0, sync=0.0, iteration=3.0) == pytest.approx(2 / 3)  # serial
+    rng = np.random.default_rng(3)
+    groups = [make_group(rng, 2, [1], [0.0]) for _ in range(3)]
+    for g, end in zip(groups, (5.0, 7.5, 6.0)):
+        g.gen_start, g.gen_end = 1.0, end
+    assert generation_tail(groups) == 2.5 and generation_tail([]) == 0.0

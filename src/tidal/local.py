@@ -266,6 +266,8 @@ def summarize(
         "sync_seconds_mean": mean("sync_seconds"),
         "idle_seconds_mean": mean("trainer_idle_seconds"),
         "rollout_idle_seconds_mean": mean("rollout_idle_seconds"),
+        "pipeline_efficiency_mean": mean("pipeline_efficiency"),
+        "generation_tail_seconds_mean": mean("generation_tail_seconds"),
         "eval_samples_per_prompt": cfg.eval.samples_per_prompt,
         "staleness_max": max((m["staleness_max"] for m in history), default=0.0),
         "reward_errors": sum(m["reward_errors"] for m in history),
@@ -313,7 +315,8 @@ def result_table(summary: dict, run_dir: Path, wall: float) -> str:
             *at_k_lines(summary, pct),
             *curve_lines(summary, pct),
             f"  seconds / iteration  {summary['iteration_seconds_mean']:.2f}  =  generate {summary['generate_seconds_mean']:.2f} | "
-            f"train {summary['train_seconds_mean']:.2f} | weight-sync {summary['sync_seconds_mean']:.2f} | idle {summary['idle_seconds_mean']:.2f}",
+            f"train {summary['train_seconds_mean']:.2f} | weight-sync {summary['sync_seconds_mean']:.2f} | idle {summary['idle_seconds_mean']:.2f}; "
+            f"pipeline efficiency {summary['pipeline_efficiency_mean']:.2f}, generation tail {summary['generation_tail_seconds_mean']:.2f}s",
             f"  groups               generated {summary['groups_generated']}, trained {summary['groups_trained']}, "
             f"filtered {summary['groups_filtered']}, discarded {summary['groups_discarded']}; staleness max {summary['staleness_max']:.0f}",
             f"  final weights        {summary['final_weights']}",

@@ -105,8 +105,23 @@ def iteration_metrics(version: int, groups: list[Group], update: dict, timer: Ti
         "generated_tokens_per_s": stats["generated_tokens"] / generate if generate > 0 else 0.0,
         "trained_tokens_per_s": update["trained_tokens"] / timer["train"] if timer["train"] > 0 else 0.0,
         "samples_per_s": stats["samples"] / elapsed if elapsed > 0 else 0.0,
+        "pipeline_efficiency": pipeline_efficiency(generate, timer["train"], timer["sync"], elapsed),
+        "generation_tail_seconds": generation_tail(groups),
         **extra,
     }
+
+
+def pipeline_efficiency(generate: float, train: float, sync: float, iteration: float) -> float:
+    """(max(generate, train) + sync) / iteration time: 1 when the iteration takes no longer than
+    its slower phase plus the weight sync, i.e. generation and training overlap perfectly."""
+    return (max(generate, train) + sync) / iteration if iteration > 0 else 0.0
+
+
+def generation_tail(groups: list[Group]) -> float:
+    """From the first group finished to the last: how long the iteration waits on stragglers."""
+    if not groups:
+        return 0.0
+    return max(g.gen_end for g in groups) - min(g.gen_end for g in groups)
 
 
 def group_record(group: Group, version: int, train_start: float, train_end: float) -> dict:
