@@ -19,3 +19,9 @@ def slow_exact_match(completion: str, answer: str) -> float:
 def median_baseline(rewards, *, std_normalize):
     """A user's advantage estimator, named `tests.rewards:median_baseline` in a config."""
     return rewards - rewards.median()
+
+
+def digit_fraction(completion: str, answer: str) -> float:
+    """The share of digits among the completion's characters: a reward a policy can learn within a
+    few steps from any start, so a test can tell an update that learns from one that does not."""
+    return sum(c.isdigit() for c in completion) / max(1, len(completion))
