@@ -437,3 +437,16 @@ def test_bounded_mode_trains_stale_groups_within_the_bound_and_records_the_histo
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
     history = client.get_metric_history(summary["mlflow_run_id"], "staleness_fraction_1")
     assert sorted(h.step for h in history) == [0, 1, 2, 3]
+
+
+def test_a_finished_run_directory_can_be_extended(tmp_path, write_config):
+    """Re-running a run directory whose state says "done" (more iterations asked for) must not
+    start workers that read the old state and exit: the trainer would wait for groups forever."""
+    config = write_config({"trainer.iterations": 2, "eval.enabled": False, "trainer.group_timeout_seconds": 60})
+    run_dir = tmp_path / "run"
+    assert run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress").returncode == 0
+    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress", "--set", "trainer.iterations=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [0, 1, 2]
+    assert "run state was done" in (run_dir / "logs" / "launcher.log").read_text()

@@ -168,6 +168,7 @@ def run_periodic_local(cfg: TidalConfig, config_path: Path, run_dir: Path, bar: 
     roles = RoleProcesses(config_path, run_dir, nats_url, cfg)
     seen = 0
     try:
+        open_run_state(nats_url, run_dir, cfg)
         roles.start()
         done = False
         while not done:
@@ -188,6 +189,27 @@ def run_periodic_local(cfg: TidalConfig, config_path: Path, run_dir: Path, bar: 
         roles.stop(grace=0)
         if server:
             server.stop()
+
+
+def open_run_state(nats_url: str, run_dir: Path, cfg: TidalConfig) -> None:
+    """Marks the run running before any worker starts: a run directory re-used after a finished or
+    failed run still holds "done" / "failed", and workers reading it would exit at once."""
+    import asyncio
+
+    from tidal.protocol import RunState
+    from tidal.transport import Transport
+
+    async def reset() -> None:
+        t = await Transport.connect(nats_url, RunInfo.load(run_dir).run_id, cfg.transport, create=True)
+        try:
+            status = await t.run_status()
+            if status is not None and status.state is not RunState.RUNNING:
+                log.info("run state was %s (an earlier run in %s): now running", status.state.value, run_dir)
+            await t.put_run_state(RunState.RUNNING)
+        finally:
+            await t.close()
+
+    asyncio.run(reset())
 
 
 def count_rollouts(nats_url: str, run_dir: Path, cfg: TidalConfig) -> int:
