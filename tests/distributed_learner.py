@@ -1,11 +1,24 @@
 """Runs the learner on fixed groups under torchrun (or alone) and writes what the tests compare.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/distributed_learner.py OUT_DIR --strategy fsdp2
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/distributed_learner.py OUT_DIR --strategy deepspeed --zero-stage 3
     python tests/distributed_learner.py OUT_DIR --strategy single [--token-budget N]
 
 Writes (rank 0): grads.safetensors (full gradients after the first iteration's accumulation and
 1/N scaling, before clipping), weights.safetensors (after `--iterations` AdamW steps), and
-counts.json (micro-batches run per rank, so a test can check the uneven case really was uneven).
+counts.json (micro-batches run per rank, so a test can check the uneven case really was uneven,
+and each step's grad_norm). Under deepspeed the gradients live in ZeRO's flat fp32 partitions and
+are only complete inside the engine's step, so grads.safetensors holds the gradient the optimizer is
+handed at the first step (captured by a step pre-hook on the torch AdamW, then reassembled per
+parameter); with max_grad_norm 1e9 that is the same 1/N-scaled gradient.
+
+--frozen adds a KL reference and an old policy (two optimizer steps per iteration, on halves of the
+groups), so the frozen copies' layout and the old policy's per-iteration copy are compared too.
+
+--resume-check (any strategy): after the second iteration, the optimizer shards and full weights go
+through safetensors files into a fresh learner (the base model, a new strategy);
+it trains the remaining iterations beside the original and its weights are written to
+resumed.safetensors (a resumed run must end exactly where the uninterrupted one does).
 """
 
 from __future__ import annotations
@@ -17,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
@@ -47,6 +61,50 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+class DeepSpeedGradients:
+    """The gradients ZeRO hands its torch optimizer at the next step, per named parameter.
+
+    Test-only reading of DeepSpeed internals (ZeRO-2: each parameter's `_hp_mapping` fragment of
+    the flat fp32 partition; ZeRO-3: parameters' partitions laid end to end in `fp16_groups` order);
+    if a DeepSpeed version changes them, the gradient comparison fails rather than passes."""
+
+    def __init__(self, learner: Learner):
+        self.engine, self.captured = learner.model.engine, {}
+        self.handle = learner.optimizer.register_step_pre_hook(self._capture)
+
+    def _capture(self, optimizer, args, kwargs) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self.captured[id(p)] = p.grad.detach().clone()
+
+    def collect(self) -> dict[str, torch.Tensor]:
+        """A collective: every rank calls it after the step; every rank gets the full gradients."""
+        self.handle.remove()
+        zero, names = self.engine.optimizer, {id(p): n for n, p in self.engine.module.named_parameters()}
+        out = {}
+        if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3
+            for flat, params in zip(zero.fp32_partitioned_groups_flat, zero.fp16_groups):
+                grad, offset = self.captured[id(flat)], 0
+                for p in params:
+                    n = p.partition_numel()
+                    parts = [torch.empty(n) for _ in range(dist.get_world_size())]
+                    dist.all_gather(parts, grad[offset : offset + n].contiguous())
+                    out[names[id(p)]] = torch.cat(parts)[: p.ds_numel].view(p.ds_shape)
+                    offset += n
+        else:  # ZeRO-2
+            for flat, params in zip(zero.single_partition_of_fp32_groups, zero.bit16_groups):
+                grad = self.captured[id(flat)]
+                for p in params:
+                    buffer = torch.zeros(p.numel())
+                    mapping = getattr(p, "_hp_mapping", None)
+                    if mapping is not None:
+                        lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+                        buffer[lp.start : lp.start + lp.numel] = grad[hp.start : hp.start + hp.numel]
+                    dist.all_reduce(buffer)
+                    out[names[id(p)]] = buffer.view_as(p)
+        return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -54,39 +112,91 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--token-budget", type=int, default=16384)
     ap.add_argument("--uneven", action="store_true", help="one huge group: one rank runs more micro-batches than the other")
+    ap.add_argument("--zero-stage", type=int, default=2, choices=(2, 3), help="--strategy deepspeed: the ZeRO stage")
+    ap.add_argument("--resume-check", action="store_true", help="also resume a fresh learner from the second iteration's shards")
+    ap.add_argument("--frozen", action="store_true", help="a KL reference and an old policy: two optimizer steps per iteration")
+    ap.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
     args = ap.parse_args()
     ctx = context_from_env()
     torch.set_num_threads(1)
     init_process_group(ctx, "cpu")
     torch.manual_seed(0)
     tok = build_char_tokenizer()
-    model = build_tiny_model(TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1), tok)
-    cfg = TrainerConfig(strategy=args.strategy, lr=1e-2, warmup_steps=0, max_grad_norm=1e9, token_budget=args.token_budget, device="cpu")
+    tiny = TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
+    model = build_tiny_model(tiny, tok)
+    extra = {}
+    if args.strategy == "deepspeed":
+        # every weight of the tiny model is under ZeRO-3's default persistence threshold: partition them all
+        extra = {
+            "zero_stage": args.zero_stage,
+            "deepspeed": {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if args.zero_stage == 3 else None,
+        }
+    if args.frozen:
+        extra.update(kl_coef=0.05, updates_per_iteration=2)
+    if args.activation_checkpointing:
+        extra.update(activation_checkpointing=True)
+    cfg = TrainerConfig(strategy=args.strategy, lr=1e-2, warmup_steps=0, max_grad_norm=1e9, token_budget=args.token_budget, device="cpu", **extra)
     learner = Learner(cfg, model, tok.pad_token_id, strategy=build_strategy(cfg, ctx), device="cpu")
+    learners = [learner]
     out = Path(args.out)
-    micro = []
+    micro, norms = [], []
     for it in range(args.iterations):
-        learner.begin_iteration(it)
         groups = fixed_groups(it)
         if args.uneven:
             groups[0].samples = [Sample(np.arange(4, 12, dtype=np.int32), np.full(8, -1.0, dtype=np.float32), float(r)) for r in (0, 1, 2, 3)]
-        before = learner.forwards["policy"]
-        learner.train_on_groups(groups)
-        micro.append(learner.forwards["policy"] - before)
-        if it == 0:
-            units = all_reduce_sum([learner.units], ctx)[0]
-            grads = {n: full(p.grad).detach().clone() / units for n, p in learner.model.named_parameters() if p.grad is not None}
-            if ctx.is_main:
-                save_file({n: g.contiguous() for n, g in grads.items()}, str(out / "grads.safetensors"))
-        learner.step()
+        batches = [groups[:3], groups[3:]] if args.frozen else [groups]  # one optimizer step per batch
+        for lrn in learners:
+            lrn.begin_iteration(it)
+            for b, batch in enumerate(batches):
+                first = it == 0 and b == 0
+                before = lrn.forwards["policy"]
+                lrn.train_on_groups(batch)
+                if lrn is learner and b == 0:
+                    micro.append(lrn.forwards["policy"] - before)
+                if first and args.strategy != "deepspeed":
+                    units = all_reduce_sum([lrn.units], ctx)[0]
+                    grads = {n: full(p.grad).detach().clone() / units for n, p in lrn.model.named_parameters() if p.grad is not None}
+                capture = DeepSpeedGradients(lrn) if first and args.strategy == "deepspeed" else None
+                metrics = lrn.step()
+                if lrn is learner:
+                    norms.append(metrics["grad_norm"])
+                if capture is not None:
+                    grads = capture.collect()
+                if first and ctx.is_main:
+                    save_file({n: g.contiguous() for n, g in grads.items()}, str(out / "grads.safetensors"))
+        if args.resume_check and it == 1:
+            learners.append(resumed_learner(learner, cfg, ctx, tiny, tok, out))
     weights = learner.full_state_dict()
+    resumed = learners[-1].full_state_dict() if args.resume_check else {}
     # real micro-batches per rank in the first iteration (padding ones are not counted)
     per_rank = all_reduce_sum([float(micro[0]) if r == ctx.rank else 0.0 for r in range(ctx.world_size)], ctx)
     if ctx.is_main:
         tied_alias = [k for k in weights if k.startswith("lm_head.") and model.config.tie_word_embeddings]
         save_file({k: v.detach().clone().contiguous() for k, v in weights.items() if k not in tied_alias}, str(out / "weights.safetensors"))
-        (out / "counts.json").write_text(json.dumps({"micro_batches_per_rank": per_rank, "world_size": ctx.world_size}))
+        if resumed:
+            save_file({k: v.detach().clone().contiguous() for k, v in resumed.items() if k not in tied_alias}, str(out / "resumed.safetensors"))
+        (out / "counts.json").write_text(json.dumps({"micro_batches_per_rank": per_rank, "world_size": ctx.world_size, "grad_norms": norms}))
     shutdown()
+
+
+def resumed_learner(learner: Learner, cfg: TrainerConfig, ctx, tiny: TinyModelConfig, tok, out: Path) -> Learner:
+    """What a restarted trainer does: each rank's optimizer shard and rank 0's full weights go
+    through safetensors files; a fresh learner over the base model (a new strategy) loads them."""
+    shard = out / f"optimizer-rank{ctx.rank}.safetensors"
+    save_file(learner.optimizer_tensors(), str(shard))
+    weights = learner.full_state_dict()
+    if ctx.is_main:
+        tied = learner.model.config.tie_word_embeddings
+        save_file(
+            {k: v.contiguous() for k, v in weights.items() if not (tied and k.startswith("lm_head."))}, str(out / "checkpoint-weights.safetensors")
+        )
+    if ctx.distributed:
+        dist.barrier()
+    torch.manual_seed(0)  # the base model again (the reference is a copy of it), then the checkpoint's weights
+    fresh = Learner(cfg, build_tiny_model(tiny, tok), tok.pad_token_id, strategy=build_strategy(cfg, ctx), device="cpu")
+    fresh.load_weights(load_file(str(out / "checkpoint-weights.safetensors")))
+    fresh.load_optimizer_tensors(load_file(str(shard)))
+    return fresh
 
 
 if __name__ == "__main__":

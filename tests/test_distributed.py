@@ -61,6 +61,15 @@ def test_uneven_micro_batches_neither_hang_nor_lose_exactness(tmp_path):
     assert max_diff(tmp_path / "single" / "weights.safetensors", tmp_path / "fsdp2" / "weights.safetensors") < 5e-5
 
 
+def test_fsdp2_tri_model_and_activation_checkpointing_match_one_process(tmp_path):
+    """The reference (KL) and the old policy (two optimizer steps per iteration) share the fsdp2
+    layout; recomputing activations in backward changes nothing."""
+    learner_run(tmp_path / "single", 1, "--strategy", "single", "--frozen")
+    learner_run(tmp_path / "fsdp2", 2, "--strategy", "fsdp2", "--frozen", "--activation-checkpointing")
+    assert max_diff(tmp_path / "single" / "grads.safetensors", tmp_path / "fsdp2" / "grads.safetensors") < 1e-6
+    assert max_diff(tmp_path / "single" / "weights.safetensors", tmp_path / "fsdp2" / "weights.safetensors") < 5e-5
+
+
 def test_assignment_is_token_balanced_and_deterministic():
     counts = [50, 10, 10, 10, 10, 10, 3]
     shares = assign_groups(counts, 2)

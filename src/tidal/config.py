@@ -164,7 +164,11 @@ class TrainerConfig(_Strict):
     device: str = "auto"  # auto: CUDA, else an Ascend NPU, else CPU
     # Several trainer ranks (torchrun): `strategy` auto is single at one rank, fsdp2 above;
     # `ranks` is how many `tidal run` starts on this machine (the PyTorchJob sets its own world size)
-    strategy: Literal["auto", "single", "fsdp2"] = "auto"
+    strategy: Literal["auto", "single", "fsdp2", "deepspeed"] = "auto"
+    # deepspeed (the `deepspeed` extra): DeepSpeed ZeRO at `zero_stage`; `deepspeed` is a DeepSpeed config
+    # passed through (Tidal sets micro-batch, accumulation, optimizer, clipping, stage, dtype: a contradiction is an error)
+    zero_stage: Literal[2, 3] = 2
+    deepspeed: dict[str, Any] | None = None
     ranks: int = Field(1, gt=0)
     param_dtype: Literal["float32", "bfloat16", "float16"] | None = None  # fsdp2 mixed precision; None: the model's dtype
     reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = None  # fsdp2 gradient reduction dtype
@@ -183,6 +187,20 @@ class TrainerConfig(_Strict):
         except ValueError as err:  # a custom error keeps the message free of pydantic's "Value error, " prefix
             raise PydanticCustomError("unregistered_name", "{reason}", {"reason": str(err)}) from None
         return name
+
+    @model_validator(mode="after")
+    def _deepspeed_passthrough(self) -> TrainerConfig:
+        if self.deepspeed is not None and self.strategy != "deepspeed":
+            reason = f"trainer.deepspeed is set but trainer.strategy is {self.strategy!r}: it applies to strategy 'deepspeed' only"
+            raise PydanticCustomError("deepspeed_config", "{reason}", {"reason": reason})
+        if self.strategy == "deepspeed":
+            from tidal.trainer.deepspeed_strategy import check_user_config  # lazy: imports torch, never deepspeed
+
+            try:
+                check_user_config(self)
+            except ValueError as err:
+                raise PydanticCustomError("deepspeed_config", "{reason}", {"reason": str(err)}) from None
+        return self
 
 
 class EvalConfig(_Strict):

@@ -144,6 +144,10 @@ async def main_trainer(
         if status is None or status.state is not RunState.RUNNING:
             await transport.put_run_state(RunState.RUNNING, status.round if status else None)
         push = await nccl_weight_push(cfg, transport)
+        if push is not None and ctx.distributed:
+            # the full weights are a collective of every rank; the push runs on rank 0 alone
+            await weight_handshake.turn_off(transport, f"the trainer has {ctx.world_size} ranks: weights go through the weight store")
+            push = None
         weight_push = None if push is None else (lambda v: push.push(v, learner.model.state_dict()))
         source = QueueSource(transport, group_limits(cfg, learner, transport.max_message_bytes), lambda v: str(store.path(v)), weight_push)
         if ctx.distributed:

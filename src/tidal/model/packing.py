@@ -30,6 +30,7 @@ Sliding-window layers are not supported (the custom mask replaces the window).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
@@ -293,6 +294,23 @@ def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[Non
         yield
     finally:
         config._attn_implementation = previous
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """HF gradient checkpointing (non-reentrant) whose recomputation in backward runs with the
+    attention implementation the forward pass used: the packed layout switches it only for the
+    duration of its forward (`_attention_implementation`), and a recomputation under another
+    implementation would differ (torch's CheckpointError)."""
+
+    def context_fn():
+        name = model.config._attn_implementation  # captured at forward time
+        return contextlib.nullcontext(), _attention_implementation(model, name)
+
+    kwargs = {"use_reentrant": False, "context_fn": context_fn}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 (the older name is deprecated there)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def unpack_per_group(values: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:

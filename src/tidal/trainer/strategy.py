@@ -1,5 +1,6 @@
-"""How the trainer's models are laid out over ranks: `single` (one process) or `fsdp2` (each
-decoder layer and the root sharded with `fully_shard`). The strategy wraps the models and owns
+"""How the trainer's models are laid out over ranks: `single` (one process), `fsdp2` (each
+decoder layer and the root sharded with `fully_shard`) or `deepspeed` (ZeRO 2/3, in
+deepspeed_strategy.py, loaded only when asked for). The strategy wraps the models and owns
 what differs between layouts (gradient reduction, clipping, gathering full weights, optimizer
 shards); the loss math in `algo/` and the learner's accumulation do not change.
 
@@ -17,6 +18,7 @@ import torch
 from tidal.config import TrainerConfig
 from tidal.devices import resolve_device
 from tidal.model.loading import load_state_dict_tied
+from tidal.model.packing import enable_activation_checkpointing
 from tidal.trainer.distributed import DistContext, ensure_process_group
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -159,7 +161,7 @@ class FSDP2Strategy(TorchOptimizerLayout):
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         if trainable and self.cfg.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         policies = self._policies()
         for layer in decoder_layers(model):
             fully_shard(layer, **policies)
@@ -205,7 +207,19 @@ class FSDP2Strategy(TorchOptimizerLayout):
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
 
 
-STRATEGIES = {"single": SingleStrategy, "fsdp2": FSDP2Strategy}
+def deepspeed_strategy(cfg: TrainerConfig, ctx: DistContext) -> Strategy:
+    """DeepSpeed ZeRO 2/3 (tidal.trainer.deepspeed_strategy), imported only when asked for: DeepSpeed
+    is the optional `deepspeed` extra."""
+    from importlib.util import find_spec
+
+    if find_spec("deepspeed") is None:
+        raise ImportError("trainer.strategy 'deepspeed' needs DeepSpeed, which is not installed: pip install 'tidal[deepspeed]'")
+    from tidal.trainer.deepspeed_strategy import DeepSpeedStrategy
+
+    return DeepSpeedStrategy(cfg, ctx)
+
+
+STRATEGIES = {"single": SingleStrategy, "fsdp2": FSDP2Strategy, "deepspeed": deepspeed_strategy}
 
 
 def build_strategy(cfg: TrainerConfig, ctx: DistContext) -> Strategy:
