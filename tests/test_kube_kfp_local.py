@@ -2,6 +2,8 @@
 
 Real everything: KFP compiler and local runner, embedded nats-server, the trainer and
 a rollout worker as `tidal` processes, an MLflow sqlite store. Two rounds of one iteration.
+Each step runs as a separate pod would: its own HOME, $TIDAL_CACHE and working directory,
+deleted when the step ends; only the run directory is shared (the data volume on a cluster).
 """
 
 import json
@@ -29,8 +31,16 @@ def test_tidal_run_via_kfp_local_two_rounds(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY_CONFIG)
     run_dir = tmp_path / "run"
-    env = {**os.environ, "TIDAL_CACHE": str(tmp_path / "cache"), "TIDAL_KFP_ROUNDS": "2", "TIDAL_KFP_ITERATIONS_PER_ROUND": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    launcher_home = tmp_path / "launcher-home"
+    env = {
+        **os.environ,
+        "HOME": str(launcher_home),
+        "TIDAL_CACHE": str(tmp_path / "launcher-cache"),
+        "TIDAL_KFP_ROUNDS": "2",
+        "TIDAL_KFP_ITERATIONS_PER_ROUND": "1",
+    }
+    for name in ("MLFLOW_TRACKING_URI", "TIDAL_KFP_LOCAL_SHARED_HOME", "TIDAL_KFP_LOCAL_PODS"):
+        env.pop(name, None)
     result = subprocess.run(
         [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--via", "kfp-local"],
         capture_output=True,
@@ -57,3 +67,9 @@ def test_tidal_run_via_kfp_local_two_rounds(tmp_path):
     (version,) = model.latest_versions
     assert version.tags["tidal.weights"].endswith("v000002")
     assert not (tmp_path / "mlruns").exists()  # artifacts stay in the run directory
+
+    # the warm-started model was staged into the run directory, not left in the prepare step's cache
+    run_info = json.loads((run_dir / "run.json").read_text())
+    assert run_info["base_model"] == str(run_dir.resolve() / "base-model")
+    assert (run_dir / "base-model" / "config.json").is_file()
+    assert not (tmp_path / "launcher-cache").exists() and not (launcher_home / ".cache" / "tidal").exists()

@@ -115,7 +115,29 @@ def test_rbac_allows_pytorchjobs_and_nothing_more(overlay):
         (("",), ("pods", "pods/log")): {"get", "list", "watch"},
     }
     (binding,) = by_kind(objects, "RoleBinding").values()
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": cluster.PIPELINE_SERVICE_ACCOUNT, "namespace": "tidal"}]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name} for name in cluster.PIPELINE_SERVICE_ACCOUNTS]
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_rbac_subjects_follow_a_namespace_change(name, tmp_path):
+    """`kustomize edit set namespace team-a` on top of an overlay: the binding must still name the accounts
+    that run pipeline pods *in team-a*. A ServiceAccount subject without a namespace means the
+    RoleBinding's own; one that names a namespace must name the binding's."""
+    overlay = tmp_path / "team-a"
+    overlay.mkdir()
+    relative = Path("..") / Path(*[".."] * len(tmp_path.parts[1:])) / (ROOT / "manifests" / "overlays" / name).relative_to("/")
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "team-a", "resources": [str(relative)]}
+        )
+    )
+    result = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    objects = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    (binding,) = by_kind(objects, "RoleBinding").values()
+    assert binding["metadata"]["namespace"] == "team-a"
+    subjects = {(s["name"], s.get("namespace", binding["metadata"]["namespace"])) for s in binding["subjects"]}
+    assert subjects == {(account, "team-a") for account in cluster.PIPELINE_SERVICE_ACCOUNTS}
 
 
 def test_only_tidal_pods_reach_nats_and_mlflow(overlay):

@@ -220,3 +220,156 @@ def test_worker_step_stops_when_the_trainer_failed():
     with pytest.raises(roles.PipelineStepError, match="trainer marked the run as failed"):
         roles.supervise_worker(process, lambda: "failed", poll_s=0.05, grace_s=0.2)
     process.wait(10)
+
+
+# ---------------------------------------------------------------- the KFP driver's input resolution
+
+
+def compiled_spec(tmp_path, accelerator, image=""):
+    from tidal.kube.pipeline import compile_pipeline
+
+    path = compile_pipeline(tmp_path / f"{accelerator}.yaml", accelerator=accelerator, image=image)
+    return next(yaml.safe_load_all(path.read_text()))
+
+
+@pytest.mark.parametrize("image", ["", "registry.example/tidal:dev"])
+@pytest.mark.parametrize("accelerator", sorted(cluster.PROFILES))
+def test_every_task_input_resolves_from_its_parent_dag(tmp_path, accelerator, image):
+    """The driver's rule, on every variant the compiler produces (profiles × step image). Runtime
+    parameters (trainer_backend pytorchjob/local, the lane conditions) choose branches of this same IR,
+    so both branches of every condition are checked here."""
+    from tidal.kube.ir_check import driver_resolution_violations
+
+    spec = compiled_spec(tmp_path, accelerator, image)
+    assert driver_resolution_violations(spec) == []
+    tasks = {t: task for _, t, task in dag_tasks(spec)}
+    conditions = [task for task in tasks.values() if "triggerPolicy" in task]
+    assert len(conditions) == 2  # trainer lane and rollout lane, both checked
+    if accelerator != "cpu":
+        worker_dag = next(c for c in spec["components"].values() if "rollout-worker" in c.get("dag", {}).get("tasks", {}))
+        declared = worker_dag["inputDefinitions"]["parameters"]
+        assert {"pipelinechannel--worker_accelerators", "pipelinechannel--worker_cpu", "pipelinechannel--worker_memory"} <= set(declared)
+
+
+def test_driver_check_flags_a_resource_parameter_read_from_an_outer_scope():
+    """Defect 1 in miniature: `set_cpu_request(param)` inside ParallelFor + If compiles, runs under
+    kfp.local, and fails on a cluster; the check names the task and the channel."""
+    from kfp import compiler, dsl
+
+    from tidal.kube.ir_check import driver_resolution_violations
+    from tidal.kube.pipeline import consume_channels
+
+    @dsl.component(base_image="python:3.11")
+    def step(x: str):
+        pass
+
+    def build(fixed: bool):
+        @dsl.pipeline(name="p")
+        def p(items: list[str] = ["a"], cpu: str = "1"):  # noqa: B006
+            with dsl.ParallelFor(items) as item:
+                with dsl.If(item == "a"):
+                    task = step(x=item).set_cpu_request(cpu)
+                    if fixed:
+                        consume_channels(task, cpu)
+
+        return p
+
+    def violations(fixed):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            compiler.Compiler().compile(build(fixed), f"{tmp}/p.yaml")
+            return driver_resolution_violations(yaml.safe_load(Path(f"{tmp}/p.yaml").read_text()))
+
+    (problem,) = violations(fixed=False)
+    assert "step" in problem and "'pipelinechannel--cpu'" in problem and "parent DAG does not declare" in problem
+    assert violations(fixed=True) == []
+
+
+def test_driver_check_flags_outputs_of_tasks_outside_the_dag_and_undeclared_placeholders():
+    from tidal.kube.ir_check import driver_resolution_violations
+
+    spec = {
+        "components": {"comp-a": {"outputDefinitions": {"parameters": {"out": {}}}}, "comp-b": {}},
+        "root": {
+            "inputDefinitions": {"parameters": {"p": {}}},
+            "dag": {
+                "tasks": {
+                    "a": {"componentRef": {"name": "comp-a"}},
+                    "b": {
+                        "componentRef": {"name": "comp-b"},
+                        "inputs": {
+                            "parameters": {
+                                "x": {"taskOutputParameter": {"producerTask": "a", "outputParameterKey": "missing"}},
+                                "y": {"taskOutputParameter": {"producerTask": "elsewhere", "outputParameterKey": "out"}},
+                                "z": {"runtimeValue": {"constant": "{{$.inputs.parameters['pipelinechannel--q']}}"}},
+                            }
+                        },
+                        "triggerPolicy": {"condition": "inputs.parameter_values['pipelinechannel--c'] == 'x'"},
+                    },
+                }
+            },
+        },
+    }
+    problems = "\n".join(driver_resolution_violations(spec))
+    assert "output 'missing' of 'a'" in problems and "'elsewhere', which is not a task of the same DAG" in problems
+    assert "'pipelinechannel--q', which is not an input" in problems and "its condition reads 'pipelinechannel--c'" in problems
+
+
+# ---------------------------------------------------------------- images
+
+
+def test_image_flag_is_also_the_trainer_image_default(tmp_path):
+    spec = compiled_spec(tmp_path, "nvidia", image="registry.example/tidal:dev")
+    parameters = spec["root"]["inputDefinitions"]["parameters"]
+    assert parameters["trainer_image"]["defaultValue"] == "registry.example/tidal:dev"
+    assert {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()} == {"registry.example/tidal:dev"}
+    assert (
+        compiled_spec(tmp_path, "ascend")["root"]["inputDefinitions"]["parameters"]["trainer_image"]["defaultValue"]
+        == cluster.PROFILES["ascend"].image
+    )
+
+
+def test_submit_with_image_sends_a_pipeline_whose_trainer_image_is_that_image_with_mocked_kfp_api_server(kfp_api_server, monkeypatch):
+    monkeypatch.setenv("KFP_TOKEN", "t")
+    submit_run(str(ROOT / "examples" / "arithmetic.yaml"), host=kfp_api_server, image="registry.example/tidal:ci")
+    (create_run,) = [r for r in FakeKfpApi.requests if r[:2] == ("POST", "/apis/v2beta1/runs")]
+    spec = create_run[3]["pipeline_spec"]["pipeline_spec"]
+    assert spec["root"]["inputDefinitions"]["parameters"]["trainer_image"]["defaultValue"] == "registry.example/tidal:ci"
+
+
+# ---------------------------------------------------------------- config text and data paths
+
+
+def test_submit_maps_relative_data_paths_of_the_examples_into_the_image():
+    from tidal.kube.submit import pipeline_arguments
+
+    text = pipeline_arguments(str(ROOT / "examples" / "gsm8k.yaml"), {})["config_yaml"]
+    data = yaml.safe_load(text)["data"]
+    assert data["path"] == "/opt/tidal/examples/data/gsm8k/train.jsonl"
+    assert data["eval_path"] == "/opt/tidal/examples/data/gsm8k/test.jsonl"
+    for image in ("cpu", "cuda", "ascend"):  # the images carry that folder there
+        assert "COPY examples /opt/tidal/examples" in (ROOT / "images" / image / "Dockerfile").read_text()
+
+
+def test_submit_refuses_a_relative_data_path_the_pods_cannot_read(tmp_path):
+    (tmp_path / "mine.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
+    config = tmp_path / "mine.yaml"
+    config.write_text("data: {task: jsonl, path: mine.jsonl}\n")
+    with pytest.raises(SubmitError, match=r"data.path: 'mine.jsonl' is a file on this machine .*cannot read"):
+        submit_run(str(config), host="http://127.0.0.1:9")
+    config.write_text("data: {task: jsonl, path: missing.jsonl}\n")
+    with pytest.raises(SubmitError, match="does not exist"):
+        submit_run(str(config), host="http://127.0.0.1:9")
+
+
+def test_prepare_refuses_relative_data_paths_in_config_text_and_missing_data_files(tmp_path):
+    (tmp_path / "kube").mkdir()
+    with pytest.raises(roles.PipelineStepError, match=r"config_yaml has relative data paths \(data.path: 'data/train.jsonl'\)"):
+        roles.stage_config(str(tmp_path), "data: {task: jsonl, path: data/train.jsonl}\n", "", [])
+    with pytest.raises(roles.PipelineStepError, match="data files not found in the pipeline's pods: data.path=/nowhere/train.jsonl"):
+        roles.stage_config(str(tmp_path), "data: {task: jsonl, path: /nowhere/train.jsonl}\n", "", [])
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    staged = roles.stage_config(str(tmp_path), f"data: {{task: jsonl, path: {data}}}\n", "", [])
+    assert yaml.safe_load(Path(staged).read_text())["data"]["path"] == str(data)

@@ -33,7 +33,9 @@ MLFLOW_SECRET_ENV = {
 WORKLOAD_SERVICE_ACCOUNT = "tidal-workload"
 """Service account of trainer pods: no API permissions, token not mounted."""
 PIPELINE_SERVICE_ACCOUNT = "pipeline-runner"
-"""KFP's service account in the namespace; the only one allowed to manage PyTorchJobs."""
+"""Standalone KFP's service account for pipeline pods; allowed to manage PyTorchJobs."""
+PIPELINE_SERVICE_ACCOUNTS = (PIPELINE_SERVICE_ACCOUNT, "default-editor")
+"""Every account that runs pipeline pods: standalone KFP's, and multi-user Kubeflow's in a profile namespace."""
 
 RUN_AS_USER = 1000
 RUN_AS_GROUP = 1000

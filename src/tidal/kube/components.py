@@ -85,8 +85,13 @@ def train(
     image: str,
     namespace: str,
     pipeline_job_id: str,
+    cpu: str,
+    memory: str,
+    deadline_s: int,
+    start_timeout_s: int,
 ):
-    """The round's trainer: a PyTorchJob (waited for, logs streamed) or, locally, the trainer role itself."""
+    """The round's trainer: a PyTorchJob (waited for, logs streamed) or, locally, the trainer role itself.
+    On any failure it marks the run failed (the round's workers stop) and deletes the job."""
     from tidal.kube import roles
 
     placement = roles.TrainerPlacement(
@@ -97,6 +102,10 @@ def train(
         image=image,
         namespace=namespace,
         pipeline_job_id=pipeline_job_id,
+        cpu=cpu,
+        memory=memory,
+        deadline_s=deadline_s,
+        start_timeout_s=start_timeout_s,
     )
     roles.train_round(run_dir=run_dir, config_path=config_path, round_index=int(round_index), iterations=iterations, placement=placement)
 

@@ -8,6 +8,8 @@ weight-store API is fixed here, once.
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from tidal.protocol import RunState
@@ -21,8 +23,16 @@ def run_id_of(run_dir: str) -> str:
     return Path(run_dir).name
 
 
-def prepare_run(run_dir: str, config_path: str, tracking_uri: str, mlflow_run_id: str) -> None:
-    """Stage the base model and data, write run.json, create the streams and the KV bucket."""
+BASE_MODEL_DIR = "base-model"
+"""Where the prepare step stages the base model inside the run directory (on the shared volume)."""
+
+
+def prepare_run(run_dir: str, config_path: str, tracking_uri: str, mlflow_run_id: str, shared_roots: tuple[str, ...] = ()) -> None:
+    """Stage the base model and data, write run.json, create the streams and the KV bucket.
+
+    The base model is copied into ``RUN_DIR/base-model`` (see :func:`stage_base_model`), and
+    run.json records that path: the prepare pod's own cache vanishes with the pod.
+    """
     from tidal.config import load_config
     from tidal.roles import check_prompt_settings, ensure_base_model, run_async
     from tidal.rundir import RunInfo
@@ -30,10 +40,38 @@ def prepare_run(run_dir: str, config_path: str, tracking_uri: str, mlflow_run_id
     cfg = load_config(config_path)
     run_path = Path(run_dir)
     if not (run_path / "run.json").is_file():
-        base_model = ensure_base_model(cfg)
+        base_model = stage_base_model(ensure_base_model(cfg), run_dir, shared_roots)
         check_prompt_settings(cfg, base_model)
         RunInfo(run_id=run_id_of(run_dir), base_model=str(base_model), tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id).save(run_path)
     run_async(_create_transport(cfg, run_dir))
+
+
+def stage_base_model(base_model: str | Path, run_dir: str, shared_roots: tuple[str, ...] = ()) -> str:
+    """Where every later pod finds the base model: a local directory is copied to ``RUN_DIR/base-model``.
+
+    The warm-started tiny model, and any model directory, lives in this pod's file system
+    (``$TIDAL_CACHE`` or ``$HOME/.cache/tidal``), which the trainer and worker pods do not see.
+    A directory already inside the run directory or under one of ``shared_roots`` (the data
+    volume) is used where it is. A name that is not a local directory (a Hugging Face hub id) is
+    returned unchanged: each pod resolves it itself. The copy is atomic (a temporary folder,
+    renamed), so a retried prepare step either finds the staged model or stages it again.
+    """
+    source = Path(base_model)
+    if not source.is_dir():
+        return str(base_model)
+    source = source.resolve()
+    run_path = Path(run_dir).resolve()
+    if any(source.is_relative_to(Path(root).resolve()) for root in (run_path, *shared_roots)):
+        return str(source)
+    target = run_path / BASE_MODEL_DIR
+    if (target / "config.json").is_file():
+        return str(target)
+    tmp = run_path / f".{BASE_MODEL_DIR}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return str(target)
 
 
 async def _create_transport(cfg, run_dir: str) -> None:
@@ -51,7 +89,15 @@ def open_round(run_dir: str, config_path: str, round_index: int) -> None:
     run_async(_put_run_state(load_config(config_path), run_dir, RunState.RUNNING, round_index))
 
 
-async def _put_run_state(cfg, run_dir: str, state: RunState, round_index: int) -> None:
+def mark_run_failed(run_dir: str, config_path: str, round_index: int | None = None) -> None:
+    """Set the KV run state to failed, so the round's rollout workers stop and release their accelerators."""
+    from tidal.config import load_config
+    from tidal.roles import run_async
+
+    run_async(_put_run_state(load_config(config_path), run_dir, RunState.FAILED, round_index))
+
+
+async def _put_run_state(cfg, run_dir: str, state: RunState, round_index: int | None) -> None:
     from tidal.transport import Transport
 
     transport = await Transport.connect(nats_url(cfg), run_id_of(run_dir), cfg.transport, create=True)

@@ -12,12 +12,18 @@ round K (default: ``trainer.iterations`` split over R rounds). Set them with the
 environment variables ``TIDAL_KFP_ROUNDS`` / ``TIDAL_KFP_ITERATIONS_PER_ROUND``
 or the pseudo-overrides ``kfp.rounds=R`` / ``kfp.iterations_per_round=K``. kfp.local runs at most two loop iterations at once, so one rollout
 worker runs beside the trainer per round.
+
+Each step runs as if in its own pod: a fresh HOME, ``$TIDAL_CACHE`` and working
+directory, deleted when the step ends; only the run directory is shared, as the
+data volume is on a cluster (``TIDAL_KFP_LOCAL_SHARED_HOME=1`` turns this off).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +73,28 @@ def load_checked_config(config_path: str, overrides: list[str]):
         raise KfpLocalError(str(err)) from None
 
 
+@contextmanager
+def separate_pods():
+    """Every step runs with its own HOME, cache and working directory, removed when it ends (as a pod's
+    file system is), so a step that leaves something outside the run directory for a later one fails
+    here as it would on a cluster. ``TIDAL_KFP_LOCAL_SHARED_HOME=1`` turns this off."""
+    from tidal.kube.roles import POD_SANDBOX_ENV
+
+    if os.environ.get("TIDAL_KFP_LOCAL_SHARED_HOME") == "1":
+        yield
+        return
+    saved = os.environ.get(POD_SANDBOX_ENV)
+    with tempfile.TemporaryDirectory(prefix="tidal-kfp-pods-") as root:
+        os.environ[POD_SANDBOX_ENV] = root
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop(POD_SANDBOX_ENV, None)
+            else:
+                os.environ[POD_SANDBOX_ENV] = saved
+
+
 def run_pipeline_locally(config_path: str, run_dir: str, overrides: list[str]) -> Path:
     """Run the whole pipeline; returns the run directory. Raises :class:`KfpLocalError` on failure."""
     from kfp import local
@@ -81,7 +109,7 @@ def run_pipeline_locally(config_path: str, run_dir: str, overrides: list[str]) -
     tracking_uri = config.tracking.uri or f"sqlite:///{run_path}/mlflow.db"
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(run_path / "kfp"), raise_on_error=True)
     pipeline = build_pipeline(cluster.accelerator_profile("cpu"))
-    with EmbeddedNats(run_path / "nats", max_payload_mb=config.transport.max_payload_mb) as nats:
+    with EmbeddedNats(run_path / "nats", max_payload_mb=config.transport.max_payload_mb) as nats, separate_pods():
         try:
             pipeline(
                 config_path=str(Path(config_path).resolve()),

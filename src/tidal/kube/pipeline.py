@@ -28,6 +28,7 @@ from kfp import compiler, dsl, kubernetes
 from tidal.kube import cluster
 from tidal.kube import components as c
 from tidal.kube.cluster import AcceleratorProfile
+from tidal.kube.ir_check import driver_resolution_violations
 
 PIPELINE_NAME = "tidal-grpo"
 DEFAULT_CONFIG_PATH = "/opt/tidal/examples/arithmetic.yaml"
@@ -38,6 +39,7 @@ def on_cluster(task: dsl.PipelineTask, needs_nats: bool = True, cpu: str = "500m
     a non-root security context, resource requests, and no caching (steps are stateful)."""
     task.set_caching_options(False)
     task.set_cpu_request(cpu).set_memory_request(memory).set_memory_limit(memory)
+    consume_channels(task, cpu, memory)
     kubernetes.mount_pvc(task, pvc_name=cluster.DATA_PVC, mount_path=cluster.DATA_MOUNT_PATH)
     if needs_nats:
         kubernetes.use_secret_as_env(task, secret_name=cluster.NATS_SECRET, secret_key_to_env=cluster.NATS_SECRET_ENV)
@@ -48,10 +50,27 @@ def on_cluster(task: dsl.PipelineTask, needs_nats: bool = True, cpu: str = "500m
     return task
 
 
+def consume_channels(task: dsl.PipelineTask, *values) -> None:
+    """Declare the pipeline parameters that a resource setting reads as inputs of ``task``.
+
+    ``set_cpu_request(param)`` and friends put a ``{{$.inputs.parameters['pipelinechannel--…']}}``
+    placeholder on the task but (kfp 2.17) do not register the channel, so the compiler does not
+    thread it through the enclosing loop and condition DAGs. ``kfp.local`` looks the value up in
+    outer scopes and runs; the KFP driver resolves a task's inputs only from its immediate parent
+    DAG and fails the task before its pod starts ("parent DAG does not have input parameter").
+    """
+    from kfp.dsl import pipeline_channel
+
+    channels = pipeline_channel.extract_pipeline_channels_from_any(list(values))
+    if channels:
+        task.register_pipeline_channels(channels)
+
+
 def on_accelerator(task: dsl.PipelineTask, profile: AcceleratorProfile, count) -> dsl.PipelineTask:
     """Accelerator request, node placement and a memory-backed /dev/shm for an inference pod."""
     if profile.has_accelerator:
         task.set_accelerator_type(profile.resource).set_accelerator_limit(count)
+        consume_channels(task, count)
     for key, value in profile.node_selector.items():
         kubernetes.add_node_selector(task, label_key=key, label_value=value)
     for toleration in profile.tolerations:
@@ -60,8 +79,10 @@ def on_accelerator(task: dsl.PipelineTask, profile: AcceleratorProfile, count) -
     return task
 
 
-def build_pipeline(profile: AcceleratorProfile) -> Callable:
-    """The pipeline function for one accelerator profile."""
+def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
+    """The pipeline function for one accelerator profile; ``image`` (default: the profile's) is
+    also the default of the ``trainer_image`` parameter, so the trainer job runs what the steps run."""
+    step_image = image or profile.image
 
     @dsl.pipeline(name=f"{PIPELINE_NAME}-round", description="One round: rollout workers ∥ trainer, then sync and eval.")
     def round_pipeline(
@@ -77,6 +98,10 @@ def build_pipeline(profile: AcceleratorProfile) -> Callable:
         worker_cpu: str,
         worker_memory: str,
         trainer_image: str,
+        trainer_cpu: str,
+        trainer_memory: str,
+        trainer_deadline_s: int,
+        trainer_start_timeout_s: int,
         namespace: str,
     ):
         opened = on_cluster(open_round(run_dir=run_dir, config_path=config_path, round_index=round_index))
@@ -94,8 +119,15 @@ def build_pipeline(profile: AcceleratorProfile) -> Callable:
                     image=trainer_image,
                     namespace=namespace,
                     pipeline_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                    cpu=trainer_cpu,
+                    memory=trainer_memory,
+                    deadline_s=trainer_deadline_s,
+                    start_timeout_s=trainer_start_timeout_s,
                 )
                 on_cluster(trainer).set_display_name("train").after(opened)
+                # the job's ownerReference and per-attempt name (tidal.kube.roles.launcher_pod)
+                kubernetes.use_field_path_as_env(trainer, env_name="TIDAL_POD_NAME", field_path="metadata.name")
+                kubernetes.use_field_path_as_env(trainer, env_name="TIDAL_POD_UID", field_path="metadata.uid")
             with dsl.Else(name="rollout-lane"):
                 worker = rollout_worker(run_dir=run_dir, config_path=config_path, lane=lane, round_index=round_index)
                 on_cluster(worker, cpu=worker_cpu, memory=worker_memory).set_display_name("rollout-worker")
@@ -120,6 +152,10 @@ def build_pipeline(profile: AcceleratorProfile) -> Callable:
         worker_cpu: str,
         worker_memory: str,
         trainer_image: str,
+        trainer_cpu: str,
+        trainer_memory: str,
+        trainer_deadline_s: int,
+        trainer_start_timeout_s: int,
         namespace: str,
     ):
         with dsl.ParallelFor(rounds, parallelism=1) as round_index:
@@ -136,6 +172,10 @@ def build_pipeline(profile: AcceleratorProfile) -> Callable:
                 worker_cpu=worker_cpu,
                 worker_memory=worker_memory,
                 trainer_image=trainer_image,
+                trainer_cpu=trainer_cpu,
+                trainer_memory=trainer_memory,
+                trainer_deadline_s=trainer_deadline_s,
+                trainer_start_timeout_s=trainer_start_timeout_s,
                 namespace=namespace,
             ).set_caching_options(False)
 
@@ -164,14 +204,21 @@ def build_pipeline(profile: AcceleratorProfile) -> Callable:
         worker_accelerators: int = 1,
         worker_cpu: str = "8",
         worker_memory: str = "32Gi",
-        trainer_image: str = profile.image,
+        trainer_image: str = step_image,
+        trainer_cpu: str = "8",
+        trainer_memory: str = "64Gi",
+        trainer_deadline_s: int = 24 * 3600,
+        trainer_start_timeout_s: int = 3600,
         namespace: str = "",
         registered_model_name: str = "tidal-policy",
     ):
         """Parameters: config_yaml (config text; wins over config_path), config_path (a config in the image),
         run_dir (default /mnt/tidal/runs/<job id>), rounds × iterations_per_round iterations in all,
         rollout_workers pods per round; group_size, prompts_per_iteration, mode: 0/'' keep the config's;
-        overrides: key=value lines for any other config key; trainer_backend: pytorchjob or local."""
+        overrides: key=value lines for any other config key; trainer_backend: pytorchjob or local;
+        trainer_image (default: the steps' image), trainer_cpu / trainer_memory: requests of each trainer replica;
+        trainer_deadline_s: the trainer job's activeDeadlineSeconds (0: none); trainer_start_timeout_s: how long
+        the job may stay Pending before the round fails."""
         prepared = on_cluster(
             prepare(
                 config_yaml=config_yaml,
@@ -203,6 +250,10 @@ def build_pipeline(profile: AcceleratorProfile) -> Callable:
             worker_cpu=worker_cpu,
             worker_memory=worker_memory,
             trainer_image=trainer_image,
+            trainer_cpu=trainer_cpu,
+            trainer_memory=trainer_memory,
+            trainer_deadline_s=trainer_deadline_s,
+            trainer_start_timeout_s=trainer_start_timeout_s,
             namespace=namespace,
         )
         loop.set_caching_options(False)
@@ -224,8 +275,11 @@ def compile_pipeline(output_path, accelerator: str = "nvidia", image: str = "") 
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "pipeline.yaml"
-        compiler.Compiler().compile(build_pipeline(profile), str(raw))
+        compiler.Compiler().compile(build_pipeline(profile, image), str(raw))
         documents = list(yaml.safe_load_all(raw.read_text()))
+    problems = driver_resolution_violations(documents[0])
+    if problems:
+        raise ValueError("the compiled pipeline has inputs the KFP driver cannot resolve:\n  - " + "\n  - ".join(problems))
     set_executor_images(documents[0], image or profile.image)
     output.write_text(yaml.safe_dump_all(documents, sort_keys=False))
     return output

@@ -34,6 +34,9 @@ KIND = "PyTorchJob"
 CONTAINER_NAME = "pytorch"
 REPLICA_TYPES = ("Master", "Worker")
 CLEAN_POD_POLICIES = ("None", "Running", "All")
+POD_ANNOTATIONS = {"sidecar.istio.io/inject": "false"}
+"""In an Istio-injected namespace (Kubeflow profiles) a sidecar keeps the Master pod running after
+``torchrun`` exits, so the job never succeeds; trainer pods reach NATS and MLflow directly."""
 NPROC_KEYWORDS = ("auto", "cpu", "gpu")
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -69,6 +72,8 @@ class TrainerJobSpec:
     clean_pod_policy: str = "Running"
     active_deadline_seconds: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    owner: tuple[str, str] | None = None
+    """``(name, uid)`` of the launcher pod: the job is garbage-collected with it (a deleted or cancelled run)."""
 
     @property
     def container_image(self) -> str:
@@ -163,7 +168,7 @@ def pod_template(spec: TrainerJobSpec) -> k8s.V1PodTemplateSpec:
             k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=spec.profile.shm_size)),
         ],
     )
-    return k8s.V1PodTemplateSpec(metadata=k8s.V1ObjectMeta(labels=labels), spec=pod_spec)
+    return k8s.V1PodTemplateSpec(metadata=k8s.V1ObjectMeta(labels=labels, annotations=dict(POD_ANNOTATIONS)), spec=pod_spec)
 
 
 def replica_specs(spec: TrainerJobSpec) -> dict[str, kf.KubeflowOrgV1ReplicaSpec]:
@@ -173,6 +178,15 @@ def replica_specs(spec: TrainerJobSpec) -> dict[str, kf.KubeflowOrgV1ReplicaSpec
     if spec.nodes > 1:
         replicas["Worker"] = kf.KubeflowOrgV1ReplicaSpec(replicas=spec.nodes - 1, restart_policy="OnFailure", template=pod_template(spec))
     return replicas
+
+
+def owner_references(spec: TrainerJobSpec) -> list[k8s.V1OwnerReference] | None:
+    """The launcher pod as the job's owner. Not a controller, and ``blockOwnerDeletion`` off: setting
+    it would need ``update`` on ``pods/finalizers``, which the launcher's Role does not grant."""
+    if spec.owner is None:
+        return None
+    name, uid = spec.owner
+    return [k8s.V1OwnerReference(api_version="v1", kind="Pod", name=name, uid=uid, controller=False, block_owner_deletion=False)]
 
 
 def build_pytorchjob(spec: TrainerJobSpec) -> kf.KubeflowOrgV1PyTorchJob:
@@ -186,7 +200,9 @@ def build_pytorchjob(spec: TrainerJobSpec) -> kf.KubeflowOrgV1PyTorchJob:
     job = kf.KubeflowOrgV1PyTorchJob(
         api_version=API_VERSION,
         kind=KIND,
-        metadata=k8s.V1ObjectMeta(name=spec.name, namespace=spec.namespace, labels={**cluster.TIDAL_POD_LABEL, **spec.labels}),
+        metadata=k8s.V1ObjectMeta(
+            name=spec.name, namespace=spec.namespace, labels={**cluster.TIDAL_POD_LABEL, **spec.labels}, owner_references=owner_references(spec)
+        ),
         spec=kf.KubeflowOrgV1PyTorchJobSpec(
             nproc_per_node=spec.nproc_per_node,
             pytorch_replica_specs=replica_specs(spec),
@@ -429,10 +445,13 @@ class PyTorchJobBackend:
     account (or ``~/.kube/config`` outside a cluster), created on first use.
     """
 
-    def __init__(self, client: Any = None, client_factory: Callable[[], Any] | None = None, polling_interval_s: int = 15):
+    def __init__(
+        self, client: Any = None, client_factory: Callable[[], Any] | None = None, polling_interval_s: int = 15, start_timeout_s: int = 3600
+    ):
         self._client = client
         self._client_factory = client_factory or _default_training_client
         self.polling_interval_s = polling_interval_s
+        self.start_timeout_s = start_timeout_s
 
     @property
     def client(self) -> Any:
@@ -448,7 +467,7 @@ class PyTorchJobBackend:
     def stream_logs(self, name: str, namespace: str) -> None:
         started = {"Running", "Succeeded", "Failed"}
         self.client.wait_for_job_conditions(
-            name=name, namespace=namespace, expected_conditions=started, wait_timeout=24 * 3600, polling_interval=self.polling_interval_s
+            name=name, namespace=namespace, expected_conditions=started, wait_timeout=self.start_timeout_s, polling_interval=self.polling_interval_s
         )
         self.client.get_job_logs(name=name, namespace=namespace, follow=True)
 
@@ -472,11 +491,32 @@ def _default_training_client() -> Any:
     return TrainingClient(job_kind=KIND)
 
 
+class TrainerJobFailed(RuntimeError):
+    """The trainer job ended without success; the message carries the operator's."""
+
+
 def run_trainer_job(backend: TrainerJobBackend, spec: TrainerJobSpec, timeout_s: int = 7 * 24 * 3600) -> JobOutcome:
-    """Submit, stream the master's log, wait; raise with the operator's message if the job failed."""
+    """Submit, stream the master's log, wait; raise with the operator's message if the job failed.
+
+    On any failure after the job was created — it never started, failed, outlived ``timeout_s``,
+    or this step was cancelled — the job is deleted, so its pods release their accelerators. A job
+    whose creation failed is not deleted: a name clash must not remove someone else's job.
+    """
     name = backend.submit(spec)
-    backend.stream_logs(name, spec.namespace)
-    outcome = backend.wait(name, spec.namespace, timeout_s)
-    if not outcome.succeeded:
-        raise RuntimeError(f"trainer job {spec.namespace}/{name} failed: {outcome.message}")
-    return outcome
+    try:
+        backend.stream_logs(name, spec.namespace)
+        outcome = backend.wait(name, spec.namespace, timeout_s)
+        if not outcome.succeeded:
+            raise TrainerJobFailed(f"trainer job {spec.namespace}/{name} failed: {outcome.message}")
+        return outcome
+    except BaseException:
+        delete_quietly(backend, name, spec.namespace)
+        raise
+
+
+def delete_quietly(backend: TrainerJobBackend, name: str, namespace: str) -> None:
+    try:
+        backend.delete(name, namespace)
+        print(f"deleted trainer job {namespace}/{name}", flush=True)
+    except Exception as err:  # the original failure matters more; the ownerReference and deadline still apply
+        print(f"could not delete trainer job {namespace}/{name}: {err}", flush=True)

@@ -15,12 +15,17 @@ Layout inside a run directory (besides what the roles write)::
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import secrets
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -94,6 +99,50 @@ def worker_lanes(rollout_workers: int) -> list[str]:
     return [TRAINER_LANE] + [f"{WORKER_LANE_PREFIX}{i}" for i in range(rollout_workers)]
 
 
+POD_SANDBOX_ENV = "TIDAL_KFP_LOCAL_PODS"
+"""Set by ``tidal run --via kfp-local``: a folder under which each step gets a fresh HOME, cache and
+working directory, removed when the step ends, as a pod's would be. Only the run directory is shared."""
+
+
+def as_separate_pod(step: str):
+    """Run the decorated step function as if in its own pod when :data:`POD_SANDBOX_ENV` is set."""
+
+    def decorate(function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            root = os.environ.get(POD_SANDBOX_ENV)
+            if not root:
+                return function(*args, **kwargs)
+            with pod_sandbox(step, Path(root)):
+                return function(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+@contextmanager
+def pod_sandbox(step: str, root: Path):
+    """A fresh HOME, $TIDAL_CACHE and working directory for this process; all removed on exit."""
+    import tempfile
+
+    root.mkdir(parents=True, exist_ok=True)
+    pod = Path(tempfile.mkdtemp(prefix=f"{step}-", dir=root))
+    home, work = pod / "home", pod / "work"
+    home.mkdir()
+    work.mkdir()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    os.environ.update(HOME=str(home), TIDAL_CACHE=str(home / ".cache" / "tidal"), XDG_CACHE_HOME=str(home / ".cache"))
+    os.chdir(work)
+    try:
+        yield pod
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        shutil.rmtree(pod, ignore_errors=True)
+
+
 # ---------------------------------------------------------------- prepare
 
 
@@ -146,14 +195,28 @@ def resolve_run_dir(run_dir: str, job_id: str) -> str:
 
 
 def stage_config(run_dir: str, config_yaml: str, config_path: str, overrides: list[str]) -> str:
-    """Validate the config with the overrides applied and write the resolved one into the run directory."""
+    """Validate the config with the overrides applied and write the resolved one into the run directory.
+
+    Config text (``config_yaml``, what ``tidal submit`` sends) has no folder of its own, so its data
+    paths must be absolute: a path in the image or on the data volume (``tidal submit`` rewrites
+    the paths of files it can map into the image and refuses the others). A config file in the
+    image (``config_path``) may use paths relative to its folder. Either way, the data files must
+    exist in this pod, or the step fails here naming the key instead of in a later pod.
+    """
     from tidal.config import ConfigError, dump_config, load_config
 
     record = Path(run_dir) / STATE_DIR / "submitted-config.yaml"
     if config_yaml.strip():
         record.write_text(config_yaml)
-        # inline text has no folder of its own: its relative data paths are the working directory's
-        source, base_dir = record, Path.cwd()
+        relative = relative_data_paths(config_yaml)
+        if relative:
+            listed = ", ".join(f"{key}: {value!r}" for key, value in relative.items())
+            raise PipelineStepError(
+                f"config_yaml has relative data paths ({listed}): config text has no folder to resolve them against. "
+                f"Give absolute paths in the image or on the data volume ({cluster.DATA_MOUNT_PATH}), or submit with `tidal submit`, "
+                "which maps files of the image's examples/ folder"
+            )
+        source, base_dir = record, None
     elif config_path:
         if not Path(config_path).is_file():
             raise PipelineStepError(f"config_path {config_path!r} does not exist in the component image")
@@ -165,9 +228,34 @@ def stage_config(run_dir: str, config_yaml: str, config_path: str, overrides: li
         config = load_config(source, overrides, base_dir)
     except ConfigError as err:
         raise PipelineStepError(str(err)) from None
+    missing = {key: value for key, value in data_paths(config).items() if not Path(value).is_file()}
+    if missing:
+        listed = ", ".join(f"{key}={value}" for key, value in missing.items())
+        raise PipelineStepError(f"data files not found in the pipeline's pods: {listed} (put them in the image or on the data volume)")
     staged = Path(run_dir) / "config.yaml"
     staged.write_text(dump_config(config))
     return str(staged)
+
+
+DATA_PATH_KEYS = ("path", "eval_path")
+
+
+def relative_data_paths(config_yaml: str) -> dict[str, str]:
+    """``data.path`` / ``data.eval_path`` values of config text that are relative paths."""
+    import yaml
+
+    try:
+        data = (yaml.safe_load(config_yaml) or {}).get("data") or {}
+    except (yaml.YAMLError, AttributeError):
+        return {}  # the config loader reports the problem
+    if not isinstance(data, dict):
+        return {}
+    return {f"data.{key}": data[key] for key in DATA_PATH_KEYS if isinstance(data.get(key), str) and not Path(data[key]).is_absolute()}
+
+
+def data_paths(config) -> dict[str, str]:
+    """The data files a resolved config reads, by dotted key."""
+    return {f"data.{key}": getattr(config.data, key) for key in DATA_PATH_KEYS if getattr(config.data, key, None)}
 
 
 def tracking_uri_for(run_dir: str, configured: str | None) -> str:
@@ -209,6 +297,7 @@ def open_parent_run(run_dir: str, config_path: str) -> tuple[str, str]:
     return run.info.run_id, uri
 
 
+@as_separate_pod("prepare")
 def prepare(config_yaml: str, config_path: str, run_dir: str, job_id: str, knobs: PipelineKnobs) -> PreparedRun:
     """Validate the config, stage it and its data, create the streams and KV bucket, open the MLflow parent run."""
     run_dir = resolve_run_dir(run_dir, job_id)
@@ -224,12 +313,13 @@ def prepare(config_yaml: str, config_path: str, run_dir: str, job_id: str, knobs
 def core_prepare(run_dir: str, config_path: str, tracking_uri: str, parent_run_id: str) -> None:
     """Stage the base model and dataset, write run.json, create the run's streams and KV bucket."""
 
-    core_hooks.prepare_run(run_dir, config_path, tracking_uri, parent_run_id)
+    core_hooks.prepare_run(run_dir, config_path, tracking_uri, parent_run_id, shared_roots=(cluster.DATA_MOUNT_PATH,))
 
 
 # ---------------------------------------------------------------- a round
 
 
+@as_separate_pod("open-round")
 def open_round(run_dir: str, config_path: str, round_index: int) -> None:
     """Mark the run as running round ``round_index`` so this round's workers do not exit at once."""
 
@@ -241,6 +331,7 @@ WORKER_GRACE_SECONDS = 20.0
 STATE_POLL_SECONDS = 2.0
 
 
+@as_separate_pod("rollout-worker")
 def rollout_worker(run_dir: str, config_path: str, lane: str, round_index: int) -> None:
     """One long-running rollout worker; the step ends when the KV run state says the round is over.
 
@@ -329,23 +420,79 @@ class TrainerPlacement:
     image: str = ""
     namespace: str = ""
     pipeline_job_id: str = ""
+    cpu: str = "8"
+    memory: str = "64Gi"
+    deadline_s: int = 0
+    """The trainer job's ``activeDeadlineSeconds`` (the operator fails it after that long); 0: none."""
+    start_timeout_s: int = 3600
+    """How long the job may stay unstarted (Pending, image pull) before the launcher gives up."""
 
 
-def train_round(run_dir: str, config_path: str, round_index: int, iterations: int, placement: TrainerPlacement) -> None:
-    """Train ``iterations`` iterations, resuming from the latest checkpoint in the run directory."""
-    if placement.backend == "local":
-        run_tidal(["train", config_path, "--run-dir", run_dir, "--nats-url", nats_url_of(config_path), "--iterations", str(iterations)])
-    elif placement.backend == "pytorchjob":
-        train_round_as_pytorchjob(run_dir, config_path, round_index, iterations, placement)
-    else:
-        raise PipelineStepError(f"trainer_backend must be 'local' or 'pytorchjob', got {placement.backend!r}")
+TRAINER_BACKENDS = ("local", "pytorchjob")
+DEFAULT_TRAINER_WAIT_S = 7 * 24 * 3600
+DEADLINE_MARGIN_S = 600
 
 
-def train_round_as_pytorchjob(run_dir: str, config_path: str, round_index: int, iterations: int, placement: TrainerPlacement) -> None:
+class StepTerminated(PipelineStepError):
+    """The step's pod got SIGTERM (the KFP run was cancelled, or the pod is being deleted)."""
+
+
+@contextmanager
+def termination_as_exception():
+    """Turn SIGTERM into :class:`StepTerminated`, so clean-up (delete the job, mark the run failed) runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum, frame):
+        raise StepTerminated(f"received signal {signum}: the run was cancelled or the pod is being deleted")
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@as_separate_pod("train")
+def train_round(run_dir: str, config_path: str, round_index: int, iterations: int, placement: TrainerPlacement, job_backend=None) -> None:
+    """Train ``iterations`` iterations, resuming from the latest checkpoint in the run directory.
+
+    Whatever goes wrong — a bad placement, a job the API server refuses, a job that never starts
+    (Pending, image pull), dies (OOM, the operator's deadline) or outlives the launcher's wait, or
+    a cancelled run — the KV run state is set to failed before the step fails, so the round's
+    rollout workers stop and release their accelerators instead of waiting forever.
+    """
+    try:
+        with termination_as_exception():
+            if placement.backend == "local":
+                run_tidal(["train", config_path, "--run-dir", run_dir, "--nats-url", nats_url_of(config_path), "--iterations", str(iterations)])
+            elif placement.backend == "pytorchjob":
+                train_round_as_pytorchjob(run_dir, config_path, round_index, iterations, placement, job_backend)
+            else:
+                raise PipelineStepError(f"trainer_backend must be one of {', '.join(TRAINER_BACKENDS)}, got {placement.backend!r}")
+    except BaseException as err:
+        record_run_failed(run_dir, config_path, round_index, err)
+        raise
+
+
+def record_run_failed(run_dir: str, config_path: str, round_index: int, reason: BaseException) -> None:
+    """Best effort: the step is failing anyway; a NATS error here must not hide the original one."""
+    print(f"round {round_index}: the trainer failed ({type(reason).__name__}: {reason}); marking the run failed", flush=True)
+    try:
+        core_hooks.mark_run_failed(run_dir, config_path, round_index)
+    except Exception as err:
+        print(f"could not mark the run failed in the KV bucket: {err}", flush=True)
+
+
+def train_round_as_pytorchjob(
+    run_dir: str, config_path: str, round_index: int, iterations: int, placement: TrainerPlacement, job_backend=None
+) -> None:
     from tidal.kube.pytorchjob import PyTorchJobBackend, TrainerJobSpec, run_trainer_job
 
+    pod = launcher_pod()
     spec = TrainerJobSpec(
-        name=trainer_job_name(placement.pipeline_job_id or Path(run_dir).name, round_index),
+        name=trainer_job_name(placement.pipeline_job_id or Path(run_dir).name, round_index, attempt_suffix(pod)),
         namespace=placement.namespace or current_namespace(),
         config_path=config_path,
         run_dir=run_dir,
@@ -354,17 +501,46 @@ def train_round_as_pytorchjob(run_dir: str, config_path: str, round_index: int, 
         image=placement.image or None,
         nodes=placement.nodes,
         accelerators_per_node=placement.accelerators_per_node,
+        cpu=placement.cpu,
+        memory=placement.memory,
         nats_url=nats_url_of(config_path),
+        active_deadline_seconds=placement.deadline_s or None,
+        owner=pod,
         labels={"tidal.run": Path(run_dir).name[:63]},
     )
-    run_trainer_job(PyTorchJobBackend(), spec)
+    backend = job_backend or PyTorchJobBackend(start_timeout_s=placement.start_timeout_s)
+    wait_s = placement.deadline_s + DEADLINE_MARGIN_S if placement.deadline_s else DEFAULT_TRAINER_WAIT_S
+    run_trainer_job(backend, spec, timeout_s=wait_s)
 
 
-def trainer_job_name(run_name: str, round_index: int) -> str:
-    """A DNS-1035 name unique per run and round, at most 63 characters."""
+MAX_JOB_NAME = 52
+"""The operator names Services ``<job>-master-0`` / ``<job>-worker-<i>``: DNS-1035 labels of at most 63."""
+
+
+def trainer_job_name(run_name: str, round_index: int, attempt: str = "") -> str:
+    """A DNS-1035 name unique per run, round and attempt (a KFP retry must not meet the last attempt's job)."""
     slug = "".join(c if c.isalnum() else "-" for c in run_name.lower()).strip("-")
-    suffix = f"-r{round_index:03d}"
-    return ("tidal-" + slug)[: 63 - len(suffix)].rstrip("-") + suffix
+    attempt = "".join(c for c in attempt.lower() if c.isalnum())[:8]
+    suffix = f"-r{round_index:03d}" + (f"-{attempt}" if attempt else "")
+    return ("tidal-" + slug)[: MAX_JOB_NAME - len(suffix)].rstrip("-") + suffix
+
+
+POD_NAME_ENV = ("TIDAL_POD_NAME", "KFP_POD_NAME")
+POD_UID_ENV = ("TIDAL_POD_UID", "KFP_POD_UID")
+
+
+def launcher_pod() -> tuple[str, str] | None:
+    """``(name, uid)`` of this step's pod from the downward API (set on the train step), else None."""
+    name = next((os.environ[k] for k in POD_NAME_ENV if os.environ.get(k)), "")
+    uid = next((os.environ[k] for k in POD_UID_ENV if os.environ.get(k)), "")
+    return (name, uid) if name and uid else None
+
+
+def attempt_suffix(pod: tuple[str, str] | None) -> str:
+    """Five characters that differ between attempts: the launcher pod's uid, else random."""
+    if pod is not None:
+        return pod[1].replace("-", "")[:5].lower()
+    return secrets.token_hex(3)[:5]
 
 
 def current_namespace() -> str:
@@ -381,6 +557,7 @@ class SyncedWeights:
     path: str
 
 
+@as_separate_pod("weight-sync")
 def weight_sync(run_dir: str, round_index: int) -> SyncedWeights:
     """Verify the round's newest snapshot against its manifest, point ``latest`` at it, log it to MLflow."""
 
@@ -401,6 +578,7 @@ def weight_sync(run_dir: str, round_index: int) -> SyncedWeights:
     return synced
 
 
+@as_separate_pod("evaluate")
 def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int) -> dict[str, float]:
     """Held-out metrics of the round's snapshot (``tidal eval``), logged to MLflow per round."""
     output = run_tidal(["eval", config_path, "--run-dir", run_dir, "--weights", weights_path], capture=True)
@@ -430,6 +608,7 @@ def numeric_metrics(payload: dict) -> dict[str, float]:
     return {key: float(value) for key, value in payload.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
+@as_separate_pod("finalize")
 def finalize(run_dir: str, registered_model_name: str) -> str:
     """Log the final snapshot to the parent run and register it in the MLflow model registry."""
     from mlflow.tracking import MlflowClient

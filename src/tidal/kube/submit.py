@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.kube import cluster
 from tidal.kube.pipeline import compile_pipeline
 
 
@@ -61,7 +62,8 @@ def kfp_client_from_env(host: str | None = None) -> Any:
 
 
 def pipeline_arguments(config_path: str, params: dict[str, Any]) -> dict[str, Any]:
-    """The config file's text becomes ``config_yaml``; ``params`` set any other pipeline parameter."""
+    """The config file's text, with its data paths as the pipeline's pods see them, becomes
+    ``config_yaml``; ``params`` set any other pipeline parameter."""
     path = Path(config_path)
     if not path.is_file():
         raise SubmitError(f"config file not found: {path}")
@@ -71,7 +73,58 @@ def pipeline_arguments(config_path: str, params: dict[str, Any]) -> dict[str, An
         load_config(path)
     except ConfigError as err:
         raise SubmitError(str(err)) from None
-    return {"config_yaml": path.read_text(), **params}
+    return {"config_yaml": config_text_for_pods(path), **params}
+
+
+IMAGE_PROJECT_ROOT = "/opt/tidal"
+"""Where the images copy the project (images/*/Dockerfile: ``COPY examples /opt/tidal/examples``)."""
+IMAGE_FOLDERS = ("examples",)
+DATA_PATH_KEYS = ("path", "eval_path")
+
+
+def config_text_for_pods(path: Path) -> str:
+    """The config's text with each relative data path replaced by where the pods find that file.
+
+    Config text has no folder on the cluster: a relative ``data.path`` would resolve against the
+    prepare pod's working directory. A relative path names a file next to the config on this
+    machine; if that file is in one of the project folders the image carries (``examples/``), it
+    becomes the image's path (``/opt/tidal/examples/...``). Any other local file cannot reach the
+    pods, so submission stops with what to do instead. Absolute paths are left as they are: they
+    must exist in the image or on the data volume, which the prepare step checks.
+    """
+    import yaml
+
+    text = path.read_text()
+    document = yaml.safe_load(text) or {}
+    data = document.get("data") if isinstance(document, dict) else None
+    if not isinstance(data, dict):
+        return text
+    changed = {}
+    for key in DATA_PATH_KEYS:
+        value = data.get(key)
+        if isinstance(value, str) and not Path(value).is_absolute():
+            changed[key] = image_path_of(path.parent / value, f"data.{key}", value)
+    if not changed:
+        return text
+    return yaml.safe_dump({**document, "data": {**data, **changed}}, sort_keys=False)
+
+
+def image_path_of(local: Path, key: str, value: str) -> str:
+    """The path in the image of a local project file; :class:`SubmitError` if the image does not carry it."""
+    local = local.resolve()
+    if not local.is_file():
+        raise SubmitError(f"{key}: {value!r} resolves to {local}, which does not exist")
+    for root in local.parents:
+        if (root / "pyproject.toml").is_file():
+            relative = local.relative_to(root)
+            if relative.parts[0] in IMAGE_FOLDERS:
+                return f"{IMAGE_PROJECT_ROOT}/{relative.as_posix()}"
+            break
+    raise SubmitError(
+        f"{key}: {value!r} is a file on this machine ({local}), which the pipeline's pods cannot read. "
+        f"Copy it onto the data volume and give its absolute path there (e.g. {cluster.DATA_MOUNT_PATH}/data/{local.name}), "
+        "or build it into the image and give that absolute path"
+    )
 
 
 def parse_params(items: list[str]) -> dict[str, Any]:
