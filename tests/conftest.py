@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -76,3 +77,48 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 900) -> subpro
         env={**os.environ, **(env or {})},
         cwd=ROOT,
     )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def run_and_kill(config: Path, run_dir: Path, pid_file: str, when, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Runs `tidal run` and SIGKILLs the process named by logs/`pid_file` once `when(groups.jsonl
+    records)` holds (a crash at a chosen point); returns the finished run's result."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + timeout
+    while not when(read_jsonl(run_dir / "groups.jsonl")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    os.kill(int((run_dir / "logs" / pid_file).read_text()), signal.SIGKILL)
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def learner_run(out: Path, ranks: int, *args: str) -> dict:
+    """tests/distributed_learner.py on `ranks` gloo ranks (torchrun above 1); its counts.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    proc = subprocess.run(
+        [*launcher, str(ROOT / "tests" / "distributed_learner.py"), str(out), *args], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "counts.json").read_text())
+
+
+def max_diff(a: Path, b: Path) -> float:
+    """Max |a - b| over the tensors of two safetensors files with the same keys."""
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(a)), load_file(str(b))
+    assert x.keys() == y.keys()
+    return max((x[k] - y[k]).abs().max().item() for k in x)

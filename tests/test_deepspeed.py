@@ -10,7 +10,7 @@ Nothing here needs environment variables: the strategy sets DS_ACCELERATOR from 
 and skips the shared-memory op DeepSpeed would otherwise JIT-compile on CPU (~1 min), so a fresh CI
 environment pays no compile.
 
-Run as a script (`python tests/test_deepspeed.py divisor-contract`) it checks, at one rank, the
+Run as a module (`python -m tests.test_deepspeed divisor-contract`) it checks, at one rank, the
 DeepSpeed behaviour `set_gradient_divisor` relies on.
 """
 
@@ -28,27 +28,13 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
+from tests.conftest import learner_run, max_diff
 from tidal.config import TrainerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = str(ROOT / "tests" / "distributed_learner.py")
 
 if find_spec("deepspeed") is None:  # in the test extra: a missing install is an error, not a skip
     raise ImportError("tests/test_deepspeed.py needs DeepSpeed: pip install -e '.[test]' (it includes deepspeed)")
-
-
-def learner_run(out: Path, ranks: int, *args: str) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    proc = subprocess.run([*launcher, SCRIPT, str(out), *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "counts.json").read_text())
-
-
-def max_diff(a: Path, b: Path) -> float:
-    x, y = load_file(str(a)), load_file(str(b))
-    assert x.keys() == y.keys()
-    return max((x[k] - y[k]).abs().max().item() for k in x)
 
 
 def zero_run(out: Path, stage: int, *args: str) -> dict:
@@ -106,7 +92,7 @@ def test_zero3_frozen_copies_reference_and_old_policy(tmp_path):
 
 
 def test_gradient_divisor_contract():
-    proc = subprocess.run([sys.executable, __file__, "divisor-contract"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "tests.test_deepspeed", "divisor-contract"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0 and "contract holds" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 

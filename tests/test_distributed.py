@@ -8,35 +8,14 @@ be no further from one process than that, and its gradients within 1e-6.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import learner_run, max_diff, run_and_kill, run_cli
 from tidal.trainer.assignment import assign_groups
-
-SCRIPT = str(ROOT / "tests" / "distributed_learner.py")
-
-
-def learner_run(out: Path, ranks: int, *args: str) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    proc = subprocess.run([*launcher, SCRIPT, str(out), *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "counts.json").read_text())
-
-
-def max_diff(a: Path, b: Path) -> float:
-    x, y = load_file(str(a)), load_file(str(b))
-    assert x.keys() == y.keys()
-    return max((x[k] - y[k]).abs().max().item() for k in x)
 
 
 def test_fsdp2_gradients_and_weights_match_one_process(tmp_path):
@@ -142,24 +121,8 @@ def test_a_killed_trainer_rank_resumes_from_the_sharded_checkpoint(tmp_path, wri
     reference = run_cli("run", str(config), "--run-dir", str(tmp_path / "ref"), "--no-progress")
     assert reference.returncode == 0, reference.stderr[-3000:]
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    groups_file = run_dir / "groups.jsonl"
-
-    def records():
-        return [json.loads(line) for line in groups_file.read_text().splitlines()] if groups_file.is_file() else []
-
-    deadline = time.time() + 600
-    while not any(r["iteration"] == 1 for r in records()) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    os.kill(int((run_dir / "logs" / "trainer-rank1.pid").read_text()), signal.SIGKILL)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+    proc = run_and_kill(config, run_dir, "trainer-rank1.pid", when=lambda records: any(r["iteration"] == 1 for r in records))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [0, 1, 2]
     assert all(m["samples"] == 6 * 4 for m in metrics)

@@ -9,7 +9,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from tests.conftest import run_cli
+from tests.conftest import read_jsonl, run_and_kill, run_cli
 
 REQUIRED_METRICS = [
     "reward_mean",
@@ -221,31 +221,11 @@ def test_periodic_trainer_fails_loudly_on_a_stale_group(tmp_path, tiny_config, n
 def test_a_killed_rollout_worker_loses_no_group(tmp_path, write_config):
     """SIGKILL a worker mid-iteration: its unacked work is redelivered, the launcher restarts it,
     and every group of every iteration is trained exactly once."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests.conftest import ROOT
-
     config = write_config({"transport.ack_wait_seconds": 2.0, "trainer.iterations": 2, "eval.enabled": False, "rollout.groups_per_batch": 1})
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    groups_file = run_dir / "groups.jsonl"
-    deadline = time.time() + 600
-    while not (groups_file.is_file() and groups_file.read_text().strip()) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    os.kill(int((run_dir / "logs" / "worker-0.pid").read_text()), signal.SIGKILL)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    records = [json.loads(l) for l in groups_file.read_text().splitlines()]
+    proc = run_and_kill(config, run_dir, "worker-0.pid", when=lambda records: len(records) > 0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_jsonl(run_dir / "groups.jsonl")
     keys = [(r["iteration"], r["prompt_id"]) for r in records]
     assert len(keys) == len(set(keys)) == 2 * 6
     assert "restarting" in (run_dir / "logs" / "launcher.log").read_text()
@@ -277,14 +257,6 @@ def test_sync_mode_dynamic_sampling_replaces_groups_without_signal(tmp_path, wri
 def test_a_killed_trainer_resumes_and_loses_no_group(tmp_path, write_config):
     """SIGKILL the trainer mid-iteration: groups are acked only after the step, so the restarted
     trainer gets the interrupted iteration's groups again and resumes from the last checkpoint."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests.conftest import ROOT
-
     config = write_config(
         {
             "transport.ack_wait_seconds": 2.0,
@@ -294,28 +266,12 @@ def test_a_killed_trainer_resumes_and_loses_no_group(tmp_path, write_config):
         }
     )
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    groups_file = run_dir / "groups.jsonl"
-
-    def records():
-        return [json.loads(l) for l in groups_file.read_text().splitlines()] if groups_file.is_file() else []
-
-    deadline = time.time() + 600
-    while not any(r["iteration"] == 1 for r in records()) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    os.kill(int((run_dir / "logs" / "trainer.pid").read_text()), signal.SIGKILL)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    proc = run_and_kill(config, run_dir, "trainer.pid", when=lambda records: any(r["iteration"] == 1 for r in records))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["iteration"] for m in metrics] == [0, 1, 2]
     assert all(m["samples"] == 6 * 4 and m["staleness_max"] == 0 for m in metrics)
-    trained_in_1 = [r["prompt_id"] for r in records() if r["iteration"] == 1]
+    trained_in_1 = [r["prompt_id"] for r in read_jsonl(run_dir / "groups.jsonl") if r["iteration"] == 1]
     assert len(trained_in_1) > 6 and len(set(trained_in_1)) == 6  # interrupted, then all six again
     assert "restarting from the last checkpoint" in (run_dir / "logs" / "launcher.log").read_text()
     assert "resumed from checkpoint: version 1" in (run_dir / "logs" / "trainer.log").read_text()

@@ -97,13 +97,13 @@ class RoleProcesses:
         return proc
 
     def _launcher(self, role: str) -> list[str]:
-        """`python -m`, or for several trainer ranks torchrun (standalone rendezvous on this machine),
-        which restarts every rank from the last checkpoint if one of them dies."""
+        """`python -m`, or for several trainer ranks torchrun (standalone rendezvous on this machine).
+        torchrun's own restarts are not used: a restarted worker group was seen hanging in gloo's
+        connect (torch 2.13, agent store); a fresh torchrun starts clean."""
         ranks = self.cfg.trainer.ranks
         if role != "trainer" or ranks == 1:
             return [sys.executable, "-m"]
-        restarts = ["--max-restarts", str(MAX_TRAINER_RESTARTS)]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *restarts, "-m"]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m"]
 
     def start(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -127,11 +127,13 @@ class RoleProcesses:
         code = self.trainer.poll()
         if code is None:
             return False
-        if code < 0 and self.restarts.get("trainer", 0) < MAX_TRAINER_RESTARTS:
+        # torchrun exits 1 when one of its ranks was killed: for a multi-rank trainer any failure is retried
+        restartable = code < 0 or (self.cfg.trainer.ranks > 1 and code != 0)
+        if restartable and self.restarts.get("trainer", 0) < MAX_TRAINER_RESTARTS:
             # Killed by a signal (OOM killer, preemption): resume from the last checkpoint;
             # the unacked groups of the interrupted iteration are redelivered to it.
             self.restarts["trainer"] = self.restarts.get("trainer", 0) + 1
-            log.warning("trainer was killed (signal %d); restarting from the last checkpoint", -code)
+            log.warning("trainer exited with %s; restarting from the last checkpoint", f"signal {-code}" if code < 0 else f"code {code}")
             self.trainer = self._spawn(["train"], "trainer", self.trainer_threads)
             return False
         if code != 0:

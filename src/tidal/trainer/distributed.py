@@ -44,7 +44,7 @@ def context_from_env(environ: dict[str, str] | None = None) -> DistContext:
     )
 
 
-def init_process_group(ctx: DistContext, device_type: str, timeout_seconds: float = 1800.0) -> None:
+def init_process_group(ctx: DistContext, device_type: str, timeout_seconds: float = 900.0) -> None:
     """Joins torchrun's rendezvous (MASTER_ADDR/PORT from the environment); no-op at world size 1."""
     if not ctx.distributed or dist.is_initialized():
         return
