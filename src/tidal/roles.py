@@ -134,12 +134,12 @@ async def follower_trainer(
 async def main_trainer(
     cfg, run_dir: Path, nats_url: str, info: RunInfo, ctx: DistContext, strategy: Strategy, device: str, iterations: int | None
 ) -> list[dict]:
-    dataset = load_dataset(cfg.data, cfg.seed)
-    learner, _ = build_learner(cfg, info.base_model, strategy, device)
-    store = WeightStore(run_dir / "weights", info.base_model)
     transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=True)
-    tracker = Tracker(info.tracking_uri, info.mlflow_run_id)
-    try:
+    try:  # from here on, any failure (a model that does not load included) is written to the run state
+        dataset = load_dataset(cfg.data, cfg.seed)
+        learner, _ = build_learner(cfg, info.base_model, strategy, device)
+        store = WeightStore(run_dir / "weights", info.base_model)
+        tracker = Tracker(info.tracking_uri, info.mlflow_run_id)
         status = await transport.run_status()
         if status is None or status.state is not RunState.RUNNING:
             await transport.put_run_state(RunState.RUNNING, status.round if status else None)
