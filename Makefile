@@ -23,8 +23,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# the ui extra: the MLflow server and UI, so the README's `mlflow ui` / `tidal ui` work after `make run`
 install: $(BIN)/python
-	$(BIN)/pip install -q $(TORCH_INDEX) -e . '$(TORCH)'
+	$(BIN)/pip install -q $(TORCH_INDEX) -e '.[ui]' '$(TORCH)'
 
 install-test: $(BIN)/python
 	$(BIN)/pip install -q $(TORCH_INDEX) -e '.[test]' '$(TORCH)'

@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (tidal bench NAME --help)")
     bench.set_defaults(func=lambda args: run_benchmark(args.name, args.args) or 0)
+    from tidal import report, ui
+
+    ui.register(sub)
+    report.register(sub)
     try:
         from tidal.kube import commands as kube_commands
 

@@ -2,7 +2,7 @@
 and held-out accuracy after the same number of iterations, so the price of strict on-policy is measured.
 
     tidal bench modes [--config examples/arithmetic.yaml] [--iterations 10] [--warmup 1] [--systems sync,periodic,bounded-k1,bounded-k2]
-                      [--no-eval] [--set k=v ...] [--json out.json]
+                      [--no-eval] [--set k=v ...] [--json out.json] [--tracking-uri URI] [--experiment NAME]
     (or: python benchmarks/modes.py ...)
 
 Runs `tidal run` once per system (same seed, same warm start) and prints, from each run's
@@ -11,15 +11,22 @@ ratio of sync's mean iteration time to each system's (> 1: faster than sync), an
 summary.json the held-out accuracy (greedy and sampled) after the run. The first `--warmup`
 iterations are left out of the timings: in periodic mode the trainer's first iteration waits for
 the rollout workers to start (a vLLM engine takes tens of seconds), which sync mode does before its loop.
+
+Every system's run is logged to one MLflow experiment (`--experiment`, default tidal-bench-modes) in
+one store (`--tracking-uri`, default $MLFLOW_TRACKING_URI, else runs/bench-modes/mlflow.db), tagged
+`system` (and `mode`, `bench`, `bench.invocation`), so MLflow's compare view shows them side by side:
+`tidal ui --tracking-uri URI --experiment NAME`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 SYSTEMS = {  # name -> config overrides
@@ -49,14 +56,23 @@ def steady_state(metrics: list[dict], warmup: int) -> dict:
     return figures
 
 
-def run_system(name: str, config: str, iterations: int, warmup: int, evaluate: bool, overrides: list[str], workdir: Path) -> dict:
+def run_system(
+    name: str, config: str, iterations: int, warmup: int, evaluate: bool, overrides: list[str], workdir: Path, tracking: dict[str, str] | None = None
+) -> dict:
     run_dir = workdir / name
     cmd = [sys.executable, "-m", "tidal.cli", "run", config, "--run-dir", str(run_dir), "--no-progress"]
-    for o in [*SYSTEMS[name], f"trainer.iterations={iterations}", f"eval.enabled={str(evaluate).lower()}", *overrides]:
+    logged = [f"tracking.uri={tracking['uri']}", f"tracking.experiment={tracking['experiment']}"] if tracking else []
+    for o in [*SYSTEMS[name], f"trainer.iterations={iterations}", f"eval.enabled={str(evaluate).lower()}", *logged, *overrides]:
         cmd += ["--set", o]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} run failed:\n{proc.stderr[-3000:]}")
+    if tracking:  # the run's own store (an override may have changed it): tag it for the compare view
+        from tidal.rundir import RunInfo
+        from tidal.tracking import set_tags
+
+        info = RunInfo.load(run_dir)
+        set_tags(info.tracking_uri, info.mlflow_run_id, {"system": name, "bench": "modes", "bench.invocation": tracking["invocation"]})
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     figures = steady_state(metrics, warmup)
@@ -79,15 +95,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-eval", dest="evaluate", action="store_false", help="timings only: no held-out accuracy")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--json", dest="json_path")
+    ap.add_argument(
+        "--tracking-uri", default=None, help="MLflow store for every system's run (default: $MLFLOW_TRACKING_URI, else runs/bench-modes/mlflow.db)"
+    )
+    ap.add_argument("--experiment", default="tidal-bench-modes", help="MLflow experiment the runs land in, side by side")
     args = ap.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
         raise SystemExit(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        store = Path("runs/bench-modes").resolve()
+        store.mkdir(parents=True, exist_ok=True)
+        uri = f"sqlite:///{store / 'mlflow.db'}"
+    tracking = {"uri": uri, "experiment": args.experiment, "invocation": time.strftime("%Y%m%d-%H%M%S")}
     results = {}
     with tempfile.TemporaryDirectory(prefix="tidal-bench-modes-") as tmp:
         for name in systems:
-            results[name] = r = run_system(name, args.config, args.iterations, args.warmup, args.evaluate, args.overrides, Path(tmp))
+            results[name] = r = run_system(name, args.config, args.iterations, args.warmup, args.evaluate, args.overrides, Path(tmp), tracking)
             print(
                 f"{name:11s} {r['iteration_seconds_mean']:.3f} s/iteration = generate {r['generate_seconds_mean']:.3f} | "
                 f"train {r['train_seconds_mean']:.3f} | weight-sync {r['sync_seconds_mean']:.3f} | idle {r['idle_seconds_mean']:.3f}; "
@@ -100,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     speedups = {name: baseline["iteration_seconds_mean"] / r["iteration_seconds_mean"] for name, r in results.items()}
     for name, ratio in speedups.items():
         print(f"speedup vs {base_name} ({base_name} iteration time / {name}'s): {name} {ratio:.2f}x")
+    print(f"MLflow: the runs side by side: tidal ui --tracking-uri {uri} --experiment {args.experiment}", flush=True)
     if args.json_path:
         Path(args.json_path).write_text(
             json.dumps(

@@ -20,18 +20,75 @@ def _client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+# The UI's experiment type: metric charts and run comparison ("Model training"), not GenAI traces.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
+def git_commit() -> str | None:
+    """The commit of the Tidal source tree this run uses, when it is a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def run_tags(cfg: TidalConfig, run_dir: str | Path) -> dict[str, str]:
+    """What a run is filtered and grouped by in the MLflow UI: mode, model, git commit, run directory."""
+    tags = {
+        "tidal.mode": cfg.mode,
+        "mode": cfg.mode,
+        "model": cfg.model.name_or_path or "tiny",
+        "tidal.run_dir": str(Path(run_dir).resolve()),
+        "mlflow.source.name": "tidal run",
+        "mlflow.source.type": "LOCAL",
+    }
+    commit = git_commit()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
+def experiment_id(client, name: str, uri: str) -> str:
+    """The experiment's id, created when missing: artifacts beside a sqlite store (not in the working
+    directory), and typed for the UI's model-training views."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    artifacts = None
+    if uri.startswith("sqlite:///"):
+        artifacts = (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=artifacts, tags=EXPERIMENT_KIND)
+    except Exception:  # created by another run sharing the store in the meantime
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
 def start_run(cfg: TidalConfig, run_dir: str | Path, tags: dict[str, str] | None = None) -> str:
-    """Creates the run and logs the resolved config as params. Returns the run id."""
+    """Creates the run (tagged with mode, model, git commit and run directory) and logs the resolved
+    config as params, flattened with dotted keys. Returns the run id."""
     from mlflow.entities import Param
 
-    client = _client(tracking_uri(cfg, run_dir))
-    exp = client.get_experiment_by_name(cfg.tracking.experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(cfg.tracking.experiment)
-    run = client.create_run(exp_id, run_name=cfg.tracking.run_name or Path(run_dir).name, tags={"tidal.mode": cfg.mode, **(tags or {})})
+    uri = tracking_uri(cfg, run_dir)
+    client = _client(uri)
+    exp_id = experiment_id(client, cfg.tracking.experiment, uri)
+    run = client.create_run(exp_id, run_name=cfg.tracking.run_name or Path(run_dir).name, tags={**run_tags(cfg, run_dir), **(tags or {})})
     params = [Param(k, v[:6000]) for k, v in flatten(cfg).items()]
     for i in range(0, len(params), 100):
         client.log_batch(run.info.run_id, params=params[i : i + 100])
     return run.info.run_id
+
+
+def set_tags(uri: str, run_id: str, tags: dict[str, str]) -> None:
+    """Adds tags to an existing run (e.g. `system` for a benchmark's runs, set by the benchmark)."""
+    from mlflow.entities import RunTag
+
+    _client(uri).log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
 
 class Tracker:

@@ -1,0 +1,124 @@
+"""`tidal report RUN_DIR`: a self-contained report.html next to summary.json, built from a real short run."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import read_jsonl, run_cli
+from tidal.report import build_report
+
+
+class Elements(HTMLParser):
+    """Tags (with attributes) and text of a page."""
+
+    def __init__(self):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def parse(page: str) -> Elements:
+    parser = Elements()
+    parser.feed(page)
+    return parser
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_config_dict) -> Path:
+    """A finished 3-iteration periodic run, held-out eval before and after."""
+    tmp = tmp_path_factory.mktemp("report-run")
+    config = tmp / "config.yaml"
+    config.write_text(yaml.safe_dump(copy.deepcopy(tiny_config_dict)))
+    run_dir = tmp / "run"
+    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_report_of_a_real_run_has_the_curves_the_time_split_and_the_summary(finished_run):
+    proc = run_cli("report", str(finished_run))
+    assert proc.returncode == 0, proc.stderr
+    path = finished_run / "report.html"
+    assert proc.stdout.strip() == str(path) and path.is_file()
+    page = path.read_text()
+    doc = parse(page)
+    text = " ".join(doc.text)
+    summary = json.loads((finished_run / "summary.json").read_text())
+    metrics = read_jsonl(finished_run / "metrics.jsonl")
+
+    # Self-contained: nothing to fetch, nothing to run.
+    tags = {t for t, _ in doc.tags}
+    assert "script" not in tags and "link" not in tags and "img" not in tags and "iframe" not in tags
+    assert not any(k in ("src", "href") for _, attrs in doc.tags for k in attrs)
+    assert not re.search(r"url\(|@import", page)
+
+    # The curves: reward per iteration (one point per iteration) and held-out accuracy before/after.
+    assert "Reward (training samples, per iteration)" in text and "Held-out accuracy" in text
+    series = {attrs["data-name"]: attrs["points"] for t, attrs in doc.tags if t == "polyline"}
+    assert len(series["reward_mean"].split()) == len(metrics) == 3
+    assert len(series["greedy"].split()) == 2 and len(series["sampled"].split()) == 2  # before and after
+    assert "before and after the run" in text
+
+    # The time split: one stacked bar per phase per iteration, and the generation span as a line.
+    phases = [attrs["data-phase"] for t, attrs in doc.tags if t == "rect" and "data-phase" in attrs]
+    assert {"train", "weight-sync"} <= set(phases)
+    assert phases.count("train") == sum(1 for m in metrics if m["train_seconds"] > 0)
+    assert len(series["generate"].split()) == 3
+    bars = re.findall(r"iteration (\d+): train ([0-9.]+)s of ([0-9.]+)s", page)
+    assert [int(b[0]) for b in bars] == [0, 1, 2]
+    assert all(abs(float(b[1]) - round(m["train_seconds"], 3)) < 1e-3 for b, m in zip(bars, metrics))
+
+    # The summary table: every scalar of summary.json, with its value.
+    rows = dict(re.findall(r"<tr><th>([^<]+)</th><td>([^<]*)</td></tr>", page))
+    for key, value in summary.items():
+        if not isinstance(value, list | dict):
+            assert key in rows, key
+    assert rows["mode"] == "periodic" and rows["groups_trained"] == str(summary["groups_trained"])
+    assert rows["accuracy_after"] == f"{summary['accuracy_after']:.1%}"
+    assert summary["mlflow_run_id"] in text
+
+
+def test_report_draws_the_held_out_curve_from_eval_jsonl_and_writes_where_asked(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lines = [
+        {
+            "iteration": i,
+            "reward_mean": 0.1 * i,
+            "accuracy": 0.1 * i,
+            "iteration_seconds": 1.0,
+            "generate_seconds": 0.8,
+            "train_seconds": 0.5,
+            "sync_seconds": 0.1,
+            "trainer_idle_seconds": 0.3,
+        }
+        for i in range(5)
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    evals = [{"version": v, "accuracy": 0.1 + v / 10, "sampled_accuracy": 0.05 + v / 10} for v in (0, 2, 4, 5)]
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    page = build_report(run_dir)  # no summary.json yet: a running job's report
+    series = {attrs["data-name"]: attrs["points"] for t, attrs in parse(page).tags if t == "polyline"}
+    assert len(series["greedy"].split()) == 4 and len(series["sampled"].split()) == 4
+    assert "4 evaluations while training" in page and "the run has not finished" in page
+    out = tmp_path / "elsewhere.html"
+    proc = run_cli("report", str(run_dir), "--out", str(out))
+    assert proc.returncode == 0 and out.is_file() and not (run_dir / "report.html").exists()
+
+
+def test_report_of_a_directory_that_is_not_a_run_is_a_clear_error(tmp_path):
+    proc = run_cli("report", str(tmp_path))
+    assert proc.returncode == 2 and "is it a Tidal run directory" in proc.stderr

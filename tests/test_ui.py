@@ -1,0 +1,81 @@
+"""`tidal ui` without a browser: which store and page it resolves, the one-line hint when only
+mlflow-skinny is installed, and the tags and experiment `tidal run` gives the UI."""
+
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tidal import ui
+from tidal.cli import main
+from tidal.rundir import RunInfo
+from tidal.tracking import start_run, tracking_uri
+
+
+@pytest.fixture
+def run_dir(tmp_path, tiny_config):
+    """A run directory with its run.json and MLflow run, as `tidal run` leaves them (no iterations)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    RunInfo("run-1", "base", tracking_uri(tiny_config, run_dir), start_run(tiny_config, run_dir)).save(run_dir)
+    return run_dir
+
+
+def test_the_run_is_tagged_and_its_experiment_typed_for_the_ui(run_dir):
+    info = RunInfo.load(run_dir)
+    client = MlflowClient(tracking_uri=info.tracking_uri)
+    run = client.get_run(info.mlflow_run_id)
+    tags = run.data.tags
+    assert tags["mode"] == tags["tidal.mode"] == "periodic" and tags["model"] == "tiny"
+    assert tags["tidal.run_dir"] == str(run_dir.resolve())
+    assert run.data.params["trainer.iterations"] == "3" and "rollout.group_size" in run.data.params  # dotted keys
+    exp = client.get_experiment(run.info.experiment_id)
+    assert exp.name == "tidal" and exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert exp.artifact_location == (run_dir.resolve() / "mlartifacts").as_uri()  # beside the store, not in the cwd
+
+
+def test_resolve_finds_the_run_page_the_experiment_page_or_the_home_page(run_dir):
+    info = RunInfo.load(run_dir)
+    target = ui.resolve(str(run_dir), None)
+    exp_id = MlflowClient(tracking_uri=info.tracking_uri).get_run(info.mlflow_run_id).info.experiment_id
+    assert target.tracking_uri == info.tracking_uri
+    assert target.path() == f"/#/experiments/{exp_id}/runs/{info.mlflow_run_id}"
+    assert ui.resolve(str(run_dir), None, experiment="tidal").path() == f"/#/experiments/{exp_id}/runs"
+    assert ui.resolve(None, info.tracking_uri).path() == "/"
+    with pytest.raises(ValueError, match="no experiment named"):
+        ui.resolve(None, info.tracking_uri, experiment="nope")
+
+
+def test_without_the_full_mlflow_it_says_how_to_install_it_in_one_line(run_dir, monkeypatch, capsys):
+    monkeypatch.setattr(ui, "have_mlflow_server", lambda: False)
+    assert main(["ui", str(run_dir)]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install" in err[0] and ".[ui]" in err[0] and "mlflow-skinny" in err[0]
+
+
+def test_the_full_mlflow_is_installed_here():
+    """The test extra carries the ui extra: the browser test and the README's `mlflow ui` need it."""
+    assert ui.have_mlflow_server()
+
+
+def test_a_store_that_is_already_a_server_is_not_served_again(monkeypatch, capsys):
+    monkeypatch.setattr(ui, "serve", lambda *a, **k: pytest.fail("started a server"))
+    assert main(["ui", "--tracking-uri", "http://mlflow.example:5000/"]) == 0
+    assert capsys.readouterr().out.strip() == "MLflow UI: http://mlflow.example:5000/"
+
+
+def test_no_store_and_a_missing_run_are_clear_errors(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(["ui"]) == 2
+    assert "needs a run directory" in capsys.readouterr().err
+    assert main(["ui", str(tmp_path)]) == 2
+    assert "run.json not found" in capsys.readouterr().err
+    assert main(["ui", "--tracking-uri", f"sqlite:///{tmp_path}/none.db"]) == 2
+    assert "no such MLflow store" in capsys.readouterr().err
+
+
+def test_the_server_command_binds_loopback_and_keeps_artifacts_beside_the_store(tmp_path):
+    cmd = ui.server_command(f"sqlite:///{tmp_path}/mlflow.db", "127.0.0.1", 5123, 1)
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "5123"
+    assert cmd[cmd.index("--default-artifact-root") + 1] == (tmp_path / "mlartifacts").as_uri()
+    assert ui.free_port("127.0.0.1") > 0 and ui.url_host("0.0.0.0") == "127.0.0.1"
