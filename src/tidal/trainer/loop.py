@@ -9,7 +9,6 @@ generation for sync, the queue for periodic and bounded) and in how much stalene
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -23,6 +22,7 @@ from tidal.data import Dataset, Problem, iteration_prompt_order
 from tidal.protocol import Group, WorkItem
 from tidal.rundir import RunFiles
 from tidal.trainer.checkpoint import resume_version, save_checkpoint
+from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.learner import Learner, merge_updates
 from tidal.trainer.metrics import Timer, group_record, iteration_metrics
 from tidal.trainer.sources import GroupSource
@@ -218,15 +218,15 @@ async def train(
             await source.request(replacements)
             train_start = time.time()
             with timer("train"):
-                await asyncio.to_thread(updates.add, batch)
+                await on_compute_thread(updates.add, batch)
             if main:
                 files.append_many("groups.jsonl", [group_record(g, v, train_start, time.time()) for g in batch])
         groups = list(plan.received.values())
         with timer("train"):
-            update = await asyncio.to_thread(updates.finish)
+            update = await on_compute_thread(updates.finish)
         with timer("sync"):
-            await asyncio.to_thread(publish_weights, store, v + 1, learner)
-            await asyncio.to_thread(save_checkpoint, files, learner, v + 1)
+            await on_compute_thread(publish_weights, store, v + 1, learner)
+            await on_compute_thread(save_checkpoint, files, learner, v + 1)
         await source.commit(v)
         if not pushed:  # pushed: the workers' load time is the push, already counted
             timer.add("sync", max((g.weight_load_seconds for g in groups), default=0.0))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tidal.protocol import Group, GroupLimits, ProtocolError, WorkItem, decode_group, pack, unpack
+from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.distributed import DistContext, broadcast_bytes
 from tidal.transport import Transport, keep_in_progress
 
@@ -65,7 +66,7 @@ class InProcessSource:
         if self.load_weights is None:
             return 0.0, False
         t0 = time.perf_counter()
-        await asyncio.to_thread(self.load_weights, version)
+        await on_compute_thread(self.load_weights, version)
         return time.perf_counter() - t0, True
 
     async def request(self, items: list[WorkItem]) -> None:
@@ -74,7 +75,7 @@ class InProcessSource:
     async def receive(self, version: int, wanted: int, timeout: float) -> Arrivals:
         items, self.pending = self.pending, []
         t0 = time.perf_counter()
-        groups = await asyncio.to_thread(self.generate, items, version) if items else []
+        groups = await on_compute_thread(self.generate, items, version) if items else []
         return Arrivals(groups=groups, generating_seconds=time.perf_counter() - t0)
 
     async def commit(self, version: int) -> None:
