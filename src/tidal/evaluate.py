@@ -79,17 +79,9 @@ def held_out_scores(
     return scores
 
 
-def held_out_accuracy(
-    engine: RolloutEngine,
-    tokenizer,
-    problems: list[Problem],
-    batch_size: int = 64,
-    max_new_tokens: int | None = None,
-    samples: int = 0,
-    seed: int = 0,
-    encode=None,
-) -> float:
-    return held_out_scores(engine, tokenizer, problems, batch_size, max_new_tokens, samples, seed, encode)["accuracy"]
+def held_out_accuracy(*args, **kwargs) -> float:
+    """`held_out_scores(...)["accuracy"]`: the fraction correct, greedy or sampled."""
+    return held_out_scores(*args, **kwargs)["accuracy"]
 
 
 def open_engine(cfg: TidalConfig, model_dir: str | Path, kind: str) -> RolloutEngine:

@@ -87,21 +87,21 @@ def broadcast_bytes(payload: bytes | None, ctx: DistContext) -> bytes:
     return bytes(buffer.numpy()) if not ctx.is_main else payload
 
 
-def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
-    """Element-wise sum over ranks (float64 on the CPU group)."""
+def all_reduce(values: list[float], ctx: DistContext, op: str = "sum") -> list[float]:
+    """Element-wise sum or max over ranks (float64 on the CPU group); the identity at one rank."""
     if not ctx.distributed:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return t.tolist()
+
+
+def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
+    return all_reduce(values, ctx, "sum")
 
 
 def all_reduce_max(values: list[float], ctx: DistContext) -> list[float]:
-    if not ctx.distributed:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return all_reduce(values, ctx, "max")
 
 
 def barrier(ctx: DistContext) -> None:
