@@ -86,3 +86,32 @@ def test_kv_bucket_holds_run_state(nats_server):
         await t.close()
 
     asyncio.run(scenario())
+
+
+def test_a_rewritten_policy_pointer_cannot_redirect_a_worker_to_other_weights(nats_server, tmp_path, tiny_config):
+    """The KV pointer says which version is current; the weights come from the run's own store."""
+    import torch
+
+    from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+    from tidal.rollout.engine import HFEngine
+    from tidal.rollout.worker import RolloutWorker
+    from tidal.weights import WeightStore
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = build_tiny_model(tiny_config.model.tiny, tok)
+    store = WeightStore(tmp_path / "weights")
+    store.publish(0, model.state_dict())
+
+    async def scenario():
+        t = await Transport.connect(nats_server.url, "redirect", TransportConfig())
+        await t.put_policy(0, str(tmp_path / "elsewhere" / "v000000"))  # a forged pointer: nothing there
+        engine = HFEngine.for_rollout(build_tiny_model(tiny_config.model.tiny, tok), tok, tiny_config.rollout)
+        own = await RolloutWorker(tiny_config, engine, tok, t, "w0", weights_root=tmp_path / "weights")._load_version(0)
+        follows_pointer = await RolloutWorker(tiny_config, engine, tok, t, "w1")._load_version(0)
+        await t.close()
+        return own, follows_pointer
+
+    own, follows_pointer = asyncio.run(scenario())
+    assert own is not None  # loaded v0 from the run's store
+    assert follows_pointer is None  # built without a run directory it followed the pointer, found nothing, refused

@@ -209,7 +209,7 @@ async def worker_role(cfg: TidalConfig, run_dir: Path, nats_url: str, worker_id:
     engine, tokenizer, worker_class = rollout_engine(cfg, info.base_model)
     try:
         transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=False)
-        worker = worker_class(cfg, engine, tokenizer, transport, worker_id)
+        worker = worker_class(cfg, engine, tokenizer, transport, worker_id, weights_root=run_dir / "weights")
         try:
             await worker.run()
         finally:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
@@ -22,9 +22,8 @@ from tidal.protocol import WorkItem
 from tidal.rewards import RewardScorer
 from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
-from tidal.rollout.worker import build_group, decode_work, version_to_generate
+from tidal.rollout.worker import build_group, decode_work, snapshot_path, version_to_generate
 from tidal.transport import Transport, keep_in_progress, weight_handshake
-from tidal.weights import version_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +33,8 @@ class NcclStuckError(RuntimeError):
 
 
 class VLLMRolloutWorker:
-    def __init__(self, cfg: TidalConfig, engine: VLLMEngine, tokenizer, transport: Transport, worker_id: str):
+    def __init__(self, cfg: TidalConfig, engine: VLLMEngine, tokenizer, transport: Transport, worker_id: str, weights_root: Path | None = None):
+        self.weights_root = weights_root
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = tokenizer
@@ -58,8 +58,7 @@ class VLLMRolloutWorker:
     # --- weights ---------------------------------------------------------------------------------
 
     async def _policy_uri(self, version: int) -> str:
-        policy = await self.transport.wait_for_policy(version)
-        return os.path.join(os.path.dirname(policy.uri), version_dir_name(version))
+        return await snapshot_path(self.transport, version, self.weights_root)
 
     async def _receive_nccl(self, version: int) -> bool:
         """The GPU fast path; False (load from the weight store) whenever it is off or fails.

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -116,8 +117,20 @@ async def version_to_generate(transport: Transport, cfg: TidalConfig, item: Work
     return None if policy.version > item.iteration else policy.version
 
 
+async def snapshot_path(transport: Transport, version: int, weights_root: Path | None) -> str:
+    """Where weights `version` are, once the trainer has published them. A worker that knows its run
+    directory loads from the run's own weight store: the KV pointer only says which version is
+    current, so a pointer rewritten to another directory cannot redirect it to other weights.
+    Without one (a worker built by hand), beside the pointer's URI."""
+    policy = await transport.wait_for_policy(version)
+    if weights_root is not None:
+        return str(Path(weights_root) / version_dir_name(version))
+    return os.path.join(os.path.dirname(policy.uri), version_dir_name(version))
+
+
 class RolloutWorker:
-    def __init__(self, cfg: TidalConfig, engine: RolloutEngine, tokenizer, transport: Transport, worker_id: str):
+    def __init__(self, cfg: TidalConfig, engine: RolloutEngine, tokenizer, transport: Transport, worker_id: str, weights_root: Path | None = None):
+        self.weights_root = weights_root
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = tokenizer
@@ -129,9 +142,8 @@ class RolloutWorker:
 
     async def _load_version(self, version: int) -> float | None:
         """Loads snapshot `version`; returns seconds taken, or None when the snapshot is refused."""
-        policy = await self.transport.wait_for_policy(version)
+        path = await snapshot_path(self.transport, version, self.weights_root)
         t0 = time.time()
-        path = os.path.join(os.path.dirname(policy.uri), version_dir_name(version))
         try:
             state = await asyncio.to_thread(load_verified, path)
             await asyncio.to_thread(self.engine.load_state_dict, state)
