@@ -123,7 +123,10 @@ class RolloutConfig(_Strict):
     group_size: int = Field(8, gt=1)
     max_new_tokens: int = Field(12, gt=0)
     temperature: float = Field(1.0, gt=0)
-    groups_per_batch: int = Field(4, gt=0)  # groups generated together by the HF engine
+    groups_per_batch: int = Field(8, gt=0)  # groups a rollout worker pulls and generates together (HF engine)
+    # sync mode: groups per engine call; None: the whole iteration in one call, as TRL does (on a
+    # large model with the HF engine, cap it to bound memory)
+    sync_groups_per_call: int | None = Field(None, gt=0)
     deterministic: bool = False
     threads: int | None = Field(None, gt=0)
     max_inflight_groups: int = Field(32, gt=0)  # vllm: groups (n=G requests) in flight per worker

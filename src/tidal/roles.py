@@ -180,7 +180,12 @@ def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: Weig
                 engine.load_snapshot(store.path(version), version)
                 log.info("sync mode: the engine loaded weights v%d in %.3fs", version, time.perf_counter() - t0)
 
-    return InProcessSource(lambda items, version: generate_groups(engine, tokenizer, scorer, items, cfg, version, "sync"), load_weights)
+    def generate(items, version):
+        # nothing to stream to in sync mode: the iteration's groups in as few engine calls as the cap allows
+        per_call = cfg.rollout.sync_groups_per_call or max(1, len(items))
+        return generate_groups(engine, tokenizer, scorer, items, cfg, version, "sync", per_call)
+
+    return InProcessSource(generate, load_weights)
 
 
 def sync_trainer(cfg: TidalConfig, run_dir: Path, info: RunInfo, dataset, tracker, on_iteration=None, engine=None) -> list[dict]:

@@ -66,11 +66,19 @@ def build_group(
 
 
 def generate_groups(
-    engine: RolloutEngine, tokenizer, scorer: RewardScorer, items: list[WorkItem], cfg: TidalConfig, policy_version: int, worker_id: str
+    engine: RolloutEngine,
+    tokenizer,
+    scorer: RewardScorer,
+    items: list[WorkItem],
+    cfg: TidalConfig,
+    policy_version: int,
+    worker_id: str,
+    groups_per_call: int | None = None,
 ) -> list[Group]:
-    """Generates and scores one group per work item. Deterministic mode: one group per engine call,
+    """Generates and scores one group per work item, `groups_per_call` (default
+    rollout.groups_per_batch) per engine call. Deterministic mode: one group per engine call,
     with the group's own RNG, so samples depend on (seed, iteration, prompt id) alone."""
-    chunk = 1 if cfg.rollout.deterministic else cfg.rollout.groups_per_batch
+    chunk = 1 if cfg.rollout.deterministic else (groups_per_call or cfg.rollout.groups_per_batch)
     encode = prompt_encoder(tokenizer, cfg.data)
     groups = []
     for start in range(0, len(items), chunk):
