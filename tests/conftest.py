@@ -83,19 +83,19 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
+def start_run(config: Path, run_dir: Path) -> subprocess.Popen:
+    """`tidal run` in the background, as a user starts it; its output is piped."""
+    cmd = [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def run_and_kill(config: Path, run_dir: Path, pid_file: str, when, timeout: float = 600) -> subprocess.CompletedProcess:
     """Runs `tidal run` and SIGKILLs the process named by logs/`pid_file` once `when(groups.jsonl
     records)` holds (a crash at a chosen point); returns the finished run's result."""
     import signal
     import time
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_run(config, run_dir)
     deadline = time.time() + timeout
     while not when(read_jsonl(run_dir / "groups.jsonl")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.02)

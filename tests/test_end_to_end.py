@@ -9,7 +9,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from tests.conftest import read_jsonl, run_and_kill, run_cli
+from tests.conftest import read_jsonl, run_and_kill, run_cli, start_run
 
 REQUIRED_METRICS = [
     "reward_mean",
@@ -289,28 +289,19 @@ def test_forged_and_malformed_groups_are_rejected_and_counted_and_the_run_finish
     """Bad messages injected into the ROLLOUTS stream mid-run: each is terminated, counted in
     messages_rejected and logged with its reason; none is trained on and the run completes."""
     import math
-    import subprocess
-    import sys
     import time
 
     import msgpack
     import nats
     import numpy as np
 
-    from tests.conftest import ROOT
     from tidal.protocol import Group, Sample, pack
     from tidal.rundir import RunInfo
     from tidal.transport import stream_names
 
     config = write_config({"eval.enabled": False, "reward.functions": [{"name": "tests.rewards:slow_exact_match"}]})
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_run(config, run_dir)
     groups_file = run_dir / "groups.jsonl"
     deadline = time.time() + 600
     while not (groups_file.is_file() and groups_file.read_text().strip()) and time.time() < deadline and proc.poll() is None:

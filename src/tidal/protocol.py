@@ -50,10 +50,6 @@ class KVKey:
     def worker_error(worker_id: str) -> str:
         return f"errors.{worker_id}"
 
-    @staticmethod
-    def nccl_ready(lane: int) -> str:
-        return f"{KVKey.NCCL_READY_PREFIX}{lane}"
-
 
 # --- messages ----------------------------------------------------------------------------------
 

@@ -46,7 +46,3 @@ class RunFiles:
     def append_many(self, name: str, records: list[dict]) -> None:
         with (Path(self.run_dir) / name).open("a") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in records)
-
-    def read(self, name: str) -> list[dict]:
-        path = Path(self.run_dir) / name
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []

@@ -41,11 +41,6 @@ def save_checkpoint(files: RunFiles, learner: Learner, next_version: int) -> Non
     barrier(ctx)
 
 
-def checkpoint_world_size(files: RunFiles) -> int | None:
-    state_file = files.checkpoint / "state.json"
-    return json.loads(state_file.read_text()).get("world_size", 1) if state_file.is_file() else None
-
-
 def resume_version(files: RunFiles, learner: Learner, store: WeightStore, ctx: DistContext | None = None) -> int:
     """The version to start from: 0 on a fresh run, else the last completed boundary."""
     ctx = ctx or learner.ctx
