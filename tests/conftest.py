@@ -104,6 +104,35 @@ def run_and_kill(config: Path, run_dir: Path, pid_file: str, when, timeout: floa
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def wait_until(condition, proc: subprocess.Popen, timeout: float = 600) -> None:
+    """Polls `condition()` while the background run `proc` lives; fails with its stderr if it ended first."""
+    import time
+
+    deadline = time.time() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (code {proc.returncode}) before the condition held:\n{proc.stderr.read()[-3000:]}")
+        if time.time() > deadline:
+            raise AssertionError("the condition did not hold in time")
+        time.sleep(0.05)
+
+
+def run_processes(run_dir: Path) -> list[str]:
+    """Live processes (zombies aside) whose command line names `run_dir`: a run's roles and nats-server."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(run_dir) in cmdline and state != "Z":
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
 def learner_run(out: Path, ranks: int, *args: str) -> dict:
     """tests/distributed_learner.py on `ranks` gloo ranks (torchrun above 1); its counts.json."""
     out.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(run)
     run.add_argument("--via", choices=["local", "kfp-local"], default="local", help="local processes, or the KFP pipeline on kfp.local")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument(
+        "--force-new-config",
+        action="store_true",
+        help="resume a run directory even though the config changes training (group size, lr, model, data, seed, ...)",
+    )
     train = sub.add_parser("train", help="the trainer role (consumes groups, publishes weights)")
     _common(train, nats=True)
     train.add_argument("--iterations", type=int, default=None, help="run at most this many iterations, then stop (a pipeline round)")
@@ -71,7 +76,7 @@ def _run_command(args) -> int:
     if args.command == "run":
         from tidal.local import run_local
 
-        run_local(cfg, run_dir, show_progress=not args.no_progress)
+        run_local(cfg, run_dir, show_progress=not args.no_progress, force_new_config=args.force_new_config)
         return 0
     setup_logging()
     import os
@@ -109,6 +114,16 @@ def _run_command(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        if argv is None:  # the program is exiting: spare it the teardown's collection of every object (~2 s with torch and MLflow loaded)
+            import gc
+
+            gc.freeze()
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if not hasattr(args, "config") and hasattr(args, "func"):
         return args.func(args)
@@ -120,15 +135,35 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"tidal: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        from tidal.local import Stopped
+
+        if isinstance(err, Stopped):
+            resume = f" (iteration {err.resume_at})" if err.resume_at is not None else ""
+            print(
+                f"tidal: stopped by {err}: the run's processes are stopped; run the same command again to resume from the last boundary{resume}",
+                file=sys.stderr,
+            )
+            return 128 + err.signum
         print("tidal: interrupted", file=sys.stderr)
         return 130
     except Exception as err:
+        import nats.errors
+
         from tidal.local import RoleFailed
+        from tidal.runtime import NATS_LOST_EXIT
+        from tidal.transport import NatsUnavailableError
 
         if isinstance(err, RoleFailed):
             print(f"tidal: {err}", file=sys.stderr)
             return 1
+        if isinstance(err, NatsUnavailableError):
+            print(f"tidal: error: {err}", file=sys.stderr)
+            return NATS_LOST_EXIT
+        if isinstance(err, (nats.errors.ConnectionClosedError, nats.errors.NoServersError, nats.errors.StaleConnectionError)):
+            url = getattr(args, "nats_url", None) or "the run's NATS server"
+            print(f"tidal: error: lost the connection to NATS at {url} and could not reconnect ({err}): is nats-server running?", file=sys.stderr)
+            return NATS_LOST_EXIT
         raise
 
 

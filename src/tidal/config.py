@@ -362,3 +362,36 @@ def flatten(cfg: TidalConfig) -> dict[str, str]:
 
     walk("", cfg.model_dump(mode="json"))
     return out
+
+
+# Keys that do not change what is trained, so a run directory may be resumed with other values:
+# how long and where it runs, how it is observed, how work is spread over processes. Everything else
+# (model, data, seed, rewards, rollout sampling, the algorithm and its optimizer) must match.
+NON_TRAINING_KEYS = (
+    "trainer.iterations",
+    "trainer.threads",
+    "trainer.group_timeout_seconds",
+    "rollout.workers",
+    "rollout.threads",
+    "rollout.groups_per_batch",
+    "rollout.sync_groups_per_call",
+    "rollout.max_inflight_groups",
+    "model.warm_start.cache_dir",
+    "eval.",
+    "tracking.",
+    "transport.",
+)
+
+
+def training_changes(old: TidalConfig, new: TidalConfig) -> list[str]:
+    """`key (old -> new)` for every key whose change would change training (NON_TRAINING_KEYS aside)."""
+    a, b = flatten(old), flatten(new)
+
+    def short(value: str | None) -> str:
+        text = "unset" if value is None else value
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    def counts(key: str) -> bool:
+        return not any(key == k or (k.endswith(".") and key.startswith(k)) for k in NON_TRAINING_KEYS)
+
+    return [f"{k} ({short(a.get(k))} -> {short(b.get(k))})" for k in [*a, *(k for k in b if k not in a)] if counts(k) and a.get(k) != b.get(k)]

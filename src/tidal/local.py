@@ -5,33 +5,116 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
 
-from tidal.config import TidalConfig, dump_config
+from tidal.config import ConfigError, TidalConfig, dump_config, load_config, training_changes
 from tidal.data import load_dataset
 from tidal.devices import VISIBLE_DEVICES_ENV, accelerator_placement, visible_accelerators, visible_device_ids
 from tidal.evaluate import eval_engine_kind, evaluate_snapshot, open_engine
 from tidal.model.warm_start import prepare_base_model
 from tidal.roles import check_prompt_settings, sync_trainer
-from tidal.rundir import RunInfo
-from tidal.runtime import set_threads, setup_logging, split_cores
+from tidal.rundir import RunDirError, RunDirLock, RunInfo, new_nats_token
+from tidal.runtime import NATS_LOST_EXIT, set_threads, setup_logging, split_cores
 from tidal.tracking import Tracker, start_run, tracking_uri
-from tidal.transport.server import EmbeddedNats
-from tidal.weights import WeightStore
+from tidal.transport.server import TOKEN_ENV, EmbeddedNats, reachable
+from tidal.weights import WeightStore, version_dir_name
 
 log = logging.getLogger(__name__)
 MAX_WORKER_RESTARTS = 3
 MAX_TRAINER_RESTARTS = 2
+MAX_NATS_RESTARTS = 3
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class RoleFailed(RuntimeError):
     """A role process exited with an error; the message carries the end of its log."""
+
+
+class Stopped(KeyboardInterrupt):
+    """The launcher got SIGINT, SIGTERM or SIGHUP: every process of the run is stopped, the run can be resumed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.resume_at: int | None = None  # the iteration a re-run starts from
+
+
+@contextmanager
+def stop_on_signals():
+    """SIGINT, SIGTERM and SIGHUP raise Stopped in the launcher's main thread (once: a second signal
+    during the shutdown is ignored, so the shutdown itself is not interrupted)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised = False
+
+    def handler(signum, frame):
+        nonlocal raised
+        if raised:
+            log.warning("got %s while stopping: still stopping", signal.Signals(signum).name)
+            return
+        raised = True
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _parent_death_signal():
+    """Linux: a function that makes a child get SIGTERM when the launcher dies, even by SIGKILL, so
+    no role or nats-server is left orphaned; None elsewhere."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def set_signal() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+
+    return set_signal
+
+
+def child_options(lock: RunDirLock | None) -> dict:
+    """Popen options for every process the launcher starts: its own process group (a terminal's
+    Ctrl-C reaches the launcher alone, which stops the others in order), the run directory's lock
+    descriptor (the directory stays locked while any of them lives) and the parent-death signal."""
+    options: dict = {"process_group": 0}
+    if lock is not None and lock.fd is not None:
+        options["pass_fds"] = (lock.fd,)
+    preexec = _parent_death_signal()
+    if preexec is not None:
+        options["preexec_fn"] = preexec
+    return options
+
+
+def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+    """SIGTERM to all at once, then SIGKILL to whatever still runs after `grace` seconds."""
+    procs = [p for p in procs if p is not None and p.poll() is None]
+    for p in procs:
+        p.terminate()
+    deadline = time.time() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -77,8 +160,10 @@ def local_accelerator_env(cfg: TidalConfig, environ: dict[str, str] | None = Non
 class RoleProcesses:
     """Trainer and rollout workers as child processes; dead workers are restarted (their work is redelivered)."""
 
-    def __init__(self, config_path: Path, run_dir: Path, nats_url: str, cfg: TidalConfig):
+    def __init__(self, config_path: Path, run_dir: Path, nats_url: str, cfg: TidalConfig, env: dict | None = None, options: dict | None = None):
         self.config_path, self.run_dir, self.nats_url, self.cfg = config_path, run_dir, nats_url, cfg
+        self.env = env or {}  # e.g. the embedded server's token
+        self.options = options or {}  # child_options
         self.logs = run_dir / "logs"
         self.trainer_threads, self.worker_threads = split_cores(cfg)
         self.trainer_threads = max(1, self.trainer_threads // cfg.trainer.ranks)  # per rank
@@ -89,10 +174,10 @@ class RoleProcesses:
 
     def _spawn(self, args: list[str], role: str, threads: int) -> subprocess.Popen:
         """`role` ("trainer" or a worker id) names its log and its device placement."""
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TIDAL_THREADS": str(threads), **self.devices.get(role, {})}
-        out = (self.logs / f"{role}.log").open("ab")
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TIDAL_THREADS": str(threads), **self.devices.get(role, {}), **self.env}
         cmd = [*self._launcher(role), "tidal.cli", *args, str(self.config_path), "--run-dir", str(self.run_dir), "--nats-url", self.nats_url]
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        with (self.logs / f"{role}.log").open("ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, **self.options)
         (self.logs / f"{role}.pid").write_text(str(proc.pid))
         return proc
 
@@ -114,6 +199,12 @@ class RoleProcesses:
     def start_worker(self, worker_id: str) -> None:
         self.workers[worker_id] = self._spawn(["rollout-worker", "--worker-id", worker_id], worker_id, self.worker_threads)
 
+    def failed(self, role: str, code: int, what: str) -> RoleFailed:
+        """The error for a role that failed for good; when NATS is down, that is what it says."""
+        if not reachable(self.nats_url):
+            return RoleFailed(f"NATS at {self.nats_url} is down or unreachable: the {what} exited with code {code} (see {self.logs / f'{role}.log'})")
+        return RoleFailed(f"{what} exited with code {code}:\n{tail(self.logs / f'{role}.log')}")
+
     def check(self) -> bool:
         """True once the trainer is done; raises if a role failed for good."""
         for wid, proc in list(self.workers.items()):
@@ -121,15 +212,16 @@ class RoleProcesses:
             if code not in (None, 0) and self.trainer.poll() is None:
                 self.restarts[wid] = self.restarts.get(wid, 0) + 1
                 if self.restarts[wid] > MAX_WORKER_RESTARTS:
-                    raise RoleFailed(f"rollout worker {wid} exited with code {code} {self.restarts[wid]} times:\n{tail(self.logs / f'{wid}.log')}")
+                    raise self.failed(wid, code, f"rollout worker {wid} ({self.restarts[wid]} times)")
                 log.warning("rollout worker %s exited with code %s; restarting (its work items are redelivered)", wid, code)
                 self.start_worker(wid)
         code = self.trainer.poll()
         if code is None:
             return False
-        # torchrun exits 1 when one of its ranks was killed: for a multi-rank trainer any failure is retried
-        restartable = code < 0 or (self.cfg.trainer.ranks > 1 and code != 0)
-        if restartable and self.restarts.get("trainer", 0) < MAX_TRAINER_RESTARTS:
+        # torchrun exits 1 when one of its ranks was killed: for a multi-rank trainer any failure is retried;
+        # NATS_LOST_EXIT: the trainer lost NATS for longer than its client reconnects
+        restartable = code < 0 or code == NATS_LOST_EXIT or (self.cfg.trainer.ranks > 1 and code != 0)
+        if restartable and self.restarts.get("trainer", 0) < MAX_TRAINER_RESTARTS and reachable(self.nats_url):
             # Killed by a signal (OOM killer, preemption): resume from the last checkpoint;
             # the unacked groups of the interrupted iteration are redelivered to it.
             self.restarts["trainer"] = self.restarts.get("trainer", 0) + 1
@@ -137,21 +229,44 @@ class RoleProcesses:
             self.trainer = self._spawn(["train"], "trainer", self.trainer_threads)
             return False
         if code != 0:
-            raise RoleFailed(f"trainer exited with code {code}:\n{tail(self.logs / 'trainer.log')}")
+            raise self.failed("trainer", code, "trainer")
         return True
 
     def stop(self, grace: float = 15.0) -> None:
+        """Waits up to `grace` seconds for every role to exit by itself, then stops the rest."""
         deadline = time.time() + grace
         procs = [p for p in [self.trainer, *self.workers.values()] if p is not None]
-        for p in procs:
-            while p.poll() is None and time.time() < deadline:
-                time.sleep(0.05)
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        while any(p.poll() is None for p in procs) and time.time() < deadline:
+            time.sleep(0.05)
+        stop_processes(procs)
+
+
+class NatsSupervisor:
+    """The embedded nats-server, restarted on its port and JetStream store when it dies (the streams,
+    consumers and unacked messages survive in the store; clients reconnect by themselves)."""
+
+    def __init__(self, server: EmbeddedNats, pid_file: Path):
+        self.server, self.pid_file = server, pid_file
+        self.restarts = 0
+
+    def start(self) -> None:
+        self.server.start()
+        self.pid_file.write_text(str(self.server.proc.pid))
+
+    def check(self) -> None:
+        code = self.server.exit_code
+        if code is None:
+            return
+        self.restarts += 1
+        if self.restarts > MAX_NATS_RESTARTS:
+            raise RoleFailed(f"nats-server exited with code {code} {self.restarts} times: see {self.server.log_file}")
+        log.warning("nats-server exited with code %s; restarting it on %s with the same JetStream store", code, self.server.url)
+        t0 = time.time()
+        try:
+            self.start()
+        except (RuntimeError, TimeoutError, OSError) as err:
+            raise RoleFailed(f"nats-server exited with code {code} and could not be restarted on {self.server.url}: {err}") from None
+        log.info("nats-server restarted in %.2fs", time.time() - t0)
 
 
 def follow_metrics(path: Path, seen: int) -> tuple[list[dict], int]:
@@ -161,19 +276,34 @@ def follow_metrics(path: Path, seen: int) -> tuple[list[dict], int]:
     return [json.loads(l) for l in lines[seen:]], len(lines)
 
 
-def run_periodic_local(cfg: TidalConfig, config_path: Path, run_dir: Path, bar: ProgressBar) -> dict:
-    server = None
+def run_periodic_local(cfg: TidalConfig, config_path: Path, run_dir: Path, bar: ProgressBar, lock: RunDirLock | None = None) -> dict:
+    """Starts NATS (embedded unless transport.nats_url), the trainer and the workers, and supervises
+    them until the trainer is done. Stopped (a signal): every process is stopped, the run state says "stopped"."""
+    from tidal.transport import NatsUnavailableError
+
+    options = child_options(lock)
+    supervisor = None
     nats_url = cfg.transport.nats_url
+    credentials = None  # an external server: the environment's (NATS_TOKEN, ...)
     if not nats_url:
-        server = EmbeddedNats(run_dir / "nats", cfg.transport.max_payload_mb, log_file=run_dir / "logs" / "nats-server.log").start()
-        nats_url = server.url
-    roles = RoleProcesses(config_path, run_dir, nats_url, cfg)
+        token = new_nats_token(run_dir)
+        server = EmbeddedNats(
+            run_dir / "nats", cfg.transport.max_payload_mb, log_file=run_dir / "logs" / "nats-server.log", token=token, popen_options=options
+        )
+        supervisor = NatsSupervisor(server, run_dir / "logs" / "nats-server.pid")
+        supervisor.start()
+        nats_url, credentials = server.url, server.credentials
+    elif not reachable(nats_url):
+        raise NatsUnavailableError(f"cannot reach NATS at {nats_url} (transport.nats_url): is it running?")
+    roles = RoleProcesses(config_path, run_dir, nats_url, cfg, env={TOKEN_ENV: credentials["token"]} if credentials else {}, options=options)
     seen = 0
     try:
-        open_run_state(nats_url, run_dir, cfg)
+        open_run_state(nats_url, run_dir, cfg, credentials)
         roles.start()
         done = False
         while not done:
+            if supervisor is not None:
+                supervisor.check()
             done = roles.check()
             new, seen = follow_metrics(run_dir / "metrics.jsonl", seen)
             for m in new:
@@ -186,14 +316,41 @@ def run_periodic_local(cfg: TidalConfig, config_path: Path, run_dir: Path, bar: 
         log.info("trainer finished; waiting for workers")
         roles.stop()
         log.info("roles stopped")
-        return {"groups_generated": count_rollouts(nats_url, run_dir, cfg)}
+        return {"groups_generated": count_rollouts(nats_url, run_dir, cfg, credentials)}
+    except Stopped as stop:
+        t0 = time.time()
+        log.warning("got %s: stopping the trainer and the workers", stop)
+        roles.stop(grace=0)
+        record_run_state(nats_url, run_dir, cfg, credentials, "stopped")
+        log.info("roles stopped in %.2fs", time.time() - t0)
+        raise
     finally:
         roles.stop(grace=0)
-        if server:
-            server.stop()
+        if supervisor is not None:
+            supervisor.server.stop()
 
 
-def open_run_state(nats_url: str, run_dir: Path, cfg: TidalConfig) -> None:
+def record_run_state(nats_url: str, run_dir: Path, cfg: TidalConfig, credentials: dict | None, state: str) -> None:
+    """Best effort (NATS may be what failed): the run state in the KV bucket, for roles and a re-run to read."""
+    import asyncio
+
+    from tidal.protocol import RunState
+    from tidal.transport import Transport
+
+    async def put() -> None:
+        t = await Transport.connect(nats_url, RunInfo.load(run_dir).run_id, cfg.transport, create=False, credentials=credentials)
+        try:
+            await t.put_run_state(RunState(state))
+        finally:
+            await t.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(put(), 10))
+    except Exception as err:  # noqa: BLE001 - the state is a record; stopping goes on without it
+        log.warning("could not record the run state %r in NATS: %s", state, err)
+
+
+def open_run_state(nats_url: str, run_dir: Path, cfg: TidalConfig, credentials: dict | None = None) -> None:
     """Marks the run running before any worker starts: a run directory re-used after a finished or
     failed run still holds "done" / "failed", and workers reading it would exit at once."""
     import asyncio
@@ -202,7 +359,7 @@ def open_run_state(nats_url: str, run_dir: Path, cfg: TidalConfig) -> None:
     from tidal.transport import Transport
 
     async def reset() -> None:
-        t = await Transport.connect(nats_url, RunInfo.load(run_dir).run_id, cfg.transport, create=True)
+        t = await Transport.connect(nats_url, RunInfo.load(run_dir).run_id, cfg.transport, create=True, credentials=credentials)
         try:
             status = await t.run_status()
             if status is not None and status.state is not RunState.RUNNING:
@@ -214,14 +371,14 @@ def open_run_state(nats_url: str, run_dir: Path, cfg: TidalConfig) -> None:
     asyncio.run(reset())
 
 
-def count_rollouts(nats_url: str, run_dir: Path, cfg: TidalConfig) -> int:
+def count_rollouts(nats_url: str, run_dir: Path, cfg: TidalConfig, credentials: dict | None = None) -> int:
     """Groups published to the ROLLOUTS stream (generated), as the server counts them."""
     import asyncio
 
     from tidal.transport import Transport
 
     async def count() -> int:
-        t = await Transport.connect(nats_url, RunInfo.load(run_dir).run_id, cfg.transport, create=False)
+        t = await Transport.connect(nats_url, RunInfo.load(run_dir).run_id, cfg.transport, create=False, credentials=credentials)
         try:
             info = await t.js.stream_info(t.names["rollouts_stream"])
             return info.state.messages
@@ -231,14 +388,15 @@ def count_rollouts(nats_url: str, run_dir: Path, cfg: TidalConfig) -> int:
     return asyncio.run(count())
 
 
-def start_curve_eval(cfg: TidalConfig, config_path: Path, run_dir: Path) -> subprocess.Popen | None:
+def start_curve_eval(cfg: TidalConfig, config_path: Path, run_dir: Path, options: dict | None = None) -> subprocess.Popen | None:
     """eval.every: a process that evaluates versions as the trainer publishes them (the held-out curve)."""
     if not (cfg.eval.enabled and cfg.eval.every):
         return None
-    out = (run_dir / "logs" / "eval.log").open("ab")
     cmd = [sys.executable, "-m", "tidal.cli", "eval", str(config_path), "--run-dir", str(run_dir), "--follow"]
     threads = str(max(1, (os.cpu_count() or 1) // (cfg.rollout.workers + 2)))
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": threads, "TIDAL_THREADS": threads})
+    with (run_dir / "logs" / "eval.log").open("ab") as out:
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "TIDAL_THREADS": threads}
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, **(options or {}))
 
 
 def finish_curve_eval(curve: subprocess.Popen | None, run_dir: Path, timeout: float = 1800.0) -> None:
@@ -350,6 +508,42 @@ def result_table(summary: dict, run_dir: Path, wall: float) -> str:
     )
 
 
+def check_saved_config(cfg: TidalConfig, run_dir: Path, force: bool = False) -> None:
+    """A run directory that has started keeps its config: a change that would change training
+    (NON_TRAINING_KEYS aside) is refused, naming the keys, unless `force` (--force-new-config)."""
+    saved = run_dir / "config.yaml"
+    if not ((run_dir / "run.json").is_file() and saved.is_file()):
+        return
+    changes = training_changes(load_config(saved), cfg)
+    if not changes:
+        return
+    listed = ", ".join(changes)
+    if not force:
+        raise ConfigError(
+            f"run directory {run_dir} was started with another config, and these changes would change training: {listed}. "
+            f"Resume with the config in {saved}, use another --run-dir, or pass --force-new-config to go on with the new values"
+        )
+    log.warning("--force-new-config: resuming %s with changed training keys: %s", run_dir, listed)
+    print(f"tidal: warning: resuming with changed training keys (--force-new-config): {listed}", file=sys.stderr, flush=True)
+
+
+def checkpoint_version(run_dir: Path) -> int:
+    """The iteration a (re-)run of `run_dir` starts from: the last checkpointed boundary, else 0."""
+    state = run_dir / "checkpoint" / "state.json"
+    return json.loads(state.read_text())["next_version"] if state.is_file() else 0
+
+
+def finished_summary(cfg: TidalConfig, run_dir: Path) -> dict | None:
+    """The summary of a run that already trained trainer.iterations and wrote its summary for that
+    version (a re-run of a finished run directory has nothing to do); None otherwise."""
+    path = run_dir / "summary.json"
+    version = checkpoint_version(run_dir)
+    if version < cfg.trainer.iterations or not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    return summary if Path(summary.get("final_weights", "")).name == version_dir_name(version) else None
+
+
 def prepare_run(cfg: TidalConfig, run_dir: Path, show_progress: bool = True) -> tuple[RunInfo, object, Path]:
     """Resolved config, dataset check, warm start (cached), MLflow run: everything before the loop."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -380,11 +574,37 @@ def prepare_run(cfg: TidalConfig, run_dir: Path, show_progress: bool = True) -> 
     return info, dataset, config_path
 
 
-def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True) -> dict:
+def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True, force_new_config: bool = False) -> dict:
+    """`tidal run`: one launcher per run directory (a lock); SIGINT, SIGTERM and SIGHUP stop every
+    process of the run and raise Stopped; a re-run resumes from the last boundary."""
     run_dir = Path(run_dir).resolve()
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise RunDirError(f"--run-dir {run_dir}: a file is in the way of the run directory") from None
+    lock = RunDirLock(run_dir).acquire()
+    try:
+        with stop_on_signals():
+            try:
+                return _run_locked(cfg, run_dir, show_progress, force_new_config, lock)
+            except Stopped as stop:
+                stop.resume_at = checkpoint_version(run_dir)
+                log.warning("stopped by %s; a re-run resumes at iteration %d", stop, stop.resume_at)
+                raise
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: TidalConfig, run_dir: Path, show_progress: bool, force_new_config: bool, lock: RunDirLock) -> dict:
     t_start = time.time()
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     setup_logging(run_dir / "logs" / "launcher.log")
+    check_saved_config(cfg, run_dir, force_new_config)
+    done = finished_summary(cfg, run_dir)
+    if done is not None:
+        log.info("%s already trained %d iterations: nothing to do", run_dir, cfg.trainer.iterations)
+        print(f"tidal: {run_dir} already finished its {cfg.trainer.iterations} iterations: nothing to do", flush=True)
+        print(result_table(done, run_dir, done.get("wall_seconds", 0.0)), flush=True)
+        return done
     set_threads(os.cpu_count() or 1)
     info, dataset, config_path = prepare_run(cfg, run_dir, show_progress)
     eval_set = dataset.eval[: cfg.eval.num_prompts] if cfg.eval.num_prompts else dataset.eval
@@ -399,16 +619,13 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True)
         log.info("accuracy before: %s", before)
         bar = ProgressBar(cfg.trainer.iterations, show_progress)
         extra: dict = {}
-        curve = start_curve_eval(cfg, config_path, run_dir)
+        curve = start_curve_eval(cfg, config_path, run_dir, child_options(lock))
         try:
             if cfg.mode == "sync":
                 sync_trainer(cfg, run_dir, info, dataset, tracker, bar.update, engine)
             else:
-                extra = run_periodic_local(cfg, config_path, run_dir, bar)
+                extra = run_periodic_local(cfg, config_path, run_dir, bar, lock)
             finish_curve_eval(curve, run_dir)
-        except BaseException:
-            tracker.finish("FAILED")
-            raise
         finally:
             bar.close()
             if curve is not None and curve.poll() is None:
@@ -417,6 +634,9 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True)
         final = store.path(store.latest_version())
         set_threads(os.cpu_count() or 1)
         after = evaluate_snapshot(cfg, info.base_model, eval_set, final, engine=eval_engine) if cfg.eval.enabled else None
+    except BaseException as err:
+        tracker.finish("KILLED" if isinstance(err, Stopped) else "FAILED")
+        raise
     finally:
         if engine is not None:
             engine.shutdown()

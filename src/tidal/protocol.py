@@ -32,6 +32,7 @@ class RunState(StrEnum):
     ROUND_DONE = "round_done"  # a pipeline round is over; the next round starts new workers
     DONE = "done"
     FAILED = "failed"
+    STOPPED = "stopped"  # the launcher was stopped (SIGINT, SIGTERM): a re-run resumes at the last boundary
 
     @property
     def stops_workers(self) -> bool:

@@ -158,7 +158,10 @@ async def main_trainer(
         log.info("trainer finished %d iterations", len(history))
         return history
     except BaseException:
-        await transport.put_run_state(RunState.FAILED)
+        try:
+            await transport.put_run_state(RunState.FAILED)
+        except Exception as err:  # noqa: BLE001 - NATS may be what failed: the original error is the one to report
+            log.warning("could not record the failed run state: %s", err)
         raise
     finally:
         await transport.close()

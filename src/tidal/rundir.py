@@ -1,11 +1,79 @@
-"""The run directory: its record of the run (run.json) and its append-only logs of iterations and groups."""
+"""The run directory: its record of the run (run.json), its append-only logs of iterations and
+groups, its lock (one launcher at a time) and the embedded NATS server's per-run token."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import secrets
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+LOCK_FILE = "lock"
+NATS_TOKEN_FILE = "nats-token"
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used (a file, or in use by another launcher); one line."""
+
+
+class RunDirLock:
+    """An exclusive flock on `RUN_DIR/lock` for as long as the launcher runs. The launcher hands the
+    open descriptor to its children (roles, nats-server), so the directory stays locked while any of
+    them is alive, even if the launcher itself was killed."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.fd: int | None = None
+
+    def acquire(self) -> RunDirLock:
+        path = self.run_dir / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RunDirError(
+                f"run directory {self.run_dir} is in use by another `tidal run` ({describe_holder(holder)}): stop it, or use another --run-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def describe_holder(pid_text: str) -> str:
+    try:
+        os.kill(int(pid_text), 0)
+    except (ValueError, ProcessLookupError):
+        return f"launcher pid {pid_text} is gone, but a process it started still holds the lock"
+    except PermissionError:
+        pass
+    return f"launcher pid {pid_text}"
+
+
+def new_nats_token(run_dir: Path) -> str:
+    """A fresh random token for this launch's embedded nats-server, in RUN_DIR/nats-token (mode 0600,
+    replaced atomically): roles get it through their environment, a user's tool can read it here."""
+    token = secrets.token_urlsafe(32)
+    path = Path(run_dir) / NATS_TOKEN_FILE
+    tmp = path.with_name(f".{NATS_TOKEN_FILE}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return token
 
 
 @dataclass

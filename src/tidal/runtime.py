@@ -11,6 +11,8 @@ import torch
 
 from tidal.config import TidalConfig
 
+NATS_LOST_EXIT = 75  # a role's exit code when NATS cannot be reached (EX_TEMPFAIL): the launcher may restart it
+
 
 def set_threads(n: int) -> None:
     torch.set_num_threads(max(1, n))

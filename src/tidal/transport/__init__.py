@@ -10,9 +10,10 @@ import time
 from dataclasses import dataclass
 
 import nats
+import nats.errors
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError, ServiceUnavailableError
 
 from tidal.config import TransportConfig
 from tidal.protocol import (
@@ -28,11 +29,16 @@ from tidal.protocol import (
     run_status_from,
     unpack,
 )
+from tidal.transport.server import TOKEN_ENV
 
 log = logging.getLogger(__name__)
 
 WORKERS_CONSUMER = "workers"
 TRAINER_CONSUMER = "trainer"
+# How long an idempotent request (a KV put or get, a de-duplicated publish) is retried through a NATS
+# outage, e.g. the launcher restarting a killed nats-server; the client reconnects by itself meanwhile.
+OUTAGE_SECONDS = 60.0
+TRANSIENT_ERRORS = (NatsTimeout, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError, ServiceUnavailableError)
 
 
 class MessageTooLargeError(ValueError):
@@ -58,9 +64,16 @@ async def keep_in_progress(msgs, every: float) -> None:
             await m.in_progress()
 
 
+class NatsUnavailableError(ConnectionError):
+    """NATS cannot be reached, refused this client, or the connection to it was lost for good."""
+
+
 def credentials_from_env() -> dict:
-    """NATS credentials come from the environment (a Kubernetes Secret in a cluster), never from config."""
+    """NATS credentials come from the environment, never from config: the embedded server's per-run
+    token (TIDAL_NATS_TOKEN, set by `tidal run`), else a Kubernetes Secret's (NATS_TOKEN, ...)."""
     env = os.environ
+    if env.get(TOKEN_ENV):
+        return {"token": env[TOKEN_ENV]}
     if env.get("NATS_TOKEN"):
         return {"token": env["NATS_TOKEN"]}
     if env.get("NATS_USER"):
@@ -68,6 +81,42 @@ def credentials_from_env() -> dict:
     if env.get("NATS_CREDS"):
         return {"user_credentials": env["NATS_CREDS"]}
     return {}
+
+
+async def connect_nats(url: str, name: str, credentials: dict) -> nats.NATS:
+    """A client that reconnects through a short outage (a restarted nats-server) and logs each
+    connection event in one line, not nats-py's tracebacks."""
+
+    async def on_error(err: Exception) -> None:
+        log.warning("NATS %s: %s", url, str(err) or type(err).__name__)
+
+    client: list[nats.NATS] = []
+
+    async def on_disconnected() -> None:
+        if client and not client[0].is_closed:  # closed: by us, or the reconnects gave up (the next call raises)
+            log.warning("lost the connection to NATS at %s; reconnecting", url)
+
+    async def on_reconnected() -> None:
+        log.info("reconnected to NATS at %s", url)
+
+    try:
+        nc = await nats.connect(
+            url,
+            connect_timeout=5,
+            reconnect_time_wait=1,
+            max_reconnect_attempts=20,
+            name=name,
+            error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
+            **credentials,
+        )
+    except nats.errors.NoServersError:
+        raise NatsUnavailableError(f"cannot reach NATS at {url} (transport.nats_url, or the run's embedded nats-server): is it running?") from None
+    except nats.errors.Error as err:
+        raise NatsUnavailableError(f"NATS at {url} refused the connection: {err}") from None
+    client.append(nc)
+    return nc
 
 
 @dataclass
@@ -79,8 +128,10 @@ class Transport:
     cfg: TransportConfig
 
     @classmethod
-    async def connect(cls, url: str, run_id: str, cfg: TransportConfig, create: bool = True) -> Transport:
-        nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=10, name=f"tidal-{run_id}", **credentials_from_env())
+    async def connect(cls, url: str, run_id: str, cfg: TransportConfig, create: bool = True, credentials: dict | None = None) -> Transport:
+        """`credentials` default to the environment's (credentials_from_env). A server that cannot be
+        reached or refuses them is a NatsUnavailableError naming the URL."""
+        nc = await connect_nats(url, f"tidal-{run_id}", credentials_from_env() if credentials is None else credentials)
         js = nc.jetstream()
         names = stream_names(run_id)
         if create:
@@ -89,6 +140,21 @@ class Transport:
         else:
             kv = await cls._wait_for_bucket(js, names["kv_bucket"])
         return cls(nc, js, kv, names, cfg)
+
+    async def _retrying(self, what: str, request):
+        """`await request()` again through a NATS outage (only for idempotent requests): a timeout or
+        a missing responder while the server restarts is retried until OUTAGE_SECONDS have passed."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + OUTAGE_SECONDS, 0.25
+        while True:
+            try:
+                return await request()
+            except TRANSIENT_ERRORS as err:
+                if self.nc.is_closed or loop.time() > deadline:
+                    raise
+                log.warning("NATS %s: %s; retrying", what, type(err).__name__)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 4.0)
 
     @staticmethod
     async def _wait_for_bucket(js, bucket: str, timeout: float = 60.0):
@@ -143,12 +209,13 @@ class Transport:
     async def publish_work(self, item: WorkItem) -> None:
         payload = pack(item)
         self._check_size(payload, f"work item {item.iteration}/{item.prompt_id}")
-        await self.js.publish(self.names["work_subject"], payload, headers={"Nats-Msg-Id": item.msg_id})
+        # de-duplicated by message id: a retry after a lost reply stores it once
+        await self._retrying("publish work", lambda: self.js.publish(self.names["work_subject"], payload, headers={"Nats-Msg-Id": item.msg_id}))
 
     async def publish_group(self, group: Group) -> None:
         payload = pack(group)
         self._check_size(payload, f"group {group.iteration}/{group.prompt_id}")
-        await self.js.publish(self.names["rollouts_subject"], payload, headers={"Nats-Msg-Id": group.msg_id})
+        await self._retrying("publish group", lambda: self.js.publish(self.names["rollouts_subject"], payload, headers={"Nats-Msg-Id": group.msg_id}))
 
     async def work_subscription(self):
         return await self.js.pull_subscribe_bind(WORKERS_CONSUMER, stream=self.names["work_stream"])
@@ -164,17 +231,18 @@ class Transport:
             return []
 
     async def work_queue_depth(self) -> int:
-        info = await self.js.stream_info(self.names["work_stream"])
+        info = await self._retrying("stream info", lambda: self.js.stream_info(self.names["work_stream"]))
         return info.state.messages
 
     async def put(self, key: str, value) -> None:
         """A message dataclass or plain msgpack data under `key` (see protocol.KVKey)."""
-        await self.kv.put(key, pack(value))
+        payload = pack(value)
+        await self._retrying(f"put {key}", lambda: self.kv.put(key, payload))
 
     async def get(self, key: str):
         """Plain data under `key`; None when absent."""
         try:
-            entry = await self.kv.get(key)
+            entry = await self._retrying(f"get {key}", lambda: self.kv.get(key))
         except KeyNotFoundError:
             return None
         return unpack(entry.value) if entry and entry.value else None

@@ -1,0 +1,131 @@
+"""`tidal run` as a launcher you can stop and resume (#15 item 6): signals, the run-directory lock,
+a supervised nats-server, resuming whatever state a run ended in, and a config that may not change."""
+
+import json
+import os
+import signal
+import time
+
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import read_jsonl, run_cli, run_processes, start_run, wait_until
+
+SLOW = {"eval.enabled": False, "rollout.groups_per_batch": 1, "reward.functions": [{"name": "tests.rewards:slow_exact_match"}]}
+
+
+def test_sigterm_stops_every_process_of_the_run_records_it_and_a_rerun_resumes(tmp_path, write_config):
+    config = write_config({**SLOW, "trainer.iterations": 4})
+    run_dir = tmp_path / "run"
+    proc = start_run(config, run_dir)
+    wait_until(lambda: read_jsonl(run_dir / "metrics.jsonl"), proc)  # iteration 0 is done: mid-run
+    assert len(run_processes(run_dir)) >= 4  # launcher, trainer, worker, nats-server
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    print(f"SIGTERM to exit: {time.time() - t0:.2f}s")
+    assert run_processes(run_dir) == []  # nothing orphaned: not the trainer, a worker or nats-server
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("tidal: stopped by SIGTERM") and "Traceback" not in err
+    assert "stopped by SIGTERM" in (run_dir / "logs" / "launcher.log").read_text()
+    run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
+    assert MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}").get_run(run_id).info.status == "KILLED"
+
+    again = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "run state was stopped" in (run_dir / "logs" / "launcher.log").read_text()
+    assert "resumed from checkpoint: version" in (run_dir / "logs" / "trainer.log").read_text()
+    iterations = [m["iteration"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert iterations[-1] == 3 and len(iterations) == len(set(iterations))
+    assert (run_dir / "weights" / "v000004" / "manifest.json").is_file()
+
+
+def test_a_second_launcher_on_a_run_directory_in_use_is_refused(tmp_path, write_config):
+    config = write_config({**SLOW, "trainer.iterations": 2})
+    run_dir = tmp_path / "run"
+    proc = start_run(config, run_dir)
+    wait_until(lambda: (run_dir / "logs" / "trainer.pid").is_file(), proc)
+    saved = (run_dir / "config.yaml").read_text()
+    second = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress", "--set", "trainer.lr=0.5")
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
+    assert f"run directory {run_dir} is in use by another `tidal run` (launcher pid {proc.pid})" in second.stderr
+    assert (run_dir / "config.yaml").read_text() == saved
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]  # the first run went on undisturbed
+    assert [m["iteration"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1]
+
+
+def test_a_killed_nats_server_is_restarted_on_the_same_store_and_the_run_loses_nothing(tmp_path, write_config):
+    config = write_config({**SLOW, "trainer.iterations": 4})
+    run_dir = tmp_path / "run"
+    proc = start_run(config, run_dir)
+    wait_until(lambda: read_jsonl(run_dir / "metrics.jsonl") and (run_dir / "logs" / "nats-server.pid").is_file(), proc)
+    os.kill(int((run_dir / "logs" / "nats-server.pid").read_text()), signal.SIGKILL)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    launcher_log = (run_dir / "logs" / "launcher.log").read_text()
+    assert "nats-server exited with code -9; restarting it" in launcher_log and "nats-server restarted in" in launcher_log
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["iteration"] for m in metrics] == [0, 1, 2, 3]
+    assert all(m["samples"] == 6 * 4 and m["staleness_max"] == 0 for m in metrics)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["groups_trained"] == 4 * 6
+    print("iteration seconds:", [round(m["iteration_seconds"], 2) for m in metrics], "(nats-server killed after iteration 0)")
+
+
+def test_a_dead_nats_is_reported_as_such(tmp_path, write_config, nats_server):
+    config = write_config({**SLOW, "trainer.iterations": 4, "transport.nats_url": nats_server.url})
+    run_dir = tmp_path / "run"
+    proc = start_run(config, run_dir)
+    wait_until(lambda: read_jsonl(run_dir / "metrics.jsonl"), proc)
+    nats_server.stop()
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1
+    assert err.strip().splitlines()[-1].startswith(f"tidal: NATS at {nats_server.url} is down or unreachable: the ")
+    assert "ConnectionClosedError" not in err and "Traceback" not in err
+    assert run_processes(run_dir) == []
+
+
+def test_a_failed_run_resumes_from_its_last_boundary(tmp_path, write_config):
+    """The trainer fails for good (SIGINT: it records "failed" and exits 130, which is not restarted):
+    re-running the run directory resumes from the last boundary instead of stalling on the old state."""
+    config = write_config({**SLOW, "trainer.iterations": 3})
+    run_dir = tmp_path / "run"
+    proc = start_run(config, run_dir)
+    wait_until(lambda: read_jsonl(run_dir / "metrics.jsonl"), proc)
+    os.kill(int((run_dir / "logs" / "trainer.pid").read_text()), signal.SIGINT)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1 and "trainer exited with code 130" in err
+    again = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "run state was failed" in (run_dir / "logs" / "launcher.log").read_text()
+    assert "resumed from checkpoint: version" in (run_dir / "logs" / "trainer.log").read_text()
+    assert [m["iteration"] for m in read_jsonl(run_dir / "metrics.jsonl")][-1] == 2
+    assert json.loads((run_dir / "summary.json").read_text())["final_weights"].endswith("v000003")
+
+
+def test_a_finished_run_finishes_at_once_and_a_training_change_is_refused_unless_forced(tmp_path, write_config):
+    config = write_config({"trainer.iterations": 2, "eval.enabled": False})
+    run_dir = tmp_path / "run"
+    first = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
+    assert first.returncode == 0, first.stderr[-3000:]
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+
+    done = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"tidal: {run_dir} already finished its 2 iterations: nothing to do" in done.stdout
+    assert (run_dir / "logs" / "trainer.log").read_text() == trainer_log  # no role was started
+
+    saved = (run_dir / "config.yaml").read_text()
+    changed = run_cli("run", str(config), "--run-dir", str(run_dir), "--set", "rollout.group_size=8", "--set", "trainer.lr=0.01")
+    assert changed.returncode == 2 and changed.stderr.count("\n") == 1 and "Traceback" not in changed.stderr
+    assert "would change training: rollout.group_size (4 -> 8), trainer.lr (0.001 -> 0.01)." in changed.stderr
+    assert "--force-new-config" in changed.stderr
+    assert (run_dir / "config.yaml").read_text() == saved
+
+    # keys that do not change training may change: more iterations, another number of workers
+    more = ["--set", "trainer.iterations=3", "--set", "rollout.workers=2", "--no-progress"]
+    forced = run_cli("run", str(config), "--run-dir", str(run_dir), "--set", "rollout.group_size=8", "--force-new-config", *more)
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert "resuming with changed training keys (--force-new-config): rollout.group_size (4 -> 8)" in forced.stderr
+    assert [m["samples"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [6 * 4, 6 * 4, 6 * 8]
