@@ -104,6 +104,14 @@ def run_and_kill(config: Path, run_dir: Path, pid_file: str, when, timeout: floa
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def embedded_nats_url(run_dir: Path) -> str:
+    """The URL of a running `tidal run`'s embedded nats-server, from the config it wrote."""
+    import re
+
+    conf = (run_dir / "nats" / "nats-server.conf").read_text()
+    return "nats://" + re.search(r'listen: "([^"]+)"', conf).group(1)
+
+
 def wait_until(condition, proc: subprocess.Popen, timeout: float = 600) -> None:
     """Polls `condition()` while the background run `proc` lives; fails with its stderr if it ended first."""
     import time

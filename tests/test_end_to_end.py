@@ -9,7 +9,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from tests.conftest import read_jsonl, run_and_kill, run_cli, start_run
+from tests.conftest import embedded_nats_url, read_jsonl, run_and_kill, run_cli, start_run
 
 REQUIRED_METRICS = [
     "reward_mean",
@@ -277,14 +277,6 @@ def test_a_killed_trainer_resumes_and_loses_no_group(tmp_path, write_config):
     assert "resumed from checkpoint: version 1" in (run_dir / "logs" / "trainer.log").read_text()
 
 
-def embedded_nats_url(run_dir: Path) -> str:
-    """The URL of a running `tidal run`'s embedded nats-server, from the config it wrote."""
-    import re
-
-    conf = (run_dir / "nats" / "nats-server.conf").read_text()
-    return "nats://" + re.search(r'listen: "([^"]+)"', conf).group(1)
-
-
 def test_forged_and_malformed_groups_are_rejected_and_counted_and_the_run_finishes(tmp_path, write_config):
     """Bad messages injected into the ROLLOUTS stream mid-run: each is terminated, counted in
     messages_rejected and logged with its reason; none is trained on and the run completes."""
@@ -331,7 +323,7 @@ def test_forged_and_malformed_groups_are_rejected_and_counted_and_the_run_finish
 
     async def inject():
         info = RunInfo.load(run_dir)
-        nc = await nats.connect(embedded_nats_url(run_dir))
+        nc = await nats.connect(embedded_nats_url(run_dir), token=(run_dir / "nats-token").read_text())  # the run's own credentials
         js = nc.jetstream()
         for i, payload in enumerate(bad):
             await js.publish(stream_names(info.run_id)["rollouts_subject"], payload, headers={"Nats-Msg-Id": f"forged-{i}"})

@@ -1,14 +1,16 @@
 """`tidal run` as a launcher you can stop and resume (#15 item 6): signals, the run-directory lock,
 a supervised nats-server, resuming whatever state a run ended in, and a config that may not change."""
 
+import asyncio
 import json
 import os
 import signal
+import stat
 import time
 
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import read_jsonl, run_cli, run_processes, start_run, wait_until
+from tests.conftest import embedded_nats_url, read_jsonl, run_cli, run_processes, start_run, wait_until
 
 SLOW = {"eval.enabled": False, "rollout.groups_per_batch": 1, "reward.functions": [{"name": "tests.rewards:slow_exact_match"}]}
 
@@ -129,3 +131,39 @@ def test_a_finished_run_finishes_at_once_and_a_training_change_is_refused_unless
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert "resuming with changed training keys (--force-new-config): rollout.group_size (4 -> 8)" in forced.stderr
     assert [m["samples"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [6 * 4, 6 * 4, 6 * 8]
+
+
+def test_the_embedded_nats_server_refuses_a_client_without_the_runs_token(tmp_path, write_config):
+    """#15 item 2: a local process without the run's credentials can neither consume work nor publish
+    groups. The token is random per launch, in a 0600 file, and reaches the roles by environment only."""
+    import nats
+    import nats.errors
+
+    config = write_config({**SLOW, "trainer.iterations": 3})
+    run_dir = tmp_path / "run"
+    proc = start_run(config, run_dir)
+    wait_until(lambda: read_jsonl(run_dir / "metrics.jsonl"), proc)
+    url = embedded_nats_url(run_dir)
+
+    async def connect(**credentials) -> str:
+        async def quiet(err):
+            pass
+
+        try:
+            nc = await nats.connect(url, allow_reconnect=False, connect_timeout=2, error_cb=quiet, **credentials)
+        except nats.errors.Error as err:
+            return str(err)
+        await nc.close()
+        return "connected"
+
+    assert "Authorization Violation" in asyncio.run(connect())
+    assert "Authorization Violation" in asyncio.run(connect(token="guessed"))
+    token_file = run_dir / "nats-token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    token = token_file.read_text()
+    assert len(token) >= 32 and asyncio.run(connect(token=token)) == "connected"
+    assert not any(token in cmdline for cmdline in run_processes(run_dir))  # not on any command line
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    leaked = [str(p) for p in run_dir.rglob("*") if p.is_file() and p != token_file and token.encode() in p.read_bytes()]
+    assert leaked == []  # not in a log, the config, nats-server.conf or the JetStream store
