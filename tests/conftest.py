@@ -89,15 +89,22 @@ def start_run(config: Path, run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def trained_in(run_dir: Path, iteration: int) -> bool:
+    """Whether the trainer has trained a group of `iteration` (its log says so as it goes; groups.jsonl
+    gets the iteration's records only at its boundary)."""
+    log = run_dir / "logs" / "trainer.log"
+    return log.is_file() and f" iteration {iteration}: " in log.read_text()
+
+
 def run_and_kill(config: Path, run_dir: Path, pid_file: str, when, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Runs `tidal run` and SIGKILLs the process named by logs/`pid_file` once `when(groups.jsonl
-    records)` holds (a crash at a chosen point); returns the finished run's result."""
+    """Runs `tidal run` and SIGKILLs the process named by logs/`pid_file` once `when(run_dir)` holds
+    (a crash at a chosen point); returns the finished run's result."""
     import signal
     import time
 
     proc = start_run(config, run_dir)
     deadline = time.time() + timeout
-    while not when(read_jsonl(run_dir / "groups.jsonl")) and time.time() < deadline and proc.poll() is None:
+    while not when(run_dir) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.02)
     os.kill(int((run_dir / "logs" / pid_file).read_text()), signal.SIGKILL)
     out, err = proc.communicate(timeout=timeout)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import learner_run, max_diff, run_and_kill, run_cli
+from tests.conftest import learner_run, max_diff, run_and_kill, run_cli, trained_in
 from tidal.trainer.assignment import assign_groups
 
 
@@ -121,7 +121,7 @@ def test_a_killed_trainer_rank_resumes_from_the_sharded_checkpoint(tmp_path, wri
     reference = run_cli("run", str(config), "--run-dir", str(tmp_path / "ref"), "--no-progress")
     assert reference.returncode == 0, reference.stderr[-3000:]
     run_dir = tmp_path / "run"
-    proc = run_and_kill(config, run_dir, "trainer-rank1.pid", when=lambda records: any(r["iteration"] == 1 for r in records))
+    proc = run_and_kill(config, run_dir, "trainer-rank1.pid", when=lambda run_dir: trained_in(run_dir, 1))
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [0, 1, 2]

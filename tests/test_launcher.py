@@ -32,6 +32,12 @@ def test_sigterm_stops_every_process_of_the_run_records_it_and_a_rerun_resumes(t
     run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
     assert MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}").get_run(run_id).info.status == "KILLED"
 
+    # what a kill mid-publish or mid-checkpoint leaves (#15 item 9): removed when the trainer starts
+    leftovers = [run_dir / "weights" / ".tmp-v000009-4242", run_dir / "checkpoint" / "optimizer-rank0-of-1.safetensors.tmp"]
+    leftovers[0].mkdir()
+    (leftovers[0] / "model.safetensors").write_bytes(b"partial")
+    leftovers[1].write_bytes(b"partial")
+
     again = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "run state was stopped" in (run_dir / "logs" / "launcher.log").read_text()
@@ -39,6 +45,9 @@ def test_sigterm_stops_every_process_of_the_run_records_it_and_a_rerun_resumes(t
     iterations = [m["iteration"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert iterations[-1] == 3 and len(iterations) == len(set(iterations))
     assert (run_dir / "weights" / "v000004" / "manifest.json").is_file()
+    assert not any(p.exists() for p in leftovers)
+    keys = [(r["iteration"], r["prompt_id"]) for r in read_jsonl(run_dir / "groups.jsonl")]
+    assert len(keys) == len(set(keys)) == 4 * 6  # every trained group recorded once, the interrupted iteration's too
 
 
 def test_a_second_launcher_on_a_run_directory_in_use_is_refused(tmp_path, write_config):

@@ -114,3 +114,17 @@ class RunFiles:
     def append_many(self, name: str, records: list[dict]) -> None:
         with (Path(self.run_dir) / name).open("a") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in records)
+
+    def drop_records(self, name: str, drop: Callable[[dict], bool]) -> int:
+        """Removes the records `drop` selects (replacing the file atomically); how many were removed."""
+        path = Path(self.run_dir) / name
+        if not path.is_file():
+            return 0
+        lines = path.read_text().splitlines()
+        kept = [line for line in lines if line.strip() and not drop(json.loads(line))]
+        if len(kept) == len(lines):
+            return 0
+        tmp = path.with_name(f".{name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+        return len(lines) - len(kept)

@@ -158,6 +158,21 @@ def publish_weights(store: WeightStore, version: int, learner: Learner) -> None:
         store.publish(version, state)
 
 
+def forget_unfinished(files: RunFiles, store: WeightStore, start: int) -> None:
+    """On start, before anything is written: what a trainer killed mid-iteration left is removed
+    (temp folders of an interrupted publish or checkpoint, groups.jsonl records of iterations from
+    `start` on, which are trained again), so every group is recorded once, when trained."""
+    removed = store.remove_temp()
+    for tmp in sorted(files.checkpoint.glob("*.tmp")):
+        tmp.unlink()
+        removed.append(f"checkpoint/{tmp.name}")
+    if removed:
+        log.info("removed what an interrupted publish or checkpoint left: %s", ", ".join(removed))
+    dropped = files.drop_records("groups.jsonl", lambda r: r["iteration"] >= start)
+    if dropped:
+        log.info("dropped %d groups.jsonl record(s) of iterations from %d on (trained again now)", dropped, start)
+
+
 async def train(
     cfg: TidalConfig,
     learner: Learner,
@@ -175,6 +190,8 @@ async def train(
     and trains its share; only rank 0 writes the weight store, the run's records and MLflow."""
     main = learner.ctx.is_main
     start = resume_version(files, learner, store)
+    if main:
+        forget_unfinished(files, store, start)
     end = cfg.trainer.iterations if iterations is None else min(cfg.trainer.iterations, start + iterations)
     if store.latest_version() is None or store.latest_version() < start:
         publish_weights(store, start, learner)
@@ -193,6 +210,7 @@ async def train(
         await source.request(release.ahead(v))
         queue_depth = float(await source.queue_depth())
         updates = IterationUpdates(learner, cfg, v)
+        records: list[dict] = []  # groups.jsonl, written with the iteration's boundary
         rejected = 0
         waited_since = time.time()
         while not plan.complete:
@@ -219,13 +237,16 @@ async def train(
             train_start = time.time()
             with timer("train"):
                 await on_compute_thread(updates.add, batch)
-            if main:
-                files.append_many("groups.jsonl", [group_record(g, v, train_start, time.time()) for g in batch])
+            records += [group_record(g, v, train_start, time.time()) for g in batch]
+            if main and batch:
+                log.info("iteration %d: %d/%d groups trained", v, len(plan.received), len(plan.expected))
         groups = list(plan.received.values())
         with timer("train"):
             update = await on_compute_thread(updates.finish)
         with timer("sync"):
             await on_compute_thread(publish_weights, store, v + 1, learner)
+            if main:  # before the checkpoint: a trainer that dies in between redoes v and forget_unfinished drops these
+                files.append_many("groups.jsonl", records)
             await on_compute_thread(save_checkpoint, files, learner, v + 1)
         await source.commit(v)
         if not pushed:  # pushed: the workers' load time is the push, already counted

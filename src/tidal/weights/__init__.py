@@ -84,6 +84,16 @@ class WeightStore:
         self.point_latest(version)
         return final
 
+    def remove_temp(self) -> list[str]:
+        """Removes what an interrupted publish left (`.tmp-v…` folders, `.latest-…` files); call it
+        only when no publish can be running (the trainer, on start). Returns the names removed."""
+        if not self.root.is_dir():
+            return []
+        stale = [p for p in self.root.iterdir() if p.name.startswith((".tmp-v", ".latest-"))]
+        for p in stale:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        return sorted(p.name for p in stale)
+
     def point_latest(self, version: int) -> None:
         """Moves the `latest` pointer atomically."""
         tmp = self.root / f".latest-{os.getpid()}"
