@@ -104,3 +104,20 @@ def test_the_pipeline_stages_an_image_config_with_its_data_paths_from_the_image(
     assert staged.data.path == str(example.parent / "data" / "gsm8k" / "train.jsonl")
     assert staged.trainer.iterations == 2
     assert (tmp_path / STATE_DIR / "submitted-config.yaml").read_text() == example.read_text()
+
+
+def test_training_changes_name_what_would_change_training_and_nothing_else(tiny_config_dict):
+    import copy
+
+    from tidal.config import training_changes
+
+    old = config_from_dict(copy.deepcopy(tiny_config_dict))
+    new = copy.deepcopy(tiny_config_dict)
+    new["trainer"].update({"iterations": 50, "lr": 0.01, "group_timeout_seconds": 5})
+    new["rollout"].update({"workers": 3, "group_size": 8})
+    new["eval"]["enabled"] = False
+    new["tracking"] = {"experiment": "other"}
+    new["transport"] = {"ack_wait_seconds": 2}
+    new["seed"] = 1
+    assert training_changes(old, config_from_dict(new)) == ["seed (0 -> 1)", "rollout.group_size (4 -> 8)", "trainer.lr (0.001 -> 0.01)"]
+    assert training_changes(old, old) == []

@@ -176,3 +176,11 @@ def test_the_embedded_nats_server_refuses_a_client_without_the_runs_token(tmp_pa
     proc.communicate(timeout=120)
     leaked = [str(p) for p in run_dir.rglob("*") if p.is_file() and p != token_file and token.encode() in p.read_bytes()]
     assert leaked == []  # not in a log, the config, nats-server.conf or the JetStream store
+
+
+def test_a_run_directory_that_is_a_file_is_one_clear_line(tmp_path, write_config):
+    config = write_config({"eval.enabled": False})
+    (tmp_path / "run").write_text("not a directory")
+    proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert f"--run-dir {tmp_path / 'run'}: a file is in the way of the run directory" in proc.stderr
