@@ -184,3 +184,11 @@ def test_a_run_directory_that_is_a_file_is_one_clear_line(tmp_path, write_config
     proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert f"--run-dir {tmp_path / 'run'}: a file is in the way of the run directory" in proc.stderr
+
+
+def test_an_unreachable_nats_url_is_one_clear_line_before_anything_starts(tmp_path, write_config):
+    config = write_config({"eval.enabled": False, "transport.nats_url": "nats://127.0.0.1:1"})
+    proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 75 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "cannot reach NATS at nats://127.0.0.1:1 (transport.nats_url): is it running?" in proc.stderr
+    assert not (tmp_path / "run" / "run.json").exists()  # refused before the warm start and the MLflow run

@@ -599,6 +599,10 @@ def _run_locked(cfg: TidalConfig, run_dir: Path, show_progress: bool, force_new_
     t_start = time.time()
     setup_logging(run_dir / "logs" / "launcher.log")
     check_saved_config(cfg, run_dir, force_new_config)
+    if cfg.mode != "sync" and cfg.transport.nats_url and not reachable(cfg.transport.nats_url):
+        from tidal.transport import NatsUnavailableError
+
+        raise NatsUnavailableError(f"cannot reach NATS at {cfg.transport.nats_url} (transport.nats_url): is it running?")
     done = finished_summary(cfg, run_dir)
     if done is not None:
         log.info("%s already trained %d iterations: nothing to do", run_dir, cfg.trainer.iterations)
