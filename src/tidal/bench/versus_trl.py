@@ -361,7 +361,7 @@ def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, mi
     model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
     engine = HFEngine.for_rollout(model, tokenizer, cfg.rollout)
     groups = generate_groups(engine, tokenizer, RewardScorer.from_config(cfg.reward), items, cfg, 0, "gradient-check", len(items))
-    learner = Learner(cfg.trainer, model, tokenizer.pad_token_id, cfg.rollout.temperature, cfg.reward, cfg.rollout.max_new_tokens, device="cpu")
+    learner = Learner(cfg.trainer, model, tokenizer.pad_token_id, cfg.rollout.temperature, cfg.reward, cfg.rollout.max_new_tokens)
     learner.begin_iteration(0)
     learner.train_on_groups(groups)
     learner.strategy.scale_gradients(learner.model, 1.0 / max(1.0, learner.units))
