@@ -1,5 +1,7 @@
-"""Tidal (sync and periodic) against TRL's GRPOTrainer, the tool a user would pick instead: the same
-warm-started model, the same prompts per step, the same rewards and hyper-parameters, in one run.
+"""Tidal (sync and periodic) against TRL's GRPOTrainer: the same model, prompts, rewards and settings, one run.
+
+TRL is the tool a user would pick instead. Both sides get the same warm-started model, the same
+prompts per step, the same rewards and hyper-parameters.
 
     tidal bench trl [CONFIG] [--steps 20] [--warmup 2] [--reps 3] [--systems trl,sync,periodic]
                     [--set k=v ...] [--json out.json] [--tracking-uri URI] [--experiment NAME]
@@ -46,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tidal.config import TidalConfig, dump_config, load_config
+from tidal.config import ConfigError, TidalConfig, dump_config, load_config
 
 TRL_VERSION = "1.16.0"  # the release this mapping was written against (checked by the gradient comparison)
 SYSTEMS = ("trl", "sync", "periodic")
@@ -722,7 +724,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--systems: choose from {list(SYSTEMS)}, got {systems}")
     if args.warmup < 1 or args.steps <= args.warmup or args.reps < 1:
         raise SystemExit("need --warmup >= 1 (the first step includes start-up), --steps > --warmup and --reps >= 1")
-    cfg = load_config(args.config, args.overrides)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        raise SystemExit(f"tidal bench trl: {err}") from None
     kwargs = check_settings(cfg, args.trl_micro_batches, args.config)
     version = _trl_version()
     if version == "missing":
