@@ -39,6 +39,13 @@ class WarmStartConfig(_Strict):
     batch_size: int = Field(64, gt=0)
     lr: float = Field(3e-3, gt=0)
     examples: int = Field(20000, gt=0)
+    # Early stop: end the SFT once greedy accuracy on `probe_prompts` training prompts reaches this
+    # (checked every `probe_every` steps; `steps` is then the most it runs). RL learns most from a
+    # model that is sometimes right: pass@k well above pass@1. Stopping at an accuracy rather than a
+    # step count gives every seed the same starting point, where the learning curve is steep.
+    stop_at_accuracy: float | None = Field(None, gt=0, le=1)
+    probe_every: int = Field(50, gt=0)
+    probe_prompts: int = Field(256, gt=0)
     cache_dir: str | None = None  # default: $TIDAL_CACHE or ~/.cache/tidal
 
 
