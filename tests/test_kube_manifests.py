@@ -84,10 +84,84 @@ def test_pods_run_as_non_root_with_resource_requests(overlay):
             assert {"cpu", "memory"} <= set(container["resources"]["requests"]), name
 
 
-def test_weights_pvc_is_read_write_many(overlay):
-    _, objects = overlay
-    pvc = by_kind(objects, "PersistentVolumeClaim")[cluster.DATA_PVC]
-    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+MULTI_NODE_OVERLAYS = {"gpu", "ascend"}
+"""Overlays whose run-directory volume is mounted by pods on several nodes (workers, trainer replicas)."""
+
+
+def claims(objects):
+    """``(name, spec)`` of every PersistentVolumeClaim, StatefulSet volumeClaimTemplates included."""
+    for o in objects:
+        if o["kind"] == "PersistentVolumeClaim":
+            yield o["metadata"]["name"], o["spec"]
+        if o["kind"] == "StatefulSet":
+            for template in o["spec"].get("volumeClaimTemplates", []):
+                yield f"{o['metadata']['name']}/{template['metadata']['name']}", template["spec"]
+
+
+def storage_problems_of(name, objects):
+    problems = []
+    for claim, spec in claims(objects):
+        multi_node = claim == cluster.DATA_PVC and name in MULTI_NODE_OVERLAYS
+        problems += cluster.storage_problems(claim, spec.get("storageClassName"), spec["accessModes"], multi_node)
+    return problems
+
+
+def test_every_claim_asks_its_class_for_an_access_mode_the_class_grants(overlay):
+    name, objects = overlay
+    assert storage_problems_of(name, objects) == []
+    data = by_kind(objects, "PersistentVolumeClaim")[cluster.DATA_PVC]["spec"]
+    settings = platform_settings(objects)
+    assert data.get("storageClassName"), f"{name}: tidal-data names no storage class"
+    assert (data["storageClassName"], data["accessModes"]) == (settings["DATA_STORAGE_CLASS"], [settings["DATA_ACCESS_MODE"]])
+
+
+def test_storage_check_catches_claims_their_class_cannot_serve():
+    objects = build_overlay("cpu-dev")
+    data = by_kind(objects, "PersistentVolumeClaim")[cluster.DATA_PVC]["spec"]
+    data["accessModes"] = ["ReadWriteMany"]  # kind's local-path: "Only support ReadWriteOnce access mode"
+    assert storage_problems_of("cpu-dev", objects) == ["tidal-data: class 'standard' does not grant ReadWriteMany"]
+    del data["storageClassName"]  # the default class of EKS/GKE/AKS/kind: Pending
+    assert storage_problems_of("cpu-dev", objects) == ["tidal-data: no storageClassName: the default class grants ReadWriteOnce only"]
+    gpu = build_overlay("gpu")
+    by_kind(gpu, "PersistentVolumeClaim")[cluster.DATA_PVC]["spec"]["accessModes"] = ["ReadWriteOnce"]
+    assert storage_problems_of("gpu", gpu) == ["tidal-data: pods on several nodes mount it, so it must be ReadWriteMany"]
+    by_kind(gpu, "PersistentVolumeClaim")[cluster.DATA_PVC]["spec"]["storageClassName"] = "gp2"
+    assert "storage class 'gp2' is not one of the known classes" in storage_problems_of("gpu", gpu)[0]
+
+
+def kustomize_on_top_of(name: str, tmp_path: Path, **fields) -> list[dict]:
+    """Build an overlay of one's own on top of ``manifests/overlays/<name>`` (kustomize wants relative paths)."""
+    overlay = tmp_path / "mine"
+    overlay.mkdir()
+    up = Path("..") / Path(*[".."] * len(tmp_path.parts[1:]))
+    relative = up / (ROOT / "manifests" / "overlays" / name).relative_to("/")
+    fields = {k: [str(up / (ROOT / v).relative_to("/")) for v in value] if k == "components" else value for k, value in fields.items()}
+    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": [str(relative)], **fields}
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    result = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.mark.parametrize("name", sorted(MULTI_NODE_OVERLAYS))
+def test_the_data_storage_class_is_a_parameter_of_an_overlay_of_ones_own(name, tmp_path):
+    """What docs/kubernetes.md tells a team on GKE: merge DATA_STORAGE_CLASS into tidal-platform and
+    include components/platform again; the claim follows and the check still passes."""
+    objects = kustomize_on_top_of(
+        name,
+        tmp_path,
+        configMapGenerator=[
+            {
+                "name": "tidal-platform",
+                "behavior": "merge",
+                "options": {"disableNameSuffixHash": True},
+                "literals": ["DATA_STORAGE_CLASS=standard-rwx"],
+            }
+        ],
+        components=["manifests/components/platform"],
+    )
+    assert by_kind(objects, "PersistentVolumeClaim")[cluster.DATA_PVC]["spec"]["storageClassName"] == "standard-rwx"
+    assert storage_problems_of(name, objects) == []
 
 
 def test_nats_has_jetstream_on_a_pvc_and_auth_from_the_secret(overlay):
@@ -123,17 +197,7 @@ def test_rbac_subjects_follow_a_namespace_change(name, tmp_path):
     """`kustomize edit set namespace team-a` on top of an overlay: the binding must still name the accounts
     that run pipeline pods *in team-a*. A ServiceAccount subject without a namespace means the
     RoleBinding's own; one that names a namespace must name the binding's."""
-    overlay = tmp_path / "team-a"
-    overlay.mkdir()
-    relative = Path("..") / Path(*[".."] * len(tmp_path.parts[1:])) / (ROOT / "manifests" / "overlays" / name).relative_to("/")
-    (overlay / "kustomization.yaml").write_text(
-        yaml.safe_dump(
-            {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "team-a", "resources": [str(relative)]}
-        )
-    )
-    result = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    objects = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    objects = kustomize_on_top_of(name, tmp_path, namespace="team-a")
     (binding,) = by_kind(objects, "RoleBinding").values()
     assert binding["metadata"]["namespace"] == "team-a"
     subjects = {(s["name"], s.get("namespace", binding["metadata"]["namespace"])) for s in binding["subjects"]}
