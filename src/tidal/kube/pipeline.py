@@ -107,7 +107,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
         opened = on_cluster(open_round(run_dir=run_dir, config_path=config_path, round_index=round_index))
         with dsl.ParallelFor(lanes) as lane:
             with dsl.If(lane == "trainer", name="trainer-lane"):
-                trainer = train(
+                trainer_args = dict(
                     run_dir=run_dir,
                     config_path=config_path,
                     round_index=round_index,
@@ -124,10 +124,20 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
                     deadline_s=trainer_deadline_s,
                     start_timeout_s=trainer_start_timeout_s,
                 )
-                on_cluster(trainer).set_display_name("train").after(opened)
-                # the job's ownerReference and per-attempt name (tidal.kube.roles.launcher_pod)
-                kubernetes.use_field_path_as_env(trainer, env_name="TIDAL_POD_NAME", field_path="metadata.name")
-                kubernetes.use_field_path_as_env(trainer, env_name="TIDAL_POD_UID", field_path="metadata.uid")
+                # Resources are fixed per task, the backend is a run parameter: one task per backend.
+                with dsl.If(trainer_backend != "local", name="trainer-job"):
+                    # a launcher: creates the trainer job, streams its logs, waits; the job has the resources
+                    trainer = launcher = on_cluster(train(**trainer_args)).set_display_name("train (job launcher)")
+                with dsl.Else(name="trainer-in-step"):
+                    # trainer_backend=local trains in this pod: it gets what a trainer replica would get
+                    in_step = train(**trainer_args)
+                    on_cluster(in_step, cpu=trainer_cpu, memory=trainer_memory).set_display_name("train")
+                    on_accelerator(in_step, profile, trainer_accelerators_per_node)
+                for task in (launcher, in_step):
+                    task.after(opened)
+                    # the job's ownerReference and per-attempt name (tidal.kube.roles.launcher_pod)
+                    kubernetes.use_field_path_as_env(task, env_name="TIDAL_POD_NAME", field_path="metadata.name")
+                    kubernetes.use_field_path_as_env(task, env_name="TIDAL_POD_UID", field_path="metadata.uid")
             with dsl.Else(name="rollout-lane"):
                 worker = rollout_worker(run_dir=run_dir, config_path=config_path, lane=lane, round_index=round_index)
                 on_cluster(worker, cpu=worker_cpu, memory=worker_memory).set_display_name("rollout-worker")

@@ -466,7 +466,7 @@ def train_round(run_dir: str, config_path: str, round_index: int, iterations: in
     try:
         with termination_as_exception():
             if placement.backend == "local":
-                run_tidal(["train", config_path, "--run-dir", run_dir, "--nats-url", nats_url_of(config_path), "--iterations", str(iterations)])
+                run_command(local_trainer_command(config_path, run_dir, nats_url_of(config_path), iterations, placement), "tidal train")
             elif placement.backend == "pytorchjob":
                 train_round_as_pytorchjob(run_dir, config_path, round_index, iterations, placement, job_backend)
             else:
@@ -474,6 +474,34 @@ def train_round(run_dir: str, config_path: str, round_index: int, iterations: in
     except BaseException as err:
         record_run_failed(run_dir, config_path, round_index, err)
         raise
+
+
+def local_trainer_command(config_path: str, run_dir: str, nats_url: str, iterations: int, placement: TrainerPlacement) -> list[str]:
+    """``trainer_backend=local``: the trainer runs in this step's pod, which the pipeline gives the trainer's
+    requests and ``accelerators_per_node`` accelerators. One pod is one node; with more than one
+    accelerator, ``torchrun --standalone`` starts a rank per accelerator, as in a job's replica."""
+    if placement.nodes != 1:
+        raise PipelineStepError(
+            f"trainer_backend=local trains inside the step's one pod, so trainer_nodes must be 1 (got {placement.nodes}); "
+            "use trainer_backend=pytorchjob for several nodes"
+        )
+    args = ["train", config_path, "--run-dir", run_dir, "--nats-url", nats_url, "--iterations", str(iterations)]
+    ranks = placement.accelerators_per_node if cluster.accelerator_profile(placement.accelerator).has_accelerator else 1
+    if ranks > 1:
+        return [torchrun_executable(), "--standalone", f"--nproc-per-node={ranks}", "--no-python", *tidal_executable(), *args]
+    return tidal_executable() + args
+
+
+def torchrun_executable() -> str:
+    beside = Path(sys.executable).with_name("torchrun")
+    return str(beside) if beside.is_file() else (shutil.which("torchrun") or "torchrun")
+
+
+def run_command(command: list[str], what: str) -> None:
+    print("+ " + " ".join(command), flush=True)
+    code = subprocess.run(command).returncode
+    if code != 0:
+        raise PipelineStepError(f"'{what}' exited with status {code}")
 
 
 def record_run_failed(run_dir: str, config_path: str, round_index: int, reason: BaseException) -> None:
