@@ -72,10 +72,19 @@ def test_strict_validation_catches_a_typo():
         kubernetes_validate.validate(nats, cluster.KUBERNETES_VERSION, strict=True)
 
 
-def test_pods_run_as_non_root_with_resource_requests(overlay):
+def test_every_object_is_in_the_namespace_and_labelled(overlay):
+    """Objects that an overlay or a component adds (the tidal-platform ConfigMap, MLflow's Postgres) included:
+    `kubectl apply -k` would put an object without a namespace wherever the caller's context points."""
     _, objects = overlay
+    for o in objects:
+        assert o["metadata"].get("namespace") == "tidal", (o["kind"], o["metadata"]["name"])
+        assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tidal", (o["kind"], o["metadata"]["name"])
+
+
+def test_pods_run_as_non_root_with_resource_requests(overlay):
+    name, objects = overlay
     specs = dict(pod_specs(objects))
-    assert set(specs) == {"tidal-nats", "tidal-mlflow"}
+    assert set(specs) == {"tidal-nats", "tidal-mlflow"} | ({"tidal-mlflow-postgres"} if name in PRODUCTION_OVERLAYS else set())
     for name, spec in specs.items():
         assert spec["securityContext"]["runAsNonRoot"] is True, name
         assert spec["automountServiceAccountToken"] is False, name
@@ -84,8 +93,9 @@ def test_pods_run_as_non_root_with_resource_requests(overlay):
             assert {"cpu", "memory"} <= set(container["resources"]["requests"]), name
 
 
-MULTI_NODE_OVERLAYS = {"gpu", "ascend"}
-"""Overlays whose run-directory volume is mounted by pods on several nodes (workers, trainer replicas)."""
+MULTI_NODE_OVERLAYS = PRODUCTION_OVERLAYS = {"gpu", "ascend"}
+"""Overlays for shared accelerator clusters: the run-directory volume is mounted by pods on several nodes
+(workers, trainer replicas), and MLflow keeps its stores in Postgres and S3."""
 
 
 def claims(objects):
@@ -247,8 +257,13 @@ def test_compiled_pipeline_matches_what_the_overlay_promises(overlay, compiled):
         assert config["pvcMount"][0]["mountPath"] == cluster.DATA_MOUNT_PATH
         assert config["podMetadata"]["labels"] == cluster.TIDAL_POD_LABEL
         assert config["securityContext"]["runAsNonRoot"] is True
-        secrets = {s["secretName"]: {k["secretKey"]: k["envVar"] for k in s["keyToEnv"]} for s in config["secretAsEnv"]}
+        secrets = {}
+        for s in config["secretAsEnv"]:
+            secrets.setdefault(s["secretName"], {}).update({k["secretKey"]: k["envVar"] for k in s["keyToEnv"]})
         assert secrets[cluster.MLFLOW_SECRET] == cluster.MLFLOW_SECRET_ENV
+        optional = {k["envVar"]: s.get("optional", False) for s in config["secretAsEnv"] for k in s["keyToEnv"]}
+        assert optional["MLFLOW_TRACKING_URI"] is False, executor  # no Secret: the pod does not start, and says so
+        assert optional["MLFLOW_TRACKING_USERNAME"] is True, executor
         if executor in ("exec-prepare", "exec-open-round", "exec-rollout-worker", "exec-train"):
             assert secrets[cluster.NATS_SECRET] == cluster.NATS_SECRET_ENV
             assert cluster.NATS_SECRET in service_secrets
@@ -261,3 +276,70 @@ def secret_names_used_by_services(objects) -> set:
         for container in spec["containers"]:
             names |= {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
     return names
+
+
+# ---------------------------------------------------------------- MLflow
+
+
+def mlflow_container(objects):
+    return by_kind(objects, "Deployment")["tidal-mlflow"]["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_mlflow_runs_the_full_image_at_the_clients_version(overlay):
+    """The slim image has no database drivers and no S3 client: a Postgres URI or an s3:// destination crashes
+    it. MLflow's "-full" variant exists from v3.9; the server matches Tidal's mlflow-skinny client."""
+    import re
+    import tomllib
+
+    _, objects = overlay
+    image = mlflow_container(objects)["image"]
+    match = re.fullmatch(r"ghcr\.io/mlflow/mlflow:v(\d+)\.(\d+)\.(\d+)-full", image)
+    assert match, f"{image} is not MLflow's -full image"
+    assert tuple(int(x) for x in match.groups()) >= (3, 9, 0)
+    pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (client,) = [p.split("==")[1] for p in pins if p.startswith("mlflow-skinny==")]
+    assert ".".join(match.groups()) == client
+
+
+def env_sources(container) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_production_overlays_keep_mlflow_in_postgres_and_s3_with_required_credentials(overlay):
+    name, objects = overlay
+    config = by_kind(objects, "ConfigMap")["tidal-mlflow-config"]["data"]
+    container = mlflow_container(objects)
+    mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+    if name not in PRODUCTION_OVERLAYS:  # cpu-dev: SQLite and artifacts on a ReadWriteOnce volume, one replica
+        assert config["BACKEND_STORE_URI"].startswith("sqlite:////mlflow/") and "/mlflow" in mounts
+        return
+    assert config["BACKEND_STORE_URI"].startswith("postgresql+psycopg2://tidal-mlflow-postgres:5432/")
+    assert config["ARTIFACTS_DESTINATION"].startswith("s3://") and config["MLFLOW_S3_ENDPOINT_URL"].startswith("http")
+    assert "tidal-mlflow" not in by_kind(objects, "PersistentVolumeClaim") and not mounts  # nothing of MLflow's on a volume
+    env = env_sources(container)
+    for variable, key in {
+        "PGUSER": "postgres-user",
+        "PGPASSWORD": "postgres-password",
+        "AWS_ACCESS_KEY_ID": "s3-access-key-id",
+        "AWS_SECRET_ACCESS_KEY": "s3-secret-access-key",
+    }.items():
+        assert env[variable]["secretKeyRef"] == {"name": cluster.MLFLOW_STORES_SECRET, "key": key}, variable  # not optional
+    postgres = by_kind(objects, "StatefulSet")["tidal-mlflow-postgres"]
+    postgres_env = env_sources(postgres["spec"]["template"]["spec"]["containers"][0])
+    assert postgres_env["POSTGRES_PASSWORD"]["secretKeyRef"] == {"name": cluster.MLFLOW_STORES_SECRET, "key": "postgres-password"}
+    assert postgres_env["POSTGRES_DB"] == config["BACKEND_STORE_URI"].rsplit("/", 1)[1]
+    service = by_kind(objects, "Service")["tidal-mlflow-postgres"]
+    assert service["spec"]["selector"] == postgres["spec"]["selector"]["matchLabels"]
+    (policy,) = [p for p in by_kind(objects, "NetworkPolicy").values() if p["spec"]["podSelector"]["matchLabels"] == service["spec"]["selector"]]
+    assert policy["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tidal-mlflow"}}}]
+
+
+def test_no_secret_of_the_services_is_optional_where_a_fallback_would_be_silent(overlay):
+    """An optional secretKeyRef to a missing Secret starts the pod with the variable unset: MLflow or NATS then
+    run on defaults nobody chose. Only envFrom of extra keys may be optional."""
+    _, objects = overlay
+    for service, spec in pod_specs(objects):
+        for container in spec["containers"]:
+            for e in container.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                assert ref is None or not ref.get("optional"), (service, e["name"])

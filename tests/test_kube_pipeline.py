@@ -433,3 +433,12 @@ def test_the_trainer_in_step_uses_every_accelerator_of_its_pod_and_refuses_sever
     assert one[0].endswith("tidal") and one[1] == "train"
     with pytest.raises(roles.PipelineStepError, match="trainer_nodes must be 1 \\(got 2\\)"):
         roles.local_trainer_command("/r/config.yaml", "/r", "nats://n:4222", 5, roles.TrainerPlacement(backend="local", nodes=2))
+
+
+def test_a_step_without_a_tracking_uri_fails_naming_the_secret_instead_of_logging_to_a_local_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(roles.PipelineStepError, match="key 'tracking-uri' of Secret 'tidal-mlflow'"):
+        roles.tracking_uri_for(str(tmp_path), None)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tidal-mlflow:5000")
+    assert roles.tracking_uri_for(str(tmp_path), None) == "http://tidal-mlflow:5000"
+    assert roles.tracking_uri_for(str(tmp_path), "sqlite:///x.db") == "sqlite:///x.db"

@@ -24,12 +24,13 @@ NATS_SECRET_ENV = {"user": "NATS_USER", "password": "NATS_PASSWORD"}
 
 MLFLOW_URL = "http://tidal-mlflow:5000"
 MLFLOW_SECRET = "tidal-mlflow"
-"""Secret with the MLflow tracking URI and (optional) basic-auth credentials."""
-MLFLOW_SECRET_ENV = {
-    "tracking-uri": "MLFLOW_TRACKING_URI",
-    "username": "MLFLOW_TRACKING_USERNAME",
-    "password": "MLFLOW_TRACKING_PASSWORD",
-}
+"""Secret with the MLflow tracking URI (required: a missing Secret stops the pod from starting, naming it,
+instead of the run falling back to a local store) and optional basic-auth credentials."""
+MLFLOW_SECRET_REQUIRED_ENV = {"tracking-uri": "MLFLOW_TRACKING_URI"}
+MLFLOW_SECRET_OPTIONAL_ENV = {"username": "MLFLOW_TRACKING_USERNAME", "password": "MLFLOW_TRACKING_PASSWORD"}
+MLFLOW_SECRET_ENV = {**MLFLOW_SECRET_REQUIRED_ENV, **MLFLOW_SECRET_OPTIONAL_ENV}
+MLFLOW_STORES_SECRET = "tidal-mlflow-stores"
+"""Secret of the MLflow server's Postgres and S3 credentials (manifests/components/mlflow-postgres-s3)."""
 
 WORKLOAD_SERVICE_ACCOUNT = "tidal-workload"
 """Service account of trainer pods: no API permissions, token not mounted."""

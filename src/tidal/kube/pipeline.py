@@ -43,7 +43,9 @@ def on_cluster(task: dsl.PipelineTask, needs_nats: bool = True, cpu: str = "500m
     kubernetes.mount_pvc(task, pvc_name=cluster.DATA_PVC, mount_path=cluster.DATA_MOUNT_PATH)
     if needs_nats:
         kubernetes.use_secret_as_env(task, secret_name=cluster.NATS_SECRET, secret_key_to_env=cluster.NATS_SECRET_ENV)
-    kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_ENV, optional=True)
+    # the tracking URI is required (no Secret: the pod does not start, and says why); basic auth is optional
+    kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_REQUIRED_ENV)
+    kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_OPTIONAL_ENV, optional=True)
     for key, value in cluster.TIDAL_POD_LABEL.items():
         kubernetes.add_pod_label(task, label_key=key, label_value=value)
     kubernetes.set_security_context(task, run_as_user=cluster.RUN_AS_USER, run_as_group=cluster.RUN_AS_GROUP, run_as_non_root=True)

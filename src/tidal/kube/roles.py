@@ -259,8 +259,17 @@ def data_paths(config) -> dict[str, str]:
 
 
 def tracking_uri_for(run_dir: str, configured: str | None) -> str:
-    """Explicit config value, else $MLFLOW_TRACKING_URI (from the tidal-mlflow Secret), else sqlite in the run."""
-    return configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(run_dir).resolve()}/mlflow.db"
+    """Explicit config value (the ``tracking_uri`` parameter), else $MLFLOW_TRACKING_URI (key ``tracking-uri`` of
+    Secret ``tidal-mlflow``). Never a silent local store: a run whose metrics vanish into a file in the run
+    directory looks like a run that logged nothing. ``tidal run --via kfp-local`` passes its own sqlite URI."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise PipelineStepError(
+            f"no MLflow tracking URI: $MLFLOW_TRACKING_URI is unset (key 'tracking-uri' of Secret '{cluster.MLFLOW_SECRET}') "
+            "and neither the tracking_uri parameter nor tracking.uri gives one. Create the Secret (docs/kubernetes.md), or pass "
+            f"tracking_uri, e.g. sqlite:///{Path(run_dir).resolve()}/mlflow.db for a run without a tracking server"
+        )
+    return uri
 
 
 def local_artifact_location(run_dir: str, tracking_uri: str) -> str | None:
