@@ -243,7 +243,7 @@ def test_every_task_input_resolves_from_its_parent_dag(tmp_path, accelerator, im
     spec = compiled_spec(tmp_path, accelerator, image)
     assert driver_resolution_violations(spec) == []
     tasks = {t: task for _, t, task in dag_tasks(spec)}
-    conditions = [task for task in tasks.values() if "triggerPolicy" in task]
+    conditions = [task for task in tasks.values() if "condition" in task.get("triggerPolicy", {})]
     assert len(conditions) == 4  # trainer lane and rollout lane; in the trainer lane, job launcher and trainer in the step
     if accelerator != "cpu":
         worker_dag = next(c for c in spec["components"].values() if "rollout-worker" in c.get("dag", {}).get("tasks", {}))
@@ -442,3 +442,30 @@ def test_a_step_without_a_tracking_uri_fails_naming_the_secret_instead_of_loggin
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tidal-mlflow:5000")
     assert roles.tracking_uri_for(str(tmp_path), None) == "http://tidal-mlflow:5000"
     assert roles.tracking_uri_for(str(tmp_path), "sqlite:///x.db") == "sqlite:///x.db"
+
+
+# ---------------------------------------------------------------- finalize, the exit handler
+
+
+@pytest.mark.parametrize("accelerator", sorted(cluster.PROFILES))
+def test_finalize_is_the_exit_handler_of_everything_the_run_does(tmp_path, accelerator):
+    """KFP runs an exit task after the group it guards ends, succeeded, failed or cancelled: finalize must guard
+    prepare (it creates the streams), the rounds (trainer jobs, workers) and the model registration."""
+    from tidal.kube.pipeline import compile_pipeline
+
+    spec, platform = yaml.safe_load_all(compile_pipeline(tmp_path / "p.yaml", accelerator).read_text())
+    root = spec["root"]["dag"]["tasks"]
+    (guarded,) = [name for name in root if name != "finalize"]
+    finalize = root["finalize"]
+    assert finalize["triggerPolicy"] == {"strategy": "ALL_UPSTREAM_TASKS_COMPLETED"}  # runs after failures too
+    assert finalize["dependentTasks"] == [guarded]
+    assert finalize["inputs"]["parameters"]["status"] == {"taskFinalStatus": {"producerTask": guarded}}
+    inside = spec["components"][root[guarded]["componentRef"]["name"]]["dag"]["tasks"]
+    assert set(inside) == {"prepare", "tidal-grpo-loop", "register-model"}
+    # it reads only pipeline parameters (a KFP rule for exit tasks), and finds the run directory as prepare does
+    params = finalize["inputs"]["parameters"]
+    assert params["run_dir"] == {"componentInputParameter": "run_dir"}
+    assert params["job_id"] == inside["prepare"]["inputs"]["parameters"]["job_id"] == {"runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}}
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-finalize"]
+    assert {s["secretName"] for s in k8s["secretAsEnv"]} == {cluster.NATS_SECRET, cluster.MLFLOW_SECRET}
+    assert k8s["pvcMount"][0]["mountPath"] == cluster.DATA_MOUNT_PATH

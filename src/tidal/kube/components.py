@@ -133,8 +133,17 @@ def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int
 
 
 @component
-def finalize(run_dir: str, registered_model_name: str) -> str:
+def register_model(run_dir: str, registered_model_name: str) -> str:
     """Register the final checkpoint in the MLflow model registry; returns the model version."""
     from tidal.kube import roles
 
-    return roles.finalize(run_dir=run_dir, registered_model_name=registered_model_name)
+    return roles.register_model(run_dir=run_dir, registered_model_name=registered_model_name)
+
+
+@component
+def finalize(run_dir: str, job_id: str, namespace: str, status: dsl.PipelineTaskFinalStatus) -> str:
+    """The exit handler (runs after success, failure or cancellation): delete leftover trainer jobs, end the
+    MLflow run as FINISHED / FAILED / KILLED, delete the run's NATS streams and KV bucket."""
+    from tidal.kube import roles
+
+    return "\n".join(roles.finalize_run(run_dir=run_dir, job_id=job_id, pipeline_state=status.state, namespace=namespace))

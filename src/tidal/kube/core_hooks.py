@@ -107,6 +107,15 @@ async def _put_run_state(cfg, run_dir: str, state: RunState, round_index: int | 
         await transport.close()
 
 
+def delete_run_transport(run_dir: str, config_path: str) -> list[str]:
+    """Delete the run's streams and KV bucket; returns what existed (nothing on a second call)."""
+    from tidal.config import load_config
+    from tidal.roles import run_async
+    from tidal.transport import delete_run
+
+    return run_async(delete_run(nats_url(load_config(config_path)), run_id_of(run_dir)))
+
+
 def nats_url(cfg) -> str:
     if not cfg.transport.nats_url:
         raise ValueError("transport.nats_url is empty: the pipeline needs a NATS server")

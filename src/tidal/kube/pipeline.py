@@ -2,9 +2,10 @@
 
 ::
 
-    prepare ─▶ training loop (rounds one after another: ParallelFor, parallelism 1)
-                 └─ round: open_round ─▶ lanes ∥ (trainer | rollout-0 … rollout-N-1) ─▶ weight_sync ─▶ evaluate
-             ─▶ finalize (register the final model)
+    exit handler ┌ prepare ─▶ training loop (rounds one after another: ParallelFor, parallelism 1)
+                 │              └─ round: open_round ─▶ lanes ∥ (trainer | rollout-0 … rollout-N-1) ─▶ weight_sync ─▶ evaluate
+                 │           ─▶ register_model (the final snapshot, in the MLflow registry)
+                 └ finalize, however the run ended: delete leftover trainer jobs, end the MLflow run, delete streams and KV
 
 KFP v2 carries no state between loop iterations; each round reads what the
 previous one left in the run's storage (run directory on the PVC, NATS KV,
@@ -191,6 +192,76 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
                 namespace=namespace,
             ).set_caching_options(False)
 
+    def run_steps(
+        config_yaml,
+        config_path,
+        run_dir,
+        rounds,
+        iterations_per_round,
+        rollout_workers,
+        group_size,
+        prompts_per_iteration,
+        mode,
+        overrides,
+        experiment,
+        nats_url,
+        tracking_uri,
+        trainer_backend,
+        trainer_nodes,
+        trainer_accelerators_per_node,
+        worker_accelerators,
+        worker_cpu,
+        worker_memory,
+        trainer_image,
+        trainer_cpu,
+        trainer_memory,
+        trainer_deadline_s,
+        trainer_start_timeout_s,
+        namespace,
+        registered_model_name,
+    ):
+        """prepare -> rounds -> register the model (inside the exit handler)."""
+        prepared = on_cluster(
+            prepare(
+                config_yaml=config_yaml,
+                config_path=config_path,
+                run_dir=run_dir,
+                job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                rounds=rounds,
+                iterations_per_round=iterations_per_round,
+                rollout_workers=rollout_workers,
+                group_size=group_size,
+                prompts_per_iteration=prompts_per_iteration,
+                mode=mode,
+                experiment=experiment,
+                nats_url=nats_url,
+                tracking_uri=tracking_uri,
+                overrides=overrides,
+            )
+        )
+        loop = training_loop(
+            run_dir=prepared.outputs["run_dir"],
+            config_path=prepared.outputs["config_path"],
+            rounds=prepared.outputs["rounds"],
+            lanes=prepared.outputs["lanes"],
+            iterations_per_round=iterations_per_round,
+            trainer_backend=trainer_backend,
+            trainer_nodes=trainer_nodes,
+            trainer_accelerators_per_node=trainer_accelerators_per_node,
+            worker_accelerators=worker_accelerators,
+            worker_cpu=worker_cpu,
+            worker_memory=worker_memory,
+            trainer_image=trainer_image,
+            trainer_cpu=trainer_cpu,
+            trainer_memory=trainer_memory,
+            trainer_deadline_s=trainer_deadline_s,
+            trainer_start_timeout_s=trainer_start_timeout_s,
+            namespace=namespace,
+        )
+        loop.set_caching_options(False)
+        registered = register_model(run_dir=prepared.outputs["run_dir"], registered_model_name=registered_model_name)
+        on_cluster(registered, needs_nats=False).after(loop)
+
     @dsl.pipeline(
         name=PIPELINE_NAME,
         description=f"Tidal GRPO with periodic asynchrony ({profile.name}): rounds of rollout "
@@ -231,53 +302,46 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
         trainer_image (default: the steps' image), trainer_cpu / trainer_memory: requests of each trainer replica;
         trainer_deadline_s: the trainer job's activeDeadlineSeconds (0: none); trainer_start_timeout_s: how long
         the job may stay Pending before the round fails."""
-        prepared = on_cluster(
-            prepare(
+        # The exit handler: runs however the run ends; it may only read pipeline parameters (KFP rule), so it
+        # finds the run directory as prepare does (run_dir, else /mnt/tidal/runs/<job id>).
+        cleanup = finalize(run_dir=run_dir, job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, namespace=namespace)
+        on_cluster(cleanup).set_display_name("finalize")
+        with dsl.ExitHandler(cleanup, name="tidal-run"):
+            run_steps(
                 config_yaml=config_yaml,
                 config_path=config_path,
                 run_dir=run_dir,
-                job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
                 rounds=rounds,
                 iterations_per_round=iterations_per_round,
                 rollout_workers=rollout_workers,
                 group_size=group_size,
                 prompts_per_iteration=prompts_per_iteration,
                 mode=mode,
+                overrides=overrides,
                 experiment=experiment,
                 nats_url=nats_url,
                 tracking_uri=tracking_uri,
-                overrides=overrides,
+                trainer_backend=trainer_backend,
+                trainer_nodes=trainer_nodes,
+                trainer_accelerators_per_node=trainer_accelerators_per_node,
+                worker_accelerators=worker_accelerators,
+                worker_cpu=worker_cpu,
+                worker_memory=worker_memory,
+                trainer_image=trainer_image,
+                trainer_cpu=trainer_cpu,
+                trainer_memory=trainer_memory,
+                trainer_deadline_s=trainer_deadline_s,
+                trainer_start_timeout_s=trainer_start_timeout_s,
+                namespace=namespace,
+                registered_model_name=registered_model_name,
             )
-        )
-        loop = training_loop(
-            run_dir=prepared.outputs["run_dir"],
-            config_path=prepared.outputs["config_path"],
-            rounds=prepared.outputs["rounds"],
-            lanes=prepared.outputs["lanes"],
-            iterations_per_round=iterations_per_round,
-            trainer_backend=trainer_backend,
-            trainer_nodes=trainer_nodes,
-            trainer_accelerators_per_node=trainer_accelerators_per_node,
-            worker_accelerators=worker_accelerators,
-            worker_cpu=worker_cpu,
-            worker_memory=worker_memory,
-            trainer_image=trainer_image,
-            trainer_cpu=trainer_cpu,
-            trainer_memory=trainer_memory,
-            trainer_deadline_s=trainer_deadline_s,
-            trainer_start_timeout_s=trainer_start_timeout_s,
-            namespace=namespace,
-        )
-        loop.set_caching_options(False)
-        final = finalize(run_dir=prepared.outputs["run_dir"], registered_model_name=registered_model_name)
-        on_cluster(final, needs_nats=False).after(loop)
 
     return tidal_pipeline
 
 
 # Component handles used above (module level so the pipeline reads like the diagram).
 prepare, open_round, rollout_worker, train = c.prepare, c.open_round, c.rollout_worker, c.train
-weight_sync, evaluate, finalize = c.weight_sync, c.evaluate, c.finalize
+weight_sync, evaluate, register_model, finalize = c.weight_sync, c.evaluate, c.register_model, c.finalize
 
 
 def compile_pipeline(output_path, accelerator: str = "nvidia", image: str = "") -> Path:

@@ -547,7 +547,25 @@ def train_round_as_pytorchjob(
     )
     backend = job_backend or PyTorchJobBackend(start_timeout_s=placement.start_timeout_s)
     wait_s = placement.deadline_s + DEADLINE_MARGIN_S if placement.deadline_s else DEFAULT_TRAINER_WAIT_S
+    record_trainer_job(run_dir, spec.namespace, spec.name, round_index)  # before creating it: finalize deletes what is left
     run_trainer_job(backend, spec, timeout_s=wait_s)
+
+
+TRAINER_JOBS_FILE = "trainer-jobs.jsonl"
+"""Every trainer job a launcher created (or was about to), one JSON line each: what finalize deletes."""
+
+
+def record_trainer_job(run_dir: str, namespace: str, name: str, round_index: int) -> None:
+    with (state_dir(run_dir) / TRAINER_JOBS_FILE).open("a") as fh:
+        fh.write(json.dumps({"namespace": namespace, "name": name, "round": round_index}) + "\n")
+
+
+def recorded_trainer_jobs(run_dir: str) -> list[tuple[str, str]]:
+    path = Path(run_dir) / STATE_DIR / TRAINER_JOBS_FILE
+    if not path.is_file():
+        return []
+    jobs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return list(dict.fromkeys((job["namespace"], job["name"]) for job in jobs))
 
 
 MAX_JOB_NAME = 52
@@ -645,8 +663,8 @@ def numeric_metrics(payload: dict) -> dict[str, float]:
     return {key: float(value) for key, value in payload.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
-@as_separate_pod("finalize")
-def finalize(run_dir: str, registered_model_name: str) -> str:
+@as_separate_pod("register-model")
+def register_model(run_dir: str, registered_model_name: str) -> str:
     """Log the final snapshot to the parent run and register it in the MLflow model registry."""
     from mlflow.tracking import MlflowClient
 
@@ -664,7 +682,6 @@ def finalize(run_dir: str, registered_model_name: str) -> str:
             raise
     source = f"{client.get_run(run_id).info.artifact_uri}/final_model"
     version = client.create_model_version(registered_model_name, source=source, run_id=run_id, tags={"tidal.weights": str(latest)})
-    client.set_terminated(run_id, status="FINISHED")
     print(f"registered {registered_model_name} version {version.version} from {latest}", flush=True)
     return str(version.version)
 
@@ -681,3 +698,83 @@ def log_to_parent_run(run_dir: str, metrics: dict[str, float] | None = None, ste
         metrics=[Metric(k, v, now, step) for k, v in (metrics or {}).items()],
         tags=[RunTag(k, v) for k, v in (tags or {}).items()],
     )
+
+
+# ---------------------------------------------------------------- finalize (the pipeline's exit handler)
+
+MLFLOW_STATUS_OF_PIPELINE = {"SUCCEEDED": "FINISHED", "CANCELLED": "KILLED"}
+"""KFP's final state of the run -> the MLflow parent run's status; anything else (FAILED) -> FAILED."""
+
+
+@as_separate_pod("finalize")
+def finalize_run(run_dir: str, job_id: str, pipeline_state: str, namespace: str = "", job_backend=None) -> list[str]:
+    """Whatever became of the run (the exit handler runs after success, failure and cancellation): delete
+    trainer jobs that are left, end the MLflow parent run with the run's status, and delete the run's
+    NATS streams and KV bucket. Every part is tried; the step fails afterwards if one failed, naming it.
+    Returns what it did, one line per action. Weights, checkpoints and the config stay on the volume."""
+    run_dir = resolve_run_dir(run_dir, job_id)
+    done: list[str] = []
+    problems: list[str] = []
+
+    def attempt(what: str, action) -> None:
+        try:
+            done.extend(action())
+        except Exception as err:
+            problems.append(f"{what}: {type(err).__name__}: {err}")
+
+    attempt("deleting trainer jobs", lambda: delete_trainer_jobs(run_dir, job_backend))
+    attempt("ending the MLflow run", lambda: end_parent_run(run_dir, pipeline_state))
+    attempt("deleting the NATS streams and KV bucket", lambda: delete_run_transport(run_dir))
+    for line in done:
+        print(line, flush=True)
+    if problems:
+        raise PipelineStepError("finalize could not clean up everything:\n  - " + "\n  - ".join(problems))
+    return done
+
+
+def delete_trainer_jobs(run_dir: str, job_backend=None) -> list[str]:
+    jobs = recorded_trainer_jobs(run_dir)
+    if not jobs:
+        return []
+    from tidal.kube.pytorchjob import PyTorchJobBackend
+
+    backend = job_backend or PyTorchJobBackend()
+    done = []
+    for namespace, name in jobs:
+        try:
+            backend.delete(name, namespace)
+            done.append(f"deleted trainer job {namespace}/{name}")
+        except Exception as err:
+            if not is_not_found(err):
+                raise
+    return done
+
+
+def is_not_found(err: BaseException) -> bool:
+    """A Kubernetes 404, also when an SDK wrapped it (TrainingClient raises RuntimeError from the ApiException)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if getattr(err, "status", None) == 404:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def end_parent_run(run_dir: str, pipeline_state: str) -> list[str]:
+    state_file = Path(run_dir) / STATE_DIR / "pipeline.json"
+    if not state_file.is_file():
+        return []  # prepare never opened one
+    from mlflow.tracking import MlflowClient
+
+    state = read_json(state_file)
+    status = MLFLOW_STATUS_OF_PIPELINE.get(pipeline_state.upper(), "FAILED")
+    MlflowClient(tracking_uri=state["tracking_uri"]).set_terminated(state["parent_run_id"], status=status)
+    return [f"MLflow run {state['parent_run_id']}: {status} (pipeline {pipeline_state})"]
+
+
+def delete_run_transport(run_dir: str) -> list[str]:
+    config_path = Path(run_dir) / "config.yaml"
+    if not config_path.is_file():
+        return []  # prepare stopped before it created streams
+    return [f"deleted {what}" for what in core_hooks.delete_run_transport(run_dir, str(config_path))]
