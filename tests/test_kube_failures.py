@@ -326,22 +326,24 @@ def stream_names_on_server(run_dir, config_path) -> list[str]:
     return asyncio.run(names())
 
 
-@pytest.mark.parametrize(("pipeline_state", "mlflow_status"), [("FAILED", "FAILED"), ("SUCCEEDED", "FINISHED"), ("CANCELLED", "KILLED")])
+@pytest.mark.parametrize(("registered", "mlflow_status"), [(False, "FAILED"), (True, "FINISHED")])
 def test_finalize_deletes_streams_kv_and_leftover_jobs_and_ends_the_mlflow_run_with_a_stand_in_api_server(
-    finished_pipeline_run, pipeline_state, mlflow_status
+    finished_pipeline_run, registered, mlflow_status
 ):
     from mlflow.tracking import MlflowClient
 
     run_dir, config_path, parent_run_id = finished_pipeline_run
+    if registered:  # register_model, the run's last step, got to the end
+        roles.write_json_atomically(roles.state_dir(run_dir) / roles.REGISTERED_FILE, {"version": "1"})
     assert len(stream_names_on_server(run_dir, config_path)) == 3  # WORK, ROLLOUTS, the KV bucket's stream
     api = StandInJobApi(existing={"tidal-run-7-r001-bbbbb"})
-    done = roles.finalize_run(run_dir, "", pipeline_state, job_backend=api)
+    done = roles.finalize_run(run_dir, "", job_backend=api)
     assert api.deleted == [("team-a", "tidal-run-7-r001-bbbbb")]  # the one already gone (404) is no error
     assert stream_names_on_server(run_dir, config_path) == []
     assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(parent_run_id).info.status == mlflow_status
     assert any(line.startswith("deleted KV bucket") for line in done)
     assert Path(config_path).is_file()  # the run directory (config, weights, checkpoints) is the run's result: untouched
-    again = roles.finalize_run(run_dir, "", pipeline_state, job_backend=api)  # a retried finalize
+    again = roles.finalize_run(run_dir, "", job_backend=api)  # a retried finalize
     assert not [line for line in again if line.startswith("deleted")]
 
 
@@ -350,7 +352,7 @@ def test_finalize_does_every_part_and_then_fails_naming_the_one_that_failed_with
 
     run_dir, config_path, parent_run_id = finished_pipeline_run
     with pytest.raises(roles.PipelineStepError, match="deleting trainer jobs: RuntimeError: Failed to delete PyTorchJob"):
-        roles.finalize_run(run_dir, "", "FAILED", job_backend=StandInJobApi(existing={"tidal-run-7-r001-bbbbb"}, forbidden=True))
+        roles.finalize_run(run_dir, "", job_backend=StandInJobApi(existing={"tidal-run-7-r001-bbbbb"}, forbidden=True))
     assert stream_names_on_server(run_dir, config_path) == []
     assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(parent_run_id).info.status == "FAILED"
 
@@ -358,7 +360,7 @@ def test_finalize_does_every_part_and_then_fails_naming_the_one_that_failed_with
 def test_finalize_after_a_prepare_that_created_nothing_succeeds(tmp_path):
     run_dir = tmp_path / "runs" / "job-1"
     run_dir.mkdir(parents=True)
-    assert roles.finalize_run(str(run_dir), "", "FAILED") == []
+    assert roles.finalize_run(str(run_dir), "") == []
 
 
 def test_the_launcher_records_each_job_before_creating_it_with_a_stand_in_backend(pipeline_run):

@@ -459,7 +459,8 @@ def test_finalize_is_the_exit_handler_of_everything_the_run_does(tmp_path, accel
     finalize = root["finalize"]
     assert finalize["triggerPolicy"] == {"strategy": "ALL_UPSTREAM_TASKS_COMPLETED"}  # runs after failures too
     assert finalize["dependentTasks"] == [guarded]
-    assert finalize["inputs"]["parameters"]["status"] == {"taskFinalStatus": {"producerTask": guarded}}
+    # no dsl.PipelineTaskFinalStatus input: KFP backends before 2.14 cannot resolve it (finalize reads the run directory)
+    assert "status" not in finalize["inputs"]["parameters"]
     inside = spec["components"][root[guarded]["componentRef"]["name"]]["dag"]["tasks"]
     assert set(inside) == {"prepare", "tidal-grpo-loop", "register-model"}
     # it reads only pipeline parameters (a KFP rule for exit tasks), and finds the run directory as prepare does

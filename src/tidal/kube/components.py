@@ -141,9 +141,9 @@ def register_model(run_dir: str, registered_model_name: str) -> str:
 
 
 @component
-def finalize(run_dir: str, job_id: str, namespace: str, status: dsl.PipelineTaskFinalStatus) -> str:
+def finalize(run_dir: str, job_id: str, namespace: str) -> str:
     """The exit handler (runs after success, failure or cancellation): delete leftover trainer jobs, end the
-    MLflow run as FINISHED / FAILED / KILLED, delete the run's NATS streams and KV bucket."""
+    MLflow run as FINISHED or FAILED, delete the run's NATS streams and KV bucket."""
     from tidal.kube import roles
 
-    return "\n".join(roles.finalize_run(run_dir=run_dir, job_id=job_id, pipeline_state=status.state, namespace=namespace))
+    return "\n".join(roles.finalize_run(run_dir=run_dir, job_id=job_id, namespace=namespace))

@@ -310,7 +310,7 @@ def open_parent_run(run_dir: str, config_path: str) -> tuple[str, str]:
 def prepare(config_yaml: str, config_path: str, run_dir: str, job_id: str, knobs: PipelineKnobs) -> PreparedRun:
     """Validate the config, stage it and its data, create the streams and KV bucket, open the MLflow parent run."""
     run_dir = resolve_run_dir(run_dir, job_id)
-    state_dir(run_dir)
+    (state_dir(run_dir) / REGISTERED_FILE).unlink(missing_ok=True)  # this pipeline run has not succeeded (yet)
     staged = stage_config(run_dir, config_yaml, config_path, knobs.config_overrides())
     parent_run_id, tracking_uri = open_parent_run(run_dir, staged)
     core_prepare(run_dir, staged, tracking_uri, parent_run_id)
@@ -682,6 +682,9 @@ def register_model(run_dir: str, registered_model_name: str) -> str:
             raise
     source = f"{client.get_run(run_id).info.artifact_uri}/final_model"
     version = client.create_model_version(registered_model_name, source=source, run_id=run_id, tags={"tidal.weights": str(latest)})
+    write_json_atomically(
+        state_dir(run_dir) / REGISTERED_FILE, {"model": registered_model_name, "version": str(version.version), "weights": str(latest)}
+    )
     print(f"registered {registered_model_name} version {version.version} from {latest}", flush=True)
     return str(version.version)
 
@@ -702,17 +705,20 @@ def log_to_parent_run(run_dir: str, metrics: dict[str, float] | None = None, ste
 
 # ---------------------------------------------------------------- finalize (the pipeline's exit handler)
 
-MLFLOW_STATUS_OF_PIPELINE = {"SUCCEEDED": "FINISHED", "CANCELLED": "KILLED"}
-"""KFP's final state of the run -> the MLflow parent run's status; anything else (FAILED) -> FAILED."""
+REGISTERED_FILE = "registered.json"
+"""Written by register_model, the run's last step: its presence is how finalize knows the run succeeded.
+(An exit task could be handed dsl.PipelineTaskFinalStatus, but KFP backends before 2.14 cannot resolve it.)"""
 
 
 @as_separate_pod("finalize")
-def finalize_run(run_dir: str, job_id: str, pipeline_state: str, namespace: str = "", job_backend=None) -> list[str]:
+def finalize_run(run_dir: str, job_id: str, namespace: str = "", job_backend=None) -> list[str]:
     """Whatever became of the run (the exit handler runs after success, failure and cancellation): delete
-    trainer jobs that are left, end the MLflow parent run with the run's status, and delete the run's
-    NATS streams and KV bucket. Every part is tried; the step fails afterwards if one failed, naming it.
-    Returns what it did, one line per action. Weights, checkpoints and the config stay on the volume."""
+    trainer jobs that are left, end the MLflow parent run FINISHED (register_model got to the end) or
+    FAILED, and delete the run's NATS streams and KV bucket. Every part is tried; the step fails
+    afterwards if one failed, naming it. Returns what it did, one line per action. Weights, checkpoints
+    and the config stay on the volume."""
     run_dir = resolve_run_dir(run_dir, job_id)
+    succeeded = (Path(run_dir) / STATE_DIR / REGISTERED_FILE).is_file()
     done: list[str] = []
     problems: list[str] = []
 
@@ -723,7 +729,7 @@ def finalize_run(run_dir: str, job_id: str, pipeline_state: str, namespace: str 
             problems.append(f"{what}: {type(err).__name__}: {err}")
 
     attempt("deleting trainer jobs", lambda: delete_trainer_jobs(run_dir, job_backend))
-    attempt("ending the MLflow run", lambda: end_parent_run(run_dir, pipeline_state))
+    attempt("ending the MLflow run", lambda: end_parent_run(run_dir, succeeded))
     attempt("deleting the NATS streams and KV bucket", lambda: delete_run_transport(run_dir))
     for line in done:
         print(line, flush=True)
@@ -761,16 +767,16 @@ def is_not_found(err: BaseException) -> bool:
     return False
 
 
-def end_parent_run(run_dir: str, pipeline_state: str) -> list[str]:
+def end_parent_run(run_dir: str, succeeded: bool) -> list[str]:
     state_file = Path(run_dir) / STATE_DIR / "pipeline.json"
     if not state_file.is_file():
         return []  # prepare never opened one
     from mlflow.tracking import MlflowClient
 
     state = read_json(state_file)
-    status = MLFLOW_STATUS_OF_PIPELINE.get(pipeline_state.upper(), "FAILED")
+    status = "FINISHED" if succeeded else "FAILED"
     MlflowClient(tracking_uri=state["tracking_uri"]).set_terminated(state["parent_run_id"], status=status)
-    return [f"MLflow run {state['parent_run_id']}: {status} (pipeline {pipeline_state})"]
+    return [f"MLflow run {state['parent_run_id']}: {status}"]
 
 
 def delete_run_transport(run_dir: str) -> list[str]:
