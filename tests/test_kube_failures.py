@@ -297,11 +297,18 @@ class StandInJobApi:
 
 
 @pytest.fixture
-def finished_pipeline_run(pipeline_run, tmp_path, monkeypatch):
-    """A run as the rounds leave it: streams and KV bucket, an open MLflow parent run, two recorded trainer jobs."""
+def prepared_run(pipeline_run, tmp_path, monkeypatch):
+    """``pipeline_run`` with the MLflow parent run that prepare opens (in a sqlite store)."""
     run_dir, config_path = pipeline_run
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     parent_run_id, _ = roles.open_parent_run(run_dir, config_path)
+    return run_dir, config_path, parent_run_id
+
+
+@pytest.fixture
+def finished_pipeline_run(prepared_run):
+    """A run as the rounds leave it: streams and KV bucket, an open MLflow parent run, two recorded trainer jobs."""
+    run_dir, config_path, parent_run_id = prepared_run
     roles.record_trainer_job(run_dir, "team-a", "tidal-run-7-r000-aaaaa", 0)  # finished and deleted by its TTL
     roles.record_trainer_job(run_dir, "team-a", "tidal-run-7-r001-bbbbb", 1)  # orphaned: its launcher pod was killed
     return run_dir, config_path, parent_run_id
@@ -369,3 +376,53 @@ def test_the_launcher_records_each_job_before_creating_it_with_a_stand_in_backen
     with pytest.raises(RuntimeError):
         roles.train_round(run_dir, config_path, 2, 1, PLACEMENT, job_backend=backend)
     assert roles.recorded_trainer_jobs(run_dir) == [("team-a", backend.specs[0].name)]
+
+
+# ---------------------------------------------------------------- defect 13: one round at a time
+
+
+def test_rounds_take_the_lease_in_order_and_a_retried_step_is_let_through(prepared_run):
+    run_dir, config_path, _ = prepared_run
+    assert core_hooks.reset_rounds(run_dir, config_path, "job-a") is None
+    roles.open_round(run_dir, config_path, 0, "job-a")
+    roles.open_round(run_dir, config_path, 0, "job-a")  # a KFP retry of open_round
+    with pytest.raises(roles.PipelineStepError, match=r"round 1 cannot start: round 0 of this run is open\. .*KFP backends honour from 2\.4\.0"):
+        roles.open_round(run_dir, config_path, 1, "job-a")
+    core_hooks.end_round(run_dir, config_path, "job-a", 0)
+    core_hooks.end_round(run_dir, config_path, "job-a", 0)  # a KFP retry of evaluate
+    roles.open_round(run_dir, config_path, 1, "job-a")
+    with pytest.raises(roles.PipelineStepError, match="round 3 cannot start: round 1 of this run is open"):
+        roles.open_round(run_dir, config_path, 3, "job-a")
+    assert core_hooks.read_run_state(run_dir, config_path) == "running"
+
+
+def test_rounds_started_all_at_once_as_by_an_old_kfp_backend_leave_one_running_and_fail_the_others_clearly(prepared_run):
+    """KFP backends before 2.4.0 ignore parallelism=1 on the rounds loop: every round's open_round runs at once.
+    Exactly one round (0) may go on; each other fails before its trainer or workers touch the run directory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    run_dir, config_path, _ = prepared_run
+    core_hooks.reset_rounds(run_dir, config_path, "job-b")
+
+    def start(round_index):
+        try:
+            roles.open_round(run_dir, config_path, round_index, "job-b")
+            return "started"
+        except roles.PipelineStepError as err:
+            return str(err)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        outcomes = list(pool.map(start, range(4)))
+    assert outcomes[0] == "started"
+    assert all("kubeflow/pipelines#10798" in outcome for outcome in outcomes[1:]), outcomes
+
+
+def test_a_second_pipeline_run_on_the_same_run_directory_stops_the_first_at_its_next_round(prepared_run):
+    run_dir, config_path, _ = prepared_run
+    core_hooks.reset_rounds(run_dir, config_path, "job-old")
+    roles.open_round(run_dir, config_path, 0, "job-old")
+    warning = core_hooks.reset_rounds(run_dir, config_path, "job-new")  # another run's prepare on the same run_dir
+    assert warning and "pipeline run job-old had round 0 of this run directory open" in warning
+    with pytest.raises(core_hooks.RoundSequenceError, match="pipeline run job-new has since taken over this run directory"):
+        core_hooks.end_round(run_dir, config_path, "job-old", 0)
+    roles.open_round(run_dir, config_path, 0, "job-new")

@@ -264,7 +264,7 @@ def test_compiled_pipeline_matches_what_the_overlay_promises(overlay, compiled):
         optional = {k["envVar"]: s.get("optional", False) for s in config["secretAsEnv"] for k in s["keyToEnv"]}
         assert optional["MLFLOW_TRACKING_URI"] is False, executor  # no Secret: the pod does not start, and says so
         assert optional["MLFLOW_TRACKING_USERNAME"] is True, executor
-        if executor in ("exec-prepare", "exec-open-round", "exec-rollout-worker", "exec-train"):
+        if executor in ("exec-prepare", "exec-open-round", "exec-rollout-worker", "exec-train", "exec-train-2", "exec-evaluate", "exec-finalize"):
             assert secrets[cluster.NATS_SECRET] == cluster.NATS_SECRET_ENV
             assert cluster.NATS_SECRET in service_secrets
     assert settings["DATA_PVC"] in by_kind(objects, "PersistentVolumeClaim")

@@ -470,3 +470,17 @@ def test_finalize_is_the_exit_handler_of_everything_the_run_does(tmp_path, accel
     k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-finalize"]
     assert {s["secretName"] for s in k8s["secretAsEnv"]} == {cluster.NATS_SECRET, cluster.MLFLOW_SECRET}
     assert k8s["pvcMount"][0]["mountPath"] == cluster.DATA_MOUNT_PATH
+
+
+def test_each_round_takes_and_releases_the_round_lease_of_its_pipeline_run(tmp_path):
+    """open_round takes the lease, evaluate (the round's last step) releases it, both under the pipeline run's id,
+    the one prepare resets the lease with: what lets a backend that ignores parallelism=1 fail clearly."""
+    from tidal.kube.pipeline import compile_pipeline
+
+    spec, _ = yaml.safe_load_all(compile_pipeline(tmp_path / "p.yaml", "nvidia").read_text())
+    round_tasks = spec["components"]["comp-tidal-grpo-round"]["dag"]["tasks"]
+    job_id = {"runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}}
+    assert round_tasks["open-round"]["inputs"]["parameters"]["job_id"] == job_id
+    assert round_tasks["evaluate"]["inputs"]["parameters"]["job_id"] == job_id
+    assert round_tasks["evaluate"]["dependentTasks"] == ["weight-sync"]  # the last step of the round
+    assert not [t for t, task in round_tasks.items() if "evaluate" in task.get("dependentTasks", [])]

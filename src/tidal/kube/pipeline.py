@@ -107,7 +107,8 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
         trainer_start_timeout_s: int,
         namespace: str,
     ):
-        opened = on_cluster(open_round(run_dir=run_dir, config_path=config_path, round_index=round_index))
+        job_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
+        opened = on_cluster(open_round(run_dir=run_dir, config_path=config_path, round_index=round_index, job_id=job_id))
         with dsl.ParallelFor(lanes) as lane:
             with dsl.If(lane == "trainer", name="trainer-lane"):
                 trainer_args = dict(
@@ -147,8 +148,10 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
                 on_accelerator(worker, profile, worker_accelerators).after(opened)
         synced = on_cluster(weight_sync(run_dir=run_dir, round_index=round_index), needs_nats=False)
         synced.after(trainer).after(worker)
-        evaluation = evaluate(run_dir=run_dir, config_path=config_path, weights_path=synced.outputs["weights_path"], round_index=round_index)
-        on_cluster(evaluation, needs_nats=False, cpu=worker_cpu, memory=worker_memory)
+        evaluation = evaluate(
+            run_dir=run_dir, config_path=config_path, weights_path=synced.outputs["weights_path"], round_index=round_index, job_id=job_id
+        )
+        on_cluster(evaluation, cpu=worker_cpu, memory=worker_memory)  # NATS: it releases the round lease
         on_accelerator(evaluation, profile, 1)
 
     @dsl.pipeline(name=f"{PIPELINE_NAME}-loop", description="Rounds, one after another.")

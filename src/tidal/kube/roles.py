@@ -314,6 +314,9 @@ def prepare(config_yaml: str, config_path: str, run_dir: str, job_id: str, knobs
     staged = stage_config(run_dir, config_yaml, config_path, knobs.config_overrides())
     parent_run_id, tracking_uri = open_parent_run(run_dir, staged)
     core_prepare(run_dir, staged, tracking_uri, parent_run_id)
+    warning = core_hooks.reset_rounds(run_dir, staged, job_id or "local")
+    if warning:
+        print(f"warning: {warning}", flush=True)
     return PreparedRun(
         run_dir=run_dir, config_path=staged, rounds=list(range(knobs.rounds)), lanes=worker_lanes(knobs.rollout_workers), parent_run_id=parent_run_id
     )
@@ -329,9 +332,15 @@ def core_prepare(run_dir: str, config_path: str, tracking_uri: str, parent_run_i
 
 
 @as_separate_pod("open-round")
-def open_round(run_dir: str, config_path: str, round_index: int) -> None:
-    """Mark the run as running round ``round_index`` so this round's workers do not exit at once."""
-
+def open_round(run_dir: str, config_path: str, round_index: int, job_id: str) -> None:
+    """Take the round lease (round ``round_index - 1`` of this pipeline run must have ended: a KFP backend that
+    ignores the rounds loop's parallelism=1 starts every round at once, and all but one fail here, saying so,
+    instead of sharing the run directory), then mark the run as running round ``round_index`` so this round's
+    workers do not exit at once."""
+    try:
+        core_hooks.begin_round(run_dir, config_path, job_id or "local", round_index)
+    except core_hooks.RoundSequenceError as err:
+        raise PipelineStepError(str(err)) from None
     core_hooks.open_round(run_dir, config_path, round_index)
     log_to_parent_run(run_dir, metrics={"round/started": float(round_index)}, step=round_index)
 
@@ -634,14 +643,19 @@ def weight_sync(run_dir: str, round_index: int) -> SyncedWeights:
 
 
 @as_separate_pod("evaluate")
-def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int) -> dict[str, float]:
-    """Held-out metrics of the round's snapshot (``tidal eval``), logged to MLflow per round."""
+def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int, job_id: str) -> dict[str, float]:
+    """Held-out metrics of the round's snapshot (``tidal eval``), logged to MLflow per round; the round's last
+    step, so it releases the round lease and the next round may begin."""
     output = run_tidal(["eval", config_path, "--run-dir", run_dir, "--weights", weights_path], capture=True)
     print(output, flush=True)
     metrics = numeric_metrics(last_json_object(output))
     if not metrics:
         raise PipelineStepError(f"'tidal eval' printed no numeric metrics: {output[-500:]!r}")
     log_to_parent_run(run_dir, metrics={f"eval/{k}": v for k, v in metrics.items()}, step=round_index)
+    try:
+        core_hooks.end_round(run_dir, config_path, job_id or "local", round_index)
+    except core_hooks.RoundSequenceError as err:
+        raise PipelineStepError(str(err)) from None
     return metrics
 
 
