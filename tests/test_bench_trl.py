@@ -33,7 +33,7 @@ from tidal.rewards import RewardScorer
 ARITHMETIC = {  # examples/arithmetic.yaml's RL settings
     "reward": {"functions": [{"name": "exact_match", "weight": 1.0}, {"name": "format", "weight": 0.1}]},
     "rollout": {"group_size": 8, "max_new_tokens": 10, "temperature": 1.0},
-    "trainer": {"prompts_per_iteration": 64, "lr": 1e-4, "warmup_steps": 5, "clip_eps": 0.2, "kl_coef": 0.0},
+    "trainer": {"prompts_per_iteration": 64, "lr": 3e-4, "warmup_steps": 5, "clip_eps": 0.2, "kl_coef": 0.0},
 }
 
 
