@@ -16,7 +16,7 @@ ifndef TORCH_INDEX
 TORCH_INDEX := $(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('https://download.pytorch.org/whl/cpu/torch/', timeout=5); print('--extra-index-url https://download.pytorch.org/whl/cpu')" 2>/dev/null)
 endif
 
-.PHONY: run test lint format test-core test-vllm install install-test install-vllm clean
+.PHONY: run test lint format test-core test-vllm install install-test install-vllm bench-trl clean
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (or run: make PYTHON=python3 ...)"; exit 1; }
@@ -43,6 +43,13 @@ run: install
 	$(BIN)/tidal run $(CONFIG) --run-dir $(RUN_DIR)
 
 test: lint test-core test-vllm
+
+# TRL's GRPOTrainer vs Tidal sync and periodic (`tidal bench trl`): the bench extra (TRL 1.16.0) in .venv,
+# then 20 steps per system, medians after 2 warm-up steps, 3 repetitions in alternating order
+bench-trl: $(BIN)/python
+	$(BIN)/pip install -q $(TORCH_INDEX) -e '.[ui,bench]' '$(TORCH)'
+	mkdir -p runs/bench-trl
+	$(BIN)/tidal bench trl $(CONFIG) --steps 20 --warmup 2 --reps 3 --json runs/bench-trl/results.json
 
 # One line length (pyproject's [tool.ruff]) for the whole tree; `make format` rewrites in place.
 LINTED = src tests benchmarks components pipelines

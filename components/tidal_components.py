@@ -5,6 +5,7 @@ from tidal.kube.components import (  # noqa: F401
     finalize,
     open_round,
     prepare,
+    register_model,
     rollout_worker,
     train,
     weight_sync,

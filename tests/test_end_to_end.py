@@ -392,3 +392,21 @@ def test_a_finished_run_directory_can_be_extended(tmp_path, write_config):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [0, 1, 2]
     assert "run state was done" in (run_dir / "logs" / "launcher.log").read_text()
+
+
+def test_weight_retention_keeps_what_workers_and_a_resume_need(tmp_path, write_config):
+    """weights.keep_last=1 on a real run: the store holds only the final version and the one before it (a
+    worker may still be loading it), and extending the run resumes from the checkpoint's snapshot."""
+    from tidal.weights import WeightStore
+
+    config = write_config({"weights.keep_last": 1, "eval.enabled": False, "trainer.group_timeout_seconds": 60})
+    run_dir = tmp_path / "run"
+    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = WeightStore(run_dir / "weights")
+    assert store.versions() == [2, 3] and store.latest_version() == 3
+    assert "weight retention: deleted snapshot(s) v0" in (run_dir / "logs" / "trainer.log").read_text()
+    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress", "--set", "trainer.iterations=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from checkpoint: version 3" in (run_dir / "logs" / "trainer.log").read_text()
+    assert store.versions() == [3, 4]

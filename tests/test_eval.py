@@ -55,3 +55,34 @@ def test_eval_k_above_the_samples_is_a_config_error():
 
     with pytest.raises(ConfigError, match=r"eval.k \[8\] must each be between 1 and eval.samples_per_prompt \(4\)"):
         config_from_dict({"eval": {"k": [1, 8], "samples_per_prompt": 4}})
+
+
+def test_a_follower_that_fell_behind_skips_a_snapshot_weight_retention_deleted(tmp_path, monkeypatch):
+    """eval.every=2: the follower's next target is v2, which weights.keep_last deleted before it got there;
+    it skips it and goes on to the final version instead of failing the run's held-out curve."""
+    import torch
+
+    from tidal import evaluate
+    from tidal.config import TidalConfig
+    from tidal.weights import WeightStore
+
+    store = WeightStore(tmp_path / "weights")
+    store.publish(3, {"a": torch.zeros(2)})  # v0..v2 were pruned: v2, the curve's next target, is gone
+    cfg = TidalConfig.model_validate({"trainer": {"iterations": 4}, "eval": {"every": 2}})
+    evaluated = []
+
+    class Engine:
+        def shutdown(self):
+            pass
+
+    def snapshot_scores(cfg, base_model, problems, path, engine):
+        if not path.is_dir():
+            store.publish(4, {"a": torch.ones(2)})  # training went on meanwhile
+            raise FileNotFoundError(path)
+        evaluated.append(path.name)
+        return {"accuracy": 0.5}
+
+    monkeypatch.setattr(evaluate, "open_engine", lambda *a, **k: Engine())
+    monkeypatch.setattr(evaluate, "evaluate_snapshot", snapshot_scores)
+    records = evaluate.follow_run(cfg, tmp_path, "base", [], lambda metrics, step: None, poll_seconds=0.01)
+    assert evaluated == ["v000004"] and [r["version"] for r in records] == [4]

@@ -264,3 +264,165 @@ def test_trainer_pods_opt_out_of_istio_sidecar_injection():
     for replica in ("Master", "Worker"):
         annotations = manifest["spec"]["pytorchReplicaSpecs"][replica]["template"]["metadata"]["annotations"]
         assert annotations["sidecar.istio.io/inject"] == "false"
+
+
+# ---------------------------------------------------------------- defect 12: finalize, the exit handler
+
+
+class ApiError(Exception):
+    """What the kubernetes client raises: an HTTP status on the exception."""
+
+    def __init__(self, status: int):
+        super().__init__(f"({status})")
+        self.status = status
+
+
+class StandInJobApi:
+    """Stands for the API server's PyTorchJob endpoint: the jobs that still exist; delete answers 404 for others,
+    and 403 for every job when ``forbidden`` (RBAC without delete)."""
+
+    def __init__(self, existing: set[str], forbidden: bool = False):
+        self.existing, self.forbidden, self.deleted = set(existing), forbidden, []
+
+    def delete(self, name, namespace):
+        try:  # TrainingClient wraps the ApiException in a RuntimeError, as here
+            if self.forbidden:
+                raise ApiError(403)
+            if name not in self.existing:
+                raise ApiError(404)
+        except ApiError:
+            raise RuntimeError(f"Failed to delete PyTorchJob: {namespace}/{name}")  # noqa: B904 (the SDK's way: __context__ only)
+        self.existing.discard(name)
+        self.deleted.append((namespace, name))
+
+
+@pytest.fixture
+def prepared_run(pipeline_run, tmp_path, monkeypatch):
+    """``pipeline_run`` with the MLflow parent run that prepare opens (in a sqlite store)."""
+    run_dir, config_path = pipeline_run
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    parent_run_id, _ = roles.open_parent_run(run_dir, config_path)
+    return run_dir, config_path, parent_run_id
+
+
+@pytest.fixture
+def finished_pipeline_run(prepared_run):
+    """A run as the rounds leave it: streams and KV bucket, an open MLflow parent run, two recorded trainer jobs."""
+    run_dir, config_path, parent_run_id = prepared_run
+    roles.record_trainer_job(run_dir, "team-a", "tidal-run-7-r000-aaaaa", 0)  # finished and deleted by its TTL
+    roles.record_trainer_job(run_dir, "team-a", "tidal-run-7-r001-bbbbb", 1)  # orphaned: its launcher pod was killed
+    return run_dir, config_path, parent_run_id
+
+
+def stream_names_on_server(run_dir, config_path) -> list[str]:
+    import asyncio
+
+    from tidal.config import load_config
+    from tidal.transport import stream_names
+
+    async def names():
+        import nats
+
+        nc = await nats.connect(load_config(config_path).transport.nats_url)
+        try:
+            mine = set(stream_names(Path(run_dir).name).values())
+            return sorted(s.config.name for s in await nc.jetstream().streams_info() if s.config.name.removeprefix("KV_") in mine)
+        finally:
+            await nc.close()
+
+    return asyncio.run(names())
+
+
+@pytest.mark.parametrize(("registered", "mlflow_status"), [(False, "FAILED"), (True, "FINISHED")])
+def test_finalize_deletes_streams_kv_and_leftover_jobs_and_ends_the_mlflow_run_with_a_stand_in_api_server(
+    finished_pipeline_run, registered, mlflow_status
+):
+    from mlflow.tracking import MlflowClient
+
+    run_dir, config_path, parent_run_id = finished_pipeline_run
+    if registered:  # register_model, the run's last step, got to the end
+        roles.write_json_atomically(roles.state_dir(run_dir) / roles.REGISTERED_FILE, {"version": "1"})
+    assert len(stream_names_on_server(run_dir, config_path)) == 3  # WORK, ROLLOUTS, the KV bucket's stream
+    api = StandInJobApi(existing={"tidal-run-7-r001-bbbbb"})
+    done = roles.finalize_run(run_dir, "", job_backend=api)
+    assert api.deleted == [("team-a", "tidal-run-7-r001-bbbbb")]  # the one already gone (404) is no error
+    assert stream_names_on_server(run_dir, config_path) == []
+    assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(parent_run_id).info.status == mlflow_status
+    assert any(line.startswith("deleted KV bucket") for line in done)
+    assert Path(config_path).is_file()  # the run directory (config, weights, checkpoints) is the run's result: untouched
+    again = roles.finalize_run(run_dir, "", job_backend=api)  # a retried finalize
+    assert not [line for line in again if line.startswith("deleted")]
+
+
+def test_finalize_does_every_part_and_then_fails_naming_the_one_that_failed_with_a_stand_in_api_server(finished_pipeline_run):
+    from mlflow.tracking import MlflowClient
+
+    run_dir, config_path, parent_run_id = finished_pipeline_run
+    with pytest.raises(roles.PipelineStepError, match="deleting trainer jobs: RuntimeError: Failed to delete PyTorchJob"):
+        roles.finalize_run(run_dir, "", job_backend=StandInJobApi(existing={"tidal-run-7-r001-bbbbb"}, forbidden=True))
+    assert stream_names_on_server(run_dir, config_path) == []
+    assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(parent_run_id).info.status == "FAILED"
+
+
+def test_finalize_after_a_prepare_that_created_nothing_succeeds(tmp_path):
+    run_dir = tmp_path / "runs" / "job-1"
+    run_dir.mkdir(parents=True)
+    assert roles.finalize_run(str(run_dir), "") == []
+
+
+def test_the_launcher_records_each_job_before_creating_it_with_a_stand_in_backend(pipeline_run):
+    run_dir, config_path = pipeline_run
+    backend = StandInBackend(fail_at="submit")
+    with pytest.raises(RuntimeError):
+        roles.train_round(run_dir, config_path, 2, 1, PLACEMENT, job_backend=backend)
+    assert roles.recorded_trainer_jobs(run_dir) == [("team-a", backend.specs[0].name)]
+
+
+# ---------------------------------------------------------------- defect 13: one round at a time
+
+
+def test_rounds_take_the_lease_in_order_and_a_retried_step_is_let_through(prepared_run):
+    run_dir, config_path, _ = prepared_run
+    assert core_hooks.reset_rounds(run_dir, config_path, "job-a") is None
+    roles.open_round(run_dir, config_path, 0, "job-a")
+    roles.open_round(run_dir, config_path, 0, "job-a")  # a KFP retry of open_round
+    with pytest.raises(roles.PipelineStepError, match=r"round 1 cannot start: round 0 of this run is open\. .*KFP backends honour from 2\.4\.0"):
+        roles.open_round(run_dir, config_path, 1, "job-a")
+    core_hooks.end_round(run_dir, config_path, "job-a", 0)
+    core_hooks.end_round(run_dir, config_path, "job-a", 0)  # a KFP retry of evaluate
+    roles.open_round(run_dir, config_path, 1, "job-a")
+    with pytest.raises(roles.PipelineStepError, match="round 3 cannot start: round 1 of this run is open"):
+        roles.open_round(run_dir, config_path, 3, "job-a")
+    assert core_hooks.read_run_state(run_dir, config_path) == "running"
+
+
+def test_rounds_started_all_at_once_as_by_an_old_kfp_backend_leave_one_running_and_fail_the_others_clearly(prepared_run):
+    """KFP backends before 2.4.0 ignore parallelism=1 on the rounds loop: every round's open_round runs at once.
+    Exactly one round (0) may go on; each other fails before its trainer or workers touch the run directory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    run_dir, config_path, _ = prepared_run
+    core_hooks.reset_rounds(run_dir, config_path, "job-b")
+
+    def start(round_index):
+        try:
+            roles.open_round(run_dir, config_path, round_index, "job-b")
+            return "started"
+        except roles.PipelineStepError as err:
+            return str(err)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        outcomes = list(pool.map(start, range(4)))
+    assert outcomes[0] == "started"
+    assert all("kubeflow/pipelines#10798" in outcome for outcome in outcomes[1:]), outcomes
+
+
+def test_a_second_pipeline_run_on_the_same_run_directory_stops_the_first_at_its_next_round(prepared_run):
+    run_dir, config_path, _ = prepared_run
+    core_hooks.reset_rounds(run_dir, config_path, "job-old")
+    roles.open_round(run_dir, config_path, 0, "job-old")
+    warning = core_hooks.reset_rounds(run_dir, config_path, "job-new")  # another run's prepare on the same run_dir
+    assert warning and "pipeline run job-old had round 0 of this run directory open" in warning
+    with pytest.raises(core_hooks.RoundSequenceError, match="pipeline run job-new has since taken over this run directory"):
+        core_hooks.end_round(run_dir, config_path, "job-old", 0)
+    roles.open_round(run_dir, config_path, 0, "job-new")

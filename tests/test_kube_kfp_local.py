@@ -68,6 +68,10 @@ def test_tidal_run_via_kfp_local_two_rounds(tmp_path):
     assert version.tags["tidal.weights"].endswith("v000002")
     assert not (tmp_path / "mlruns").exists()  # artifacts stay in the run directory
 
+    # finalize, the exit handler, ended the MLflow run (FINISHED above) and deleted the run's streams and KV bucket
+    streams = run_dir / "nats" / "jetstream" / "jetstream" / "$G" / "streams"
+    assert streams.parent.is_dir() and sorted(p.name for p in streams.glob("*") if not p.name.startswith(".")) == []
+
     # the warm-started model was staged into the run directory, not left in the prepare step's cache
     run_info = json.loads((run_dir / "run.json").read_text())
     assert run_info["base_model"] == str(run_dir.resolve() / "base-model")

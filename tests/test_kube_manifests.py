@@ -72,10 +72,19 @@ def test_strict_validation_catches_a_typo():
         kubernetes_validate.validate(nats, cluster.KUBERNETES_VERSION, strict=True)
 
 
-def test_pods_run_as_non_root_with_resource_requests(overlay):
+def test_every_object_is_in_the_namespace_and_labelled(overlay):
+    """Objects that an overlay or a component adds (the tidal-platform ConfigMap, MLflow's Postgres) included:
+    `kubectl apply -k` would put an object without a namespace wherever the caller's context points."""
     _, objects = overlay
+    for o in objects:
+        assert o["metadata"].get("namespace") == "tidal", (o["kind"], o["metadata"]["name"])
+        assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tidal", (o["kind"], o["metadata"]["name"])
+
+
+def test_pods_run_as_non_root_with_resource_requests(overlay):
+    name, objects = overlay
     specs = dict(pod_specs(objects))
-    assert set(specs) == {"tidal-nats", "tidal-mlflow"}
+    assert set(specs) == {"tidal-nats", "tidal-mlflow"} | ({"tidal-mlflow-postgres"} if name in PRODUCTION_OVERLAYS else set())
     for name, spec in specs.items():
         assert spec["securityContext"]["runAsNonRoot"] is True, name
         assert spec["automountServiceAccountToken"] is False, name
@@ -84,10 +93,85 @@ def test_pods_run_as_non_root_with_resource_requests(overlay):
             assert {"cpu", "memory"} <= set(container["resources"]["requests"]), name
 
 
-def test_weights_pvc_is_read_write_many(overlay):
-    _, objects = overlay
-    pvc = by_kind(objects, "PersistentVolumeClaim")[cluster.DATA_PVC]
-    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+MULTI_NODE_OVERLAYS = PRODUCTION_OVERLAYS = {"gpu", "ascend"}
+"""Overlays for shared accelerator clusters: the run-directory volume is mounted by pods on several nodes
+(workers, trainer replicas), and MLflow keeps its stores in Postgres and S3."""
+
+
+def claims(objects):
+    """``(name, spec)`` of every PersistentVolumeClaim, StatefulSet volumeClaimTemplates included."""
+    for o in objects:
+        if o["kind"] == "PersistentVolumeClaim":
+            yield o["metadata"]["name"], o["spec"]
+        if o["kind"] == "StatefulSet":
+            for template in o["spec"].get("volumeClaimTemplates", []):
+                yield f"{o['metadata']['name']}/{template['metadata']['name']}", template["spec"]
+
+
+def storage_problems_of(name, objects):
+    problems = []
+    for claim, spec in claims(objects):
+        multi_node = claim == cluster.DATA_PVC and name in MULTI_NODE_OVERLAYS
+        problems += cluster.storage_problems(claim, spec.get("storageClassName"), spec["accessModes"], multi_node)
+    return problems
+
+
+def test_every_claim_asks_its_class_for_an_access_mode_the_class_grants(overlay):
+    name, objects = overlay
+    assert storage_problems_of(name, objects) == []
+    data = by_kind(objects, "PersistentVolumeClaim")[cluster.DATA_PVC]["spec"]
+    settings = platform_settings(objects)
+    assert data.get("storageClassName"), f"{name}: tidal-data names no storage class"
+    assert (data["storageClassName"], data["accessModes"]) == (settings["DATA_STORAGE_CLASS"], [settings["DATA_ACCESS_MODE"]])
+
+
+def test_storage_check_catches_claims_their_class_cannot_serve():
+    objects = build_overlay("cpu-dev")
+    data = by_kind(objects, "PersistentVolumeClaim")[cluster.DATA_PVC]["spec"]
+    data["accessModes"] = ["ReadWriteMany"]  # kind's local-path: "Only support ReadWriteOnce access mode"
+    assert storage_problems_of("cpu-dev", objects) == ["tidal-data: class 'standard' does not grant ReadWriteMany"]
+    del data["storageClassName"]  # the default class of EKS/GKE/AKS/kind: Pending
+    assert storage_problems_of("cpu-dev", objects) == ["tidal-data: no storageClassName: the default class grants ReadWriteOnce only"]
+    gpu = build_overlay("gpu")
+    by_kind(gpu, "PersistentVolumeClaim")[cluster.DATA_PVC]["spec"]["accessModes"] = ["ReadWriteOnce"]
+    assert storage_problems_of("gpu", gpu) == ["tidal-data: pods on several nodes mount it, so it must be ReadWriteMany"]
+    by_kind(gpu, "PersistentVolumeClaim")[cluster.DATA_PVC]["spec"]["storageClassName"] = "gp2"
+    assert "storage class 'gp2' is not one of the known classes" in storage_problems_of("gpu", gpu)[0]
+
+
+def kustomize_on_top_of(name: str, tmp_path: Path, **fields) -> list[dict]:
+    """Build an overlay of one's own on top of ``manifests/overlays/<name>`` (kustomize wants relative paths)."""
+    overlay = tmp_path / "mine"
+    overlay.mkdir()
+    up = Path("..") / Path(*[".."] * len(tmp_path.parts[1:]))
+    relative = up / (ROOT / "manifests" / "overlays" / name).relative_to("/")
+    fields = {k: [str(up / (ROOT / v).relative_to("/")) for v in value] if k == "components" else value for k, value in fields.items()}
+    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": [str(relative)], **fields}
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    result = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.mark.parametrize("name", sorted(MULTI_NODE_OVERLAYS))
+def test_the_data_storage_class_is_a_parameter_of_an_overlay_of_ones_own(name, tmp_path):
+    """What docs/kubernetes.md tells a team on GKE: merge DATA_STORAGE_CLASS into tidal-platform and
+    include components/platform again; the claim follows and the check still passes."""
+    objects = kustomize_on_top_of(
+        name,
+        tmp_path,
+        configMapGenerator=[
+            {
+                "name": "tidal-platform",
+                "behavior": "merge",
+                "options": {"disableNameSuffixHash": True},
+                "literals": ["DATA_STORAGE_CLASS=standard-rwx"],
+            }
+        ],
+        components=["manifests/components/platform"],
+    )
+    assert by_kind(objects, "PersistentVolumeClaim")[cluster.DATA_PVC]["spec"]["storageClassName"] == "standard-rwx"
+    assert storage_problems_of(name, objects) == []
 
 
 def test_nats_has_jetstream_on_a_pvc_and_auth_from_the_secret(overlay):
@@ -123,17 +207,7 @@ def test_rbac_subjects_follow_a_namespace_change(name, tmp_path):
     """`kustomize edit set namespace team-a` on top of an overlay: the binding must still name the accounts
     that run pipeline pods *in team-a*. A ServiceAccount subject without a namespace means the
     RoleBinding's own; one that names a namespace must name the binding's."""
-    overlay = tmp_path / "team-a"
-    overlay.mkdir()
-    relative = Path("..") / Path(*[".."] * len(tmp_path.parts[1:])) / (ROOT / "manifests" / "overlays" / name).relative_to("/")
-    (overlay / "kustomization.yaml").write_text(
-        yaml.safe_dump(
-            {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "team-a", "resources": [str(relative)]}
-        )
-    )
-    result = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    objects = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    objects = kustomize_on_top_of(name, tmp_path, namespace="team-a")
     (binding,) = by_kind(objects, "RoleBinding").values()
     assert binding["metadata"]["namespace"] == "team-a"
     subjects = {(s["name"], s.get("namespace", binding["metadata"]["namespace"])) for s in binding["subjects"]}
@@ -183,9 +257,14 @@ def test_compiled_pipeline_matches_what_the_overlay_promises(overlay, compiled):
         assert config["pvcMount"][0]["mountPath"] == cluster.DATA_MOUNT_PATH
         assert config["podMetadata"]["labels"] == cluster.TIDAL_POD_LABEL
         assert config["securityContext"]["runAsNonRoot"] is True
-        secrets = {s["secretName"]: {k["secretKey"]: k["envVar"] for k in s["keyToEnv"]} for s in config["secretAsEnv"]}
+        secrets = {}
+        for s in config["secretAsEnv"]:
+            secrets.setdefault(s["secretName"], {}).update({k["secretKey"]: k["envVar"] for k in s["keyToEnv"]})
         assert secrets[cluster.MLFLOW_SECRET] == cluster.MLFLOW_SECRET_ENV
-        if executor in ("exec-prepare", "exec-open-round", "exec-rollout-worker", "exec-train"):
+        optional = {k["envVar"]: s.get("optional", False) for s in config["secretAsEnv"] for k in s["keyToEnv"]}
+        assert optional["MLFLOW_TRACKING_URI"] is False, executor  # no Secret: the pod does not start, and says so
+        assert optional["MLFLOW_TRACKING_USERNAME"] is True, executor
+        if executor in ("exec-prepare", "exec-open-round", "exec-rollout-worker", "exec-train", "exec-train-2", "exec-evaluate", "exec-finalize"):
             assert secrets[cluster.NATS_SECRET] == cluster.NATS_SECRET_ENV
             assert cluster.NATS_SECRET in service_secrets
     assert settings["DATA_PVC"] in by_kind(objects, "PersistentVolumeClaim")
@@ -197,3 +276,70 @@ def secret_names_used_by_services(objects) -> set:
         for container in spec["containers"]:
             names |= {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
     return names
+
+
+# ---------------------------------------------------------------- MLflow
+
+
+def mlflow_container(objects):
+    return by_kind(objects, "Deployment")["tidal-mlflow"]["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_mlflow_runs_the_full_image_at_the_clients_version(overlay):
+    """The slim image has no database drivers and no S3 client: a Postgres URI or an s3:// destination crashes
+    it. MLflow's "-full" variant exists from v3.9; the server matches Tidal's mlflow-skinny client."""
+    import re
+    import tomllib
+
+    _, objects = overlay
+    image = mlflow_container(objects)["image"]
+    match = re.fullmatch(r"ghcr\.io/mlflow/mlflow:v(\d+)\.(\d+)\.(\d+)-full", image)
+    assert match, f"{image} is not MLflow's -full image"
+    assert tuple(int(x) for x in match.groups()) >= (3, 9, 0)
+    pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (client,) = [p.split("==")[1] for p in pins if p.startswith("mlflow-skinny==")]
+    assert ".".join(match.groups()) == client
+
+
+def env_sources(container) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_production_overlays_keep_mlflow_in_postgres_and_s3_with_required_credentials(overlay):
+    name, objects = overlay
+    config = by_kind(objects, "ConfigMap")["tidal-mlflow-config"]["data"]
+    container = mlflow_container(objects)
+    mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+    if name not in PRODUCTION_OVERLAYS:  # cpu-dev: SQLite and artifacts on a ReadWriteOnce volume, one replica
+        assert config["BACKEND_STORE_URI"].startswith("sqlite:////mlflow/") and "/mlflow" in mounts
+        return
+    assert config["BACKEND_STORE_URI"].startswith("postgresql+psycopg2://tidal-mlflow-postgres:5432/")
+    assert config["ARTIFACTS_DESTINATION"].startswith("s3://") and config["MLFLOW_S3_ENDPOINT_URL"].startswith("http")
+    assert "tidal-mlflow" not in by_kind(objects, "PersistentVolumeClaim") and not mounts  # nothing of MLflow's on a volume
+    env = env_sources(container)
+    for variable, key in {
+        "PGUSER": "postgres-user",
+        "PGPASSWORD": "postgres-password",
+        "AWS_ACCESS_KEY_ID": "s3-access-key-id",
+        "AWS_SECRET_ACCESS_KEY": "s3-secret-access-key",
+    }.items():
+        assert env[variable]["secretKeyRef"] == {"name": cluster.MLFLOW_STORES_SECRET, "key": key}, variable  # not optional
+    postgres = by_kind(objects, "StatefulSet")["tidal-mlflow-postgres"]
+    postgres_env = env_sources(postgres["spec"]["template"]["spec"]["containers"][0])
+    assert postgres_env["POSTGRES_PASSWORD"]["secretKeyRef"] == {"name": cluster.MLFLOW_STORES_SECRET, "key": "postgres-password"}
+    assert postgres_env["POSTGRES_DB"] == config["BACKEND_STORE_URI"].rsplit("/", 1)[1]
+    service = by_kind(objects, "Service")["tidal-mlflow-postgres"]
+    assert service["spec"]["selector"] == postgres["spec"]["selector"]["matchLabels"]
+    (policy,) = [p for p in by_kind(objects, "NetworkPolicy").values() if p["spec"]["podSelector"]["matchLabels"] == service["spec"]["selector"]]
+    assert policy["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tidal-mlflow"}}}]
+
+
+def test_no_secret_of_the_services_is_optional_where_a_fallback_would_be_silent(overlay):
+    """An optional secretKeyRef to a missing Secret starts the pod with the variable unset: MLflow or NATS then
+    run on defaults nobody chose. Only envFrom of extra keys may be optional."""
+    _, objects = overlay
+    for service, spec in pod_specs(objects):
+        for container in spec["containers"]:
+            for e in container.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                assert ref is None or not ref.get("optional"), (service, e["name"])

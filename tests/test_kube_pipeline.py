@@ -243,8 +243,8 @@ def test_every_task_input_resolves_from_its_parent_dag(tmp_path, accelerator, im
     spec = compiled_spec(tmp_path, accelerator, image)
     assert driver_resolution_violations(spec) == []
     tasks = {t: task for _, t, task in dag_tasks(spec)}
-    conditions = [task for task in tasks.values() if "triggerPolicy" in task]
-    assert len(conditions) == 2  # trainer lane and rollout lane, both checked
+    conditions = [task for task in tasks.values() if "condition" in task.get("triggerPolicy", {})]
+    assert len(conditions) == 4  # trainer lane and rollout lane; in the trainer lane, job launcher and trainer in the step
     if accelerator != "cpu":
         worker_dag = next(c for c in spec["components"].values() if "rollout-worker" in c.get("dag", {}).get("tasks", {}))
         declared = worker_dag["inputDefinitions"]["parameters"]
@@ -373,3 +373,114 @@ def test_prepare_refuses_relative_data_paths_in_config_text_and_missing_data_fil
     data.write_text('{"question": "1+1", "answer": "2"}\n')
     staged = roles.stage_config(str(tmp_path), f"data: {{task: jsonl, path: {data}}}\n", "", [])
     assert yaml.safe_load(Path(staged).read_text())["data"]["path"] == str(data)
+
+
+# ---------------------------------------------------------------- trainer resources
+
+
+def train_executors_by_backend(spec):
+    """``{"job": executor, "local": executor}``: the train task under each branch of the trainer_backend condition."""
+    components = spec["components"]
+    found = {}
+    for component in components.values():
+        for task in component.get("dag", {}).get("tasks", {}).values():
+            condition = task.get("triggerPolicy", {}).get("condition", "")
+            if "trainer_backend" not in condition:
+                continue
+            branch = components[task["componentRef"]["name"]]
+            (train_task,) = [t for name, t in branch["dag"]["tasks"].items() if name.startswith("train")]
+            executor = components[train_task["componentRef"]["name"]]["executorLabel"]
+            found["local" if condition.startswith("!") else "job"] = executor
+    return found
+
+
+@pytest.mark.parametrize("accelerator", ["nvidia", "ascend", "cpu"])
+def test_the_trainer_in_step_gets_the_trainers_resources_and_the_launcher_stays_small(tmp_path, accelerator):
+    """trainer_backend=local trains inside the train step's pod: that pod must get trainer_cpu / trainer_memory
+    and trainer_accelerators_per_node accelerators; the job launcher only waits, so it keeps 500m / 1Gi."""
+    from tidal.kube.pipeline import compile_pipeline
+
+    spec, platform = yaml.safe_load_all(compile_pipeline(tmp_path / "p.yaml", accelerator).read_text())
+    executors = spec["deploymentSpec"]["executors"]
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    by_backend = train_executors_by_backend(spec)
+    assert set(by_backend) == {"job", "local"}
+
+    launcher = executors[by_backend["job"]]["container"]["resources"]
+    assert (launcher["resourceCpuRequest"], launcher["resourceMemoryRequest"]) == ("500m", "1Gi") and "accelerator" not in launcher
+
+    in_step = executors[by_backend["local"]]["container"]["resources"]
+    assert "trainer_cpu" in in_step["resourceCpuRequest"]
+    assert "trainer_memory" in in_step["resourceMemoryRequest"] and "trainer_memory" in in_step["resourceMemoryLimit"]
+    profile = cluster.PROFILES[accelerator]
+    if profile.has_accelerator:
+        assert in_step["accelerator"]["resourceType"] == profile.resource
+        assert "trainer_accelerators_per_node" in in_step["accelerator"]["resourceCount"]
+        assert k8s[by_backend["local"]]["tolerations"] == [{"key": t.key, "operator": t.operator, "effect": t.effect} for t in profile.tolerations]
+    else:
+        assert "accelerator" not in in_step
+    assert k8s[by_backend["local"]]["emptyDirMounts"][0]["mountPath"] == "/dev/shm"
+    for backend in ("job", "local"):
+        assert {e["name"] for e in k8s[by_backend[backend]]["fieldPathAsEnv"]} == {"TIDAL_POD_NAME", "TIDAL_POD_UID"}
+
+
+def test_the_trainer_in_step_uses_every_accelerator_of_its_pod_and_refuses_several_nodes():
+    local = roles.TrainerPlacement(backend="local", accelerator="nvidia", accelerators_per_node=4)
+    command = roles.local_trainer_command("/r/config.yaml", "/r", "nats://n:4222", 5, local)
+    assert command[1:4] == ["--standalone", "--nproc-per-node=4", "--no-python"] and command[0].endswith("torchrun")
+    assert command[-8:] == ["train", "/r/config.yaml", "--run-dir", "/r", "--nats-url", "nats://n:4222", "--iterations", "5"]
+    one = roles.local_trainer_command("/r/config.yaml", "/r", "nats://n:4222", 5, roles.TrainerPlacement(backend="local", accelerator="cpu"))
+    assert one[0].endswith("tidal") and one[1] == "train"
+    with pytest.raises(roles.PipelineStepError, match="trainer_nodes must be 1 \\(got 2\\)"):
+        roles.local_trainer_command("/r/config.yaml", "/r", "nats://n:4222", 5, roles.TrainerPlacement(backend="local", nodes=2))
+
+
+def test_a_step_without_a_tracking_uri_fails_naming_the_secret_instead_of_logging_to_a_local_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(roles.PipelineStepError, match="key 'tracking-uri' of Secret 'tidal-mlflow'"):
+        roles.tracking_uri_for(str(tmp_path), None)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tidal-mlflow:5000")
+    assert roles.tracking_uri_for(str(tmp_path), None) == "http://tidal-mlflow:5000"
+    assert roles.tracking_uri_for(str(tmp_path), "sqlite:///x.db") == "sqlite:///x.db"
+
+
+# ---------------------------------------------------------------- finalize, the exit handler
+
+
+@pytest.mark.parametrize("accelerator", sorted(cluster.PROFILES))
+def test_finalize_is_the_exit_handler_of_everything_the_run_does(tmp_path, accelerator):
+    """KFP runs an exit task after the group it guards ends, succeeded, failed or cancelled: finalize must guard
+    prepare (it creates the streams), the rounds (trainer jobs, workers) and the model registration."""
+    from tidal.kube.pipeline import compile_pipeline
+
+    spec, platform = yaml.safe_load_all(compile_pipeline(tmp_path / "p.yaml", accelerator).read_text())
+    root = spec["root"]["dag"]["tasks"]
+    (guarded,) = [name for name in root if name != "finalize"]
+    finalize = root["finalize"]
+    assert finalize["triggerPolicy"] == {"strategy": "ALL_UPSTREAM_TASKS_COMPLETED"}  # runs after failures too
+    assert finalize["dependentTasks"] == [guarded]
+    # no dsl.PipelineTaskFinalStatus input: KFP backends before 2.14 cannot resolve it (finalize reads the run directory)
+    assert "status" not in finalize["inputs"]["parameters"]
+    inside = spec["components"][root[guarded]["componentRef"]["name"]]["dag"]["tasks"]
+    assert set(inside) == {"prepare", "tidal-grpo-loop", "register-model"}
+    # it reads only pipeline parameters (a KFP rule for exit tasks), and finds the run directory as prepare does
+    params = finalize["inputs"]["parameters"]
+    assert params["run_dir"] == {"componentInputParameter": "run_dir"}
+    assert params["job_id"] == inside["prepare"]["inputs"]["parameters"]["job_id"] == {"runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}}
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-finalize"]
+    assert {s["secretName"] for s in k8s["secretAsEnv"]} == {cluster.NATS_SECRET, cluster.MLFLOW_SECRET}
+    assert k8s["pvcMount"][0]["mountPath"] == cluster.DATA_MOUNT_PATH
+
+
+def test_each_round_takes_and_releases_the_round_lease_of_its_pipeline_run(tmp_path):
+    """open_round takes the lease, evaluate (the round's last step) releases it, both under the pipeline run's id,
+    the one prepare resets the lease with: what lets a backend that ignores parallelism=1 fail clearly."""
+    from tidal.kube.pipeline import compile_pipeline
+
+    spec, _ = yaml.safe_load_all(compile_pipeline(tmp_path / "p.yaml", "nvidia").read_text())
+    round_tasks = spec["components"]["comp-tidal-grpo-round"]["dag"]["tasks"]
+    job_id = {"runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}}
+    assert round_tasks["open-round"]["inputs"]["parameters"]["job_id"] == job_id
+    assert round_tasks["evaluate"]["inputs"]["parameters"]["job_id"] == job_id
+    assert round_tasks["evaluate"]["dependentTasks"] == ["weight-sync"]  # the last step of the round
+    assert not [t for t, task in round_tasks.items() if "evaluate" in task.get("dependentTasks", [])]

@@ -75,6 +75,10 @@ def test_job_shape_for_nodes_and_accelerators(profile, resource, nodes):
         assert fields == {"POD_IP": "status.podIP"}  # the NCCL weight transfer's rendezvous address
         assert secrets["NATS_PASSWORD"] == cluster.NATS_SECRET
         assert secrets["MLFLOW_TRACKING_URI"] == cluster.MLFLOW_SECRET
+        optional = {e["name"]: e["valueFrom"]["secretKeyRef"].get("optional") for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+        # a missing tidal-mlflow Secret stops the replica from starting, naming the Secret; only basic auth is optional
+        assert not optional["MLFLOW_TRACKING_URI"] and not optional["NATS_PASSWORD"]
+        assert optional["MLFLOW_TRACKING_USERNAME"] and optional["MLFLOW_TRACKING_PASSWORD"]
         assert {t["key"] for t in spec["tolerations"]} == {resource}
         assert spec["automountServiceAccountToken"] is False
 

@@ -115,3 +115,86 @@ def test_a_rewritten_policy_pointer_cannot_redirect_a_worker_to_other_weights(na
     own, follows_pointer = asyncio.run(scenario())
     assert own is not None  # loaded v0 from the run's store
     assert follows_pointer is None  # built without a run directory it followed the pointer, found nothing, refused
+
+
+# ---------------------------------------------------------------- stream limits and deleting a run
+
+
+def test_run_streams_carry_the_configured_limits_and_an_existing_run_takes_new_ones(nats_server):
+    from nats.js.api import DiscardPolicy
+
+    async def scenario():
+        t = await Transport.connect(nats_server.url, "limits", TransportConfig(stream_max_age_hours=2, stream_max_mb=64))
+        work = (await t.js.stream_info(t.names["work_stream"])).config
+        rollouts = (await t.js.stream_info(t.names["rollouts_stream"])).config
+        assert (work.max_bytes, work.max_age, work.discard) == (64 << 20, 7200, DiscardPolicy.NEW)
+        assert (rollouts.max_bytes, rollouts.max_age, rollouts.discard) == (64 << 20, 7200, DiscardPolicy.OLD)
+        await t.close()
+        again = await Transport.connect(nats_server.url, "limits", TransportConfig(stream_max_age_hours=None, stream_max_mb=None))
+        rollouts = (await again.js.stream_info(again.names["rollouts_stream"])).config
+        assert rollouts.max_bytes == -1 and not rollouts.max_age
+        await again.close()
+
+    asyncio.run(scenario())
+
+
+def big_group(i: int, tokens: int) -> Group:
+    ids = np.zeros(tokens, dtype=np.int32)
+    return Group(0, i, 0, "w", np.array([1], dtype=np.int32), [Sample(ids, np.zeros(tokens, dtype=np.float32), 0.0)])
+
+
+def test_a_full_rollouts_stream_drops_its_oldest_groups_and_a_full_work_stream_refuses_new_work(nats_server):
+    async def scenario():
+        cfg = TransportConfig(max_payload_mb=1, stream_max_mb=4)
+        t = await Transport.connect(nats_server.url, "full", cfg)
+        for i in range(12):  # ~0.6 MB each: 7 MB into a 4 MB stream
+            await t.publish_group(big_group(i, 75_000))
+        state = (await t.js.stream_info(t.names["rollouts_stream"])).state
+        assert state.bytes <= 4 << 20 and state.last_seq == 12 and state.first_seq > 1  # the oldest went, the newest stayed
+        with pytest.raises(Exception, match="maximum bytes"):
+            for i in range(12):
+                await t.publish_work(WorkItem(0, i, "x" * 600_000, "1"))
+        assert await t.work_queue_depth() < 12  # what fit is queued; nothing was silently dropped to make room
+        await t.close()
+
+    asyncio.run(scenario())
+
+
+def test_delete_run_removes_the_streams_and_kv_bucket_and_a_second_call_finds_nothing(nats_server):
+    from tidal.transport import delete_run, stream_names
+
+    async def scenario():
+        t = await Transport.connect(nats_server.url, "run-9", TransportConfig())
+        await t.put_run_state(RunState.RUNNING, 0)
+        await t.publish_work(item(0))
+        other = await Transport.connect(nats_server.url, "run-10", TransportConfig())  # another run: untouched
+        names = stream_names("run-9")
+        deleted = await delete_run(nats_server.url, "run-9")
+        assert deleted == [f"stream {names['work_stream']}", f"stream {names['rollouts_stream']}", f"KV bucket {names['kv_bucket']}"]
+        streams = [s.config.name for s in await t.js.streams_info()]
+        assert not [s for s in streams if "run-9" in s]
+        assert {"TIDAL_run-10_WORK", "TIDAL_run-10_ROLLOUTS", "KV_TIDAL_run-10"} <= set(streams)
+        assert await delete_run(nats_server.url, "run-9") == []
+        await other.close()
+        await t.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_periodic_worker_drops_work_of_an_iteration_the_trainer_has_left(nats_server):
+    """A redelivered or spare item of iteration 1 once the policy is at 3: generating it would load v1, which
+    weight retention may have deleted, for a group the trainer discards anyway."""
+    from tidal.config import TidalConfig
+    from tidal.rollout.worker import version_to_generate
+
+    async def scenario():
+        t = await Transport.connect(nats_server.url, "leftover", TransportConfig())
+        await t.put_policy(3, "/w/v000003")
+        periodic = TidalConfig()
+        assert await version_to_generate(t, periodic, WorkItem(1, 0, "1+1=", "2")) is None
+        assert await version_to_generate(t, periodic, WorkItem(3, 0, "1+1=", "2")) == 3
+        bounded = TidalConfig.model_validate({"mode": "bounded", "rollout": {"max_staleness": 2}})
+        assert await version_to_generate(t, bounded, WorkItem(4, 0, "1+1=", "2")) == 3
+        await t.close()
+
+    asyncio.run(scenario())

@@ -36,3 +36,62 @@ def test_corrupt_snapshot_is_refused(tmp_path):
     (path / "manifest.json").unlink()
     with pytest.raises(CorruptSnapshotError, match="no manifest.json"):
         store.load(1)
+
+
+# ---------------------------------------------------------------- retention (weights.keep_last / keep_every)
+
+
+def publish_versions(store: WeightStore, versions) -> None:
+    for v in versions:
+        store.publish(v, {"a": torch.full((4,), float(v))})
+
+
+def test_prune_keeps_the_newest_the_milestones_the_protected_and_latest(tmp_path):
+    store = WeightStore(tmp_path / "weights")
+    publish_versions(store, range(10))
+    store.point_latest(6)  # e.g. weight_sync pointed `latest` at the round's snapshot
+    deleted = store.prune(keep_last=2, keep_every=4, protected={1})
+    assert store.versions() == [0, 1, 4, 6, 8, 9]  # newest 2, multiples of 4, protected 1, latest 6
+    assert deleted == [2, 3, 5, 7]
+    assert sorted(p.name for p in store.root.iterdir()) == ["latest"] + [f"v{v:06d}" for v in (0, 1, 4, 6, 8, 9)]
+    for v in store.versions():  # what is left is whole
+        assert store.load(v)["a"][0].item() == float(v)
+    assert store.prune(keep_last=2, keep_every=4, protected={1}) == []  # idempotent
+
+
+def test_prune_without_keep_last_keeps_everything(tmp_path):
+    store = WeightStore(tmp_path / "weights")
+    publish_versions(store, range(4))
+    assert store.prune(keep_last=None, keep_every=None, protected=set()) == [] and store.versions() == [0, 1, 2, 3]
+
+
+def test_retention_never_deletes_what_a_worker_may_load_or_a_resume_needs(tmp_path):
+    from tidal.config import TidalConfig
+    from tidal.trainer.loop import prune_snapshots
+
+    store = WeightStore(tmp_path / "weights")
+    publish_versions(store, range(11))
+    periodic = TidalConfig.model_validate({"weights": {"keep_last": 1}, "eval": {"every": None}})
+    # v10 just published (workers switch to it; a slow one may still be loading v9); the checkpoint says v7
+    prune_snapshots(periodic, store, published=10, checkpoint=7)
+    assert store.versions() == [7, 9, 10]
+    bounded = TidalConfig.model_validate({"mode": "bounded", "rollout": {"max_staleness": 2}, "weights": {"keep_last": 1}})
+    publish_versions(store, range(11))
+    prune_snapshots(bounded, store, published=10, checkpoint=10)
+    assert store.versions() == [7, 8, 9, 10]  # bounded: workers generate up to max_staleness versions behind
+    with_curve = TidalConfig.model_validate({"weights": {"keep_last": 1}, "eval": {"every": 4}})
+    publish_versions(store, range(11))
+    prune_snapshots(with_curve, store, published=10, checkpoint=10)
+    assert store.versions() == [8, 9, 10]  # the held-out curve's next version (eval.every) stays
+
+
+def test_retention_settings_are_validated():
+    from tidal.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="weights.keep_last"):
+        load_config(None, ["weights.keep_last=0"])
+    with pytest.raises(ConfigError, match="weights.kep_last"):
+        load_config(None, ["weights.kep_last=3"])
+    with pytest.raises(ConfigError, match="stream_max_mb"):
+        load_config(None, ["transport.stream_max_mb=8"])  # under 4 x max_payload_mb (8)
+    assert load_config(None, ["weights.keep_last=null"]).weights.keep_last is None

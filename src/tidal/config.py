@@ -39,6 +39,13 @@ class WarmStartConfig(_Strict):
     batch_size: int = Field(64, gt=0)
     lr: float = Field(3e-3, gt=0)
     examples: int = Field(20000, gt=0)
+    # Early stop: end the SFT once greedy accuracy on `probe_prompts` training prompts reaches this
+    # (checked every `probe_every` steps; `steps` is then the most it runs). RL learns most from a
+    # model that is sometimes right: pass@k well above pass@1. Stopping at an accuracy rather than a
+    # step count gives every seed the same starting point, where the learning curve is steep.
+    stop_at_accuracy: float | None = Field(None, gt=0, le=1)
+    probe_every: int = Field(50, gt=0)
+    probe_prompts: int = Field(256, gt=0)
     cache_dir: str | None = None  # default: $TIDAL_CACHE or ~/.cache/tidal
 
 
@@ -237,6 +244,26 @@ class TransportConfig(_Strict):
     max_payload_mb: int = Field(8, gt=0, le=64)
     ack_wait_seconds: float = Field(60.0, gt=0)
     max_deliver: int = Field(5, gt=0)
+    # JetStream limits of each of the run's streams (WORK, ROLLOUTS); None: no limit of its own. ROLLOUTS
+    # drops its oldest (long acked) groups at a limit; WORK refuses new work there, an error the trainer raises.
+    # On Kubernetes the pipeline's finalize step deletes the streams and the KV bucket (tidal.transport.delete_run).
+    stream_max_age_hours: float | None = Field(168.0, gt=0)
+    stream_max_mb: int | None = Field(4096, gt=0)
+
+    @model_validator(mode="after")
+    def _stream_holds_a_message(self) -> TransportConfig:
+        if self.stream_max_mb is not None and self.stream_max_mb < 4 * self.max_payload_mb:
+            raise ValueError(f"transport.stream_max_mb ({self.stream_max_mb}) must be at least 4 x transport.max_payload_mb ({self.max_payload_mb})")
+        return self
+
+
+class WeightsConfig(_Strict):
+    """Retention of weight snapshots (weights/vNNNNNN). Never deleted, whatever these say: the current and the
+    previous published version (a worker may still be loading it; in bounded mode the whole staleness window),
+    the version the latest checkpoint resumes from, and the version an eval.every follower evaluates next."""
+
+    keep_last: int | None = Field(5, ge=1)  # the newest N snapshots; None: keep every snapshot
+    keep_every: int | None = Field(None, ge=1)  # also keep every version divisible by N (milestones)
 
 
 class TidalConfig(_Strict):
@@ -250,6 +277,7 @@ class TidalConfig(_Strict):
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
     transport: TransportConfig = TransportConfig()
+    weights: WeightsConfig = WeightsConfig()
 
     @model_validator(mode="after")
     def _nccl_needs_vllm_workers(self) -> TidalConfig:
@@ -380,6 +408,7 @@ NON_TRAINING_KEYS = (
     "eval.",
     "tracking.",
     "transport.",
+    "weights.",  # retention: which old snapshots are kept
 )
 
 

@@ -161,7 +161,15 @@ def follow_run(cfg: TidalConfig, run_dir: Path, base_model: str, problems: list[
                 continue
             version = pending[0]
             t0 = time.perf_counter()
-            scores = evaluate_snapshot(cfg, base_model, problems, store.path(version), engine=engine)
+            try:
+                scores = evaluate_snapshot(cfg, base_model, problems, store.path(version), engine=engine)
+            except Exception:
+                if store.path(version).is_dir():
+                    raise
+                # weight retention (weights.keep_last) deleted it while this follower fell behind: move on
+                log.warning("held-out eval: snapshot v%d was deleted by weight retention before it was evaluated; skipping it", version)
+                done.update(pending)
+                continue
             record = {"version": version, "seconds": time.perf_counter() - t0, **scores}
             log_metrics({f"eval/{k}": v for k, v in scores.items() if v is not None}, version)
             with records_path.open("a") as fh:

@@ -372,7 +372,8 @@ def open_run_state(nats_url: str, run_dir: Path, cfg: TidalConfig, credentials: 
 
 
 def count_rollouts(nats_url: str, run_dir: Path, cfg: TidalConfig, credentials: dict | None = None) -> int:
-    """Groups published to the ROLLOUTS stream (generated), as the server counts them."""
+    """Groups published to the ROLLOUTS stream (generated), as the server counts them: its last
+    sequence number, since at `transport.stream_max_mb` the stream drops its oldest messages."""
     import asyncio
 
     from tidal.transport import Transport
@@ -381,7 +382,7 @@ def count_rollouts(nats_url: str, run_dir: Path, cfg: TidalConfig, credentials: 
         t = await Transport.connect(nats_url, RunInfo.load(run_dir).run_id, cfg.transport, create=False, credentials=credentials)
         try:
             info = await t.js.stream_info(t.names["rollouts_stream"])
-            return info.state.messages
+            return info.state.last_seq
         finally:
             await t.close()
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 KUBERNETES_VERSION = "1.31.0"
 
 DATA_PVC = "tidal-data"
-"""ReadWriteMany PVC holding run directories: weights, checkpoints, staged data."""
+"""PVC holding run directories: weights, checkpoints, staged data. ReadWriteMany on a cluster (pods on
+several nodes mount it); its class and access mode are each overlay's DATA_STORAGE_CLASS / DATA_ACCESS_MODE."""
 DATA_MOUNT_PATH = "/mnt/tidal"
 RUNS_ROOT = f"{DATA_MOUNT_PATH}/runs"
 
@@ -23,12 +24,13 @@ NATS_SECRET_ENV = {"user": "NATS_USER", "password": "NATS_PASSWORD"}
 
 MLFLOW_URL = "http://tidal-mlflow:5000"
 MLFLOW_SECRET = "tidal-mlflow"
-"""Secret with the MLflow tracking URI and (optional) basic-auth credentials."""
-MLFLOW_SECRET_ENV = {
-    "tracking-uri": "MLFLOW_TRACKING_URI",
-    "username": "MLFLOW_TRACKING_USERNAME",
-    "password": "MLFLOW_TRACKING_PASSWORD",
-}
+"""Secret with the MLflow tracking URI (required: a missing Secret stops the pod from starting, naming it,
+instead of the run falling back to a local store) and optional basic-auth credentials."""
+MLFLOW_SECRET_REQUIRED_ENV = {"tracking-uri": "MLFLOW_TRACKING_URI"}
+MLFLOW_SECRET_OPTIONAL_ENV = {"username": "MLFLOW_TRACKING_USERNAME", "password": "MLFLOW_TRACKING_PASSWORD"}
+MLFLOW_SECRET_ENV = {**MLFLOW_SECRET_REQUIRED_ENV, **MLFLOW_SECRET_OPTIONAL_ENV}
+MLFLOW_STORES_SECRET = "tidal-mlflow-stores"
+"""Secret of the MLflow server's Postgres and S3 credentials (manifests/components/mlflow-postgres-s3)."""
 
 WORKLOAD_SERVICE_ACCOUNT = "tidal-workload"
 """Service account of trainer pods: no API permissions, token not mounted."""
@@ -36,6 +38,52 @@ PIPELINE_SERVICE_ACCOUNT = "pipeline-runner"
 """Standalone KFP's service account for pipeline pods; allowed to manage PyTorchJobs."""
 PIPELINE_SERVICE_ACCOUNTS = (PIPELINE_SERVICE_ACCOUNT, "default-editor")
 """Every account that runs pipeline pods: standalone KFP's, and multi-user Kubeflow's in a profile namespace."""
+
+
+@dataclass(frozen=True)
+class StorageClassInfo:
+    """A storage class an overlay may name for ``tidal-data``: where it exists and what it provides."""
+
+    where: str
+    access_modes: tuple[str, ...]
+
+
+RWO, RWOP, ROX, RWX = "ReadWriteOnce", "ReadWriteOncePod", "ReadOnlyMany", "ReadWriteMany"
+FILE_SHARE_MODES = (RWO, ROX, RWX)
+
+STORAGE_CLASSES: dict[str, StorageClassInfo] = {
+    # kind's default (rancher local-path-provisioner): "Only support ReadWriteOnce access mode".
+    "standard": StorageClassInfo("kind (local-path; also minikube's default, GKE's pd-standard)", (RWO, RWOP)),
+    "efs-sc": StorageClassInfo("EKS, AWS EFS CSI driver (a class you create with your file system id)", FILE_SHARE_MODES),
+    "standard-rwx": StorageClassInfo("GKE, Filestore CSI add-on (basic HDD, 1 TiB minimum)", FILE_SHARE_MODES),
+    "premium-rwx": StorageClassInfo("GKE, Filestore CSI add-on (basic SSD, 2.5 TiB minimum)", FILE_SHARE_MODES),
+    "enterprise-rwx": StorageClassInfo("GKE, Filestore CSI add-on (enterprise, 1 TiB minimum)", FILE_SHARE_MODES),
+    "azurefile-csi": StorageClassInfo("AKS, built in (Azure Files, standard)", FILE_SHARE_MODES),
+    "azurefile-csi-premium": StorageClassInfo("AKS, built in (Azure Files, premium)", FILE_SHARE_MODES),
+    "csi-nas": StorageClassInfo("Huawei Cloud CCE, built in (SFS)", FILE_SHARE_MODES),
+    "csi-sfsturbo": StorageClassInfo("Huawei Cloud CCE, built in (SFS Turbo)", FILE_SHARE_MODES),
+    "nfs-client": StorageClassInfo("on premises, nfs-subdir-external-provisioner's default", FILE_SHARE_MODES),
+}
+"""Classes the overlays and docs/kubernetes.md name, with the access modes their provisioners grant.
+A claim asking for a mode its class lacks stays Pending (or fails to provision) without a clear error."""
+
+
+def storage_problems(claim_name: str, storage_class: str | None, access_modes: list[str], multi_node: bool) -> list[str]:
+    """What is wrong with a claim's class and access modes; empty when the class grants them.
+
+    ``storage_class`` None means the cluster's default class, which grants ReadWriteOnce on every cloud
+    and on kind, and ReadWriteMany nowhere. ``multi_node``: pods on several nodes mount the claim."""
+    if storage_class is None:
+        problems = [f"{claim_name}: no storageClassName: the default class grants ReadWriteOnce only"] if set(access_modes) - {RWO} else []
+    elif storage_class not in STORAGE_CLASSES:
+        problems = [f"{claim_name}: storage class {storage_class!r} is not one of the known classes ({', '.join(sorted(STORAGE_CLASSES))})"]
+    else:
+        lacking = sorted(set(access_modes) - set(STORAGE_CLASSES[storage_class].access_modes))
+        problems = [f"{claim_name}: class {storage_class!r} does not grant {', '.join(lacking)}"] if lacking else []
+    if multi_node and RWX not in access_modes:
+        problems.append(f"{claim_name}: pods on several nodes mount it, so it must be {RWX}")
+    return problems
+
 
 RUN_AS_USER = 1000
 RUN_AS_GROUP = 1000

@@ -57,11 +57,11 @@ def prepare(
 
 
 @component
-def open_round(run_dir: str, config_path: str, round_index: int):
-    """Set the KV run state to 'running round N' before the round's workers start."""
+def open_round(run_dir: str, config_path: str, round_index: int, job_id: str):
+    """Take the round lease (the previous round must have ended), set the KV run state to 'running round N'."""
     from tidal.kube import roles
 
-    roles.open_round(run_dir=run_dir, config_path=config_path, round_index=int(round_index))
+    roles.open_round(run_dir=run_dir, config_path=config_path, round_index=int(round_index), job_id=job_id)
 
 
 @component
@@ -122,19 +122,28 @@ def weight_sync(run_dir: str, round_index: int) -> NamedTuple("Synced", version=
 
 
 @component
-def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int, metrics: dsl.Output[dsl.Metrics]) -> float:
-    """Held-out accuracy of the round's checkpoint, to MLflow and as KFP metrics."""
+def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int, job_id: str, metrics: dsl.Output[dsl.Metrics]) -> float:
+    """Held-out accuracy of the round's checkpoint, to MLflow and as KFP metrics; releases the round lease."""
     from tidal.kube import roles
 
-    values = roles.evaluate(run_dir=run_dir, config_path=config_path, weights_path=weights_path, round_index=int(round_index))
+    values = roles.evaluate(run_dir=run_dir, config_path=config_path, weights_path=weights_path, round_index=int(round_index), job_id=job_id)
     for name, value in values.items():
         metrics.log_metric(name, value)
     return float(values.get("accuracy", next(iter(values.values()))))
 
 
 @component
-def finalize(run_dir: str, registered_model_name: str) -> str:
+def register_model(run_dir: str, registered_model_name: str) -> str:
     """Register the final checkpoint in the MLflow model registry; returns the model version."""
     from tidal.kube import roles
 
-    return roles.finalize(run_dir=run_dir, registered_model_name=registered_model_name)
+    return roles.register_model(run_dir=run_dir, registered_model_name=registered_model_name)
+
+
+@component
+def finalize(run_dir: str, job_id: str, namespace: str) -> str:
+    """The exit handler (runs after success, failure or cancellation): delete leftover trainer jobs, end the
+    MLflow run as FINISHED or FAILED, delete the run's NATS streams and KV bucket."""
+    from tidal.kube import roles
+
+    return "\n".join(roles.finalize_run(run_dir=run_dir, job_id=job_id, namespace=namespace))

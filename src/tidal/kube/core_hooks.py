@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 from tidal.protocol import RunState
@@ -89,6 +90,135 @@ def open_round(run_dir: str, config_path: str, round_index: int) -> None:
     run_async(_put_run_state(load_config(config_path), run_dir, RunState.RUNNING, round_index))
 
 
+# ---------------------------------------------------------------- round sequencing (one round at a time)
+
+ROUND_LEASE_KEY = "kube.round"
+"""KV key of the round lease: ``{"job", "round", "state": "open"|"closed", "time"}``."""
+
+
+class RoundSequenceError(RuntimeError):
+    """A round was asked to start or end out of turn: rounds of one run directory ran concurrently."""
+
+
+def reset_rounds(run_dir: str, config_path: str, job_id: str) -> str | None:
+    """prepare: the rounds of pipeline run ``job_id`` start from scratch (none open, none closed). Returns a
+    warning when another pipeline run had a round open on this run directory (it will fail at its next round)."""
+    from tidal.config import load_config
+    from tidal.roles import run_async
+
+    return run_async(_reset_rounds(load_config(config_path), run_dir, job_id))
+
+
+def begin_round(run_dir: str, config_path: str, job_id: str, round_index: int) -> None:
+    """Take the round lease for ``round_index``: only after round ``round_index - 1`` of the same pipeline run
+    closed (or again, for a retried step of the same round). Raises :class:`RoundSequenceError` otherwise."""
+    from tidal.config import load_config
+    from tidal.roles import run_async
+
+    run_async(_move_lease(load_config(config_path), run_dir, job_id, round_index, "open"))
+
+
+def end_round(run_dir: str, config_path: str, job_id: str, round_index: int) -> None:
+    """Release the round lease of ``round_index`` (its evaluation is done); the next round may begin."""
+    from tidal.config import load_config
+    from tidal.roles import run_async
+
+    run_async(_move_lease(load_config(config_path), run_dir, job_id, round_index, "closed"))
+
+
+async def _reset_rounds(cfg, run_dir: str, job_id: str) -> str | None:
+    from tidal.protocol import pack
+
+    transport = await _transport(cfg, run_dir)
+    try:
+        current, _ = await _read_lease(transport)
+        warning = None
+        if current and current.get("job") != job_id and current.get("state") == "open":
+            warning = f"pipeline run {current.get('job')} had round {current.get('round')} of this run directory open; it will stop at its next round"
+        await transport.kv.put(ROUND_LEASE_KEY, pack({"job": job_id, "round": -1, "state": "closed", "time": time.time()}))
+        return warning
+    finally:
+        await transport.close()
+
+
+async def _move_lease(cfg, run_dir: str, job_id: str, round_index: int, to_state: str) -> None:
+    from nats.js.errors import KeyWrongLastSequenceError
+
+    from tidal.protocol import pack
+
+    transport = await _transport(cfg, run_dir)
+    try:
+        current, revision = await _read_lease(transport)
+        if current is None and to_state == "open" and round_index == 0:
+            current = {"job": job_id, "round": -1, "state": "closed"}  # a run prepared before leases existed
+        if not _allowed(current, job_id, round_index, to_state):
+            raise RoundSequenceError(_out_of_turn(current, job_id, round_index, to_state))
+        if current.get("round") == round_index and current.get("state") == to_state:
+            return  # a retried step: already so
+        value = pack({"job": job_id, "round": round_index, "state": to_state, "time": time.time()})
+        try:
+            if revision is None:
+                await transport.kv.create(ROUND_LEASE_KEY, value)
+            else:
+                await transport.kv.update(ROUND_LEASE_KEY, value, last=revision)
+        except KeyWrongLastSequenceError:
+            raise RoundSequenceError(
+                f"round {round_index} of pipeline run {job_id}: another step changed the round lease at the same moment, "
+                f"so rounds of this run directory are running concurrently. {CONCURRENT_ROUNDS_ADVICE}"
+            ) from None
+    finally:
+        await transport.close()
+
+
+CONCURRENT_ROUNDS_ADVICE = (
+    "Rounds must run one after another (ParallelFor parallelism=1), which KFP backends honour from 2.4.0 "
+    "(kubeflow/pipelines#10798); older ones start every round at once. Upgrade the KFP backend, or run one round "
+    "(rounds=1, iterations_per_round=all iterations)."
+)
+
+
+def _allowed(current: dict | None, job_id: str, round_index: int, to_state: str) -> bool:
+    if current is None or current.get("job") != job_id:
+        return False
+    at, state = current.get("round"), current.get("state")
+    if to_state == "open":
+        return (at == round_index - 1 and state == "closed") or (at == round_index and state == "open")
+    return at == round_index and state in ("open", "closed")
+
+
+def _out_of_turn(current: dict | None, job_id: str, round_index: int, to_state: str) -> str:
+    verb = "start" if to_state == "open" else "end"
+    if current is None:
+        return f"round {round_index} cannot {verb}: the run has no round lease (did prepare run for pipeline run {job_id}?)"
+    if current.get("job") != job_id:
+        return (
+            f"round {round_index} of pipeline run {job_id} cannot {verb}: pipeline run {current.get('job')} has since taken over "
+            "this run directory (its prepare step ran). One pipeline run per run directory at a time."
+        )
+    return f"round {round_index} cannot {verb}: round {current.get('round')} of this run is {current.get('state')}. {CONCURRENT_ROUNDS_ADVICE}"
+
+
+async def _read_lease(transport) -> tuple[dict | None, int | None]:
+    from nats.js.errors import KeyNotFoundError
+
+    from tidal.protocol import unpack
+
+    try:
+        entry = await transport.kv.get(ROUND_LEASE_KEY)
+    except KeyNotFoundError:
+        return None, None
+    if entry is None or not entry.value:
+        return None, entry.revision if entry else None
+    value = unpack(entry.value)
+    return (value if isinstance(value, dict) else None), entry.revision
+
+
+async def _transport(cfg, run_dir: str):
+    from tidal.transport import Transport
+
+    return await Transport.connect(nats_url(cfg), run_id_of(run_dir), cfg.transport, create=True)
+
+
 def mark_run_failed(run_dir: str, config_path: str, round_index: int | None = None) -> None:
     """Set the KV run state to failed, so the round's rollout workers stop and release their accelerators."""
     from tidal.config import load_config
@@ -105,6 +235,15 @@ async def _put_run_state(cfg, run_dir: str, state: RunState, round_index: int | 
         await transport.put_run_state(state, round_index)
     finally:
         await transport.close()
+
+
+def delete_run_transport(run_dir: str, config_path: str) -> list[str]:
+    """Delete the run's streams and KV bucket; returns what existed (nothing on a second call)."""
+    from tidal.config import load_config
+    from tidal.roles import run_async
+    from tidal.transport import delete_run
+
+    return run_async(delete_run(nats_url(load_config(config_path)), run_id_of(run_dir)))
 
 
 def nats_url(cfg) -> str:

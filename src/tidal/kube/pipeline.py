@@ -2,9 +2,10 @@
 
 ::
 
-    prepare ─▶ training loop (rounds one after another: ParallelFor, parallelism 1)
-                 └─ round: open_round ─▶ lanes ∥ (trainer | rollout-0 … rollout-N-1) ─▶ weight_sync ─▶ evaluate
-             ─▶ finalize (register the final model)
+    exit handler ┌ prepare ─▶ training loop (rounds one after another: ParallelFor, parallelism 1)
+                 │              └─ round: open_round ─▶ lanes ∥ (trainer | rollout-0 … rollout-N-1) ─▶ weight_sync ─▶ evaluate
+                 │           ─▶ register_model (the final snapshot, in the MLflow registry)
+                 └ finalize, however the run ended: delete leftover trainer jobs, end the MLflow run, delete streams and KV
 
 KFP v2 carries no state between loop iterations; each round reads what the
 previous one left in the run's storage (run directory on the PVC, NATS KV,
@@ -43,7 +44,9 @@ def on_cluster(task: dsl.PipelineTask, needs_nats: bool = True, cpu: str = "500m
     kubernetes.mount_pvc(task, pvc_name=cluster.DATA_PVC, mount_path=cluster.DATA_MOUNT_PATH)
     if needs_nats:
         kubernetes.use_secret_as_env(task, secret_name=cluster.NATS_SECRET, secret_key_to_env=cluster.NATS_SECRET_ENV)
-    kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_ENV, optional=True)
+    # the tracking URI is required (no Secret: the pod does not start, and says why); basic auth is optional
+    kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_REQUIRED_ENV)
+    kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_OPTIONAL_ENV, optional=True)
     for key, value in cluster.TIDAL_POD_LABEL.items():
         kubernetes.add_pod_label(task, label_key=key, label_value=value)
     kubernetes.set_security_context(task, run_as_user=cluster.RUN_AS_USER, run_as_group=cluster.RUN_AS_GROUP, run_as_non_root=True)
@@ -104,10 +107,11 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
         trainer_start_timeout_s: int,
         namespace: str,
     ):
-        opened = on_cluster(open_round(run_dir=run_dir, config_path=config_path, round_index=round_index))
+        job_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
+        opened = on_cluster(open_round(run_dir=run_dir, config_path=config_path, round_index=round_index, job_id=job_id))
         with dsl.ParallelFor(lanes) as lane:
             with dsl.If(lane == "trainer", name="trainer-lane"):
-                trainer = train(
+                trainer_args = dict(
                     run_dir=run_dir,
                     config_path=config_path,
                     round_index=round_index,
@@ -124,18 +128,30 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
                     deadline_s=trainer_deadline_s,
                     start_timeout_s=trainer_start_timeout_s,
                 )
-                on_cluster(trainer).set_display_name("train").after(opened)
-                # the job's ownerReference and per-attempt name (tidal.kube.roles.launcher_pod)
-                kubernetes.use_field_path_as_env(trainer, env_name="TIDAL_POD_NAME", field_path="metadata.name")
-                kubernetes.use_field_path_as_env(trainer, env_name="TIDAL_POD_UID", field_path="metadata.uid")
+                # Resources are fixed per task, the backend is a run parameter: one task per backend.
+                with dsl.If(trainer_backend != "local", name="trainer-job"):
+                    # a launcher: creates the trainer job, streams its logs, waits; the job has the resources
+                    trainer = launcher = on_cluster(train(**trainer_args)).set_display_name("train (job launcher)")
+                with dsl.Else(name="trainer-in-step"):
+                    # trainer_backend=local trains in this pod: it gets what a trainer replica would get
+                    in_step = train(**trainer_args)
+                    on_cluster(in_step, cpu=trainer_cpu, memory=trainer_memory).set_display_name("train")
+                    on_accelerator(in_step, profile, trainer_accelerators_per_node)
+                for task in (launcher, in_step):
+                    task.after(opened)
+                    # the job's ownerReference and per-attempt name (tidal.kube.roles.launcher_pod)
+                    kubernetes.use_field_path_as_env(task, env_name="TIDAL_POD_NAME", field_path="metadata.name")
+                    kubernetes.use_field_path_as_env(task, env_name="TIDAL_POD_UID", field_path="metadata.uid")
             with dsl.Else(name="rollout-lane"):
                 worker = rollout_worker(run_dir=run_dir, config_path=config_path, lane=lane, round_index=round_index)
                 on_cluster(worker, cpu=worker_cpu, memory=worker_memory).set_display_name("rollout-worker")
                 on_accelerator(worker, profile, worker_accelerators).after(opened)
         synced = on_cluster(weight_sync(run_dir=run_dir, round_index=round_index), needs_nats=False)
         synced.after(trainer).after(worker)
-        evaluation = evaluate(run_dir=run_dir, config_path=config_path, weights_path=synced.outputs["weights_path"], round_index=round_index)
-        on_cluster(evaluation, needs_nats=False, cpu=worker_cpu, memory=worker_memory)
+        evaluation = evaluate(
+            run_dir=run_dir, config_path=config_path, weights_path=synced.outputs["weights_path"], round_index=round_index, job_id=job_id
+        )
+        on_cluster(evaluation, cpu=worker_cpu, memory=worker_memory)  # NATS: it releases the round lease
         on_accelerator(evaluation, profile, 1)
 
     @dsl.pipeline(name=f"{PIPELINE_NAME}-loop", description="Rounds, one after another.")
@@ -179,6 +195,76 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
                 namespace=namespace,
             ).set_caching_options(False)
 
+    def run_steps(
+        config_yaml,
+        config_path,
+        run_dir,
+        rounds,
+        iterations_per_round,
+        rollout_workers,
+        group_size,
+        prompts_per_iteration,
+        mode,
+        overrides,
+        experiment,
+        nats_url,
+        tracking_uri,
+        trainer_backend,
+        trainer_nodes,
+        trainer_accelerators_per_node,
+        worker_accelerators,
+        worker_cpu,
+        worker_memory,
+        trainer_image,
+        trainer_cpu,
+        trainer_memory,
+        trainer_deadline_s,
+        trainer_start_timeout_s,
+        namespace,
+        registered_model_name,
+    ):
+        """prepare -> rounds -> register the model (inside the exit handler)."""
+        prepared = on_cluster(
+            prepare(
+                config_yaml=config_yaml,
+                config_path=config_path,
+                run_dir=run_dir,
+                job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                rounds=rounds,
+                iterations_per_round=iterations_per_round,
+                rollout_workers=rollout_workers,
+                group_size=group_size,
+                prompts_per_iteration=prompts_per_iteration,
+                mode=mode,
+                experiment=experiment,
+                nats_url=nats_url,
+                tracking_uri=tracking_uri,
+                overrides=overrides,
+            )
+        )
+        loop = training_loop(
+            run_dir=prepared.outputs["run_dir"],
+            config_path=prepared.outputs["config_path"],
+            rounds=prepared.outputs["rounds"],
+            lanes=prepared.outputs["lanes"],
+            iterations_per_round=iterations_per_round,
+            trainer_backend=trainer_backend,
+            trainer_nodes=trainer_nodes,
+            trainer_accelerators_per_node=trainer_accelerators_per_node,
+            worker_accelerators=worker_accelerators,
+            worker_cpu=worker_cpu,
+            worker_memory=worker_memory,
+            trainer_image=trainer_image,
+            trainer_cpu=trainer_cpu,
+            trainer_memory=trainer_memory,
+            trainer_deadline_s=trainer_deadline_s,
+            trainer_start_timeout_s=trainer_start_timeout_s,
+            namespace=namespace,
+        )
+        loop.set_caching_options(False)
+        registered = register_model(run_dir=prepared.outputs["run_dir"], registered_model_name=registered_model_name)
+        on_cluster(registered, needs_nats=False).after(loop)
+
     @dsl.pipeline(
         name=PIPELINE_NAME,
         description=f"Tidal GRPO with periodic asynchrony ({profile.name}): rounds of rollout "
@@ -219,53 +305,46 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
         trainer_image (default: the steps' image), trainer_cpu / trainer_memory: requests of each trainer replica;
         trainer_deadline_s: the trainer job's activeDeadlineSeconds (0: none); trainer_start_timeout_s: how long
         the job may stay Pending before the round fails."""
-        prepared = on_cluster(
-            prepare(
+        # The exit handler: runs however the run ends; it may only read pipeline parameters (KFP rule), so it
+        # finds the run directory as prepare does (run_dir, else /mnt/tidal/runs/<job id>).
+        cleanup = finalize(run_dir=run_dir, job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, namespace=namespace)
+        on_cluster(cleanup).set_display_name("finalize")
+        with dsl.ExitHandler(cleanup, name="tidal-run"):
+            run_steps(
                 config_yaml=config_yaml,
                 config_path=config_path,
                 run_dir=run_dir,
-                job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
                 rounds=rounds,
                 iterations_per_round=iterations_per_round,
                 rollout_workers=rollout_workers,
                 group_size=group_size,
                 prompts_per_iteration=prompts_per_iteration,
                 mode=mode,
+                overrides=overrides,
                 experiment=experiment,
                 nats_url=nats_url,
                 tracking_uri=tracking_uri,
-                overrides=overrides,
+                trainer_backend=trainer_backend,
+                trainer_nodes=trainer_nodes,
+                trainer_accelerators_per_node=trainer_accelerators_per_node,
+                worker_accelerators=worker_accelerators,
+                worker_cpu=worker_cpu,
+                worker_memory=worker_memory,
+                trainer_image=trainer_image,
+                trainer_cpu=trainer_cpu,
+                trainer_memory=trainer_memory,
+                trainer_deadline_s=trainer_deadline_s,
+                trainer_start_timeout_s=trainer_start_timeout_s,
+                namespace=namespace,
+                registered_model_name=registered_model_name,
             )
-        )
-        loop = training_loop(
-            run_dir=prepared.outputs["run_dir"],
-            config_path=prepared.outputs["config_path"],
-            rounds=prepared.outputs["rounds"],
-            lanes=prepared.outputs["lanes"],
-            iterations_per_round=iterations_per_round,
-            trainer_backend=trainer_backend,
-            trainer_nodes=trainer_nodes,
-            trainer_accelerators_per_node=trainer_accelerators_per_node,
-            worker_accelerators=worker_accelerators,
-            worker_cpu=worker_cpu,
-            worker_memory=worker_memory,
-            trainer_image=trainer_image,
-            trainer_cpu=trainer_cpu,
-            trainer_memory=trainer_memory,
-            trainer_deadline_s=trainer_deadline_s,
-            trainer_start_timeout_s=trainer_start_timeout_s,
-            namespace=namespace,
-        )
-        loop.set_caching_options(False)
-        final = finalize(run_dir=prepared.outputs["run_dir"], registered_model_name=registered_model_name)
-        on_cluster(final, needs_nats=False).after(loop)
 
     return tidal_pipeline
 
 
 # Component handles used above (module level so the pipeline reads like the diagram).
 prepare, open_round, rollout_worker, train = c.prepare, c.open_round, c.rollout_worker, c.train
-weight_sync, evaluate, finalize = c.weight_sync, c.evaluate, c.finalize
+weight_sync, evaluate, register_model, finalize = c.weight_sync, c.evaluate, c.register_model, c.finalize
 
 
 def compile_pipeline(output_path, accelerator: str = "nvidia", image: str = "") -> Path:

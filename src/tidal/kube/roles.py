@@ -259,8 +259,17 @@ def data_paths(config) -> dict[str, str]:
 
 
 def tracking_uri_for(run_dir: str, configured: str | None) -> str:
-    """Explicit config value, else $MLFLOW_TRACKING_URI (from the tidal-mlflow Secret), else sqlite in the run."""
-    return configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(run_dir).resolve()}/mlflow.db"
+    """Explicit config value (the ``tracking_uri`` parameter), else $MLFLOW_TRACKING_URI (key ``tracking-uri`` of
+    Secret ``tidal-mlflow``). Never a silent local store: a run whose metrics vanish into a file in the run
+    directory looks like a run that logged nothing. ``tidal run --via kfp-local`` passes its own sqlite URI."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise PipelineStepError(
+            f"no MLflow tracking URI: $MLFLOW_TRACKING_URI is unset (key 'tracking-uri' of Secret '{cluster.MLFLOW_SECRET}') "
+            "and neither the tracking_uri parameter nor tracking.uri gives one. Create the Secret (docs/kubernetes.md), or pass "
+            f"tracking_uri, e.g. sqlite:///{Path(run_dir).resolve()}/mlflow.db for a run without a tracking server"
+        )
+    return uri
 
 
 def local_artifact_location(run_dir: str, tracking_uri: str) -> str | None:
@@ -301,10 +310,13 @@ def open_parent_run(run_dir: str, config_path: str) -> tuple[str, str]:
 def prepare(config_yaml: str, config_path: str, run_dir: str, job_id: str, knobs: PipelineKnobs) -> PreparedRun:
     """Validate the config, stage it and its data, create the streams and KV bucket, open the MLflow parent run."""
     run_dir = resolve_run_dir(run_dir, job_id)
-    state_dir(run_dir)
+    (state_dir(run_dir) / REGISTERED_FILE).unlink(missing_ok=True)  # this pipeline run has not succeeded (yet)
     staged = stage_config(run_dir, config_yaml, config_path, knobs.config_overrides())
     parent_run_id, tracking_uri = open_parent_run(run_dir, staged)
     core_prepare(run_dir, staged, tracking_uri, parent_run_id)
+    warning = core_hooks.reset_rounds(run_dir, staged, job_id or "local")
+    if warning:
+        print(f"warning: {warning}", flush=True)
     return PreparedRun(
         run_dir=run_dir, config_path=staged, rounds=list(range(knobs.rounds)), lanes=worker_lanes(knobs.rollout_workers), parent_run_id=parent_run_id
     )
@@ -320,9 +332,15 @@ def core_prepare(run_dir: str, config_path: str, tracking_uri: str, parent_run_i
 
 
 @as_separate_pod("open-round")
-def open_round(run_dir: str, config_path: str, round_index: int) -> None:
-    """Mark the run as running round ``round_index`` so this round's workers do not exit at once."""
-
+def open_round(run_dir: str, config_path: str, round_index: int, job_id: str) -> None:
+    """Take the round lease (round ``round_index - 1`` of this pipeline run must have ended: a KFP backend that
+    ignores the rounds loop's parallelism=1 starts every round at once, and all but one fail here, saying so,
+    instead of sharing the run directory), then mark the run as running round ``round_index`` so this round's
+    workers do not exit at once."""
+    try:
+        core_hooks.begin_round(run_dir, config_path, job_id or "local", round_index)
+    except core_hooks.RoundSequenceError as err:
+        raise PipelineStepError(str(err)) from None
     core_hooks.open_round(run_dir, config_path, round_index)
     log_to_parent_run(run_dir, metrics={"round/started": float(round_index)}, step=round_index)
 
@@ -466,7 +484,7 @@ def train_round(run_dir: str, config_path: str, round_index: int, iterations: in
     try:
         with termination_as_exception():
             if placement.backend == "local":
-                run_tidal(["train", config_path, "--run-dir", run_dir, "--nats-url", nats_url_of(config_path), "--iterations", str(iterations)])
+                run_command(local_trainer_command(config_path, run_dir, nats_url_of(config_path), iterations, placement), "tidal train")
             elif placement.backend == "pytorchjob":
                 train_round_as_pytorchjob(run_dir, config_path, round_index, iterations, placement, job_backend)
             else:
@@ -474,6 +492,34 @@ def train_round(run_dir: str, config_path: str, round_index: int, iterations: in
     except BaseException as err:
         record_run_failed(run_dir, config_path, round_index, err)
         raise
+
+
+def local_trainer_command(config_path: str, run_dir: str, nats_url: str, iterations: int, placement: TrainerPlacement) -> list[str]:
+    """``trainer_backend=local``: the trainer runs in this step's pod, which the pipeline gives the trainer's
+    requests and ``accelerators_per_node`` accelerators. One pod is one node; with more than one
+    accelerator, ``torchrun --standalone`` starts a rank per accelerator, as in a job's replica."""
+    if placement.nodes != 1:
+        raise PipelineStepError(
+            f"trainer_backend=local trains inside the step's one pod, so trainer_nodes must be 1 (got {placement.nodes}); "
+            "use trainer_backend=pytorchjob for several nodes"
+        )
+    args = ["train", config_path, "--run-dir", run_dir, "--nats-url", nats_url, "--iterations", str(iterations)]
+    ranks = placement.accelerators_per_node if cluster.accelerator_profile(placement.accelerator).has_accelerator else 1
+    if ranks > 1:
+        return [torchrun_executable(), "--standalone", f"--nproc-per-node={ranks}", "--no-python", *tidal_executable(), *args]
+    return tidal_executable() + args
+
+
+def torchrun_executable() -> str:
+    beside = Path(sys.executable).with_name("torchrun")
+    return str(beside) if beside.is_file() else (shutil.which("torchrun") or "torchrun")
+
+
+def run_command(command: list[str], what: str) -> None:
+    print("+ " + " ".join(command), flush=True)
+    code = subprocess.run(command).returncode
+    if code != 0:
+        raise PipelineStepError(f"'{what}' exited with status {code}")
 
 
 def record_run_failed(run_dir: str, config_path: str, round_index: int, reason: BaseException) -> None:
@@ -510,7 +556,25 @@ def train_round_as_pytorchjob(
     )
     backend = job_backend or PyTorchJobBackend(start_timeout_s=placement.start_timeout_s)
     wait_s = placement.deadline_s + DEADLINE_MARGIN_S if placement.deadline_s else DEFAULT_TRAINER_WAIT_S
+    record_trainer_job(run_dir, spec.namespace, spec.name, round_index)  # before creating it: finalize deletes what is left
     run_trainer_job(backend, spec, timeout_s=wait_s)
+
+
+TRAINER_JOBS_FILE = "trainer-jobs.jsonl"
+"""Every trainer job a launcher created (or was about to), one JSON line each: what finalize deletes."""
+
+
+def record_trainer_job(run_dir: str, namespace: str, name: str, round_index: int) -> None:
+    with (state_dir(run_dir) / TRAINER_JOBS_FILE).open("a") as fh:
+        fh.write(json.dumps({"namespace": namespace, "name": name, "round": round_index}) + "\n")
+
+
+def recorded_trainer_jobs(run_dir: str) -> list[tuple[str, str]]:
+    path = Path(run_dir) / STATE_DIR / TRAINER_JOBS_FILE
+    if not path.is_file():
+        return []
+    jobs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return list(dict.fromkeys((job["namespace"], job["name"]) for job in jobs))
 
 
 MAX_JOB_NAME = 52
@@ -579,14 +643,19 @@ def weight_sync(run_dir: str, round_index: int) -> SyncedWeights:
 
 
 @as_separate_pod("evaluate")
-def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int) -> dict[str, float]:
-    """Held-out metrics of the round's snapshot (``tidal eval``), logged to MLflow per round."""
+def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int, job_id: str) -> dict[str, float]:
+    """Held-out metrics of the round's snapshot (``tidal eval``), logged to MLflow per round; the round's last
+    step, so it releases the round lease and the next round may begin."""
     output = run_tidal(["eval", config_path, "--run-dir", run_dir, "--weights", weights_path], capture=True)
     print(output, flush=True)
     metrics = numeric_metrics(last_json_object(output))
     if not metrics:
         raise PipelineStepError(f"'tidal eval' printed no numeric metrics: {output[-500:]!r}")
     log_to_parent_run(run_dir, metrics={f"eval/{k}": v for k, v in metrics.items()}, step=round_index)
+    try:
+        core_hooks.end_round(run_dir, config_path, job_id or "local", round_index)
+    except core_hooks.RoundSequenceError as err:
+        raise PipelineStepError(str(err)) from None
     return metrics
 
 
@@ -608,8 +677,8 @@ def numeric_metrics(payload: dict) -> dict[str, float]:
     return {key: float(value) for key, value in payload.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
-@as_separate_pod("finalize")
-def finalize(run_dir: str, registered_model_name: str) -> str:
+@as_separate_pod("register-model")
+def register_model(run_dir: str, registered_model_name: str) -> str:
     """Log the final snapshot to the parent run and register it in the MLflow model registry."""
     from mlflow.tracking import MlflowClient
 
@@ -627,7 +696,9 @@ def finalize(run_dir: str, registered_model_name: str) -> str:
             raise
     source = f"{client.get_run(run_id).info.artifact_uri}/final_model"
     version = client.create_model_version(registered_model_name, source=source, run_id=run_id, tags={"tidal.weights": str(latest)})
-    client.set_terminated(run_id, status="FINISHED")
+    write_json_atomically(
+        state_dir(run_dir) / REGISTERED_FILE, {"model": registered_model_name, "version": str(version.version), "weights": str(latest)}
+    )
     print(f"registered {registered_model_name} version {version.version} from {latest}", flush=True)
     return str(version.version)
 
@@ -644,3 +715,86 @@ def log_to_parent_run(run_dir: str, metrics: dict[str, float] | None = None, ste
         metrics=[Metric(k, v, now, step) for k, v in (metrics or {}).items()],
         tags=[RunTag(k, v) for k, v in (tags or {}).items()],
     )
+
+
+# ---------------------------------------------------------------- finalize (the pipeline's exit handler)
+
+REGISTERED_FILE = "registered.json"
+"""Written by register_model, the run's last step: its presence is how finalize knows the run succeeded.
+(An exit task could be handed dsl.PipelineTaskFinalStatus, but KFP backends before 2.14 cannot resolve it.)"""
+
+
+@as_separate_pod("finalize")
+def finalize_run(run_dir: str, job_id: str, namespace: str = "", job_backend=None) -> list[str]:
+    """Whatever became of the run (the exit handler runs after success, failure and cancellation): delete
+    trainer jobs that are left, end the MLflow parent run FINISHED (register_model got to the end) or
+    FAILED, and delete the run's NATS streams and KV bucket. Every part is tried; the step fails
+    afterwards if one failed, naming it. Returns what it did, one line per action. Weights, checkpoints
+    and the config stay on the volume."""
+    run_dir = resolve_run_dir(run_dir, job_id)
+    succeeded = (Path(run_dir) / STATE_DIR / REGISTERED_FILE).is_file()
+    done: list[str] = []
+    problems: list[str] = []
+
+    def attempt(what: str, action) -> None:
+        try:
+            done.extend(action())
+        except Exception as err:
+            problems.append(f"{what}: {type(err).__name__}: {err}")
+
+    attempt("deleting trainer jobs", lambda: delete_trainer_jobs(run_dir, job_backend))
+    attempt("ending the MLflow run", lambda: end_parent_run(run_dir, succeeded))
+    attempt("deleting the NATS streams and KV bucket", lambda: delete_run_transport(run_dir))
+    for line in done:
+        print(line, flush=True)
+    if problems:
+        raise PipelineStepError("finalize could not clean up everything:\n  - " + "\n  - ".join(problems))
+    return done
+
+
+def delete_trainer_jobs(run_dir: str, job_backend=None) -> list[str]:
+    jobs = recorded_trainer_jobs(run_dir)
+    if not jobs:
+        return []
+    from tidal.kube.pytorchjob import PyTorchJobBackend
+
+    backend = job_backend or PyTorchJobBackend()
+    done = []
+    for namespace, name in jobs:
+        try:
+            backend.delete(name, namespace)
+            done.append(f"deleted trainer job {namespace}/{name}")
+        except Exception as err:
+            if not is_not_found(err):
+                raise
+    return done
+
+
+def is_not_found(err: BaseException) -> bool:
+    """A Kubernetes 404, also when an SDK wrapped it (TrainingClient raises RuntimeError from the ApiException)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if getattr(err, "status", None) == 404:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def end_parent_run(run_dir: str, succeeded: bool) -> list[str]:
+    state_file = Path(run_dir) / STATE_DIR / "pipeline.json"
+    if not state_file.is_file():
+        return []  # prepare never opened one
+    from mlflow.tracking import MlflowClient
+
+    state = read_json(state_file)
+    status = "FINISHED" if succeeded else "FAILED"
+    MlflowClient(tracking_uri=state["tracking_uri"]).set_terminated(state["parent_run_id"], status=status)
+    return [f"MLflow run {state['parent_run_id']}: {status}"]
+
+
+def delete_run_transport(run_dir: str) -> list[str]:
+    config_path = Path(run_dir) / "config.yaml"
+    if not config_path.is_file():
+        return []  # prepare stopped before it created streams
+    return [f"deleted {what}" for what in core_hooks.delete_run_transport(run_dir, str(config_path))]

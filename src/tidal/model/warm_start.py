@@ -10,6 +10,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,6 +58,13 @@ def sft_batch(
     return ids, mask, lab
 
 
+@dataclass(frozen=True)
+class WarmStartResult:
+    steps: int  # steps run: fewer than asked when the probe stopped it early
+    loss: float  # the last step's loss
+    probe_accuracy: float | None  # greedy accuracy on the probe prompts at the last check
+
+
 def supervised_warm_start(
     model,
     tokenizer,
@@ -67,14 +75,18 @@ def supervised_warm_start(
     seed: int,
     progress=None,
     encode: Callable[[str], list[int]] | None = None,
-) -> float:
-    """A short SFT so RL starts with signal. Returns the last loss."""
+    probe: Callable[[], float] | None = None,
+    probe_every: int = 50,
+    stop_at_accuracy: float | None = None,
+) -> WarmStartResult:
+    """A short SFT so RL starts with signal. With `probe` (greedy accuracy of the model as it is)
+    and `stop_at_accuracy`, it stops at the first check that reaches that accuracy."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / max(1, steps)))
     model.train()
-    loss_value = float("nan")
-    for step in range(steps):
+    loss_value, accuracy, step = float("nan"), None, 0
+    for step in range(1, steps + 1):
         idx = torch.randint(len(problems), (batch_size,), generator=gen).tolist()
         ids, mask, lab = sft_batch(tokenizer, [problems[i] for i in idx], encode)
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
@@ -85,9 +97,29 @@ def supervised_warm_start(
         sched.step()
         loss_value = loss.item()
         if progress is not None:
-            progress(step + 1, steps, loss_value)
+            progress(step, steps, loss_value)
+        if probe is not None and stop_at_accuracy is not None and step % probe_every == 0:
+            model.eval()
+            accuracy = probe()
+            model.train()
+            log.info("warm start step %d: loss %.3f, probe accuracy %.3f", step, loss_value, accuracy)
+            if accuracy >= stop_at_accuracy:
+                break
     model.eval()
-    return loss_value
+    return WarmStartResult(step, loss_value, accuracy)
+
+
+def greedy_probe(model, tokenizer, problems: list[Problem], max_new_tokens: int, encode: Callable[[str], list[int]]) -> Callable[[], float]:
+    """Greedy accuracy of `model` (as it is when called) on `problems`."""
+    from tidal.config import RolloutConfig
+    from tidal.evaluate import held_out_accuracy
+    from tidal.rollout.engine import HFEngine
+
+    def accuracy() -> float:
+        engine = HFEngine.for_rollout(model, tokenizer, RolloutConfig(max_new_tokens=max_new_tokens))
+        return held_out_accuracy(engine, tokenizer, problems, 128, max_new_tokens, encode=encode)
+
+    return accuracy
 
 
 def prepare_base_model(cfg: TidalConfig, dataset: Dataset, progress=None) -> Path | str:
@@ -109,8 +141,13 @@ def prepare_base_model(cfg: TidalConfig, dataset: Dataset, progress=None) -> Pat
         pool = dataset.train[: ws.examples]
         t0 = time.time()
         encode = prompt_encoder(tokenizer, cfg.data)
-        loss = supervised_warm_start(model, tokenizer, pool, ws.steps, ws.batch_size, ws.lr, cfg.seed, progress, encode)
-        log.info("warm start: %d steps in %.1fs, final loss %.3f", ws.steps, time.time() - t0, loss)
+        probe = greedy_probe(model, tokenizer, pool[: ws.probe_prompts], cfg.rollout.max_new_tokens, encode)
+        result = supervised_warm_start(
+            model, tokenizer, pool, ws.steps, ws.batch_size, ws.lr, cfg.seed, progress, encode, probe, ws.probe_every, ws.stop_at_accuracy
+        )
+        log.info(
+            "warm start: %d steps in %.1fs, final loss %.3f, probe accuracy %s", result.steps, time.time() - t0, result.loss, result.probe_accuracy
+        )
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

@@ -116,11 +116,12 @@ async def decode_work(transport: Transport, msgs: list, worker_id: str) -> list[
 async def version_to_generate(transport: Transport, cfg: TidalConfig, item: WorkItem) -> int | None:
     """The policy version that must generate `item`. periodic: exactly the item's iteration, once
     published. bounded: the newest published version, which is at least iteration -
-    rollout.max_staleness because the trainer releases work only that far ahead; None when the
-    trainer has already moved past the item's iteration (a leftover: its group would be discarded)."""
+    rollout.max_staleness because the trainer releases work only that far ahead. None when the
+    trainer has already moved past the item's iteration (a leftover, e.g. a redelivered or spare
+    item: its group would be discarded, and weight retention may have deleted its snapshot)."""
     if cfg.mode != "bounded":
-        await transport.wait_for_policy(item.iteration)
-        return item.iteration
+        policy = await transport.wait_for_policy(item.iteration)
+        return None if policy.version > item.iteration else item.iteration
     policy = await transport.wait_for_policy(0)
     return None if policy.version > item.iteration else policy.version
 

@@ -26,7 +26,7 @@ from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.learner import Learner, merge_updates
 from tidal.trainer.metrics import Timer, group_record, iteration_metrics
 from tidal.trainer.sources import GroupSource
-from tidal.weights import WeightStore
+from tidal.weights import WeightStore, versions_in_use
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,16 @@ def forget_unfinished(files: RunFiles, store: WeightStore, start: int) -> None:
         log.info("dropped %d groups.jsonl record(s) of iterations from %d on (trained again now)", dropped, start)
 
 
+def prune_snapshots(cfg: TidalConfig, store: WeightStore, published: int, checkpoint: int) -> list[int]:
+    """Weight retention (cfg.weights) after ``published`` is out and the checkpoint resumes from ``checkpoint``.
+    Kept whatever the policy: what a worker may still load, what a resume needs, and the version an
+    eval.every follower evaluates next."""
+    protected = versions_in_use(published, max_staleness(cfg)) | {checkpoint}
+    if cfg.eval.enabled and cfg.eval.every:
+        protected.add(published - published % cfg.eval.every)
+    return store.prune(cfg.weights.keep_last, cfg.weights.keep_every, protected)
+
+
 async def train(
     cfg: TidalConfig,
     learner: Learner,
@@ -248,6 +258,8 @@ async def train(
             if main:  # before the checkpoint: a trainer that dies in between redoes v and forget_unfinished drops these
                 files.append_many("groups.jsonl", records)
             await on_compute_thread(save_checkpoint, files, learner, v + 1)
+            if main:
+                await on_compute_thread(prune_snapshots, cfg, store, v + 1, v + 1)
         await source.commit(v)
         if not pushed:  # pushed: the workers' load time is the push, already counted
             timer.add("sync", max((g.weight_load_seconds for g in groups), default=0.0))

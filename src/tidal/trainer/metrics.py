@@ -107,6 +107,7 @@ def iteration_metrics(version: int, groups: list[Group], update: dict, timer: Ti
         "samples_per_s": stats["samples"] / elapsed if elapsed > 0 else 0.0,
         "pipeline_efficiency": pipeline_efficiency(generate, timer["train"], timer["sync"], elapsed),
         "generation_tail_seconds": generation_tail(groups),
+        "wall_time": time.time(),  # when the iteration ended (Unix seconds): benchmarks time the loop end to end
         **extra,
     }
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import nats
 import nats.errors
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError, ServiceUnavailableError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NotFoundError, ServiceUnavailableError
 
 from tidal.config import TransportConfig
 from tidal.protocol import (
@@ -119,6 +119,55 @@ async def connect_nats(url: str, name: str, credentials: dict) -> nats.NATS:
     return nc
 
 
+STREAM_CONFIG_DIFFERS = 10058
+"""JetStream's error code for "stream name already in use with a different configuration"."""
+
+
+def stream_config(kind: str, names: dict[str, str], cfg: TransportConfig) -> StreamConfig:
+    """The WORK (work queue: an item leaves when acked) or ROLLOUTS (limits) stream of a run.
+
+    At ``stream_max_mb`` ROLLOUTS drops its oldest groups, which the trainer acked long ago (it acks an
+    iteration's groups at its boundary), while WORK refuses new items, so the trainer fails loudly
+    instead of work vanishing. ``stream_max_age_hours`` ages out whatever a dead run left behind."""
+    max_age = cfg.stream_max_age_hours * 3600 if cfg.stream_max_age_hours else None
+    return StreamConfig(
+        name=names[f"{kind}_stream"],
+        subjects=[names[f"{kind}_subject"]],
+        retention=RetentionPolicy.WORK_QUEUE if kind == "work" else RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_msg_size=cfg.max_payload_mb * 1024 * 1024,
+        max_bytes=cfg.stream_max_mb * 1024 * 1024 if cfg.stream_max_mb else -1,
+        max_age=max_age or 0,
+        discard=DiscardPolicy.NEW if kind == "work" else DiscardPolicy.OLD,
+        # Nats-Msg-Id de-duplication (redelivered work publishes once); JetStream wants it within max_age
+        duplicate_window=min(3600, max_age) if max_age else 3600,
+    )
+
+
+async def delete_run(url: str, run_id: str) -> list[str]:
+    """Delete the run's streams and KV bucket (what the pipeline's finalize step does); returns what existed.
+    Deleting what is already gone is not an error, so a retried finalize succeeds."""
+    nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=2, name=f"tidal-{run_id}-finalize", **credentials_from_env())
+    try:
+        js = nc.jetstream()
+        names = stream_names(run_id)
+        deleted = []
+        for stream in (names["work_stream"], names["rollouts_stream"]):
+            try:
+                await js.delete_stream(stream)
+                deleted.append(f"stream {stream}")
+            except NotFoundError:
+                pass
+        try:
+            await js.delete_key_value(names["kv_bucket"])
+            deleted.append(f"KV bucket {names['kv_bucket']}")
+        except (NotFoundError, BucketNotFoundError):
+            pass
+        return deleted
+    finally:
+        await nc.close()
+
+
 @dataclass
 class Transport:
     nc: nats.NATS
@@ -169,18 +218,14 @@ class Transport:
 
     @staticmethod
     async def _ensure_streams(js, names: dict[str, str], cfg: TransportConfig) -> None:
-        max_bytes = cfg.max_payload_mb * 1024 * 1024
-        for kind, retention in (("work", RetentionPolicy.WORK_QUEUE), ("rollouts", RetentionPolicy.LIMITS)):
-            await js.add_stream(
-                StreamConfig(
-                    name=names[f"{kind}_stream"],
-                    subjects=[names[f"{kind}_subject"]],
-                    retention=retention,
-                    storage=StorageType.FILE,
-                    max_msg_size=max_bytes,
-                    duplicate_window=3600,  # Nats-Msg-Id de-duplication: redelivered work publishes once
-                )
-            )
+        for kind in ("work", "rollouts"):
+            config = stream_config(kind, names, cfg)
+            try:
+                await js.add_stream(config)
+            except BadRequestError as err:
+                if err.err_code != STREAM_CONFIG_DIFFERS:
+                    raise
+                await js.update_stream(config)  # a run created with other limits: the limits may change
         ack_wait = cfg.ack_wait_seconds
         await js.add_consumer(
             names["work_stream"],

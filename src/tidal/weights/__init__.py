@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -24,6 +28,27 @@ class CorruptSnapshotError(RuntimeError):
 
 def version_dir_name(version: int) -> str:
     return f"v{version:06d}"
+
+
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+
+
+def versions_in_use(current: int, max_staleness: int = 0) -> set[int]:
+    """Versions a rollout worker may still load once ``current`` is published: ``current``, the previous
+    one (a worker that has not switched yet) and, in bounded mode, the ``max_staleness`` before it."""
+    return {v for v in range(current - max_staleness - 1, current + 1) if v >= 0}
+
+
+def retained_versions(versions: list[int], keep_last: int | None, keep_every: int | None, protected: set[int]) -> set[int]:
+    """Which of ``versions`` a retention policy keeps: the newest ``keep_last`` (None: all), every multiple of
+    ``keep_every``, and every ``protected`` one whatever the policy says."""
+    present = set(versions)
+    if keep_last is None:
+        return present
+    keep = set(sorted(present)[-keep_last:]) | (protected & present)
+    if keep_every:
+        keep |= {v for v in present if v % keep_every == 0}
+    return keep
 
 
 def sha256_of(path: Path) -> str:
@@ -103,6 +128,35 @@ class WeightStore:
     def latest_version(self) -> int | None:
         marker = self.root / "latest"
         return int(marker.read_text()) if marker.is_file() else None
+
+    def versions(self) -> list[int]:
+        """Published snapshots, oldest first (temporary and deleted ones are not versions)."""
+        if not self.root.is_dir():
+            return []
+        found = (_VERSION_DIR.match(p.name) for p in self.root.iterdir() if p.is_dir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def prune(self, keep_last: int | None, keep_every: int | None = None, protected: set[int] = frozenset()) -> list[int]:
+        """Delete the snapshots the retention policy does not keep; returns their versions.
+
+        The version ``latest`` points at is always kept, besides ``protected``. A snapshot first leaves
+        its name by an atomic rename, so a reader sees a whole snapshot or none, never a half-deleted one."""
+        latest = self.latest_version()
+        keep = retained_versions(self.versions(), keep_last, keep_every, set(protected) | ({latest} if latest is not None else set()))
+        deleted = []
+        for version in self.versions():
+            if version in keep:
+                continue
+            trash = self.root / f".deleted-{version_dir_name(version)}-{os.getpid()}"
+            try:
+                os.rename(self.path(version), trash)
+            except FileNotFoundError:
+                continue  # pruned by someone else meanwhile
+            shutil.rmtree(trash, ignore_errors=True)
+            deleted.append(version)
+        if deleted:
+            log.info("weight retention: deleted snapshot(s) %s of %s", ", ".join(f"v{v}" for v in deleted), self.root)
+        return deleted
 
     def load(self, version_or_path: int | str | Path) -> dict[str, torch.Tensor]:
         """Loads a snapshot after checking every file's sha256 against the manifest."""

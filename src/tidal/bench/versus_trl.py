@@ -1,0 +1,815 @@
+"""Tidal (sync and periodic) against TRL's GRPOTrainer: the same model, prompts, rewards and settings, one run.
+
+TRL is the tool a user would pick instead. Both sides get the same warm-started model, the same
+prompts per step, the same rewards and hyper-parameters.
+
+    tidal bench trl [CONFIG] [--steps 20] [--warmup 2] [--reps 3] [--systems trl,sync,periodic]
+                    [--set k=v ...] [--json out.json] [--tracking-uri URI] [--experiment NAME]
+    (or: python benchmarks/versus_trl.py ...; TRL is the `bench` extra: pip install -e '.[bench]')
+
+What is matched, from the config (`trl_settings`): group size (num_generations), max new tokens
+(max_completion_length), temperature with no top-p / top-k / min-p / repetition penalty, learning
+rate, AdamW betas, weight decay, gradient clipping, warm-up (Tidal's own schedule, handed to TRL's
+Trainer), clip range (epsilon, epsilon_high), no KL (beta 0), the loss aggregation (token_mean = TRL's
+`dapo`, seq_mean_token_mean = `grpo`, seq_mean_token_sum_norm = `dr_grpo`), the policy loss
+(ppo_clip = token-level ratios, gspo = sequence-level), the advantage (grpo with std = scale_rewards
+`group`, without std or dr_grpo = `none`), the weighted reward functions (Tidal's, wrapped as TRL reward
+functions), one optimizer step per generation batch of prompts_per_iteration x G completions
+(num_iterations 1, steps_per_generation = gradient_accumulation_steps), the model's dtype and no
+gradient checkpointing unless `trainer.activation_checkpointing`. TRL gets Tidal's prompts for step i
+(`prompts_for_iteration`) in order (shuffle off) and generates with HF `generate` in one process. A
+setting with no TRL equivalent is refused before anything runs, and the message lists each one.
+
+Equal updates on equal completions are checked as part of the run (`gradient_check`): one batch of
+completions, generated once, goes through Tidal's learner and through TRL's own reward, advantage and
+loss code (`_generate_and_score_completions` with a rollout function that returns these completions,
+then `compute_loss`), from the same weights. The figure is the largest relative L2 difference of any
+parameter's gradient; above `--grad-tolerance` the benchmark fails. The one known difference is TRL's
+std epsilon (1e-4 against Tidal's 1e-6) in the advantage; the same comparison with Tidal's advantages
+fed to TRL's loss isolates the loss itself (`--loss-tolerance`).
+
+Timing: each system runs in its own process with every core; a step's seconds are the wall time between
+the ends of consecutive steps (generation, rewards, training, optimizer step, Tidal's snapshot and
+checkpoint, and each system's per-step MLflow logging), the median after `--warmup` steps. Samples/s is
+prompts_per_iteration x G over that median. `--reps` repetitions alternate the order of the systems
+(rep 1 as given, rep 2 reversed, ...). Every run is logged to one MLflow experiment tagged `system`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tidal.config import ConfigError, TidalConfig, dump_config, load_config
+
+TRL_VERSION = "1.16.0"  # the release this mapping was written against (checked by the gradient comparison)
+SYSTEMS = ("trl", "sync", "periodic")
+TIDAL_MODES = {"sync": "sync", "periodic": "periodic"}
+
+# Tidal's loss aggregation -> TRL's loss_type with the same normaliser (one optimizer step per generation batch)
+LOSS_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum_norm": "dr_grpo"}
+# Tidal's policy loss -> TRL's importance_sampling_level (ratio per token, or GSPO's length-normalised sequence ratio)
+IMPORTANCE_LEVELS = {"ppo_clip": "token", "gspo": "sequence"}
+
+
+class SettingsMismatch(SystemExit):
+    """The config has a setting TRL cannot be given: the benchmark refuses to run (exit status 2)."""
+
+    def __init__(self, mismatches: list[str], source: str = "the config"):
+        lines = [f"tidal bench trl: {source} cannot be run the same way in TRL's GRPOTrainer; change or remove:"]
+        lines += [f"  - {m}" for m in mismatches]
+        super().__init__("\n".join(lines))
+        self.mismatches = mismatches
+
+
+def scale_rewards(cfg: TidalConfig) -> str | None:
+    """TRL's scale_rewards for Tidal's advantage estimator, or None when there is none."""
+    t = cfg.trainer
+    if t.advantage == "grpo":
+        return "group" if t.std_normalize else "none"
+    if t.advantage == "dr_grpo":
+        return "none"
+    return None
+
+
+def trl_settings(cfg: TidalConfig, micro_batches: int = 1) -> tuple[dict, list[str]]:
+    """GRPOConfig keyword arguments that make TRL take the update Tidal's config describes, and the
+    settings that have no TRL equivalent (each a line naming the key). Pure: imports neither TRL nor torch.
+
+    `micro_batches` splits TRL's generation batch into that many gradient-accumulation micro-batches
+    (still one optimizer step per generation batch); Tidal packs its micro-batches by `trainer.token_budget`.
+    Device placement (`use_cpu`) and the learning-rate schedule (Tidal's, handed to TRL's Trainer as
+    `optimizers`) are set by the caller."""
+    t, r = cfg.trainer, cfg.rollout
+    bad: list[str] = []
+    samples = t.prompts_per_iteration * r.group_size
+    if micro_batches < 1 or samples % micro_batches:
+        bad.append(f"--trl-micro-batches {micro_batches} must divide prompts_per_iteration x group_size ({samples})")
+        micro_batches = 1
+    if r.engine != "hf":
+        bad.append(
+            f"rollout.engine {r.engine!r}: TRL is compared on HF generate; TRL 1.16's vLLM mode needs vllm<=0.31 and Tidal's vllm>=0.32, "
+            "so they do not install in one environment (use rollout.engine: hf)"
+        )
+    if r.deterministic:
+        bad.append("rollout.deterministic true: per-group seeded sampling has no TRL equivalent (TRL samples the batch from one RNG)")
+    if t.kl_coef != 0:
+        bad.append(f"trainer.kl_coef {t.kl_coef}: the KL term is not mapped onto TRL's beta (set it to 0)")
+    if t.kl_in_reward and t.kl_coef != 0:
+        bad.append("trainer.kl_in_reward true: TRL has no KL reward penalty")
+    scale = scale_rewards(cfg)
+    if scale is None:
+        bad.append(f"trainer.advantage {t.advantage!r}: TRL's GRPOTrainer has group-mean advantages only (grpo, dr_grpo)")
+    if t.policy_loss not in IMPORTANCE_LEVELS:
+        bad.append(f"trainer.policy_loss {t.policy_loss!r}: TRL's clipped losses are ppo_clip (token ratios) and gspo (sequence ratios)")
+    loss_type = LOSS_TYPES[t.loss_aggregation]
+    if t.loss_aggregation == "seq_mean_token_sum_norm" and t.aggregation_constant not in (None, float(r.max_new_tokens)):
+        bad.append(
+            f"trainer.aggregation_constant {t.aggregation_constant}: TRL's dr_grpo divides by max_completion_length ({r.max_new_tokens}); "
+            "leave it unset or equal to rollout.max_new_tokens"
+        )
+    if t.updates_per_iteration != 1:
+        bad.append(
+            f"trainer.updates_per_iteration {t.updates_per_iteration}: Tidal's mini-batches follow completion order, TRL's are shuffled; "
+            "only one optimizer step per generation batch is compared"
+        )
+    if t.dynamic_sampling:
+        bad.append("trainer.dynamic_sampling true: TRL's GRPOTrainer does not drop and replace all-equal-reward groups")
+    if t.tis_cap is not None:
+        bad.append(f"trainer.tis_cap {t.tis_cap}: TRL's importance-sampling correction exists only for vLLM generation")
+    if cfg.reward.overlong_buffer:
+        bad.append(f"reward.overlong_buffer {cfg.reward.overlong_buffer}: the overlong penalty is not mapped onto a TRL reward function")
+    if t.ranks != 1:
+        bad.append(f"trainer.ranks {t.ranks}: the comparison runs one trainer process on each side")
+    if t.strategy not in ("auto", "single"):
+        bad.append(f"trainer.strategy {t.strategy!r}: the comparison runs one plain (single) trainer on each side")
+    kwargs = {
+        # the batch: one generation batch of prompts_per_iteration x G completions per optimizer step
+        "num_generations": r.group_size,
+        "per_device_train_batch_size": samples // micro_batches,
+        "gradient_accumulation_steps": micro_batches,
+        "steps_per_generation": micro_batches,
+        "num_iterations": 1,
+        "shuffle_dataset": False,  # step i trains on Tidal's prompts of iteration i, in order
+        # sampling
+        "max_completion_length": r.max_new_tokens,
+        "temperature": r.temperature,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": None,
+        "repetition_penalty": 1.0,
+        "use_vllm": False,
+        "use_transformers_continuous_batching": False,
+        # the update
+        "learning_rate": t.lr,
+        "adam_beta1": t.betas[0],
+        "adam_beta2": t.betas[1],
+        "adam_epsilon": 1e-8,  # torch AdamW's default, which Tidal uses
+        "weight_decay": t.weight_decay,
+        "max_grad_norm": t.max_grad_norm,
+        "lr_scheduler_type": "constant",  # replaced by Tidal's warm-up schedule (passed as `optimizers`)
+        "beta": 0.0,
+        "epsilon": t.clip_eps,
+        "epsilon_high": t.clip_eps_high or t.clip_eps,
+        "delta": None,
+        "loss_type": loss_type,
+        "importance_sampling_level": IMPORTANCE_LEVELS.get(t.policy_loss, "token"),
+        "scale_rewards": scale or "group",
+        "multi_objective_aggregation": "sum_then_normalize",
+        "reward_weights": [f.weight for f in cfg.reward.functions],
+        "mask_truncated_completions": False,
+        "top_entropy_quantile": 1.0,
+        "off_policy_mask_threshold": None,
+        "disable_dropout": False,
+        # precision and memory: the model in its config dtype on both sides, no autocast
+        "bf16": False,
+        "fp16": False,
+        "gradient_checkpointing": t.activation_checkpointing,
+        "seed": cfg.seed,
+    }
+    return kwargs, bad
+
+
+def check_settings(cfg: TidalConfig, micro_batches: int = 1, source: str = "the config") -> dict:
+    kwargs, bad = trl_settings(cfg, micro_batches)
+    if bad:
+        raise SettingsMismatch(bad, source)
+    return kwargs
+
+
+def require_trl():
+    try:
+        import trl
+    except ImportError as err:
+        raise SystemExit(f"tidal bench trl needs TRL {TRL_VERSION} ({err}): pip install -e '.[bench]'  (or: make bench-trl)") from None
+    return trl
+
+
+# --- the shared pieces: prompts, rewards, the TRL trainer ---------------------------------------
+
+
+def prompt_rows(cfg: TidalConfig, dataset, steps: int) -> list[dict]:
+    """TRL's train dataset: Tidal's prompts of iterations 0..steps-1, in order, as TRL rows
+    (`prompt`: text, or chat messages with data.chat_template; `answer` for the reward functions)."""
+    from tidal.data import prompts_for_iteration, render_prompt
+
+    rows = []
+    for v in range(steps):
+        for p in prompts_for_iteration(dataset, cfg.seed, v, cfg.trainer.prompts_per_iteration):
+            rows.append({"prompt": render_prompt(p.prompt, cfg.data), "problem": p.prompt, "answer": p.answer, "prompt_id": p.id, "iteration": v})
+    return rows
+
+
+def completion_text(completion) -> str:
+    """TRL hands reward functions the decoded text, or for chat prompts one assistant message."""
+    if isinstance(completion, list):
+        return "".join(m.get("content", "") if isinstance(m, dict) else str(m) for m in completion)
+    return completion
+
+
+def trl_reward_functions(cfg: TidalConfig, on_batch=None) -> list:
+    """Each of Tidal's reward functions as a TRL reward function; TRL applies the weights
+    (`reward_weights`) and sums. As in Tidal's scorer, a function that raises or returns a non-number
+    scores 0. `on_batch(kwargs)`, if given, sees every batch's dataset columns first (the prompt check)."""
+    from tidal.rewards import checked_reward, resolve
+
+    funcs = []
+    for i, spec in enumerate(cfg.reward.functions):
+        fn = resolve(spec.name)
+
+        def reward(prompts, completions, answer, _fn=fn, _first=i == 0, **kwargs) -> list[float]:
+            if _first and on_batch is not None:
+                on_batch(kwargs)
+            out = []
+            for completion, ans in zip(completions, answer):
+                try:
+                    out.append(checked_reward(_fn(completion_text(completion), ans)))
+                except Exception:
+                    out.append(0.0)
+            return out
+
+        reward.__name__ = f"tidal_{spec.name.replace(':', '_').replace('.', '_')}"
+        funcs.append(reward)
+    return funcs
+
+
+def build_trl_trainer(
+    cfg: TidalConfig,
+    base_model: str,
+    rows: list[dict],
+    steps: int,
+    output_dir: str,
+    micro_batches: int = 1,
+    on_batch=None,
+    settings_override: dict | None = None,
+    **extra,
+):
+    """TRL's GRPOTrainer on the warm-started model, with the settings `trl_settings` maps, Tidal's
+    AdamW and warm-up schedule, and `rows` as its dataset. `extra` goes to GRPOTrainer (callbacks,
+    rollout_func); `settings_override` replaces mapped settings (tests: a wrong mapping must be caught)."""
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tidal.devices import resolve_device
+    from tidal.model.loading import load_model_and_tokenizer
+    from tidal.trainer.learner import warmup_then_constant
+
+    kwargs = {**check_settings(cfg, micro_batches), **(settings_override or {})}
+    device = resolve_device(cfg.trainer.device)
+    args = GRPOConfig(
+        output_dir=output_dir,
+        max_steps=steps,
+        use_cpu=device == "cpu",
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        **kwargs,
+    )
+    model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
+    t = cfg.trainer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_constant(t.warmup_steps))
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=trl_reward_functions(cfg, on_batch),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        optimizers=(optimizer, scheduler),
+        **extra,
+    )
+
+
+def check_prompt_tokens(trainer, cfg: TidalConfig, tokenizer, rows: list[dict]) -> None:
+    """TRL must see the token ids Tidal's workers encode, or the two would not train on the same prompts."""
+    from tidal.data import prompt_encoder
+
+    encode = prompt_encoder(tokenizer, cfg.data)
+    sample = rows[: min(len(rows), 16)]
+    trl_ids, _, _ = trainer._tokenize_prompts([r["prompt"] for r in sample])
+    for row, ids in zip(sample, trl_ids):
+        tidal_ids = list(encode(row["problem"]))
+        if list(ids) != tidal_ids:
+            raise SystemExit(
+                f"tidal bench trl: TRL tokenizes prompt {row['prompt_id']} as {list(ids)[:12]}..., Tidal as {tidal_ids[:12]}...: "
+                "the tokenizer adds special tokens differently (check data.chat_template and the tokenizer's BOS handling)"
+            )
+
+
+# --- equal updates on equal completions --------------------------------------------------------
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.detach().clone() if p.grad is not None else None for n, p in model.named_parameters()}
+
+
+def relative_differences(ours: dict, theirs: dict) -> dict[str, float]:
+    """Per parameter: ||ours - theirs|| / ||theirs|| (0 when both are zero), over the parameters both have."""
+    import torch
+
+    out = {}
+    for name, g in theirs.items():
+        a = ours.get(name)
+        a = torch.zeros_like(g) if a is None and g is not None else a
+        g = torch.zeros_like(a) if g is None and a is not None else g
+        if g is None:
+            continue
+        norm = float(g.float().norm())
+        diff = float((a.float() - g.float()).norm())
+        out[name] = 0.0 if diff == 0 else diff / max(norm, 1e-30)
+    return out
+
+
+def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, micro_batches: int = 1, settings_override: dict | None = None) -> dict:
+    """One batch of completions (iteration 0's prompts, sampled once by Tidal's engine) through Tidal's
+    learner and through TRL's scoring and loss, from the same weights; returns the gradient differences.
+
+    TRL's side is TRL's own code end to end after generation: a rollout function hands
+    `_generate_and_score_completions` these completions (prompt ids, completion ids), TRL decodes
+    them, scores them with the wrapped reward functions, computes its advantages, and `compute_loss`
+    gives the loss whose gradient is compared. A second pass feeds TRL's loss Tidal's advantages,
+    isolating the loss and its aggregation from the advantage's epsilon."""
+    import numpy as np
+    import torch
+
+    from tidal.algo import compute_advantages
+    from tidal.data import prompts_for_iteration
+    from tidal.model.loading import load_model_and_tokenizer
+    from tidal.protocol import WorkItem
+    from tidal.rewards import RewardScorer
+    from tidal.rollout.engine import HFEngine
+    from tidal.rollout.worker import generate_groups
+    from tidal.trainer.learner import Learner
+
+    torch.manual_seed(cfg.seed)
+    G = cfg.rollout.group_size
+    problems = prompts_for_iteration(dataset, cfg.seed, 0, cfg.trainer.prompts_per_iteration)
+    items = [WorkItem(0, p.id, p.prompt, p.answer) for p in problems]
+
+    # Tidal: generate once, then the learner's accumulated gradient scaled by 1/units, as its step does (before clipping)
+    model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
+    engine = HFEngine.for_rollout(model, tokenizer, cfg.rollout)
+    groups = generate_groups(engine, tokenizer, RewardScorer.from_config(cfg.reward), items, cfg, 0, "gradient-check", len(items))
+    learner = Learner(cfg.trainer, model, tokenizer.pad_token_id, cfg.rollout.temperature, cfg.reward, cfg.rollout.max_new_tokens)
+    learner.begin_iteration(0)
+    learner.train_on_groups(groups)
+    learner.strategy.scale_gradients(learner.model, 1.0 / max(1.0, learner.units))
+    tidal_grads = _grads(learner.model)
+    tidal_adv = torch.cat(
+        [compute_advantages(cfg.trainer.advantage, torch.tensor(g.rewards, dtype=torch.float32), cfg.trainer.std_normalize) for g in groups]
+    )
+
+    # TRL: the same completions through its rollout-function path
+    by_prompt = {g.prompt_id: g for g in groups}
+    served = {"calls": 0}
+
+    def rollout_func(prompts, trainer):
+        served["calls"] += 1
+        ids, completions, logprobs = [], [], []
+        for i in range(0, len(prompts), G):
+            g = by_prompt[batch_rows[i]["prompt_id"]]
+            for s in g.samples:
+                ids.append(g.prompt_ids.tolist())
+                completions.append(s.token_ids.tolist())
+                logprobs.append(np.asarray(s.logprobs, dtype=np.float64).tolist())
+        return {"prompt_ids": ids, "completion_ids": completions, "logprobs": logprobs}
+
+    rows = prompt_rows(cfg, dataset, 1)
+    batch_rows = [row for row in rows for _ in range(G)]  # what TRL's RepeatSampler hands one generation batch
+    trainer = build_trl_trainer(
+        cfg, base_model, rows, 1, str(workdir / "trl-check"), micro_batches, settings_override=settings_override, rollout_func=rollout_func
+    )
+    check_prompt_tokens(trainer, cfg, tokenizer, rows)
+    trl_model = trainer.model
+    trl_model.train()
+    scored = trainer._generate_and_score_completions([dict(r) for r in batch_rows])
+    if served["calls"] != 1:
+        raise RuntimeError("TRL did not take the completions from the rollout function")
+    trl_adv = scored["advantages"].detach().float().cpu()
+
+    def trl_gradient(inputs: dict) -> dict:
+        trl_model.zero_grad(set_to_none=True)
+        steps = trainer.args.steps_per_generation
+        trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by Trainer's loop
+        for part in _split(inputs, steps):
+            trainer.compute_loss(trl_model, part).backward()
+        return _grads(trl_model)
+
+    trl_grads = trl_gradient(scored)
+    end_to_end = relative_differences(tidal_grads, trl_grads)
+    fed = dict(scored)
+    fed["advantages"] = tidal_adv.to(scored["advantages"].device, scored["advantages"].dtype)
+    loss_only = relative_differences(tidal_grads, trl_gradient(fed))
+    tokens = int(sum(len(s.token_ids) for g in groups for s in g.samples))
+    zero_groups = sum(1 for g in groups if len(set(g.rewards)) == 1)
+    if zero_groups == len(groups):
+        raise SystemExit(
+            "tidal bench trl: gradient check: every group of iteration 0 has equal rewards, so both gradients are zero and the "
+            "comparison shows nothing; use a config whose model earns varied rewards (a longer warm start, other reward functions)"
+        )
+    return {
+        "samples": len(groups) * G,
+        "tokens": tokens,
+        "groups_without_signal": zero_groups,
+        "max_relative_grad_diff": max(end_to_end.values()),
+        "global_relative_grad_diff": _global(tidal_grads, trl_grads),
+        "max_relative_grad_diff_loss_only": max(loss_only.values()),
+        "advantage_max_abs_diff": float((tidal_adv - trl_adv).abs().max()),
+        "worst_parameter": max(end_to_end, key=end_to_end.get),
+        "trl_version": _trl_version(),
+    }
+
+
+def _split(inputs: dict, parts: int) -> list[dict]:
+    if parts == 1:
+        return [inputs]
+    from trl.trainer.utils import split_tensor_dict
+
+    return split_tensor_dict(inputs, parts)
+
+
+def _global(ours: dict, theirs: dict) -> float:
+    import torch
+
+    names = [n for n, g in theirs.items() if g is not None and ours.get(n) is not None]
+    a = torch.cat([ours[n].flatten().float() for n in names])
+    b = torch.cat([theirs[n].flatten().float() for n in names])
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _trl_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        return "missing"
+
+
+# --- the timed runs, each in its own process ---------------------------------------------------
+
+
+def median_after(values: list[float], warmup: int) -> float:
+    kept = values[warmup:]
+    if not kept:
+        raise SystemExit(f"--steps must exceed --warmup ({warmup}): no step left to measure")
+    return float(statistics.median(kept))
+
+
+def tidal_step_seconds(metrics: list[dict]) -> list[float]:
+    """Wall seconds per iteration: between the ends of consecutive iterations (so the trainer's
+    per-iteration MLflow logging and records count), the first one from its own timer."""
+    out = [float(metrics[0]["iteration_seconds"])]
+    out += [float(b["wall_time"] - a["wall_time"]) for a, b in zip(metrics, metrics[1:])]
+    return out
+
+
+def run_tidal(system: str, config_path: Path, steps: int, workdir: Path, tracking: dict) -> dict:
+    run_dir = workdir / system
+    overrides = [
+        f"mode={TIDAL_MODES[system]}",
+        f"trainer.iterations={steps}",
+        "eval.enabled=false",
+        f"tracking.uri={tracking['uri']}",
+        f"tracking.experiment={tracking['experiment']}",
+        f"tracking.run_name={system}-rep{tracking['rep']}",
+    ]
+    cmd = [sys.executable, "-m", "tidal.cli", "run", str(config_path), "--run-dir", str(run_dir), "--no-progress"]
+    for o in overrides:
+        cmd += ["--set", o]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"tidal bench trl: the Tidal {system} run failed:\n{proc.stderr[-3000:]}")
+    from tidal.rundir import RunInfo
+    from tidal.tracking import set_tags
+
+    info = RunInfo.load(run_dir)
+    set_tags(info.tracking_uri, info.mlflow_run_id, {"system": system, "bench": "trl", "bench.invocation": tracking["invocation"]})
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "step_seconds": tidal_step_seconds(metrics),
+        "generate_seconds": [float(m["generate_seconds"]) for m in metrics],
+        "train_seconds": [float(m["train_seconds"]) for m in metrics],
+        "reward_mean": [float(m["reward_mean"]) for m in metrics],
+        "samples": [float(m["samples"]) for m in metrics],
+        "mlflow_run_id": info.mlflow_run_id,
+    }
+
+
+def run_child(kind: str, config_path: Path, out: Path, args: list[str]) -> dict:
+    """`kind` ("trl" or "check") in a fresh process with every core; its JSON result."""
+    cmd = [sys.executable, "-m", "tidal.bench.versus_trl", f"_{kind}", str(config_path), str(out), *args]
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        err = proc.stderr or proc.stdout
+        if "tidal bench trl:" in err:  # the child's own message (a refusal or a failed check): pass it on as is
+            raise SystemExit(err[err.rindex("tidal bench trl:") :].strip())
+        raise SystemExit(f"tidal bench trl: the {kind} process failed:\n{err[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def _child_setup(config_path: str):
+    import logging
+    import warnings
+
+    from tidal.data import load_dataset
+    from tidal.model.warm_start import prepare_base_model
+    from tidal.runtime import set_threads, setup_logging
+
+    setup_logging()
+    logging.getLogger("tidal").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    set_threads(os.cpu_count() or 1)
+    cfg = load_config(config_path)
+    dataset = load_dataset(cfg.data, cfg.seed)
+    return cfg, dataset, str(prepare_base_model(cfg, dataset))
+
+
+def check_child(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="tidal bench trl (gradient check)")
+    ap.add_argument("config")
+    ap.add_argument("out")
+    ap.add_argument("--micro-batches", type=int, default=1)
+    args = ap.parse_args(argv)
+    cfg, dataset, base = _child_setup(args.config)
+    with tempfile.TemporaryDirectory(prefix="tidal-bench-trl-check-") as tmp:
+        result = gradient_check(cfg, base, dataset, Path(tmp), args.micro_batches)
+    Path(args.out).write_text(json.dumps(result))
+
+
+def trl_child(argv: list[str]) -> None:
+    """TRL's GRPOTrainer for `--steps` steps: per-step wall seconds, generate seconds and reward, and
+    an MLflow run (one batched call per step, as Tidal's trainer makes) tagged system=trl."""
+    ap = argparse.ArgumentParser(prog="tidal bench trl (TRL run)")
+    ap.add_argument("config")
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--tracking", required=True, help="JSON: uri, experiment, invocation, rep")
+    args = ap.parse_args(argv)
+    cfg, dataset, base = _child_setup(args.config)
+    from transformers import TrainerCallback
+
+    from tidal.config import flatten
+    from tidal.tracking import Tracker, _client, experiment_id
+
+    tracking = json.loads(args.tracking)
+    client = _client(tracking["uri"])
+    run = client.create_run(
+        experiment_id(client, tracking["experiment"], tracking["uri"]),
+        run_name=f"trl-rep{tracking['rep']}",
+        tags={"system": "trl", "mode": "trl", "bench": "trl", "bench.invocation": tracking["invocation"], "trl.version": _trl_version()},
+    )
+    tracker = Tracker(tracking["uri"], run.info.run_id)
+    rows = prompt_rows(cfg, dataset, args.steps)
+    P = cfg.trainer.prompts_per_iteration
+    clock = {"last": None, "steps": [], "generate": [], "generating": 0.0, "rewards": [], "generations": []}
+
+    def same_prompts(columns: dict) -> None:
+        """TRL's step i must train on Tidal's prompts of iteration i: checked on every batch."""
+        step = columns["trainer_state"].global_step
+        expected = {r["prompt_id"] for r in rows[step * P : (step + 1) * P]}
+        if set(columns["iteration"]) != {step} or set(columns["prompt_id"]) != expected:
+            raise RuntimeError(f"TRL step {step} got prompts of iterations {sorted(set(columns['iteration']))}, not Tidal's iteration {step}")
+
+    class StepClock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock["last"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            clock["steps"].append(now - clock["last"])
+            clock["generate"].append(clock["generating"])
+            clock["last"], clock["generating"] = now, 0.0
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = dict(logs or {})
+            if "reward" in logs:  # a step's log (the last one at train end is the run's summary)
+                clock["rewards"].append(float(logs["reward"]))
+                logs.update(step_seconds=clock["steps"][-1], generate_seconds=clock["generate"][-1])
+            tracker.log({k: v for k, v in logs.items() if isinstance(v, (int, float))}, step=state.global_step - 1)
+
+    with tempfile.TemporaryDirectory(prefix="tidal-bench-trl-") as tmp:
+        trainer = build_trl_trainer(cfg, base, rows, args.steps, tmp, args.micro_batches, on_batch=same_prompts, callbacks=[StepClock()])
+        generate = trainer._generate_single_turn
+
+        def timed_generate(prompt_ids, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return generate(prompt_ids, *a, **k)
+            finally:
+                clock["generating"] += time.perf_counter() - t0
+                clock["generations"].append(len(prompt_ids))
+
+        trainer._generate_single_turn = timed_generate
+        from tidal.model.loading import load_tokenizer
+
+        check_prompt_tokens(trainer, cfg, load_tokenizer(base), rows)
+        params = {**flatten(cfg), **{f"trl.{k}": str(v) for k, v in trl_settings(cfg, args.micro_batches)[0].items()}}
+        from mlflow.entities import Param
+
+        batch = [Param(k, v[:6000]) for k, v in params.items()]
+        for i in range(0, len(batch), 100):
+            client.log_batch(run.info.run_id, params=batch[i : i + 100])
+        try:
+            trainer.train()
+        except BaseException:
+            tracker.finish("FAILED")
+            raise
+    tracker.finish()
+    samples = P * cfg.rollout.group_size
+    # one HF generate call of every completion of the step, and one optimizer step, per step
+    if trainer.state.global_step != args.steps or clock["generations"] != [samples] * args.steps:
+        raise RuntimeError(
+            f"TRL took {trainer.state.global_step} optimizer steps and generated {clock['generations']} sequences per call; "
+            f"expected {args.steps} steps of one {samples}-sequence generation each"
+        )
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "step_seconds": clock["steps"],
+                "generate_seconds": clock["generate"],
+                "reward_mean": clock["rewards"],
+                "samples": [float(samples)] * len(clock["steps"]),
+                "mlflow_run_id": run.info.run_id,
+            }
+        )
+    )
+
+
+# --- the benchmark -----------------------------------------------------------------------------
+
+
+def summarize_run(raw: dict, warmup: int, samples_per_step: int) -> dict:
+    s = median_after(raw["step_seconds"], warmup)
+    kept = [r for r in raw["reward_mean"][warmup:] if not math.isnan(r)]
+    out = {
+        **raw,  # the per-step lists
+        "seconds_per_step": s,
+        "samples_per_s": samples_per_step / s,
+        "generate_seconds_median": median_after(raw["generate_seconds"], warmup),
+        "reward_mean_measured": statistics.fmean(kept) if kept else None,
+    }
+    if any(n != samples_per_step for n in raw["samples"]):
+        raise SystemExit(f"tidal bench trl: a step trained {raw['samples']} samples, not {samples_per_step}")
+    return out
+
+
+def rep_orders(systems: list[str], reps: int) -> list[list[str]]:
+    """Rep 1 in the given order, rep 2 reversed, rep 3 as rep 1, ...: no system always runs first."""
+    return [list(systems) if r % 2 == 0 else list(reversed(systems)) for r in range(reps)]
+
+
+def ratio_table(reps: list[dict], systems: list[str]) -> dict[str, dict]:
+    """Per system: seconds per step per rep, their median, samples/s, and samples/s over TRL's (per rep and overall)."""
+    out = {}
+    for name in systems:
+        per_rep = [rep["results"][name]["seconds_per_step"] for rep in reps]
+        median = float(statistics.median(per_rep))
+        row = {"seconds_per_step_per_rep": per_rep, "seconds_per_step_median": median, "samples_per_s": reps[0]["samples_per_step"] / median}
+        if "trl" in systems:
+            row["vs_trl_per_rep"] = [rep["results"]["trl"]["seconds_per_step"] / s for rep, s in zip(reps, per_rep)]
+            trl_median = float(statistics.median(rep["results"]["trl"]["seconds_per_step"] for rep in reps))
+            row["vs_trl"] = trl_median / median
+        out[name] = row
+    return out
+
+
+def format_table(summary: dict[str, dict], reps: int) -> str:
+    head = ["system", *[f"rep {r + 1} s/step" for r in range(reps)], "median s/step", "samples/s", "samples/s vs TRL (per rep)"]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for name, row in summary.items():
+        vs = " / ".join(f"{x:.2f}" for x in row.get("vs_trl_per_rep", []))
+        cells = [name, *[f"{s:.3f}" for s in row["seconds_per_step_per_rep"]], f"{row['seconds_per_step_median']:.3f}", f"{row['samples_per_s']:.0f}"]
+        cells.append(f"{row['vs_trl']:.2f} ({vs})" if "vs_trl" in row else "n/a")
+        lines.append(" | ".join(cells))
+    return "\n".join(f"| {line} |" for line in lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("_trl", "_check"):
+        return (trl_child if argv[0] == "_trl" else check_child)(argv[1:])
+    ap = argparse.ArgumentParser(prog="tidal bench trl", description=__doc__.splitlines()[0])
+    ap.add_argument("config", nargs="?", default="examples/arithmetic.yaml")
+    ap.add_argument("--steps", type=int, default=20, help="optimizer steps (= iterations) per system and repetition")
+    ap.add_argument("--warmup", type=int, default=2, help="leading steps left out of the medians (at least 1)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions; the order of the systems alternates")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {list(SYSTEMS)}")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override, for every system")
+    ap.add_argument("--trl-micro-batches", type=int, default=1, help="TRL gradient-accumulation micro-batches per step (memory; still one step)")
+    ap.add_argument("--grad-tolerance", type=float, default=1e-2, help="largest relative gradient difference accepted, end to end")
+    ap.add_argument("--loss-tolerance", type=float, default=1e-4, help="the same with Tidal's advantages fed to TRL's loss")
+    ap.add_argument("--json", dest="json_path")
+    ap.add_argument("--tracking-uri", default=None, help="MLflow store (default: $MLFLOW_TRACKING_URI, else runs/bench-trl/mlflow.db)")
+    ap.add_argument("--experiment", default="tidal-bench-trl", help="MLflow experiment every run lands in, tagged `system`")
+    args = ap.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not systems or any(s not in SYSTEMS for s in systems):
+        raise SystemExit(f"--systems: choose from {list(SYSTEMS)}, got {systems}")
+    if args.warmup < 1 or args.steps <= args.warmup or args.reps < 1:
+        raise SystemExit("need --warmup >= 1 (the first step includes start-up), --steps > --warmup and --reps >= 1")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        raise SystemExit(f"tidal bench trl: {err}") from None
+    kwargs = check_settings(cfg, args.trl_micro_batches, args.config)
+    version = _trl_version()
+    if version == "missing":
+        require_trl()
+    if version != TRL_VERSION:
+        print(f"warning: TRL {version} is installed; the mapping was written for {TRL_VERSION} (the gradient check still guards it)", flush=True)
+    samples_per_step = cfg.trainer.prompts_per_iteration * cfg.rollout.group_size
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        store = Path("runs/bench-trl").resolve()
+        store.mkdir(parents=True, exist_ok=True)
+        uri = f"sqlite:///{store / 'mlflow.db'}"
+    invocation = time.strftime("%Y%m%d-%H%M%S")
+    print(
+        f"tidal bench trl: {args.config}, {args.steps} steps per run (medians after {args.warmup} warm-up), "
+        f"{cfg.trainer.prompts_per_iteration} prompts x G {cfg.rollout.group_size} = {samples_per_step} samples per step, {args.reps} repetition(s); "
+        f"TRL {version}: loss_type {kwargs['loss_type']}, scale_rewards {kwargs['scale_rewards']}, importance_sampling_level "
+        f"{kwargs['importance_sampling_level']}, beta 0, epsilon {kwargs['epsilon']}/{kwargs['epsilon_high']}, lr {kwargs['learning_rate']}, "
+        f"max_completion_length {kwargs['max_completion_length']}, temperature {kwargs['temperature']}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory(prefix="tidal-bench-trl-") as tmp:
+        workdir = Path(tmp)
+        config_path = workdir / "config.yaml"
+        config_path.write_text(dump_config(cfg))  # every system reads the same resolved config
+        micro = ["--micro-batches", str(args.trl_micro_batches)]
+        check = run_child("check", config_path, workdir / "check.json", micro)
+        ok = check["max_relative_grad_diff"] <= args.grad_tolerance and check["max_relative_grad_diff_loss_only"] <= args.loss_tolerance
+        print(
+            f"gradient check ({check['samples']} completions, {check['tokens']} tokens, {check['groups_without_signal']} groups without signal): "
+            f"max relative difference {check['max_relative_grad_diff']:.2e} (tolerance {args.grad_tolerance:g}; TRL's std epsilon is 1e-4, Tidal's 1e-6), "
+            f"{check['max_relative_grad_diff_loss_only']:.2e} with Tidal's advantages fed to TRL's loss (tolerance {args.loss_tolerance:g}); "
+            f"advantages differ by at most {check['advantage_max_abs_diff']:.1e}",
+            flush=True,
+        )
+        if not ok:
+            raise SystemExit("tidal bench trl: Tidal and TRL do not make the same update on the same completions: the comparison would be unfair")
+        reps = []
+        for r, order in enumerate(rep_orders(systems, args.reps)):
+            tracking = {"uri": uri, "experiment": args.experiment, "invocation": invocation, "rep": r + 1}
+            results = {}
+            for name in order:
+                if name == "trl":
+                    raw = run_child(
+                        "trl", config_path, workdir / f"trl-{r}.json", ["--steps", str(args.steps), "--tracking", json.dumps(tracking), *micro]
+                    )
+                else:
+                    raw = run_tidal(name, config_path, args.steps, workdir / f"rep{r}", tracking)
+                results[name] = summarize_run(raw, args.warmup, samples_per_step)
+                res = results[name]
+                print(
+                    f"rep {r + 1} {name:8s} {res['seconds_per_step']:.3f} s/step (generate {res['generate_seconds_median']:.3f}), "
+                    f"{res['samples_per_s']:.0f} samples/s, mean reward {res['reward_mean_measured']:.3f}",
+                    flush=True,
+                )
+            reps.append({"order": order, "results": results, "samples_per_step": samples_per_step})
+    summary = ratio_table(reps, systems)
+    print(format_table(summary, args.reps), flush=True)
+    print(f"MLflow: the runs side by side: tidal ui --tracking-uri {uri} --experiment {args.experiment}", flush=True)
+    if args.json_path:
+        Path(args.json_path).write_text(
+            json.dumps(
+                {
+                    "config": args.config,
+                    "overrides": args.overrides,
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                    "reps": args.reps,
+                    "samples_per_step": samples_per_step,
+                    "cpu_count": os.cpu_count(),
+                    "trl_version": version,
+                    "trl_settings": kwargs,
+                    "gradient_check": check,
+                    "summary": summary,
+                    "repetitions": reps,
+                    "tracking_uri": uri,
+                    "experiment": args.experiment,
+                },
+                indent=1,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
