@@ -53,7 +53,7 @@ def test_the_example_settings_map_onto_grpo_config_one_for_one():
     assert mismatches == []
     assert kwargs["num_generations"] == 8 and kwargs["max_completion_length"] == 10 and kwargs["temperature"] == 1.0
     assert (kwargs["top_p"], kwargs["top_k"], kwargs["min_p"], kwargs["repetition_penalty"]) == (1.0, 0, None, 1.0)
-    assert kwargs["learning_rate"] == 1e-4 and kwargs["epsilon"] == kwargs["epsilon_high"] == 0.2 and kwargs["beta"] == 0.0
+    assert kwargs["learning_rate"] == 3e-4 and kwargs["epsilon"] == kwargs["epsilon_high"] == 0.2 and kwargs["beta"] == 0.0
     assert kwargs["loss_type"] == "dapo" and kwargs["scale_rewards"] == "group" and kwargs["importance_sampling_level"] == "token"
     assert kwargs["reward_weights"] == [1.0, 0.1] and kwargs["multi_objective_aggregation"] == "sum_then_normalize"
     # one optimizer step per generation batch of 64 x 8 completions, generated in one call

@@ -8,6 +8,7 @@ import pytest
 from tidal.config import TransportConfig
 from tidal.protocol import Group, PolicyPointer, RunState, RunStatus, Sample, WorkItem, decode_work_item, pack, unpack
 from tidal.transport import MessageTooLargeError, Transport
+from tidal.transport.server import EmbeddedNats
 
 
 def test_codec_roundtrips_typed_arrays_without_pickle():
@@ -198,3 +199,23 @@ def test_a_periodic_worker_drops_work_of_an_iteration_the_trainer_has_left(nats_
         await t.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("token", ["-12Qx", "12-Qx", "12.5Qx"])
+def test_a_token_that_reads_as_a_number_stops_nats_server_so_run_tokens_never_do(tmp_path, token):
+    """nats-server parses the `$TIDAL_NATS_TOKEN` value: a token starting with a digit or '-' made
+    it exit at start (a number, a date or a float followed by letters; seen in a test run with token_urlsafe)."""
+    from tidal.rundir import nats_token
+
+    bad = EmbeddedNats(tmp_path / "bad", token=token)
+    with pytest.raises(RuntimeError, match="nats-server exited"):
+        bad.start()
+    bad.stop()
+    tokens = [nats_token() for _ in range(200)]
+    assert all(t[0].isalpha() and t.isalnum() for t in tokens) and len(set(tokens)) == 200
+    good = EmbeddedNats(tmp_path / "good", token=tokens[0])
+    good.start()
+    try:
+        assert good.url.startswith("nats://")
+    finally:
+        good.stop()

@@ -60,10 +60,17 @@ def describe_holder(pid_text: str) -> str:
     return f"launcher pid {pid_text}"
 
 
+def nats_token() -> str:
+    """A random token nats-server's config parser reads as a string: its `$VAR` reference parses the
+    value, so one that starts with a digit or '-' (as token_urlsafe's may) is a number followed by
+    junk, and the server refuses to start."""
+    return "t" + secrets.token_hex(32)
+
+
 def new_nats_token(run_dir: Path) -> str:
     """A fresh random token for this launch's embedded nats-server, in RUN_DIR/nats-token (mode 0600,
     replaced atomically): roles get it through their environment, a user's tool can read it here."""
-    token = secrets.token_urlsafe(32)
+    token = nats_token()
     path = Path(run_dir) / NATS_TOKEN_FILE
     tmp = path.with_name(f".{NATS_TOKEN_FILE}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
