@@ -174,7 +174,7 @@ def test_no_sample_mixes_two_versions(setup, nats_server):
     async def scenario():
         transport = await Transport.connect(nats_server.url, "mix", cfg.transport)
         worker = VLLMRolloutWorker(cfg, setup["engine"], tok, transport, "worker-0")
-        await transport.put_policy(1, str(store.path(1)))
+        await transport.put_policy(0, str(store.path(0)))
         for p in problems:  # v0 and v1 items in one queue: the worker pulls both kinds together
             await transport.publish_work(WorkItem(0, p.id, p.prompt, p.answer))
         for p in problems:
@@ -186,6 +186,8 @@ def test_no_sample_mixes_two_versions(setup, nats_server):
             for m in await transport.fetch(sub, 16, timeout=5.0):
                 groups.append(decode_group(m.data))
                 await m.ack()
+            if len(groups) == len(problems):  # as the trainer does: v1 is published once v0's groups are in
+                await transport.put_policy(1, str(store.path(1)))
         await transport.put_run_state(RunState.DONE)
         await asyncio.wait_for(task, 30)
         await transport.close()
