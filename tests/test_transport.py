@@ -208,9 +208,11 @@ def test_a_token_that_reads_as_a_number_stops_nats_server_so_run_tokens_never_do
     from tidal.rundir import nats_token
 
     bad = EmbeddedNats(tmp_path / "bad", token=token)
-    with pytest.raises(RuntimeError, match="nats-server exited"):
-        bad.start()
-    bad.stop()
+    try:
+        with pytest.raises(RuntimeError, match="nats-server exited"):
+            bad.start()
+    finally:
+        bad.stop()
     tokens = [nats_token() for _ in range(200)]
     assert all(t[0].isalpha() and t.isalnum() for t in tokens) and len(set(tokens)) == 200
     good = EmbeddedNats(tmp_path / "good", token=tokens[0])
