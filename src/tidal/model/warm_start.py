@@ -141,7 +141,7 @@ def prepare_base_model(cfg: TidalConfig, dataset: Dataset, progress=None) -> Pat
         pool = dataset.train[: ws.examples]
         t0 = time.time()
         encode = prompt_encoder(tokenizer, cfg.data)
-        probe = greedy_probe(model, tokenizer, pool[: ws.probe_prompts], cfg.rollout.max_new_tokens, encode)
+        probe = greedy_probe(model, tokenizer, pool[: ws.probe_prompts], cfg.rollout.max_new_tokens, encode) if ws.stop_at_accuracy else None
         result = supervised_warm_start(
             model, tokenizer, pool, ws.steps, ws.batch_size, ws.lr, cfg.seed, progress, encode, probe, ws.probe_every, ws.stop_at_accuracy
         )

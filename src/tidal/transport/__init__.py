@@ -147,7 +147,7 @@ def stream_config(kind: str, names: dict[str, str], cfg: TransportConfig) -> Str
 async def delete_run(url: str, run_id: str) -> list[str]:
     """Delete the run's streams and KV bucket (what the pipeline's finalize step does); returns what existed.
     Deleting what is already gone is not an error, so a retried finalize succeeds."""
-    nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=2, name=f"tidal-{run_id}-finalize", **credentials_from_env())
+    nc = await connect_nats(url, f"tidal-{run_id}-finalize", credentials_from_env())
     try:
         js = nc.jetstream()
         names = stream_names(run_id)
