@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -126,16 +126,17 @@ class VLLMConfig(_Strict):
 
 class RolloutConfig(_Strict):
     engine: Literal["hf", "vllm"] = "hf"
-    workers: int = Field(1, gt=0)
+    workers: PositiveInt | Literal["auto"] = 1  # auto: the capacity planner's split (tidal plan)
     group_size: int = Field(8, gt=1)
     max_new_tokens: int = Field(12, gt=0)
     temperature: float = Field(1.0, gt=0)
-    groups_per_batch: int = Field(8, gt=0)  # groups a rollout worker pulls and generates together (HF engine)
-    # sync mode: groups per engine call; None: the whole iteration in one call, as TRL does (on a
-    # large model with the HF engine, cap it to bound memory)
-    sync_groups_per_call: int | None = Field(None, gt=0)
+    # HF engine: one generate call holds whole groups up to this many tokens (rows x (prompt + max_new_tokens));
+    # on CPU decode steps cost about the same from ~1k to ~5k tokens, and more beyond (measured: README)
+    generation_token_budget: int = Field(4096, gt=0)
+    groups_per_batch: int | None = Field(None, gt=0)  # cap on groups a worker pulls at once; None: the token budget decides
+    sync_groups_per_call: int | None = Field(None, gt=0)  # sync mode: cap on groups per engine call
     deterministic: bool = False
-    threads: int | None = Field(None, gt=0)
+    threads: PositiveInt | Literal["auto"] | None = None  # None: an even split of the cores; auto: tidal plan's
     max_inflight_groups: int = Field(32, gt=0)  # vllm: groups (n=G requests) in flight per worker
     # mode bounded: work of iterations v+1..v+k is released while the trainer is on v, so a group
     # may come from a policy up to k versions old; 0 is exactly periodic
@@ -184,7 +185,7 @@ class TrainerConfig(_Strict):
     reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = None  # fsdp2 gradient reduction dtype
     cpu_offload: bool = False  # fsdp2: parameters, gradients and optimizer state on the CPU
     activation_checkpointing: bool = False
-    threads: int | None = Field(None, gt=0)
+    threads: PositiveInt | Literal["auto"] | None = None  # None: an even split of the cores; auto: tidal plan's
     group_timeout_seconds: float = Field(600.0, gt=0)
 
     @field_validator("advantage", "policy_loss")
@@ -278,6 +279,23 @@ class TidalConfig(_Strict):
     tracking: TrackingConfig = TrackingConfig()
     transport: TransportConfig = TransportConfig()
     weights: WeightsConfig = WeightsConfig()
+
+    @model_validator(mode="after")
+    def _planner_measures_the_hf_engine(self) -> TidalConfig:
+        auto = [
+            k
+            for k, v in (
+                ("rollout.workers", self.rollout.workers),
+                ("rollout.threads", self.rollout.threads),
+                ("trainer.threads", self.trainer.threads),
+            )
+            if v == "auto"
+        ]
+        if auto and self.rollout.engine != "hf":
+            raise ValueError(
+                f"{', '.join(auto)} 'auto': the capacity planner measures the HF engine on CPU threads; with rollout.engine 'vllm' set a number"
+            )
+        return self
 
     @model_validator(mode="after")
     def _nccl_needs_vllm_workers(self) -> TidalConfig:
@@ -403,6 +421,7 @@ NON_TRAINING_KEYS = (
     "rollout.threads",
     "rollout.groups_per_batch",
     "rollout.sync_groups_per_call",
+    "rollout.generation_token_budget",
     "rollout.max_inflight_groups",
     "model.warm_start.cache_dir",
     "eval.",

@@ -184,9 +184,7 @@ def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: Weig
                 log.info("sync mode: the engine loaded weights v%d in %.3fs", version, time.perf_counter() - t0)
 
     def generate(items, version):
-        # nothing to stream to in sync mode: the iteration's groups in as few engine calls as the cap allows
-        per_call = cfg.rollout.sync_groups_per_call or max(1, len(items))
-        return generate_groups(engine, tokenizer, scorer, items, cfg, version, "sync", per_call)
+        return generate_groups(engine, tokenizer, scorer, items, cfg, version, "sync", cfg.rollout.sync_groups_per_call)
 
     return InProcessSource(generate, load_weights)
 

@@ -191,66 +191,91 @@ def flex_block_mask(packed: PackedBatch):
 
 
 @dataclass(frozen=True)
-class _GroupSegments:
-    """Index tensors of one group for the segmented kernel (R = longest response of the group)."""
-
-    prompt: slice  # the prompt's positions in the packed row
-    response_index: torch.Tensor  # [G, R] packed position of each response token (padding: any valid position)
-    key_index: torch.Tensor  # [G, P + R] keys of each response: the prompt, then its own tokens
-    mask: torch.Tensor  # [G, 1, R, P + R] causal over the response part, padding keys hidden
-    valid: torch.Tensor  # [G, R] True on real response tokens
-
-
-@dataclass(frozen=True)
 class SegmentedLayout:
-    groups: tuple[_GroupSegments, ...]
-    output_index: torch.Tensor  # [T] packed position of each row of the concatenated per-segment outputs
+    """Index tensors of the ``"segmented"`` kernel for one packed row, every group batched together
+    (P = longest prompt, R = longest response of the row; padding indexes any valid position and is masked).
+    Two SDPA calls per layer, whatever the number of groups: per-group calls cost more in dispatch than
+    in arithmetic for the short sequences of RL post-training."""
+
+    prompt_index: torch.Tensor  # [groups, P] packed position of each prompt token
+    prompt_mask: torch.Tensor  # [groups, 1, P, P] causal, padding keys hidden
+    prompt_valid: torch.Tensor  # [groups, P] True on real prompt tokens
+    response_index: torch.Tensor  # [responses, R] packed position of each response token
+    key_index: torch.Tensor  # [responses, P + R] keys of each response: its group's prompt, then its own tokens
+    response_mask: torch.Tensor  # [responses, 1, R, P + R] the prompt, then causal over its own tokens
+    response_valid: torch.Tensor  # [responses, R] True on real response tokens
+    packed_order: torch.Tensor  # [T] where each packed position sits in the concatenated (prompts, responses) outputs
 
 
 def segmented_layout(packed: PackedBatch) -> SegmentedLayout:
     """Index tensors the ``"segmented"`` kernel needs; built once per forward, shared by all layers."""
     device = packed.input_ids.device
-    segments, output_index, row, prompt_start = [], [], 0, 0
+    prompt_width = max(packed.prompt_lengths)
+    width = max(packed.response_lengths, default=0)
+    prompt_rows, prompt_valid, response_rows, response_valid, key_rows = [], [], [], [], []
+    row, start = 0, 0
     for prompt_len, size in zip(packed.prompt_lengths, packed.group_sizes, strict=True):
-        lengths = packed.response_lengths[row : row + size]
-        width = max(lengths, default=0)
-        starts = [prompt_start + prompt_len + sum(lengths[:i]) for i in range(size)]
-        cols = torch.arange(width, device=device)
-        valid = cols[None, :] < torch.tensor(lengths, device=device, dtype=torch.long)[:, None]
-        response_index = torch.tensor(starts, device=device, dtype=torch.long)[:, None] + cols[None, :]
-        response_index = torch.where(valid, response_index, prompt_start)
-        prompt_index = torch.arange(prompt_start, prompt_start + prompt_len, device=device)
-        key_index = torch.cat([prompt_index.expand(size, -1), response_index], dim=1)
-        own_keys = (cols[None, :] <= cols[:, None])[None] & valid[:, None, :]  # [G, R, R]
-        mask = torch.cat([own_keys.new_ones(size, width, prompt_len), own_keys], dim=2)[:, None]
-        prompt = slice(prompt_start, prompt_start + prompt_len)
-        segments.append(_GroupSegments(prompt, response_index, key_index, mask, valid))
-        output_index += [prompt_index, response_index[valid]]
-        prompt_start += prompt_len + sum(lengths)
+        prompt = list(range(start, start + prompt_len))
+        prompt_rows.append(prompt + [start] * (prompt_width - prompt_len))
+        prompt_valid.append([True] * prompt_len + [False] * (prompt_width - prompt_len))
+        at = start + prompt_len
+        for length in packed.response_lengths[row : row + size]:
+            own = list(range(at, at + length)) + [start] * (width - length)
+            response_rows.append(own)
+            response_valid.append([True] * length + [False] * (width - length))
+            key_rows.append(prompt_rows[-1] + own)
+            at += length
         row += size
-    return SegmentedLayout(tuple(segments), torch.cat(output_index))
+        start = at
+
+    def tensor(values, dtype=torch.long):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    prompt_index, prompt_ok = tensor(prompt_rows), tensor(prompt_valid, torch.bool)
+    response_index = tensor(response_rows).reshape(len(response_rows), width)
+    response_ok = tensor(response_valid, torch.bool).reshape(len(response_rows), width)
+    causal_p = torch.ones(prompt_width, prompt_width, dtype=torch.bool, device=device).tril()
+    prompt_mask = (causal_p[None] & prompt_ok[:, None, :])[:, None]
+    group_of_response = torch.repeat_interleave(torch.arange(len(packed.group_sizes), device=device), tensor(packed.group_sizes))
+    causal_r = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    own_keys = causal_r[None] & response_ok[:, None, :]  # [responses, R, R]
+    prompt_keys = prompt_ok[group_of_response][:, None, :].expand(-1, width, -1)  # [responses, R, P]
+    response_mask = torch.cat([prompt_keys, own_keys], dim=2)[:, None]
+    output_index = torch.cat([prompt_index[prompt_ok], response_index[response_ok]])
+    packed_order = torch.empty_like(output_index)
+    packed_order[output_index] = torch.arange(len(output_index), device=device)
+    return SegmentedLayout(
+        prompt_index, prompt_mask, prompt_ok, response_index, tensor(key_rows).reshape(len(key_rows), prompt_width + width),
+        response_mask, response_ok, packed_order,
+    )  # fmt: skip
 
 
 def _segmented_sdpa(module, query, key, value, attention_mask=None, scaling=None, segmented_layout=None, **kwargs):
-    """HF attention function: prompt causal self-attention plus, per response, attention over [prompt, response].
-
-    Costs G * R * (P + R) scores per group instead of the (P + G * R)^2 of a dense mask.
-    """
+    """HF attention function: every prompt's causal self-attention in one call, then every response's
+    attention over [its prompt, itself] in another. Costs about responses * R * (P + R) scores instead of
+    the (P + G * R)^2 per group of a dense mask."""
+    layout = segmented_layout
     repeats = query.shape[1] // key.shape[1]
-    query, key, value = query[0], key[0].repeat_interleave(repeats, 0), value[0].repeat_interleave(repeats, 0)
+    query, key, value = query[0], key[0].repeat_interleave(repeats, 0), value[0].repeat_interleave(repeats, 0)  # [H, T, D]
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    outputs = []
-    for seg in segmented_layout.groups:
-        prompt_q, prompt_k, prompt_v = query[:, seg.prompt], key[:, seg.prompt], value[:, seg.prompt]
-        outputs.append(sdpa(prompt_q, prompt_k, prompt_v, is_causal=True, scale=scaling))
-        if seg.valid.numel():
-            q = query[:, seg.response_index].transpose(0, 1)  # [G, H, R, D]
-            k, v = key[:, seg.key_index].transpose(0, 1), value[:, seg.key_index].transpose(0, 1)
-            out = sdpa(q, k, v, attn_mask=seg.mask, scale=scaling).transpose(0, 1)  # [H, G, R, D]
-            outputs.append(out[:, seg.valid])
-    packed_order = torch.empty_like(segmented_layout.output_index)
-    packed_order[segmented_layout.output_index] = torch.arange(len(packed_order), device=packed_order.device)
-    attn_output = torch.cat(outputs, dim=1)[:, packed_order]  # [H, T, D]
+
+    def rows(x, index):  # [H, T, D] -> [rows, H, width, D]
+        return x[:, index].transpose(0, 1)
+
+    prompts = sdpa(
+        rows(query, layout.prompt_index),
+        rows(key, layout.prompt_index),
+        rows(value, layout.prompt_index),
+        attn_mask=layout.prompt_mask,
+        scale=scaling,
+    )
+    outputs = [prompts.transpose(0, 1)[:, layout.prompt_valid]]
+    if layout.response_valid.numel():
+        q = rows(query, layout.response_index)
+        k, v = rows(key, layout.key_index), rows(value, layout.key_index)
+        responses = sdpa(q, k, v, attn_mask=layout.response_mask, scale=scaling)  # [responses, H, R, D]
+        outputs.append(responses.transpose(0, 1)[:, layout.response_valid])
+    attn_output = torch.cat(outputs, dim=1)[:, layout.packed_order]  # [H, T, D]
     return attn_output.transpose(0, 1)[None], None
 
 

@@ -65,6 +65,34 @@ def build_group(
     )
 
 
+def generation_chunks(
+    prompt_lengths: list[int], group_size: int, max_new_tokens: int, token_budget: int, max_groups: int | None = None
+) -> list[range]:
+    """Consecutive groups per engine call: as many whole groups as fit ``token_budget`` tokens
+    (G rows of prompt + max_new_tokens each), at most ``max_groups``, at least one. Evened out, so an
+    iteration's last call is not a small remainder."""
+    if not prompt_lengths:
+        return []
+    per_group = [group_size * (p + max_new_tokens) for p in prompt_lengths]
+    cap = max(1, max_groups or len(per_group))
+    calls, used, count = 1, 0, 0
+    for tokens in per_group:
+        if count and (used + tokens > token_budget or count >= cap):
+            calls, used, count = calls + 1, 0, 0
+        used, count = used + tokens, count + 1
+    size = -(-len(per_group) // calls)  # ceil: the same number of calls, sizes within one of each other
+    return [range(start, min(start + size, len(per_group))) for start in range(0, len(per_group), size)]
+
+
+def pull_size(cfg: TidalConfig, prompt_tokens: int) -> int:
+    """Work items a worker fetches at once: what one engine call holds at prompts of ``prompt_tokens``."""
+    r = cfg.rollout
+    if r.deterministic:
+        return 1
+    fits = max(1, r.generation_token_budget // (r.group_size * (prompt_tokens + r.max_new_tokens)))
+    return min(fits, r.groups_per_batch) if r.groups_per_batch else fits
+
+
 def generate_groups(
     engine: RolloutEngine,
     tokenizer,
@@ -73,31 +101,32 @@ def generate_groups(
     cfg: TidalConfig,
     policy_version: int,
     worker_id: str,
-    groups_per_call: int | None = None,
+    max_groups_per_call: int | None = None,
 ) -> list[Group]:
-    """Generates and scores one group per work item, `groups_per_call` (default
-    rollout.groups_per_batch) per engine call. Deterministic mode: one group per engine call,
-    with the group's own RNG, so samples depend on (seed, iteration, prompt id) alone."""
-    chunk = 1 if cfg.rollout.deterministic else (groups_per_call or cfg.rollout.groups_per_batch)
+    """Generates and scores one group per work item, in engine calls of `generation_chunks`
+    (rollout.generation_token_budget). Deterministic mode: one group per engine call, with the
+    group's own RNG, so samples depend on (seed, iteration, prompt id) alone."""
     encode = prompt_encoder(tokenizer, cfg.data)
+    prompts = [encode(it.prompt) for it in items]
+    r = cfg.rollout
+    cap = 1 if r.deterministic else max_groups_per_call
     groups = []
-    for start in range(0, len(items), chunk):
-        batch = items[start : start + chunk]
-        prompts = [encode(it.prompt) for it in batch]
+    for chunk in generation_chunks([len(p) for p in prompts], r.group_size, r.max_new_tokens, r.generation_token_budget, cap):
+        batch = [items[i] for i in chunk]
         requests = [
             GroupRequest(
-                p,
-                cfg.rollout.group_size,
+                prompts[i],
+                r.group_size,
                 group_generator(cfg.seed, it.iteration, it.prompt_id),
-                group_seed(cfg.seed, it.iteration, it.prompt_id) if cfg.rollout.deterministic else None,
+                group_seed(cfg.seed, it.iteration, it.prompt_id) if r.deterministic else None,
             )
-            for p, it in zip(prompts, batch)
+            for i, it in zip(chunk, batch)
         ]
         gen_start = time.time()
         outputs = engine.generate(requests)
         gen_end = time.time()
-        for item, prompt, completions in zip(batch, prompts, outputs):
-            groups.append(build_group(item, prompt, completions, tokenizer, scorer, policy_version, worker_id, gen_start, gen_end))
+        for i, item, completions in zip(chunk, batch, outputs):
+            groups.append(build_group(item, prompts[i], completions, tokenizer, scorer, policy_version, worker_id, gen_start, gen_end))
     return groups
 
 
@@ -166,13 +195,15 @@ class RolloutWorker:
 
     async def run(self) -> None:
         sub = await self.transport.work_subscription()
-        batch_size = 1 if self.cfg.rollout.deterministic else self.cfg.rollout.groups_per_batch
+        prompt_tokens = 16  # until the first prompts are seen: the longest encoded prompt sizes later pulls
         idle_since = time.time()
         while True:
             if await self.transport.stopping():
                 log.info("worker %s: the run or round is over, exiting", self.worker_id)
                 return
-            pulled = await decode_work(self.transport, await self.transport.fetch(sub, batch_size, timeout=1.0), self.worker_id)
+            pulled = await decode_work(
+                self.transport, await self.transport.fetch(sub, pull_size(self.cfg, prompt_tokens), timeout=1.0), self.worker_id
+            )
             if not pulled:
                 continue
             iteration = pulled[0][1].iteration
@@ -203,6 +234,7 @@ class RolloutWorker:
                 )
             finally:
                 keep_alive.cancel()
+            prompt_tokens = max([prompt_tokens, *(len(g.prompt_ids) for g in groups)])
             for i, (m, g) in enumerate(zip(msgs, groups)):
                 g.weight_load_seconds = load_seconds if i == 0 else 0.0
                 g.worker_idle_seconds = idle if i == 0 else 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 from safetensors.torch import load_file, save_file
 
@@ -27,18 +28,36 @@ def shard_name(rank: int, world_size: int) -> str:
 
 def save_checkpoint(files: RunFiles, learner: Learner, next_version: int) -> None:
     """Every rank calls it (a barrier separates the shards from state.json)."""
-    ctx = learner.ctx
+    write_checkpoint(files, learner.optimizer_tensors(), next_version, learner.ctx)
+
+
+def optimizer_snapshot(learner: Learner) -> dict:
+    """This rank's optimizer tensors, copied: the next step may change the originals while a
+    background writer saves these."""
+    return {k: v.detach().clone() for k, v in learner.optimizer_tensors().items()}
+
+
+def write_checkpoint(files: RunFiles, tensors: dict, next_version: int, ctx: DistContext) -> None:
     files.checkpoint.mkdir(parents=True, exist_ok=True)
     final = files.checkpoint / shard_name(ctx.rank, ctx.world_size)
     tmp = final.with_name(final.name + ".tmp")
-    save_file(learner.optimizer_tensors(), str(tmp))
+    save_file(tensors, str(tmp))
+    fsync_file(tmp)
     tmp.replace(final)
     barrier(ctx)
     if ctx.is_main:
         state = files.checkpoint / "state.json"
-        state.with_name("state.json.tmp").write_text(json.dumps({"next_version": next_version, "world_size": ctx.world_size}))
-        state.with_name("state.json.tmp").replace(state)
+        tmp = state.with_name("state.json.tmp")
+        tmp.write_text(json.dumps({"next_version": next_version, "world_size": ctx.world_size}))
+        fsync_file(tmp)
+        tmp.replace(state)
     barrier(ctx)
+
+
+def fsync_file(path) -> None:
+    """On disk before the rename that makes it the checkpoint: acks follow the checkpoint (nothing acked before it is durable)."""
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
 
 
 def resume_version(files: RunFiles, learner: Learner, store: WeightStore, ctx: DistContext | None = None) -> int:

@@ -21,11 +21,12 @@ from tidal.config import TidalConfig
 from tidal.data import Dataset, Problem, iteration_prompt_order
 from tidal.protocol import Group, WorkItem
 from tidal.rundir import RunFiles
-from tidal.trainer.checkpoint import resume_version, save_checkpoint
+from tidal.trainer.checkpoint import optimizer_snapshot, resume_version, write_checkpoint
 from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.learner import Learner, merge_updates
 from tidal.trainer.metrics import Timer, group_record, iteration_metrics
 from tidal.trainer.sources import GroupSource
+from tidal.trainer.writer import BoundaryWriter
 from tidal.weights import WeightStore, versions_in_use
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,21 @@ def prune_snapshots(cfg: TidalConfig, store: WeightStore, published: int, checkp
     return store.prune(cfg.weights.keep_last, cfg.weights.keep_every, protected)
 
 
+def boundary_write(cfg: TidalConfig, files: RunFiles, store: WeightStore, ctx, records: list[dict], tensors: dict, next_version: int):
+    """What makes iteration next_version - 1 durable, in order: its groups.jsonl records (before the
+    checkpoint: a trainer that dies in between redoes the iteration and forget_unfinished drops them),
+    the optimizer checkpoint, then snapshot retention (which protects that checkpoint's version)."""
+
+    def write() -> None:
+        if ctx.is_main:
+            files.append_many("groups.jsonl", records)
+        write_checkpoint(files, tensors, next_version, ctx)
+        if ctx.is_main:
+            prune_snapshots(cfg, store, next_version, next_version)
+
+    return write
+
+
 async def train(
     cfg: TidalConfig,
     learner: Learner,
@@ -207,6 +223,7 @@ async def train(
         publish_weights(store, start, learner)
     allowed = max_staleness(cfg)
     release = WorkRelease(cfg, dataset, end)
+    writer = BoundaryWriter(background=learner.ctx.world_size == 1)
     history: list[dict] = []
     rejected_total = 0
     for v in range(start, end):
@@ -255,12 +272,8 @@ async def train(
             update = await on_compute_thread(updates.finish)
         with timer("sync"):
             await on_compute_thread(publish_weights, store, v + 1, learner)
-            if main:  # before the checkpoint: a trainer that dies in between redoes v and forget_unfinished drops these
-                files.append_many("groups.jsonl", records)
-            await on_compute_thread(save_checkpoint, files, learner, v + 1)
-            if main:
-                await on_compute_thread(prune_snapshots, cfg, store, v + 1, v + 1)
-        await source.commit(v)
+            tensors = await on_compute_thread(optimizer_snapshot, learner)
+        await writer.make_durable(boundary_write(cfg, files, store, learner.ctx, records, tensors, v + 1), lambda v=v: source.commit(v))
         if not pushed:  # pushed: the workers' load time is the push, already counted
             timer.add("sync", max((g.weight_load_seconds for g in groups), default=0.0))
         rejected_total += rejected
@@ -277,7 +290,8 @@ async def train(
             files.append("metrics.jsonl", metrics)
             if files.on_iteration:
                 files.on_iteration(metrics)
-            tracker.log(metrics, step=v)
+            writer.log_metrics(tracker, metrics, v)
         history.append(metrics)
+    await writer.drain()
     await source.finish(end)
     return history
