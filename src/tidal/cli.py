@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (tidal bench NAME --help)")
     bench.set_defaults(func=lambda args: run_benchmark(args.name, args.args) or 0)
+    plan = sub.add_parser("plan", help="the capacity planner: measure, then the split of cores between workers and trainer")
+    plan.add_argument("args", nargs=argparse.REMAINDER, help="CONFIG [--set k=v] [--split WxT+C] [--json PATH] (tidal plan --help)")
+    plan.set_defaults(func=lambda args: __import__("tidal.plan", fromlist=["main"]).main(args.args) or 0)
     from tidal import report, ui
 
     ui.register(sub)

@@ -21,6 +21,7 @@ from tidal.data import load_dataset
 from tidal.devices import VISIBLE_DEVICES_ENV, accelerator_placement, visible_accelerators, visible_device_ids
 from tidal.evaluate import eval_engine_kind, evaluate_snapshot, open_engine
 from tidal.model.warm_start import prepare_base_model
+from tidal.plan import apply_plan, cached_profile, wants_plan
 from tidal.roles import check_prompt_settings, sync_trainer
 from tidal.rundir import RunDirError, RunDirLock, RunInfo, new_nats_token
 from tidal.runtime import NATS_LOST_EXIT, set_threads, setup_logging, split_cores
@@ -575,6 +576,18 @@ def prepare_run(cfg: TidalConfig, run_dir: Path, show_progress: bool = True) -> 
     return info, dataset, config_path
 
 
+def planned_config(cfg: TidalConfig, base_model: str, config_path: Path) -> TidalConfig:
+    """`auto` workers / threads replaced by the capacity planner's best split (measured once per config
+    and machine, then cached), written to the run's config.yaml, which every role reads."""
+    profile = cached_profile(cfg, base_model, progress=lambda line: print(line, flush=True))
+    cfg, chosen = apply_plan(cfg, profile)
+    where = f"sync, {cfg.trainer.threads} thread(s)" if chosen.split is None else str(chosen.split)
+    print(f"tidal: capacity planner: {where}, {chosen.iteration_seconds:.2f} s/iteration predicted (tidal plan shows every split)", flush=True)
+    log.info("capacity planner: %s; profile %s", where, profile)
+    config_path.write_text(dump_config(cfg))
+    return cfg
+
+
 def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True, force_new_config: bool = False) -> dict:
     """`tidal run`: one launcher per run directory (a lock); SIGINT, SIGTERM and SIGHUP stop every
     process of the run and raise Stopped; a re-run resumes from the last boundary."""
@@ -612,6 +625,8 @@ def _run_locked(cfg: TidalConfig, run_dir: Path, show_progress: bool, force_new_
         return done
     set_threads(os.cpu_count() or 1)
     info, dataset, config_path = prepare_run(cfg, run_dir, show_progress)
+    if wants_plan(cfg):
+        cfg = planned_config(cfg, info.base_model, config_path)
     eval_set = dataset.eval[: cfg.eval.num_prompts] if cfg.eval.num_prompts else dataset.eval
     log.info("prepared run %s", info.run_id)
     store = WeightStore(run_dir / "weights", info.base_model)
@@ -627,6 +642,8 @@ def _run_locked(cfg: TidalConfig, run_dir: Path, show_progress: bool, force_new_
         curve = start_curve_eval(cfg, config_path, run_dir, child_options(lock))
         try:
             if cfg.mode == "sync":
+                if isinstance(cfg.trainer.threads, int):  # set, or chosen by the planner; else every core
+                    set_threads(cfg.trainer.threads)
                 sync_trainer(cfg, run_dir, info, dataset, tracker, bar.update, engine)
             else:
                 extra = run_periodic_local(cfg, config_path, run_dir, bar, lock)

@@ -20,11 +20,13 @@ def set_threads(n: int) -> None:
 
 
 def split_cores(cfg: TidalConfig, cores: int | None = None) -> tuple[int, int]:
-    """(trainer threads, threads per rollout worker) for periodic mode, unless set in config."""
+    """(trainer threads, threads per rollout worker) for periodic mode, unless set in config. `tidal run`
+    replaces `auto` by the capacity planner's figures before any role starts; a role started another
+    way (a pod) reads `auto` as an even split."""
     cores = cores or os.cpu_count() or 1
-    workers = cfg.rollout.workers
-    trainer = cfg.trainer.threads or max(1, cores // (workers + 1))
-    rollout = cfg.rollout.threads or max(1, (cores - trainer) // workers)
+    workers = cfg.rollout.workers if isinstance(cfg.rollout.workers, int) else 1
+    trainer = cfg.trainer.threads if isinstance(cfg.trainer.threads, int) else max(1, cores // (workers + 1))
+    rollout = cfg.rollout.threads if isinstance(cfg.rollout.threads, int) else max(1, (cores - trainer) // workers)
     return trainer, rollout
 
 
