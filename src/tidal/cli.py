@@ -127,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:  # its own parser: options may come before the config
+        from tidal.plan import main as plan_main
+
+        plan_main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     if not hasattr(args, "config") and hasattr(args, "func"):
         return args.func(args)

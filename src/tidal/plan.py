@@ -12,11 +12,10 @@ shared), and the boundary (optimizer step, weight snapshot); then predicts every
 the one with the shortest periodic iteration, beside sync mode with all cores.
 
 The model (`predict_periodic`), per split of `workers` engines of `worker_threads` each and a
-trainer of `trainer_threads`:
-    slow      = contention x max(1, threads in use / cores)      (oversubscription shares cores)
-    generate  = generate_seconds[worker_threads] / workers x slow
-    train     = train_seconds[trainer_threads] x slow
-    iteration = max(generate + train / calls, generate / calls_per_worker + train) + boundary
+trainer of `trainer_threads`: an event simulation of one iteration (`simulate_periodic`), the
+engine calls shared round-robin by the workers, each call's groups trained in arrival order, the
+busy processes sharing the cores (cores / threads each when oversubscribed) and slowing each other
+by the measured contention while more than one is busy; plus the boundary.
 `rollout.workers: auto` and `trainer.threads: auto` (and `rollout.threads: auto`) apply the best
 split at start-up; the profile is cached per config and machine under ~/.cache/tidal/plans.
 """
@@ -27,7 +26,6 @@ import argparse
 import hashlib
 import itertools
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -104,14 +102,51 @@ def _at(table: dict[int, float], threads: int) -> float:
     return table[min(table, key=lambda t: (abs(t - threads), -t))]
 
 
+def simulate_periodic(
+    generate_chunk: float, train_chunk: float, calls: int, workers: int, worker_threads: int, trainer_threads: int, cores: int, contention: float
+) -> float:
+    """Seconds from the start of an iteration until its last group is trained: `calls` engine calls
+    (each `generate_chunk` seconds of one engine alone) shared round-robin by the workers, each call's
+    groups trained (`train_chunk` seconds alone) in arrival order by one trainer. The busy processes
+    share the cores (fewer threads than cores: full speed; more: cores / threads each) and slow each
+    other by `contention` while more than one is busy. An event simulation, so the head (only the
+    workers busy) and the tail (only the trainer) run at full speed."""
+    queues = [list(range(w, calls, workers)) for w in range(workers)]
+    left = {("gen", w): generate_chunk for w in range(workers) if queues[w]}  # busy jobs -> seconds of work left
+    arrived, trained, now = 0, 0, 0.0
+    while trained < calls:
+        if ("train", 0) not in left and arrived > trained:
+            left[("train", 0)] = train_chunk
+        threads = sum(trainer_threads if kind == "train" else worker_threads for kind, _ in left)
+        speed = min(1.0, cores / threads) / (contention if len(left) > 1 else 1.0)
+        job = min(left, key=left.get)
+        step = left[job]
+        now += step / speed
+        for other in left:
+            left[other] -= step
+        del left[job]
+        kind, w = job
+        if kind == "train":
+            trained += 1
+        else:
+            arrived += 1
+            queues[w].pop(0)
+            if queues[w]:
+                left[("gen", w)] = generate_chunk
+    return now
+
+
 def predict_periodic(profile: Profile, split: Split) -> Prediction:
-    slow = profile.contention * max(1.0, split.threads / profile.cores)
-    generate = _at(profile.generate_seconds, split.worker_threads) / split.workers * slow
-    train = _at(profile.train_seconds, split.trainer_threads) * slow
-    calls_per_worker = max(1, math.ceil(profile.calls / split.workers))
-    arrivals = max(profile.calls, split.workers)
-    iteration = max(generate + train / arrivals, generate / calls_per_worker + train) + profile.boundary_seconds
-    return Prediction(split, generate, train, iteration, (max(generate, train) + profile.boundary_seconds) / iteration)
+    gen_alone = _at(profile.generate_seconds, split.worker_threads)
+    train_alone = _at(profile.train_seconds, split.trainer_threads)
+    calls = max(profile.calls, split.workers)
+    busy = simulate_periodic(
+        gen_alone / calls, train_alone / calls, calls, split.workers, split.worker_threads, split.trainer_threads, profile.cores, profile.contention
+    )
+    slow = profile.contention * max(1.0, split.threads / profile.cores)  # the phases' spans while both roles are busy
+    generate, train = gen_alone / split.workers * slow, train_alone * slow
+    iteration = busy + profile.boundary_seconds
+    return Prediction(split, generate, train, iteration, min(1.0, (max(generate, train) + profile.boundary_seconds) / iteration))
 
 
 def predict_sync(profile: Profile, threads: int | None = None) -> Prediction:
@@ -119,6 +154,34 @@ def predict_sync(profile: Profile, threads: int | None = None) -> Prediction:
     generate, train = _at(profile.generate_seconds, t), _at(profile.train_seconds, t)
     iteration = generate + train + profile.boundary_seconds
     return Prediction(None, generate, train, iteration, (max(generate, train) + profile.boundary_seconds) / iteration)
+
+
+def run_split(cfg: TidalConfig, cores: int) -> Split | None:
+    """The split a finished periodic run used (its resolved config); None for sync mode."""
+    from tidal.runtime import split_cores
+
+    if cfg.mode == "sync":
+        return None
+    trainer, worker = split_cores(cfg, cores)
+    return Split(cfg.rollout.workers, worker, trainer)
+
+
+def calibration(profile: Profile, run_dir: Path) -> tuple[float, Split | None, float]:
+    """(measured / predicted, the run's split, its measured s/iteration) for a finished run of this
+    config: the median of its iterations after the first two, against the model at the run's split.
+    What the model leaves out (messaging, logging, this machine's load) scales every prediction alike."""
+    cfg = load_config(run_dir / "config.yaml")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if len(lines) < 4:
+        raise SystemExit(f"tidal plan: --from-run {run_dir}: needs at least 4 iterations in metrics.jsonl, found {len(lines)}")
+    measured = statistics.median(b["wall_time"] - a["wall_time"] for a, b in zip(lines[2:], lines[3:]))
+    split = run_split(cfg, profile.cores)
+    predicted = predict_sync(profile, cfg.trainer.threads or profile.cores) if split is None else predict_periodic(profile, split)
+    return measured / predicted.iteration_seconds, split, measured
+
+
+def scaled(p: Prediction, factor: float) -> Prediction:
+    return Prediction(p.split, p.generate_seconds * factor, p.train_seconds * factor, p.iteration_seconds * factor, p.pipeline_efficiency)
 
 
 def candidate_splits(cores: int, max_workers: int | None = None) -> list[Split]:
@@ -143,13 +206,18 @@ def best_sync_threads(profile: Profile) -> int:
 
 
 def measure_child(argv: list[str]) -> None:
-    """In its own process at `--threads`: one iteration's generation and training, `--reps` times after a warm-up."""
+    """In its own process at `--threads`. Role `both`: one iteration's generation and training, `--reps`
+    times after a warm-up. Role `generate` or `train`: that phase in a loop from wall-clock `--start-at`
+    for `--seconds`, so that two such processes are busy at the same time (the contention figure)."""
     ap = argparse.ArgumentParser(prog="tidal plan (measurement)")
     ap.add_argument("config")
     ap.add_argument("base_model")
     ap.add_argument("out")
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--role", choices=["both", "generate", "train"], default="both")
+    ap.add_argument("--start-at", type=float, default=0.0)
+    ap.add_argument("--seconds", type=float, default=4.0)
     args = ap.parse_args(argv)
     from tidal.runtime import set_threads, setup_logging
 
@@ -172,13 +240,35 @@ def measure_child(argv: list[str]) -> None:
     engine = HFEngine.for_rollout(learner.model, tokenizer, cfg.rollout)
     scorer = RewardScorer.from_config(cfg.reward)
     r = cfg.rollout
+
+    def generate(version: int):
+        return generate_groups(engine, tokenizer, scorer, IterationPlan.for_iteration(cfg, dataset, version)[1], cfg, version, "plan")
+
+    def train(groups) -> int:
+        chunks = generation_chunks([len(g.prompt_ids) for g in groups], r.group_size, r.max_new_tokens, r.generation_token_budget)
+        learner.begin_iteration(groups[0].iteration)
+        for chunk in chunks:
+            learner.train_on_groups([groups[i] for i in chunk])
+        learner._reset()  # the loop phase measures forward and backward only; `both` measures the step too
+        return len(chunks)
+
+    if args.role != "both":
+        groups = generate(0)
+        train(groups)  # warm-up
+        time.sleep(max(0.0, args.start_at - time.time()))
+        seconds, end = [], time.time() + args.seconds
+        while time.time() < end or not seconds:
+            t0 = time.perf_counter()
+            generate(0) if args.role == "generate" else train(groups)
+            seconds.append(time.perf_counter() - t0)
+        Path(args.out).write_text(json.dumps({args.role: statistics.median(seconds)}))
+        return
     figures: dict[str, list[float]] = {"generate": [], "train": [], "boundary": []}
     with tempfile.TemporaryDirectory(prefix="tidal-plan-") as tmp:
         store = WeightStore(tmp, args.base_model)
         for rep in range(args.reps + 1):  # the first is a warm-up
-            items = IterationPlan.for_iteration(cfg, dataset, rep)[1]
             t0 = time.perf_counter()
-            groups = generate_groups(engine, tokenizer, scorer, items, cfg, rep, "plan")
+            groups = generate(rep)
             t1 = time.perf_counter()
             chunks = generation_chunks([len(g.prompt_ids) for g in groups], r.group_size, r.max_new_tokens, r.generation_token_budget)
             learner.begin_iteration(rep)
@@ -198,13 +288,13 @@ def measure_child(argv: list[str]) -> None:
     Path(args.out).write_text(json.dumps(result))
 
 
-def _children(config_path: Path, base_model: str, threads: list[int], workdir: Path, reps: int) -> list[dict]:
-    """One measurement process per entry of `threads`, all started at once; their results."""
+def _children(config_path: Path, base_model: str, jobs: list[tuple[int, list[str]]], workdir: Path) -> list[dict]:
+    """One measurement process per (threads, options), all started at once; their results."""
     procs = []
-    for i, t in enumerate(threads):
+    for i, (threads, options) in enumerate(jobs):
         out = workdir / f"measure-{i}.json"
-        env = {**os.environ, "OMP_NUM_THREADS": str(t), "TIDAL_THREADS": str(t), "TOKENIZERS_PARALLELISM": "false"}
-        cmd = [sys.executable, "-m", "tidal.plan", "_measure", str(config_path), base_model, str(out), "--threads", str(t), "--reps", str(reps)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TIDAL_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [sys.executable, "-m", "tidal.plan", "_measure", str(config_path), base_model, str(out), "--threads", str(threads), *options]
         procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out))
     results = []
     for proc, out in procs:
@@ -216,7 +306,9 @@ def _children(config_path: Path, base_model: str, threads: list[int], workdir: P
 
 
 def measure_profile(cfg: TidalConfig, base_model: str, cores: int | None = None, reps: int = 2, progress=print) -> Profile:
-    """Each thread count alone, then two single-thread processes at once (the contention factor)."""
+    """Each thread count alone; then a 1-thread generator and a 1-thread trainer busy at the same time,
+    against the same two alone (the contention factor: what sharing caches, memory bandwidth and
+    perhaps a physical core costs each)."""
     cores = cores or os.cpu_count() or 1
     generate, train, boundary = {}, {}, []
     with tempfile.TemporaryDirectory(prefix="tidal-plan-") as tmp:
@@ -225,16 +317,23 @@ def measure_profile(cfg: TidalConfig, base_model: str, cores: int | None = None,
         config_path.write_text(dump_config(cfg))
         calls = 1
         for t in range(1, cores + 1):
-            (alone,) = _children(config_path, base_model, [t], workdir, reps)
+            (alone,) = _children(config_path, base_model, [(t, ["--reps", str(reps)])], workdir)
             generate[t], train[t], calls = alone["generate"], alone["train"], alone["calls"]
             boundary.append(alone["boundary"])
             progress(f"  {t} thread(s), alone: generate {generate[t]:.3f}s, train {train[t]:.3f}s per iteration")
         contention = 1.0
         if cores > 1:
-            pair = _children(config_path, base_model, [1, 1], workdir, reps)
-            ratios = [p["generate"] / generate[1] for p in pair] + [p["train"] / train[1] for p in pair]
+            loops = {}
+            for label, start_delay in (("alone", None), ("together", 20.0)):
+                at = ["--start-at", str(time.time() + start_delay)] if start_delay else []
+                if start_delay:
+                    pair = _children(config_path, base_model, [(1, ["--role", "generate", *at]), (1, ["--role", "train", *at])], workdir)
+                else:
+                    pair = [_children(config_path, base_model, [(1, ["--role", role])], workdir)[0] for role in ("generate", "train")]
+                loops[label] = {**pair[0], **pair[1]}
+            ratios = [loops["together"][k] / loops["alone"][k] for k in ("generate", "train")]
             contention = max(1.0, statistics.fmean(ratios))
-            progress(f"  two 1-thread processes at once: each {contention:.2f}x slower")
+            progress(f"  a generator and a trainer busy at once: {ratios[0]:.2f}x and {ratios[1]:.2f}x slower than alone")
     return Profile(cores, generate, train, statistics.median(boundary), contention, calls)
 
 
@@ -300,13 +399,13 @@ def apply_plan(cfg: TidalConfig, profile: Profile) -> tuple[TidalConfig, Predict
 # --- the command --------------------------------------------------------------------------------
 
 
-def format_plan(profile: Profile, predictions: list[Prediction], sync: Prediction) -> str:
+def format_plan(profile: Profile, predictions: list[Prediction], sync: Prediction, sync_threads: int) -> str:
     lines = [
         "| split | generate s | train s | predicted s/iteration | pipeline efficiency | measured s/iteration |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for p in [*predictions, sync]:
-        name = str(p.split) if p.split else f"sync, {profile.cores} thread(s) per phase"
+        name = str(p.split) if p.split else f"sync, {sync_threads} thread(s) per phase"
         measured = f"{p.measured_seconds:.3f}" if p.measured_seconds is not None else ""
         lines.append(
             f"| {name} | {p.generate_seconds:.3f} | {p.train_seconds:.3f} | {p.iteration_seconds:.3f} | {p.pipeline_efficiency:.2f} | {measured} |"
@@ -324,6 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", help="reuse a profile written by --json instead of measuring")
     ap.add_argument("--split", action="append", default=[], help="also predict this split (WxT+C), e.g. an oversubscribed one")
     ap.add_argument("--max-workers", type=int, default=None)
+    ap.add_argument("--from-run", help="a finished run of this config: scale the predictions by its measured / predicted iteration time")
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args(argv)
     try:
@@ -343,13 +443,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tidal plan: {args.config} on {os.cpu_count()} core(s): measuring one iteration per thread count", flush=True)
         profile = measure_profile(cfg, base)
     splits = candidate_splits(profile.cores, args.max_workers)
+    factor = 1.0
+    if args.from_run:
+        factor, ran, measured = calibration(profile, Path(args.from_run))
+        print(f"calibrated on {args.from_run} ({ran or 'sync'}): measured {measured:.3f} s/iteration, x{factor:.2f} the model's", flush=True)
     predictions = sorted((predict_periodic(profile, s) for s in [*splits, *(e for e in extra if e not in splits)]), key=lambda p: p.iteration_seconds)
-    sync = predict_sync(profile, best_sync_threads(profile))
-    print(format_plan(profile, predictions, sync), flush=True)
+    predictions = [scaled(p, factor) for p in predictions]
+    sync_threads = best_sync_threads(profile)
+    sync = scaled(predict_sync(profile, sync_threads), factor)
+    print(format_plan(profile, predictions, sync, sync_threads), flush=True)
     best = min((p for p in predictions if p.split in splits), key=lambda p: p.iteration_seconds)
     print(
         f"best periodic split: {best.split}, {best.iteration_seconds:.3f} s/iteration predicted (pipeline efficiency "
-        f"{best.pipeline_efficiency:.2f}); sync: {sync.iteration_seconds:.3f} s at {best_sync_threads(profile)} thread(s). "
+        f"{best.pipeline_efficiency:.2f}); sync: {sync.iteration_seconds:.3f} s at {sync_threads} thread(s). "
         f"Set it: --set rollout.workers={best.split.workers} --set rollout.threads={best.split.worker_threads} "
         f"--set trainer.threads={best.split.trainer_threads}, or `auto` for each",
         flush=True,
