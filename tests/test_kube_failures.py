@@ -158,8 +158,8 @@ def test_a_trainer_that_fails_marks_the_run_failed_and_is_deleted_with_a_stand_i
 def test_a_trainer_refused_before_any_job_exists_marks_the_run_failed_with_a_stand_in_backend(pipeline_run):
     run_dir, config_path = pipeline_run
     backend = StandInBackend()
-    with pytest.raises(roles.PipelineStepError, match="trainer_backend must be one of local, pytorchjob"):
-        roles.train_round(run_dir, config_path, 0, 2, roles.TrainerPlacement(backend="trainjob"), job_backend=backend)
+    with pytest.raises(roles.PipelineStepError, match="trainer_backend must be one of local, trainjob, pytorchjob"):
+        roles.train_round(run_dir, config_path, 0, 2, roles.TrainerPlacement(backend="mpijob"), job_backend=backend)
     bad_shape = roles.TrainerPlacement(backend="pytorchjob", accelerator="nvidia", nodes=0)
     with pytest.raises(ValueError, match="trainer nodes must be at least 1"):
         roles.train_round(run_dir, config_path, 0, 2, bad_shape, job_backend=backend)

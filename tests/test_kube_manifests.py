@@ -77,7 +77,8 @@ def test_every_object_is_in_the_namespace_and_labelled(overlay):
     `kubectl apply -k` would put an object without a namespace wherever the caller's context points."""
     _, objects = overlay
     for o in objects:
-        assert o["metadata"].get("namespace") == "tidal", (o["kind"], o["metadata"]["name"])
+        if o["kind"] != "ClusterRole":  # cluster-scoped
+            assert o["metadata"].get("namespace") == "tidal", (o["kind"], o["metadata"]["name"])
         assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tidal", (o["kind"], o["metadata"]["name"])
 
 
@@ -190,14 +191,18 @@ def test_nats_has_jetstream_on_a_pvc_and_auth_from_the_secret(overlay):
     }
 
 
-def test_rbac_allows_pytorchjobs_and_nothing_more(overlay):
+def test_rbac_allows_trainer_jobs_and_nothing_more(overlay):
     _, objects = overlay
     (role,) = by_kind(objects, "Role").values()
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rules"]}
     assert rules == {
         (("kubeflow.org",), ("pytorchjobs",)): {"create", "get", "list", "watch", "delete"},
+        (("trainer.kubeflow.org",), ("trainjobs",)): {"create", "get", "list", "watch", "delete"},
+        (("trainer.kubeflow.org",), ("trainingruntimes",)): {"get", "list"},  # TrainerClient looks the runtime up
         (("",), ("pods", "pods/log")): {"get", "list", "watch"},
     }
+    (cluster_role,) = by_kind(objects, "ClusterRole").values()
+    assert cluster_role["rules"] == [{"apiGroups": ["trainer.kubeflow.org"], "resources": ["clustertrainingruntimes"], "verbs": ["get", "list"]}]
     (binding,) = by_kind(objects, "RoleBinding").values()
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name} for name in cluster.PIPELINE_SERVICE_ACCOUNTS]
 

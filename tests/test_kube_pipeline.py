@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tidal.kube import cluster, roles
+from tidal.kube.ir_check import driver_resolution_violations
 from tidal.kube.kfp_local import KfpLocalError, split_loop_overrides
 from tidal.kube.submit import SubmitError, parse_params, submit_run
 
@@ -484,3 +485,80 @@ def test_each_round_takes_and_releases_the_round_lease_of_its_pipeline_run(tmp_p
     assert round_tasks["evaluate"]["inputs"]["parameters"]["job_id"] == job_id
     assert round_tasks["evaluate"]["dependentTasks"] == ["weight-sync"]  # the last step of the round
     assert not [t for t, task in round_tasks.items() if "evaluate" in task.get("dependentTasks", [])]
+
+
+# ---------------------------------------------------------------- issue 14: hygiene, Kueue, run links
+
+
+def test_loops_and_branches_have_their_own_display_names(compiled):
+    """The KFP UI shows a group's taskInfo.name: without names both loops read 'for-loop-1'."""
+    spec, _ = compiled
+    groups = [(name, task["taskInfo"]["name"]) for _, name, task in dag_tasks(spec) if name.startswith(("for-loop", "condition-", "exit-handler"))]
+    named = [(name, shown) for name, shown in groups if not name.startswith("condition-branches")]  # If/Else wrappers take no name
+    assert named and not [name for name, shown in named if shown == name]  # every loop, branch and the exit handler
+    loops = [shown for name, shown in groups if name.startswith("for-loop")]
+    assert len(loops) == 2 and len(set(loops)) == 2
+
+
+RETRIED = {"prepare", "open-round", "weight-sync", "evaluate", "finalize"}
+
+
+def test_only_steps_that_can_run_again_are_retried_and_bookkeeping_steps_have_a_timeout(compiled):
+    spec, executors = compiled
+    retried = {task_name for _, task_name, task in dag_tasks(spec) if task.get("retryPolicy", {}).get("maxRetryCount", 0) > 0}
+    assert retried == RETRIED  # never train (it marked the run failed) nor rollout-worker
+    for name in RETRIED:
+        assert int(executors[f"exec-{name}"]["activeDeadlineSeconds"]) > 0  # protobuf int64: a string in the YAML
+    for name in ("exec-train", "exec-train-2", "exec-rollout-worker"):
+        assert "activeDeadlineSeconds" not in executors[name]
+
+
+def test_trainjob_is_the_default_trainer_backend(compiled):
+    spec, _ = compiled
+    assert spec["root"]["inputDefinitions"]["parameters"]["trainer_backend"]["defaultValue"] == "trainjob"
+
+
+def test_queue_name_labels_the_accelerator_pods_and_reaches_the_trainer_job_launcher(tmp_path):
+    from tidal.kube.pipeline import compile_pipeline
+
+    documents = list(yaml.safe_load_all(compile_pipeline(tmp_path / "q.yaml", queue_name="team-a-gpus").read_text()))
+    executors = documents[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    queued = {name for name, e in executors.items() if e.get("podMetadata", {}).get("labels", {}).get(cluster.QUEUE_LABEL) == "team-a-gpus"}
+    assert queued == {"exec-rollout-worker", "exec-evaluate", "exec-train-2"}  # workers, eval, the trainer in its step
+    launcher = next(t for c, n, t in dag_tasks(documents[0]) if n == "train" and c == "comp-condition-4")
+    assert launcher["inputs"]["parameters"]["queue_name"]["runtimeValue"]["constant"] == "team-a-gpus"
+    assert driver_resolution_violations(documents[0]) == []
+    unqueued = compiled_spec(tmp_path, "nvidia")
+    assert "team-a-gpus" not in yaml.safe_dump(unqueued)
+
+
+def test_run_metrics_are_an_output_of_a_task_at_the_top_of_the_run(compiled):
+    spec, _ = compiled
+    finalize = spec["root"]["dag"]["tasks"]["finalize"]
+    outputs = spec["components"][finalize["componentRef"]["name"]]["outputDefinitions"]["artifacts"]
+    assert outputs["run_metrics"]["artifactType"]["schemaTitle"] == "system.Metrics"
+    prepare_outputs = spec["components"]["comp-prepare"]["outputDefinitions"]["artifacts"]
+    assert prepare_outputs["mlflow_run"]["artifactType"]["schemaTitle"] == "system.Markdown"
+
+
+def test_the_mlflow_run_links_to_its_kfp_run_and_the_final_metrics_are_the_last_rounds(tmp_path, tiny_config_dict, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "runs" / "job-7"
+    run_dir.mkdir(parents=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(tiny_config_dict))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    links = roles.RunLinks(kfp_ui_url="https://kf.example/pipeline/", mlflow_ui_url="https://kf.example/tidal-mlflow")
+    run_id, uri = roles.open_parent_run(str(run_dir), str(config_path), "job-7", links)
+    tags = MlflowClient(uri).get_run(run_id).data.tags
+    assert tags["kfp.run_id"] == "job-7" and tags["kfp.run_url"] == "https://kf.example/pipeline/#/runs/details/job-7"
+    markdown = roles.mlflow_run_markdown(str(run_dir))
+    assert "(https://kf.example/tidal-mlflow/#/experiments/" in markdown and f"/runs/{run_id})" in markdown
+
+    assert roles.final_metrics(str(run_dir), "") == {}
+    for round_index, accuracy in ((0, 0.25), (1, 0.5)):
+        roles.write_json_atomically(
+            roles.state_dir(str(run_dir)) / f"eval-{round_index:03d}.json", {"round": round_index, "metrics": {"accuracy": accuracy}}
+        )
+    assert roles.final_metrics(str(run_dir), "") == {"final_accuracy": 0.5, "rounds_evaluated": 2.0}

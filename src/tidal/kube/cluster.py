@@ -88,6 +88,8 @@ def storage_problems(claim_name: str, storage_class: str | None, access_modes: l
 RUN_AS_USER = 1000
 RUN_AS_GROUP = 1000
 TIDAL_POD_LABEL = {"app.kubernetes.io/part-of": "tidal"}
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+"""Kueue's LocalQueue label: on a trainer job (PyTorchJob, TrainJob) and on worker pods (Kueue's pod integration)."""
 """Pods with this label may reach NATS and MLflow (see manifests/base/networkpolicy.yaml)."""
 
 

@@ -47,6 +47,11 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         help="accelerator profile: image, device resource, node placement (default: nvidia)",
     )
     parser.add_argument("--image", default="", help="image for every step (default: the profile's)")
+    parser.add_argument(
+        "--queue-name",
+        default="",
+        help="Kueue LocalQueue of the trainer job and of the worker and evaluation pods (label kueue.x-k8s.io/queue-name; default: none)",
+    )
 
 
 KUBE_EXTRA_HINT = "the Kubeflow commands need the 'kube' extra: pip install 'tidal[kube]'"
@@ -56,7 +61,7 @@ def require_kube_extra() -> None:
     """Fail with the install hint, not a traceback, when kfp or kubeflow-training is missing."""
     import importlib.util
 
-    missing = [m for m in ("kfp", "kfp.kubernetes", "kubeflow.training") if _find_spec(importlib.util, m) is None]
+    missing = [m for m in ("kfp", "kfp.kubernetes", "kubeflow.training", "kubeflow.trainer") if _find_spec(importlib.util, m) is None]
     if missing:
         raise SystemExit(f"tidal: {KUBE_EXTRA_HINT} (missing: {', '.join(missing)})")
 
@@ -72,7 +77,7 @@ def compile_command(args: argparse.Namespace) -> int:
     require_kube_extra()
     from tidal.kube.pipeline import compile_pipeline
 
-    path = compile_pipeline(args.output, accelerator=args.accelerator, image=args.image)
+    path = compile_pipeline(args.output, accelerator=args.accelerator, image=args.image, queue_name=args.queue_name)
     print(f"wrote {path}")
     return 0
 
@@ -89,6 +94,7 @@ def submit_command(args: argparse.Namespace) -> int:
             params=parse_params(args.param),
             accelerator=args.accelerator,
             image=args.image,
+            queue_name=args.queue_name,
             run_name=args.run_name,
         )
     except SubmitError as err:

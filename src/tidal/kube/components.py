@@ -33,8 +33,12 @@ def prepare(
     nats_url: str,
     tracking_uri: str,
     overrides: str,
+    kfp_ui_url: str,
+    mlflow_ui_url: str,
+    mlflow_run: dsl.Output[dsl.Markdown],
 ) -> NamedTuple("Prepared", run_dir=str, config_path=str, rounds=list[int], lanes=list[str], parent_run_id=str):
-    """Validate the config, stage data, create streams and KV bucket, open the MLflow parent run."""
+    """Validate the config, stage data, create streams and KV bucket, open the MLflow parent run (tagged with this
+    KFP run's id and link); the run's page shows the MLflow run's link (artifact ``mlflow_run``)."""
     from collections import namedtuple
 
     from tidal.kube import roles
@@ -51,7 +55,10 @@ def prepare(
         tracking_uri=tracking_uri,
         overrides=overrides,
     )
-    run = roles.prepare(config_yaml=config_yaml, config_path=config_path, run_dir=run_dir, job_id=job_id, knobs=knobs)
+    links = roles.RunLinks(kfp_ui_url=kfp_ui_url, mlflow_ui_url=mlflow_ui_url)
+    run = roles.prepare(config_yaml=config_yaml, config_path=config_path, run_dir=run_dir, job_id=job_id, knobs=knobs, links=links)
+    with open(mlflow_run.path, "w") as fh:
+        fh.write(roles.mlflow_run_markdown(run.run_dir))
     prepared = namedtuple("Prepared", ["run_dir", "config_path", "rounds", "lanes", "parent_run_id"])
     return prepared(run.run_dir, run.config_path, run.rounds, run.lanes, run.parent_run_id)
 
@@ -89,8 +96,9 @@ def train(
     memory: str,
     deadline_s: int,
     start_timeout_s: int,
+    queue_name: str,
 ):
-    """The round's trainer: a PyTorchJob (waited for, logs streamed) or, locally, the trainer role itself.
+    """The round's trainer: a TrainJob or PyTorchJob (waited for, logs streamed) or, locally, the trainer role itself.
     On any failure it marks the run failed (the round's workers stop) and deletes the job."""
     from tidal.kube import roles
 
@@ -106,6 +114,7 @@ def train(
         memory=memory,
         deadline_s=deadline_s,
         start_timeout_s=start_timeout_s,
+        queue_name=queue_name,
     )
     roles.train_round(run_dir=run_dir, config_path=config_path, round_index=int(round_index), iterations=iterations, placement=placement)
 
@@ -141,9 +150,12 @@ def register_model(run_dir: str, registered_model_name: str) -> str:
 
 
 @component
-def finalize(run_dir: str, job_id: str, namespace: str) -> str:
-    """The exit handler (runs after success, failure or cancellation): delete leftover trainer jobs, end the
-    MLflow run as FINISHED or FAILED, delete the run's NATS streams and KV bucket."""
+def finalize(run_dir: str, job_id: str, namespace: str, run_metrics: dsl.Output[dsl.Metrics]) -> str:
+    """The exit handler (runs after success, failure or cancellation): the run's final held-out metrics as a
+    KFP metrics artifact at the top of the run, then delete leftover trainer jobs, end the MLflow run as
+    FINISHED or FAILED, delete the run's NATS streams and KV bucket."""
     from tidal.kube import roles
 
+    for name, value in roles.final_metrics(run_dir=run_dir, job_id=job_id).items():
+        run_metrics.log_metric(name, value)
     return "\n".join(roles.finalize_run(run_dir=run_dir, job_id=job_id, namespace=namespace))

@@ -53,6 +53,31 @@ def on_cluster(task: dsl.PipelineTask, needs_nats: bool = True, cpu: str = "500m
     return task
 
 
+def in_queue(task: dsl.PipelineTask, queue_name: str) -> dsl.PipelineTask:
+    """Kueue admits this pod through ``queue_name`` (its pod integration). A KFP pod label is fixed when the
+    pipeline is compiled (kfp-kubernetes takes no parameter there), so the queue is a compile option."""
+    if queue_name:
+        kubernetes.add_pod_label(task, label_key=cluster.QUEUE_LABEL, label_value=queue_name)
+    return task
+
+
+RETRY = dict(num_retries=2, backoff_duration="30s", backoff_factor=2.0, backoff_max_duration="600s")
+"""For steps that are safe to run again (prepare, open_round, weight_sync, evaluate and finalize re-read or
+overwrite the run's state): a NATS or MLflow blip does not fail the run. Trainer and workers are not retried:
+the failed trainer has marked the run failed and stopped the round's workers."""
+SHORT_STEP_TIMEOUT_S = 3600
+"""Pod activeDeadlineSeconds of the bookkeeping steps (open_round, weight_sync, finalize). Trainer and workers have
+none: the trainer job has its own deadline (trainer_deadline_s) and the workers end with their round."""
+LONG_STEP_TIMEOUT_S = 6 * 3600
+"""prepare (it may copy a large base model onto the volume) and evaluate (pass@k on the held-out set)."""
+
+
+def retried(task: dsl.PipelineTask, timeout_s: int = SHORT_STEP_TIMEOUT_S) -> dsl.PipelineTask:
+    task.set_retry(**RETRY)
+    kubernetes.set_timeout(task, timeout_s)
+    return task
+
+
 def consume_channels(task: dsl.PipelineTask, *values) -> None:
     """Declare the pipeline parameters that a resource setting reads as inputs of ``task``.
 
@@ -82,9 +107,11 @@ def on_accelerator(task: dsl.PipelineTask, profile: AcceleratorProfile, count) -
     return task
 
 
-def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
+def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str = "") -> Callable:
     """The pipeline function for one accelerator profile; ``image`` (default: the profile's) is
-    also the default of the ``trainer_image`` parameter, so the trainer job runs what the steps run."""
+    also the default of the ``trainer_image`` parameter, so the trainer job runs what the steps run.
+    ``queue_name``: the Kueue LocalQueue of the trainer job and of every accelerator pod (workers,
+    evaluation, the trainer in its step), so they are admitted from one quota."""
     step_image = image or profile.image
 
     @dsl.pipeline(name=f"{PIPELINE_NAME}-round", description="One round: rollout workers ∥ trainer, then sync and eval.")
@@ -108,8 +135,8 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
         namespace: str,
     ):
         job_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
-        opened = on_cluster(open_round(run_dir=run_dir, config_path=config_path, round_index=round_index, job_id=job_id))
-        with dsl.ParallelFor(lanes) as lane:
+        opened = retried(on_cluster(open_round(run_dir=run_dir, config_path=config_path, round_index=round_index, job_id=job_id)))
+        with dsl.ParallelFor(lanes, name="lanes: trainer and rollout workers") as lane:
             with dsl.If(lane == "trainer", name="trainer-lane"):
                 trainer_args = dict(
                     run_dir=run_dir,
@@ -127,6 +154,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
                     memory=trainer_memory,
                     deadline_s=trainer_deadline_s,
                     start_timeout_s=trainer_start_timeout_s,
+                    queue_name=queue_name,
                 )
                 # Resources are fixed per task, the backend is a run parameter: one task per backend.
                 with dsl.If(trainer_backend != "local", name="trainer-job"):
@@ -137,6 +165,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
                     in_step = train(**trainer_args)
                     on_cluster(in_step, cpu=trainer_cpu, memory=trainer_memory).set_display_name("train")
                     on_accelerator(in_step, profile, trainer_accelerators_per_node)
+                    in_queue(in_step, queue_name)
                 for task in (launcher, in_step):
                     task.after(opened)
                     # the job's ownerReference and per-attempt name (tidal.kube.roles.launcher_pod)
@@ -145,14 +174,14 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
             with dsl.Else(name="rollout-lane"):
                 worker = rollout_worker(run_dir=run_dir, config_path=config_path, lane=lane, round_index=round_index)
                 on_cluster(worker, cpu=worker_cpu, memory=worker_memory).set_display_name("rollout-worker")
-                on_accelerator(worker, profile, worker_accelerators).after(opened)
-        synced = on_cluster(weight_sync(run_dir=run_dir, round_index=round_index), needs_nats=False)
+                in_queue(on_accelerator(worker, profile, worker_accelerators), queue_name).after(opened)
+        synced = retried(on_cluster(weight_sync(run_dir=run_dir, round_index=round_index), needs_nats=False))
         synced.after(trainer).after(worker)
         evaluation = evaluate(
             run_dir=run_dir, config_path=config_path, weights_path=synced.outputs["weights_path"], round_index=round_index, job_id=job_id
         )
-        on_cluster(evaluation, cpu=worker_cpu, memory=worker_memory)  # NATS: it releases the round lease
-        on_accelerator(evaluation, profile, 1)
+        retried(on_cluster(evaluation, cpu=worker_cpu, memory=worker_memory), LONG_STEP_TIMEOUT_S)  # NATS: it releases the round lease
+        in_queue(on_accelerator(evaluation, profile, 1), queue_name)
 
     @dsl.pipeline(name=f"{PIPELINE_NAME}-loop", description="Rounds, one after another.")
     def training_loop(
@@ -174,7 +203,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
         trainer_start_timeout_s: int,
         namespace: str,
     ):
-        with dsl.ParallelFor(rounds, parallelism=1) as round_index:
+        with dsl.ParallelFor(rounds, parallelism=1, name="rounds, one after another") as round_index:
             round_pipeline(
                 run_dir=run_dir,
                 config_path=config_path,
@@ -193,7 +222,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
                 trainer_deadline_s=trainer_deadline_s,
                 trainer_start_timeout_s=trainer_start_timeout_s,
                 namespace=namespace,
-            ).set_caching_options(False)
+            ).set_caching_options(False).set_display_name("round")
 
     def run_steps(
         config_yaml,
@@ -222,25 +251,32 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
         trainer_start_timeout_s,
         namespace,
         registered_model_name,
+        kfp_ui_url,
+        mlflow_ui_url,
     ):
         """prepare -> rounds -> register the model (inside the exit handler)."""
-        prepared = on_cluster(
-            prepare(
-                config_yaml=config_yaml,
-                config_path=config_path,
-                run_dir=run_dir,
-                job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-                rounds=rounds,
-                iterations_per_round=iterations_per_round,
-                rollout_workers=rollout_workers,
-                group_size=group_size,
-                prompts_per_iteration=prompts_per_iteration,
-                mode=mode,
-                experiment=experiment,
-                nats_url=nats_url,
-                tracking_uri=tracking_uri,
-                overrides=overrides,
-            )
+        prepared = retried(
+            on_cluster(
+                prepare(
+                    config_yaml=config_yaml,
+                    config_path=config_path,
+                    run_dir=run_dir,
+                    job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                    rounds=rounds,
+                    iterations_per_round=iterations_per_round,
+                    rollout_workers=rollout_workers,
+                    group_size=group_size,
+                    prompts_per_iteration=prompts_per_iteration,
+                    mode=mode,
+                    experiment=experiment,
+                    nats_url=nats_url,
+                    tracking_uri=tracking_uri,
+                    overrides=overrides,
+                    kfp_ui_url=kfp_ui_url,
+                    mlflow_ui_url=mlflow_ui_url,
+                )
+            ),
+            LONG_STEP_TIMEOUT_S,
         )
         loop = training_loop(
             run_dir=prepared.outputs["run_dir"],
@@ -261,7 +297,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
             trainer_start_timeout_s=trainer_start_timeout_s,
             namespace=namespace,
         )
-        loop.set_caching_options(False)
+        loop.set_caching_options(False).set_display_name("training loop")
         registered = register_model(run_dir=prepared.outputs["run_dir"], registered_model_name=registered_model_name)
         on_cluster(registered, needs_nats=False).after(loop)
 
@@ -284,7 +320,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
         experiment: str = "tidal",
         nats_url: str = cluster.NATS_URL,
         tracking_uri: str = "",
-        trainer_backend: str = "pytorchjob",
+        trainer_backend: str = "trainjob",
         trainer_nodes: int = 1,
         trainer_accelerators_per_node: int = 1,
         worker_accelerators: int = 1,
@@ -297,18 +333,22 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
         trainer_start_timeout_s: int = 3600,
         namespace: str = "",
         registered_model_name: str = "tidal-policy",
+        kfp_ui_url: str = "",
+        mlflow_ui_url: str = "",
     ):
         """Parameters: config_yaml (config text; wins over config_path), config_path (a config in the image),
         run_dir (default /mnt/tidal/runs/<job id>), rounds × iterations_per_round iterations in all,
         rollout_workers pods per round; group_size, prompts_per_iteration, mode: 0/'' keep the config's;
-        overrides: key=value lines for any other config key; trainer_backend: pytorchjob or local;
+        overrides: key=value lines for any other config key; trainer_backend: trainjob (Kubeflow Trainer v2, new clusters),
+        pytorchjob (Training Operator v1, existing clusters) or local (in the step's pod);
         trainer_image (default: the steps' image), trainer_cpu / trainer_memory: requests of each trainer replica;
         trainer_deadline_s: the trainer job's activeDeadlineSeconds (0: none); trainer_start_timeout_s: how long
-        the job may stay Pending before the round fails."""
+        the job may stay Pending before the round fails; kfp_ui_url / mlflow_ui_url: where people open KFP and MLflow
+        (the MLflow run is tagged with this run's KFP link and the run shows its MLflow link; empty: the run id only)."""
         # The exit handler: runs however the run ends; it may only read pipeline parameters (KFP rule), so it
         # finds the run directory as prepare does (run_dir, else /mnt/tidal/runs/<job id>).
         cleanup = finalize(run_dir=run_dir, job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, namespace=namespace)
-        on_cluster(cleanup).set_display_name("finalize")
+        retried(on_cluster(cleanup)).set_display_name("finalize (run metrics, clean-up)")
         with dsl.ExitHandler(cleanup, name="tidal-run"):
             run_steps(
                 config_yaml=config_yaml,
@@ -337,6 +377,8 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "") -> Callable:
                 trainer_start_timeout_s=trainer_start_timeout_s,
                 namespace=namespace,
                 registered_model_name=registered_model_name,
+                kfp_ui_url=kfp_ui_url,
+                mlflow_ui_url=mlflow_ui_url,
             )
 
     return tidal_pipeline
@@ -347,14 +389,15 @@ prepare, open_round, rollout_worker, train = c.prepare, c.open_round, c.rollout_
 weight_sync, evaluate, register_model, finalize = c.weight_sync, c.evaluate, c.register_model, c.finalize
 
 
-def compile_pipeline(output_path, accelerator: str = "nvidia", image: str = "") -> Path:
-    """Write the pipeline YAML for ``accelerator``; every step runs ``image`` (default: the profile's)."""
+def compile_pipeline(output_path, accelerator: str = "nvidia", image: str = "", queue_name: str = "") -> Path:
+    """Write the pipeline YAML for ``accelerator``; every step runs ``image`` (default: the profile's);
+    ``queue_name``: the Kueue LocalQueue of the trainer job and the accelerator pods (empty: none)."""
     profile = cluster.accelerator_profile(accelerator)
     output = Path(output_path)
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "pipeline.yaml"
-        compiler.Compiler().compile(build_pipeline(profile, image), str(raw))
+        compiler.Compiler().compile(build_pipeline(profile, image, queue_name), str(raw))
         documents = list(yaml.safe_load_all(raw.read_text()))
     problems = driver_resolution_violations(documents[0])
     if problems:

@@ -9,8 +9,10 @@ Three layers, each usable alone:
   against a schema made from the SDK's models and Kubernetes' own pod schema,
   so a job that the API server would reject fails here, offline;
 - :class:`TrainerJobBackend` is the submission interface;
-  :class:`PyTorchJobBackend` implements it with ``TrainingClient``. A Kubeflow
-  Trainer v2 ``TrainJob`` backend implements the same four methods.
+  :class:`PyTorchJobBackend` implements it with ``TrainingClient``;
+  :class:`tidal.kube.trainjob.TrainJobBackend` (Kubeflow Trainer v2) with ``TrainerClient``.
+
+Training Operator v1 is deprecated: PyTorchJob stays for clusters that run it; new clusters use TrainJob.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class TrainerJobSpec:
     clean_pod_policy: str = "Running"
     active_deadline_seconds: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    queue_name: str = ""
+    """Kueue LocalQueue: the job gets the ``kueue.x-k8s.io/queue-name`` label and waits (suspended) for admission."""
     owner: tuple[str, str] | None = None
     """``(name, uid)`` of the launcher pod: the job is garbage-collected with it (a deleted or cancelled run)."""
 
@@ -190,6 +194,14 @@ def owner_references(spec: TrainerJobSpec) -> list[k8s.V1OwnerReference] | None:
     return [k8s.V1OwnerReference(api_version="v1", kind="Pod", name=name, uid=uid, controller=False, block_owner_deletion=False)]
 
 
+def job_labels(spec: TrainerJobSpec) -> dict[str, str]:
+    """Kueue admits a job by the queue label on the job itself (it suspends the job until then)."""
+    labels = {**cluster.TIDAL_POD_LABEL, **spec.labels}
+    if spec.queue_name:
+        labels[cluster.QUEUE_LABEL] = spec.queue_name
+    return labels
+
+
 def build_pytorchjob(spec: TrainerJobSpec) -> kf.KubeflowOrgV1PyTorchJob:
     """The typed job for ``spec``; raises :class:`PyTorchJobRejected` if the operator would."""
     run_policy = kf.KubeflowOrgV1RunPolicy(
@@ -201,9 +213,7 @@ def build_pytorchjob(spec: TrainerJobSpec) -> kf.KubeflowOrgV1PyTorchJob:
     job = kf.KubeflowOrgV1PyTorchJob(
         api_version=API_VERSION,
         kind=KIND,
-        metadata=k8s.V1ObjectMeta(
-            name=spec.name, namespace=spec.namespace, labels={**cluster.TIDAL_POD_LABEL, **spec.labels}, owner_references=owner_references(spec)
-        ),
+        metadata=k8s.V1ObjectMeta(name=spec.name, namespace=spec.namespace, labels=job_labels(spec), owner_references=owner_references(spec)),
         spec=kf.KubeflowOrgV1PyTorchJobSpec(
             nproc_per_node=spec.nproc_per_node,
             pytorch_replica_specs=replica_specs(spec),
@@ -424,7 +434,7 @@ class JobOutcome:
 
 
 class TrainerJobBackend(Protocol):
-    """How a round's trainer runs on a cluster. PyTorchJob now; Kubeflow Trainer v2 TrainJob next."""
+    """How a round's trainer runs on a cluster: a PyTorchJob or a Kubeflow Trainer v2 TrainJob."""
 
     def submit(self, spec: TrainerJobSpec) -> str:
         """Create the job; return its name."""

@@ -279,8 +279,41 @@ def local_artifact_location(run_dir: str, tracking_uri: str) -> str | None:
     return None
 
 
-def open_parent_run(run_dir: str, config_path: str) -> tuple[str, str]:
-    """Create (or, on a retried prepare, reuse) the MLflow parent run of this pipeline run."""
+@dataclass(frozen=True)
+class RunLinks:
+    """Where people open KFP and MLflow (pipeline parameters ``kfp_ui_url``, ``mlflow_ui_url``); empty: unknown."""
+
+    kfp_ui_url: str = ""
+    mlflow_ui_url: str = ""
+
+    def kfp_run_url(self, job_id: str) -> str:
+        return f"{self.kfp_ui_url.rstrip('/')}/#/runs/details/{job_id}" if self.kfp_ui_url and job_id else ""
+
+
+def kfp_tags(job_id: str, links: RunLinks) -> dict[str, str]:
+    """Tags that lead from the MLflow run back to its KFP run."""
+    tags = {"kfp.run_id": job_id} if job_id else {}
+    url = links.kfp_run_url(job_id)
+    if url:
+        tags["kfp.run_url"] = url
+        tags["mlflow.note.content"] = f"Kubeflow Pipelines run: [{job_id}]({url})"
+    return tags
+
+
+def mlflow_run_url(ui_url: str, experiment_id: str, run_id: str) -> str:
+    return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def mlflow_run_markdown(run_dir: str) -> str:
+    """What the KFP run page shows for the MLflow run (KFP has no API to annotate a run once it exists)."""
+    state = read_json(state_dir(run_dir) / "pipeline.json")
+    url = state.get("mlflow_run_url", "")
+    link = f"[{state['parent_run_id']}]({url})" if url else f"`{state['parent_run_id']}` on `{state['tracking_uri']}`"
+    return f"## MLflow run\n\n{link}\n"
+
+
+def open_parent_run(run_dir: str, config_path: str, job_id: str = "", links: RunLinks = RunLinks()) -> tuple[str, str]:
+    """Create (or, on a retried prepare, reuse) the MLflow parent run of this pipeline run, tagged with the KFP run."""
     from mlflow.tracking import MlflowClient
 
     from tidal.config import flatten, load_config
@@ -298,21 +331,26 @@ def open_parent_run(run_dir: str, config_path: str) -> tuple[str, str]:
         if experiment
         else client.create_experiment(config.tracking.experiment, artifact_location=local_artifact_location(run_dir, uri))
     )
-    run = client.create_run(experiment_id, run_name=f"pipeline-{Path(run_dir).name}", tags={"tidal.role": "pipeline", "tidal.run_dir": run_dir})
+    tags = {"tidal.role": "pipeline", "tidal.run_dir": run_dir, **kfp_tags(job_id, links)}
+    run = client.create_run(experiment_id, run_name=f"pipeline-{Path(run_dir).name}", tags=tags)
     params = flatten(config)
     for key, value in sorted(params.items()):
         client.log_param(run.info.run_id, key, str(value)[:6000])
-    write_json_atomically(state_file, {"parent_run_id": run.info.run_id, "tracking_uri": uri})
+    ui = links.mlflow_ui_url or (uri if uri.startswith(("http://", "https://")) else "")
+    url = mlflow_run_url(ui, experiment_id, run.info.run_id) if ui else ""
+    write_json_atomically(state_file, {"parent_run_id": run.info.run_id, "tracking_uri": uri, "mlflow_run_url": url})
     return run.info.run_id, uri
 
 
 @as_separate_pod("prepare")
-def prepare(config_yaml: str, config_path: str, run_dir: str, job_id: str, knobs: PipelineKnobs) -> PreparedRun:
+def prepare(config_yaml: str, config_path: str, run_dir: str, job_id: str, knobs: PipelineKnobs, links: RunLinks = RunLinks()) -> PreparedRun:
     """Validate the config, stage it and its data, create the streams and KV bucket, open the MLflow parent run."""
     run_dir = resolve_run_dir(run_dir, job_id)
     (state_dir(run_dir) / REGISTERED_FILE).unlink(missing_ok=True)  # this pipeline run has not succeeded (yet)
+    for earlier in state_dir(run_dir).glob("eval-*.json"):  # nor evaluated: the run metrics are this run's
+        earlier.unlink()
     staged = stage_config(run_dir, config_yaml, config_path, knobs.config_overrides())
-    parent_run_id, tracking_uri = open_parent_run(run_dir, staged)
+    parent_run_id, tracking_uri = open_parent_run(run_dir, staged, job_id, links)
     core_prepare(run_dir, staged, tracking_uri, parent_run_id)
     warning = core_hooks.reset_rounds(run_dir, staged, job_id or "local")
     if warning:
@@ -429,7 +467,8 @@ def nats_url_of(config_path: str) -> str:
 
 @dataclass(frozen=True)
 class TrainerPlacement:
-    """Where a round's trainer runs: ``local`` (in this pod/process) or ``pytorchjob``."""
+    """Where a round's trainer runs: ``local`` (in this pod/process), ``trainjob`` (Kubeflow Trainer v2) or ``pytorchjob``
+    (Training Operator v1)."""
 
     backend: str = "local"
     nodes: int = 1
@@ -443,10 +482,13 @@ class TrainerPlacement:
     deadline_s: int = 0
     """The trainer job's ``activeDeadlineSeconds`` (the operator fails it after that long); 0: none."""
     start_timeout_s: int = 3600
-    """How long the job may stay unstarted (Pending, image pull) before the launcher gives up."""
+    """How long the job may stay unstarted (Pending, image pull, waiting for Kueue) before the launcher gives up."""
+    queue_name: str = ""
+    """Kueue LocalQueue of the trainer job (the ``kueue.x-k8s.io/queue-name`` label); empty: not queued."""
 
 
-TRAINER_BACKENDS = ("local", "pytorchjob")
+JOB_BACKENDS = ("trainjob", "pytorchjob")
+TRAINER_BACKENDS = ("local", *JOB_BACKENDS)
 DEFAULT_TRAINER_WAIT_S = 7 * 24 * 3600
 DEADLINE_MARGIN_S = 600
 
@@ -485,8 +527,8 @@ def train_round(run_dir: str, config_path: str, round_index: int, iterations: in
         with termination_as_exception():
             if placement.backend == "local":
                 run_command(local_trainer_command(config_path, run_dir, nats_url_of(config_path), iterations, placement), "tidal train")
-            elif placement.backend == "pytorchjob":
-                train_round_as_pytorchjob(run_dir, config_path, round_index, iterations, placement, job_backend)
+            elif placement.backend in JOB_BACKENDS:
+                train_round_as_job(run_dir, config_path, round_index, iterations, placement, job_backend)
             else:
                 raise PipelineStepError(f"trainer_backend must be one of {', '.join(TRAINER_BACKENDS)}, got {placement.backend!r}")
     except BaseException as err:
@@ -501,7 +543,7 @@ def local_trainer_command(config_path: str, run_dir: str, nats_url: str, iterati
     if placement.nodes != 1:
         raise PipelineStepError(
             f"trainer_backend=local trains inside the step's one pod, so trainer_nodes must be 1 (got {placement.nodes}); "
-            "use trainer_backend=pytorchjob for several nodes"
+            "use trainer_backend=trainjob (or pytorchjob) for several nodes"
         )
     args = ["train", config_path, "--run-dir", run_dir, "--nats-url", nats_url, "--iterations", str(iterations)]
     ranks = placement.accelerators_per_node if cluster.accelerator_profile(placement.accelerator).has_accelerator else 1
@@ -531,10 +573,8 @@ def record_run_failed(run_dir: str, config_path: str, round_index: int, reason: 
         print(f"could not mark the run failed in the KV bucket: {err}", flush=True)
 
 
-def train_round_as_pytorchjob(
-    run_dir: str, config_path: str, round_index: int, iterations: int, placement: TrainerPlacement, job_backend=None
-) -> None:
-    from tidal.kube.pytorchjob import PyTorchJobBackend, TrainerJobSpec, run_trainer_job
+def train_round_as_job(run_dir: str, config_path: str, round_index: int, iterations: int, placement: TrainerPlacement, job_backend=None) -> None:
+    from tidal.kube.pytorchjob import TrainerJobSpec, run_trainer_job
 
     pod = launcher_pod()
     spec = TrainerJobSpec(
@@ -553,28 +593,41 @@ def train_round_as_pytorchjob(
         active_deadline_seconds=placement.deadline_s or None,
         owner=pod,
         labels={"tidal.run": Path(run_dir).name[:63]},
+        queue_name=placement.queue_name,
     )
-    backend = job_backend or PyTorchJobBackend(start_timeout_s=placement.start_timeout_s)
+    backend = job_backend or default_job_backend(placement.backend, placement.start_timeout_s)
     wait_s = placement.deadline_s + DEADLINE_MARGIN_S if placement.deadline_s else DEFAULT_TRAINER_WAIT_S
-    record_trainer_job(run_dir, spec.namespace, spec.name, round_index)  # before creating it: finalize deletes what is left
+    record_trainer_job(run_dir, spec.namespace, spec.name, round_index, placement.backend)  # before creating it: finalize deletes what is left
     run_trainer_job(backend, spec, timeout_s=wait_s)
+
+
+def default_job_backend(kind: str, start_timeout_s: int = 3600):
+    if kind == "trainjob":
+        from tidal.kube.trainjob import TrainJobBackend
+
+        return TrainJobBackend(start_timeout_s=start_timeout_s)
+    from tidal.kube.pytorchjob import PyTorchJobBackend
+
+    return PyTorchJobBackend(start_timeout_s=start_timeout_s)
 
 
 TRAINER_JOBS_FILE = "trainer-jobs.jsonl"
 """Every trainer job a launcher created (or was about to), one JSON line each: what finalize deletes."""
 
 
-def record_trainer_job(run_dir: str, namespace: str, name: str, round_index: int) -> None:
+def record_trainer_job(run_dir: str, namespace: str, name: str, round_index: int, kind: str = "pytorchjob") -> None:
     with (state_dir(run_dir) / TRAINER_JOBS_FILE).open("a") as fh:
-        fh.write(json.dumps({"namespace": namespace, "name": name, "round": round_index}) + "\n")
+        fh.write(json.dumps({"namespace": namespace, "name": name, "round": round_index, "kind": kind}) + "\n")
 
 
-def recorded_trainer_jobs(run_dir: str) -> list[tuple[str, str]]:
+def recorded_trainer_jobs(run_dir: str, with_kind: bool = False) -> list[tuple[str, ...]]:
+    """``(namespace, name)`` of every recorded job, once each; ``with_kind`` adds its backend (lines without one are PyTorchJobs)."""
     path = Path(run_dir) / STATE_DIR / TRAINER_JOBS_FILE
     if not path.is_file():
         return []
     jobs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return list(dict.fromkeys((job["namespace"], job["name"]) for job in jobs))
+    keys = ((job["namespace"], job["name"], job.get("kind", "pytorchjob")) if with_kind else (job["namespace"], job["name"]) for job in jobs)
+    return list(dict.fromkeys(keys))
 
 
 MAX_JOB_NAME = 52
@@ -652,6 +705,7 @@ def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int
     if not metrics:
         raise PipelineStepError(f"'tidal eval' printed no numeric metrics: {output[-500:]!r}")
     log_to_parent_run(run_dir, metrics={f"eval/{k}": v for k, v in metrics.items()}, step=round_index)
+    write_json_atomically(state_dir(run_dir) / f"eval-{round_index:03d}.json", {"round": round_index, "metrics": metrics})
     try:
         core_hooks.end_round(run_dir, config_path, job_id or "local", round_index)
     except core_hooks.RoundSequenceError as err:
@@ -671,6 +725,16 @@ def last_json_object(text: str) -> dict:
         return json.loads(text)
     except json.JSONDecodeError:
         raise PipelineStepError(f"'tidal eval' did not print JSON: {text[-500:]!r}") from None
+
+
+def final_metrics(run_dir: str, job_id: str) -> dict[str, float]:
+    """The held-out metrics of the last evaluated round, and that round (the run's metrics); empty before any."""
+    folder = Path(resolve_run_dir(run_dir, job_id)) / STATE_DIR
+    evaluations = sorted(folder.glob("eval-*.json")) if folder.is_dir() else []
+    if not evaluations:
+        return {}
+    last = json.loads(evaluations[-1].read_text())
+    return {**{f"final_{k}": float(v) for k, v in last["metrics"].items()}, "rounds_evaluated": float(last["round"] + 1)}
 
 
 def numeric_metrics(payload: dict) -> dict[str, float]:
@@ -753,14 +817,11 @@ def finalize_run(run_dir: str, job_id: str, namespace: str = "", job_backend=Non
 
 
 def delete_trainer_jobs(run_dir: str, job_backend=None) -> list[str]:
-    jobs = recorded_trainer_jobs(run_dir)
-    if not jobs:
-        return []
-    from tidal.kube.pytorchjob import PyTorchJobBackend
-
-    backend = job_backend or PyTorchJobBackend()
+    """Delete every recorded job with its own kind's backend (``job_backend``, when given, for all)."""
+    backends = {}
     done = []
-    for namespace, name in jobs:
+    for namespace, name, kind in recorded_trainer_jobs(run_dir, with_kind=True):
+        backend = job_backend or backends.setdefault(kind, default_job_backend(kind))
         try:
             backend.delete(name, namespace)
             done.append(f"deleted trainer job {namespace}/{name}")
@@ -771,7 +832,7 @@ def delete_trainer_jobs(run_dir: str, job_backend=None) -> list[str]:
 
 
 def is_not_found(err: BaseException) -> bool:
-    """A Kubernetes 404, also when an SDK wrapped it (TrainingClient raises RuntimeError from the ApiException)."""
+    """A Kubernetes 404, also when an SDK wrapped it (TrainingClient and TrainerClient raise RuntimeError from the ApiException)."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))

@@ -138,9 +138,12 @@ def parse_params(items: list[str]) -> dict[str, Any]:
     return params
 
 
+def ui_base(host: str) -> str:
+    return os.environ.get("KFP_UI_HOST", host).rstrip("/")
+
+
 def run_url(host: str, run_id: str) -> str:
-    ui = os.environ.get("KFP_UI_HOST", host).rstrip("/")
-    return f"{ui}/#/runs/details/{run_id}"
+    return f"{ui_base(host)}/#/runs/details/{run_id}"
 
 
 def submit_run(
@@ -152,13 +155,15 @@ def submit_run(
     image: str = "",
     run_name: str | None = None,
     client: Any = None,
+    queue_name: str = "",
 ) -> SubmittedRun:
-    """Compile for ``accelerator``, submit with ``config_path``'s text, return the run's id and URL."""
-    arguments = pipeline_arguments(config_path, params or {})
+    """Compile for ``accelerator``, submit with ``config_path``'s text, return the run's id and URL. The run's
+    ``kfp_ui_url`` defaults to the KFP UI (``$KFP_UI_HOST`` or the host), so its MLflow run links back to it."""
     resolved_host = kfp_host(host)
+    arguments = {"kfp_ui_url": ui_base(resolved_host), **pipeline_arguments(config_path, params or {})}
     client = client or kfp_client_from_env(resolved_host)
     with tempfile.TemporaryDirectory() as tmp:
-        package = compile_pipeline(Path(tmp) / "tidal-pipeline.yaml", accelerator=accelerator, image=image)
+        package = compile_pipeline(Path(tmp) / "tidal-pipeline.yaml", accelerator=accelerator, image=image, queue_name=queue_name)
         result = client.create_run_from_pipeline_package(
             str(package),
             arguments=arguments,

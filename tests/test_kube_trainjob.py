@@ -1,0 +1,186 @@
+"""The trainer TrainJob (Kubeflow Trainer v2): shape for 1 and 4 nodes on GPU and Ascend, the Trainer's rules,
+fields the API does not know, Kueue, and the TrainerClient backend's clean-up."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+
+from tidal.kube import cluster, roles
+from tidal.kube.pytorchjob import TrainerJobFailed, TrainerJobSpec, build_pytorchjob, pytorchjob_to_dict, run_trainer_job
+from tidal.kube.trainjob import RUNTIME, TrainJobBackend, TrainJobRejected, build_trainjob, check_trainjob
+
+
+def make_spec(profile="nvidia", nodes=1, accelerators=8, **extra):
+    return TrainerJobSpec(
+        name="tidal-demo-r003-abcde",
+        namespace="team-a",
+        config_path="/mnt/tidal/runs/demo/config.yaml",
+        run_dir="/mnt/tidal/runs/demo",
+        profile=cluster.PROFILES[profile],
+        nodes=nodes,
+        accelerators_per_node=accelerators,
+        iterations=20,
+        **extra,
+    )
+
+
+def node_pod(manifest):
+    (patch,) = manifest["spec"]["runtimePatches"]
+    (job,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert job["name"] == "node"
+    return job["template"]["spec"]["template"]
+
+
+@pytest.mark.parametrize("profile,resource", [("nvidia", "nvidia.com/gpu"), ("ascend", "huawei.com/Ascend910")])
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_trainjob_shape_for_nodes_and_accelerators(profile, resource, nodes):
+    manifest = build_trainjob(make_spec(profile=profile, nodes=nodes, accelerators=8, owner=("launcher-pod", "uid-1"), active_deadline_seconds=7200))
+
+    assert manifest["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and manifest["kind"] == "TrainJob"
+    assert manifest["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime", "name": RUNTIME}
+    trainer = manifest["spec"]["trainer"]
+    assert trainer["numNodes"] == nodes and trainer["numProcPerNode"] == 8
+    assert trainer["command"][:4] == ["torchrun", "--no-python", "tidal", "train"]
+    assert trainer["resourcesPerNode"]["requests"][resource] == "8" and trainer["resourcesPerNode"]["limits"][resource] == "8"
+    assert trainer["resourcesPerNode"]["requests"]["cpu"] == "8" and trainer["resourcesPerNode"]["limits"]["memory"] == "64Gi"
+    secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in trainer["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert secrets["NATS_PASSWORD"]["name"] == cluster.NATS_SECRET and not secrets["NATS_PASSWORD"]["optional"]
+    assert secrets["MLFLOW_TRACKING_URI"]["name"] == cluster.MLFLOW_SECRET and not secrets["MLFLOW_TRACKING_URI"]["optional"]
+    assert not [e for e in trainer["env"] if "PASSWORD" in e["name"] and "value" in e]  # credentials never in the job spec
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in trainer["env"]
+
+    pod = node_pod(manifest)
+    assert pod["metadata"]["annotations"] == {"sidecar.istio.io/inject": "false"}
+    assert pod["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tidal"  # the NetworkPolicy lets it reach NATS and MLflow
+    spec = pod["spec"]
+    assert spec["serviceAccountName"] == cluster.WORKLOAD_SERVICE_ACCOUNT and spec["securityContext"]["runAsNonRoot"] is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["data"]["persistentVolumeClaim"]["claimName"] == cluster.DATA_PVC and volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    (container,) = spec["containers"]
+    assert container["name"] == "node" and "env" not in container
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {cluster.DATA_MOUNT_PATH, "/dev/shm"}
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert {t["key"] for t in spec["tolerations"]} == {resource}
+
+    assert manifest["spec"]["activeDeadlineSeconds"] == 7200
+    (owner,) = manifest["metadata"]["ownerReferences"]
+    assert owner["kind"] == "Pod" and owner["uid"] == "uid-1" and owner["blockOwnerDeletion"] is False
+
+
+def test_a_field_the_trainjob_api_does_not_know_is_rejected():
+    manifest = build_trainjob(make_spec())
+    typo = copy.deepcopy(manifest)
+    typo["spec"]["trainer"]["numNode"] = 2
+    node_pod(typo)["spec"]["volumes"][0]["persistentVolumeClaim"]["claimNme"] = "x"
+    with pytest.raises(TrainJobRejected) as err:
+        check_trainjob(typo)
+    assert err.value.problems == [
+        "spec.trainer.numNode: not a field of the TrainJob API",
+        "spec.runtimePatches[0].trainingRuntimeSpec.template.spec.replicatedJobs[0].template.spec.template.spec.volumes[0]"
+        ".persistentVolumeClaim.claimNme: not a field of the TrainJob API",
+    ]
+    mistyped = copy.deepcopy(manifest)
+    mistyped["spec"]["trainer"]["numNodes"] = "2"
+    with pytest.raises(TrainJobRejected, match="numNodes"):
+        check_trainjob(mistyped)
+
+
+def test_the_trainers_rules_name_the_field():
+    manifest = build_trainjob(make_spec())
+    bad = copy.deepcopy(manifest)
+    bad["metadata"]["name"] = "Tidal_Run"
+    bad["spec"]["trainer"]["numNodes"] = 0
+    bad["spec"]["trainer"]["env"].append({"name": "PET_NNODES", "value": "2"})
+    bad["spec"]["activeDeadlineSeconds"] = 0
+    node_pod(bad)["spec"]["containers"][0]["env"] = [{"name": "X", "value": "1"}]
+    with pytest.raises(TrainJobRejected) as err:
+        check_trainjob(bad)
+    text = "\n".join(err.value.problems)
+    for field in ("metadata.name", "spec.trainer.numNodes", "spec.trainer.env: PET_NNODES", "spec.activeDeadlineSeconds", "containers[0].env"):
+        assert field in text
+    with pytest.raises(TrainJobRejected, match="numProcPerNode: 'auto'"):
+        build_trainjob(make_spec(procs_per_node="auto"))
+
+
+def test_cpu_trainjob_runs_one_process_without_an_accelerator():
+    manifest = build_trainjob(make_spec(profile="cpu", accelerators=0))
+    trainer = manifest["spec"]["trainer"]
+    assert trainer["numProcPerNode"] == 1 and set(trainer["resourcesPerNode"]["requests"]) == {"cpu", "memory"}
+
+
+def test_both_trainer_jobs_carry_the_kueue_queue_label_and_only_when_asked():
+    for build in (build_trainjob, lambda spec: pytorchjob_to_dict(build_pytorchjob(spec))):
+        assert build(make_spec(queue_name="team-a-gpus"))["metadata"]["labels"][cluster.QUEUE_LABEL] == "team-a-gpus"
+        assert cluster.QUEUE_LABEL not in build(make_spec())["metadata"]["labels"]
+
+
+class StandInTrainerClient:
+    """Stands in for TrainerClient and the Kubernetes API server behind it (there is none here)."""
+
+    def __init__(self, final_status="Complete"):
+        self.final_status = final_status
+        self.created, self.deleted, self.waits = [], [], []
+        self.backend = SimpleNamespace(custom_api=SimpleNamespace(create_namespaced_custom_object=self._create))
+
+    def _create(self, group, version, namespace, plural, body):
+        self.created.append((group, version, namespace, plural, body))
+
+    def wait_for_job_status(self, name, status, timeout, polling_interval):
+        self.waits.append(frozenset(status))
+        return SimpleNamespace(name=name, status=self.final_status if "Complete" in status and len(status) == 2 else "Running")
+
+    def get_job_logs(self, name, follow=False):
+        yield "iteration 1\n"
+
+    def get_job_events(self, name):
+        return [SimpleNamespace(involved_object_kind="Pod", involved_object_name=f"{name}-node-0-0", reason="OOMKilled", message="out of memory")]
+
+    def delete_job(self, name):
+        self.deleted.append(name)
+
+
+def test_trainjob_backend_creates_waits_and_keeps_a_finished_job_with_a_stand_in_trainer_client(capsys):
+    client = StandInTrainerClient()
+    backend = TrainJobBackend(client_factory=lambda namespace: client, polling_interval_s=1, start_timeout_s=5)
+    outcome = run_trainer_job(backend, make_spec(), timeout_s=60)
+    assert outcome.succeeded
+    ((group, version, namespace, plural, body),) = client.created
+    assert (group, version, namespace, plural) == ("trainer.kubeflow.org", "v1alpha1", "team-a", "trainjobs")
+    assert body["metadata"]["name"] == "tidal-demo-r003-abcde"
+    assert client.waits == [frozenset({"Running", "Complete", "Failed"}), frozenset({"Complete", "Failed"})]
+    assert "iteration 1" in capsys.readouterr().out
+    assert client.deleted == []  # finalize deletes finished jobs at the end of the run
+
+
+def test_a_failed_trainjob_is_deleted_and_its_events_named_with_a_stand_in_trainer_client():
+    client = StandInTrainerClient(final_status="Failed")
+    backend = TrainJobBackend(client_factory=lambda namespace: client, polling_interval_s=1)
+    with pytest.raises(TrainerJobFailed, match="OOMKilled: out of memory"):
+        run_trainer_job(backend, make_spec(), timeout_s=60)
+    assert client.deleted == ["tidal-demo-r003-abcde"]
+
+
+def test_finalize_deletes_each_recorded_job_with_its_own_kind(tmp_path, monkeypatch):
+    run_dir = str(tmp_path / "run")
+    roles.record_trainer_job(run_dir, "team-a", "tidal-run-r000-aaaaa", 0, "pytorchjob")
+    roles.record_trainer_job(run_dir, "team-a", "tidal-run-r001-bbbbb", 1, "trainjob")
+    deleted = []
+
+    def backend_for(kind, start_timeout_s=3600):
+        return SimpleNamespace(delete=lambda name, namespace: deleted.append((kind, name)))
+
+    monkeypatch.setattr(roles, "default_job_backend", backend_for)
+    roles.delete_trainer_jobs(run_dir)
+    assert deleted == [("pytorchjob", "tidal-run-r000-aaaaa"), ("trainjob", "tidal-run-r001-bbbbb")]
+
+
+def test_trainjob_is_a_trainer_backend_and_the_launcher_builds_it_with_the_queue(tmp_path, monkeypatch):
+    assert roles.TRAINER_BACKENDS == ("local", "trainjob", "pytorchjob")
+    monkeypatch.setattr(roles, "nats_url_of", lambda config_path: "nats://tidal-nats:4222")
+    client = StandInTrainerClient()
+    placement = roles.TrainerPlacement(backend="trainjob", accelerator="nvidia", namespace="team-a", pipeline_job_id="job-7", queue_name="q1")
+    roles.train_round_as_job(str(tmp_path), str(tmp_path / "config.yaml"), 0, 2, placement, TrainJobBackend(client_factory=lambda ns: client))
+    body = client.created[0][4]
+    assert body["metadata"]["labels"][cluster.QUEUE_LABEL] == "q1"
+    assert roles.recorded_trainer_jobs(str(tmp_path), with_kind=True) == [("team-a", body["metadata"]["name"], "trainjob")]
