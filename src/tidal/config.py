@@ -186,6 +186,8 @@ class TrainerConfig(_Strict):
     activation_checkpointing: bool = False
     threads: int | None = Field(None, gt=0)
     group_timeout_seconds: float = Field(600.0, gt=0)
+    # optimizer steps a run may skip for a non-finite loss or gradient norm (weights kept) before it fails
+    max_skipped_steps: int = Field(3, ge=0)
 
     @field_validator("advantage", "policy_loss")
     @classmethod
@@ -399,6 +401,7 @@ NON_TRAINING_KEYS = (
     "trainer.iterations",
     "trainer.threads",
     "trainer.group_timeout_seconds",
+    "trainer.max_skipped_steps",  # raised to resume a run that failed on it
     "rollout.workers",
     "rollout.threads",
     "rollout.groups_per_batch",

@@ -117,6 +117,12 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
             p.wait()
 
 
+def one_line_error(path: Path) -> str | None:
+    """The role's own one-line error (`tidal: ...`, what its CLI prints for a known failure) when its log ends with one."""
+    lines = tail(path, 1).strip()
+    return lines.removeprefix("tidal: ").removeprefix("error: ") if lines.startswith("tidal: ") else None
+
+
 def tail(path: Path, lines: int = 25) -> str:
     if not path.is_file():
         return "(no log)"
@@ -203,6 +209,9 @@ class RoleProcesses:
         """The error for a role that failed for good; when NATS is down, that is what it says."""
         if not reachable(self.nats_url):
             return RoleFailed(f"NATS at {self.nats_url} is down or unreachable: the {what} exited with code {code} (see {self.logs / f'{role}.log'})")
+        line = one_line_error(self.logs / f"{role}.log")
+        if line is not None:
+            return RoleFailed(f"{what} failed: {line} (see {self.logs / f'{role}.log'})")
         return RoleFailed(f"{what} exited with code {code}:\n{tail(self.logs / f'{role}.log')}")
 
     def check(self) -> bool:
