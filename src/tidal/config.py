@@ -101,6 +101,9 @@ class RewardConfig(_Strict):
     functions: list[RewardFunctionConfig] = [RewardFunctionConfig(name="exact_match")]
     overlong_buffer: int = Field(0, ge=0)  # DAPO soft overlong penalty over the last N tokens; 0: off
     overlong_penalty: float = Field(1.0, ge=0)
+    # user functions (module:function) run in a process of the worker's own: a call that takes longer
+    # scores 0, is counted in reward_errors, and the process is replaced
+    timeout_seconds: float = Field(10.0, gt=0)
 
 
 class VLLMConfig(_Strict):
@@ -402,6 +405,7 @@ NON_TRAINING_KEYS = (
     "trainer.threads",
     "trainer.group_timeout_seconds",
     "trainer.max_skipped_steps",  # raised to resume a run that failed on it
+    "reward.timeout_seconds",
     "rollout.workers",
     "rollout.threads",
     "rollout.groups_per_batch",
