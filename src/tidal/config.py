@@ -311,6 +311,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             lines.append(f"  {key}: unknown key")
         else:
             lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    if len(lines) == 2:  # one error: one line
+        return f"{lines[0]} {lines[1].strip()}"
     return "\n".join(lines)
 
 

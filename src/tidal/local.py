@@ -21,6 +21,7 @@ from tidal.data import load_dataset
 from tidal.devices import VISIBLE_DEVICES_ENV, accelerator_placement, visible_accelerators, visible_device_ids
 from tidal.evaluate import eval_engine_kind, evaluate_snapshot, open_engine
 from tidal.model.warm_start import prepare_base_model
+from tidal.preflight import check_before_start
 from tidal.roles import check_prompt_settings, sync_trainer
 from tidal.rundir import RunDirError, RunDirLock, RunInfo, new_nats_token
 from tidal.runtime import NATS_LOST_EXIT, set_threads, setup_logging, split_cores
@@ -609,6 +610,7 @@ def _run_locked(cfg: TidalConfig, run_dir: Path, show_progress: bool, force_new_
     t_start = time.time()
     setup_logging(run_dir / "logs" / "launcher.log")
     check_saved_config(cfg, run_dir, force_new_config)
+    check_before_start(cfg)
     if cfg.mode != "sync" and cfg.transport.nats_url and not reachable(cfg.transport.nats_url):
         from tidal.transport import NatsUnavailableError
 
