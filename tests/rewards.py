@@ -25,3 +25,61 @@ def digit_fraction(completion: str, answer: str) -> float:
     """The share of digits among the completion's characters: a reward a policy can learn within a
     few steps from any start, so a test can tell an update that learns from one that does not."""
     return sum(c.isdigit() for c in completion) / max(1, len(completion))
+
+
+def nan_advantage(rewards, *, std_normalize):
+    """A user's advantage estimator with a bug: every advantage is NaN, so the loss is NaN."""
+    return rewards * float("nan")
+
+
+# Misbehaving user rewards: the isolation tests run them in real reward processes.
+def hangs(completion: str, answer: str) -> float:
+    import time
+
+    time.sleep(3600)
+    return 1.0
+
+
+def crashes(completion: str, answer: str) -> float:
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+    return 1.0
+
+
+def exits(completion: str, answer: str) -> float:
+    import sys
+
+    sys.exit(3)
+
+
+def chatty(completion: str, answer: str) -> float:
+    """Prints to stdout, as user code does: the reward protocol must not read it."""
+    print("a line on stdout", completion)
+    return 0.25
+
+
+def _first_call(name: str) -> bool:
+    """True the first time in a run (a marker file in $TIDAL_TEST_MARKERS), so a run misbehaves once."""
+    import os
+    from pathlib import Path
+
+    marker = Path(os.environ["TIDAL_TEST_MARKERS"]) / name
+    try:
+        marker.touch(exist_ok=False)
+    except FileExistsError:
+        return False
+    return True
+
+
+def hangs_once(completion: str, answer: str) -> float:
+    return hangs(completion, answer) if _first_call("hangs") else 0.0
+
+
+def crashes_once(completion: str, answer: str) -> float:
+    return crashes(completion, answer) if _first_call("crashes") else 0.0
+
+
+def exits_once(completion: str, answer: str) -> float:
+    return exits(completion, answer) if _first_call("exits") else 0.0

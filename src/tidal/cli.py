@@ -161,9 +161,10 @@ def _main(argv: list[str] | None) -> int:
 
         from tidal.local import RoleFailed
         from tidal.runtime import NATS_LOST_EXIT
+        from tidal.trainer.guard import SkippedStepsError
         from tidal.transport import NatsUnavailableError
 
-        if isinstance(err, RoleFailed):
+        if isinstance(err, (RoleFailed, SkippedStepsError)):
             print(f"tidal: {err}", file=sys.stderr)
             return 1
         if isinstance(err, NatsUnavailableError):

@@ -101,6 +101,9 @@ class RewardConfig(_Strict):
     functions: list[RewardFunctionConfig] = [RewardFunctionConfig(name="exact_match")]
     overlong_buffer: int = Field(0, ge=0)  # DAPO soft overlong penalty over the last N tokens; 0: off
     overlong_penalty: float = Field(1.0, ge=0)
+    # user functions (module:function) run in a process of the worker's own: a call that takes longer
+    # scores 0, is counted in reward_errors, and the process is replaced
+    timeout_seconds: float = Field(10.0, gt=0)
 
 
 class VLLMConfig(_Strict):
@@ -187,6 +190,8 @@ class TrainerConfig(_Strict):
     activation_checkpointing: bool = False
     threads: PositiveInt | Literal["auto"] | None = None  # None: an even split of the cores; auto: tidal plan's
     group_timeout_seconds: float = Field(600.0, gt=0)
+    # optimizer steps a run may skip for a non-finite loss or gradient norm (weights kept) before it fails
+    max_skipped_steps: int = Field(3, ge=0)
 
     @field_validator("advantage", "policy_loss")
     @classmethod
@@ -324,6 +329,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             lines.append(f"  {key}: unknown key")
         else:
             lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    if len(lines) == 2:  # one error: one line
+        return f"{lines[0]} {lines[1].strip()}"
     return "\n".join(lines)
 
 
@@ -417,6 +424,8 @@ NON_TRAINING_KEYS = (
     "trainer.iterations",
     "trainer.threads",
     "trainer.group_timeout_seconds",
+    "trainer.max_skipped_steps",  # raised to resume a run that failed on it
+    "reward.timeout_seconds",
     "rollout.workers",
     "rollout.threads",
     "rollout.groups_per_batch",

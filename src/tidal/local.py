@@ -22,6 +22,7 @@ from tidal.devices import VISIBLE_DEVICES_ENV, accelerator_placement, visible_ac
 from tidal.evaluate import eval_engine_kind, evaluate_snapshot, open_engine
 from tidal.model.warm_start import prepare_base_model
 from tidal.plan import apply_plan, cached_profile, wants_plan
+from tidal.preflight import check_before_start
 from tidal.roles import check_prompt_settings, sync_trainer
 from tidal.rundir import RunDirError, RunDirLock, RunInfo, new_nats_token
 from tidal.runtime import NATS_LOST_EXIT, set_threads, setup_logging, split_cores
@@ -118,6 +119,12 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
             p.wait()
 
 
+def one_line_error(path: Path) -> str | None:
+    """The role's own one-line error (`tidal: ...`, what its CLI prints for a known failure) when its log ends with one."""
+    lines = tail(path, 1).strip()
+    return lines.removeprefix("tidal: ").removeprefix("error: ") if lines.startswith("tidal: ") else None
+
+
 def tail(path: Path, lines: int = 25) -> str:
     if not path.is_file():
         return "(no log)"
@@ -204,6 +211,9 @@ class RoleProcesses:
         """The error for a role that failed for good; when NATS is down, that is what it says."""
         if not reachable(self.nats_url):
             return RoleFailed(f"NATS at {self.nats_url} is down or unreachable: the {what} exited with code {code} (see {self.logs / f'{role}.log'})")
+        line = one_line_error(self.logs / f"{role}.log")
+        if line is not None:
+            return RoleFailed(f"{what} failed: {line} (see {self.logs / f'{role}.log'})")
         return RoleFailed(f"{what} exited with code {code}:\n{tail(self.logs / f'{role}.log')}")
 
     def check(self) -> bool:
@@ -613,6 +623,7 @@ def _run_locked(cfg: TidalConfig, run_dir: Path, show_progress: bool, force_new_
     t_start = time.time()
     setup_logging(run_dir / "logs" / "launcher.log")
     check_saved_config(cfg, run_dir, force_new_config)
+    check_before_start(cfg)
     if cfg.mode != "sync" and cfg.transport.nats_url and not reachable(cfg.transport.nats_url):
         from tidal.transport import NatsUnavailableError
 

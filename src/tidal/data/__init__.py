@@ -21,6 +21,7 @@ class Problem:
     id: int
     prompt: str
     answer: str  # the final answer as a string, e.g. "936"
+    origin: str = ""  # where it was read, "FILE:LINE" (for errors); "" for a generated problem
 
 
 @dataclass(frozen=True)
@@ -65,16 +66,26 @@ def _answer_from_row(answer: str) -> str:
     return (match.group(1) if match else answer).strip().replace(",", "")
 
 
+def _is_utf8(line: str) -> bool:
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:  # surrogateescape kept the undecodable bytes as lone surrogates
+        return False
+    return True
+
+
 def read_jsonl_problems(path: str | Path, limit: int | None = None) -> list[Problem]:
     """Rows need `question` (or `prompt`) and `answer`; GSM8K's `#### 42` answers are understood."""
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"dataset file not found: {p}")
     problems: list[Problem] = []
-    with p.open() as fh:
+    with p.open(encoding="utf-8", errors="surrogateescape") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
+            if not line.isascii() and not _is_utf8(line):
+                raise DatasetError(f"{p}:{lineno}: not UTF-8 text")
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
@@ -84,7 +95,7 @@ def read_jsonl_problems(path: str | Path, limit: int | None = None) -> list[Prob
             question = row.get("question", row.get("prompt"))
             if not isinstance(question, str) or not isinstance(row.get("answer"), (str, int, float)):
                 raise DatasetError(f"{p}:{lineno}: a row needs string fields 'question' and 'answer'")
-            problems.append(Problem(len(problems), question.strip() + "\n", _answer_from_row(str(row["answer"]))))
+            problems.append(Problem(len(problems), question.strip() + "\n", _answer_from_row(str(row["answer"])), f"{p}:{lineno}"))
             if limit is not None and len(problems) >= limit:
                 break
     if not problems:
@@ -99,7 +110,7 @@ def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
     if cfg.eval_path:
         return Dataset(train, read_jsonl_problems(cfg.eval_path, cfg.num_eval))
     split = max(1, len(train) // 10)
-    held = [Problem(i, p.prompt, p.answer) for i, p in enumerate(train[-split:])]
+    held = [Problem(i, p.prompt, p.answer, p.origin) for i, p in enumerate(train[-split:])]
     return Dataset(train[:-split], held[: cfg.num_eval])
 
 

@@ -97,29 +97,53 @@ def resolve(name: str) -> RewardFn:
     return fn
 
 
+def is_user_function(name: str) -> bool:
+    return name not in REGISTRY and ":" in name
+
+
+def check_reward_names(cfg: RewardConfig) -> None:
+    """Every reward.functions name resolves (user modules imported here, once): the launcher's check
+    before any process of the run starts. A RewardError names the function."""
+    for f in cfg.functions:
+        resolve(f.name)
+
+
 @dataclass
 class RewardScorer:
-    """Weighted sum of reward functions. A function that raises scores 0 and is counted."""
+    """Weighted sum of reward functions. A function that raises, hangs past reward.timeout_seconds or
+    kills its process scores 0 and is counted. Built-ins run in this process; user functions
+    (`module:function`) in a process of their own (tidal.rewards.pool), replaced when it fails."""
 
     functions: list[tuple[str, RewardFn, float]]
     errors: int = 0
     last_error: str | None = field(default=None, repr=False)
+    process: object = field(default=None, repr=False)  # the user functions' RewardProcess, if any
 
     @classmethod
     def from_config(cls, cfg: RewardConfig) -> RewardScorer:
-        return cls([(f.name, resolve(f.name), f.weight) for f in cfg.functions])
+        from tidal.rewards.pool import RewardProcess
 
-    def score(self, completion: str, answer: str) -> tuple[float, dict[str, float]]:
+        user = [f.name for f in cfg.functions if is_user_function(f.name)]
+        process = RewardProcess(user, cfg.timeout_seconds) if user else None
+        fns = [(f.name, process.function(f.name) if is_user_function(f.name) else resolve(f.name), f.weight) for f in cfg.functions]
+        return cls(fns, process=process)
+
+    def score(self, completion: str, answer: str, prompt_id: int | None = None) -> tuple[float, dict[str, float]]:
         parts: dict[str, float] = {}
         for name, fn, _ in self.functions:
             try:
                 parts[name] = checked_reward(fn(completion, answer))
             except Exception as err:  # user code: never let it take the worker down
+                kind = getattr(err, "kind", type(err).__name__)
                 self.errors += 1
-                self.last_error = f"{name}: {type(err).__name__}: {err}"
-                log.warning("reward function %s raised %s: %s (scored 0)", name, type(err).__name__, err)
+                self.last_error = f"{name}: {kind}: {err}"
+                log.warning("reward function %s raised %s: %s (prompt %s; scored 0)", name, kind, err, prompt_id)
                 parts[name] = 0.0
         return sum(w * parts[name] for name, _, w in self.functions), parts
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.stop()
 
 
 def checked_reward(value: object) -> float:

@@ -41,7 +41,7 @@ def build_group(
     samples = []
     for c in completions:
         text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        reward, parts = scorer.score(text, item.answer)
+        reward, parts = scorer.score(text, item.answer, item.prompt_id)
         samples.append(
             Sample(
                 token_ids=np.asarray(c.token_ids, dtype=np.int32),

@@ -1,0 +1,74 @@
+"""Checks before any process of a run starts: each bad input is one line naming the key, file and
+line, within seconds (no warm start, no model weights loaded). The launcher runs them first."""
+
+from __future__ import annotations
+
+from tidal.config import TidalConfig
+from tidal.data import Dataset, DatasetError, Problem, load_dataset, prompt_encoder
+from tidal.rewards import check_reward_names
+
+
+def check_before_start(cfg: TidalConfig) -> None:
+    """Reward names (user modules imported), data files, row sizes, prompt lengths against the context."""
+    check_reward_names(cfg.reward)
+    dataset = load_dataset(cfg.data, cfg.seed)
+    check_row_sizes(dataset, cfg.transport.max_payload_mb)
+    check_prompt_lengths(cfg, dataset)
+
+
+def where(problem: Problem) -> str:
+    return problem.origin or f"data.prompt_template (problem {problem.id})"
+
+
+def check_row_sizes(dataset: Dataset, max_payload_mb: int) -> None:
+    """A problem travels in one work item, which must fit in one NATS message."""
+    limit = max_payload_mb * 2**20
+    for p in (*dataset.train, *dataset.eval):
+        size = len(p.prompt.encode(errors="surrogateescape")) + len(p.answer.encode(errors="surrogateescape"))
+        if size > limit:
+            raise DatasetError(
+                f"{where(p)}: the row is {size / 2**20:.1f} MB; a work item must fit in transport.max_payload_mb ({max_payload_mb} MB)"
+            )
+
+
+def model_context(cfg: TidalConfig) -> tuple[int | None, str]:
+    """(tokens a prompt and its response may take, the key that sets it); None when the model does not say."""
+    if cfg.model.name_or_path is None:
+        return cfg.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
+    from transformers import AutoConfig
+
+    from tidal.model.loading import _loading
+
+    with _loading(cfg.model.name_or_path, "config"):
+        context = getattr(AutoConfig.from_pretrained(cfg.model.name_or_path), "max_position_embeddings", None)
+    key = f"the max_position_embeddings of model.name_or_path {cfg.model.name_or_path}"
+    vllm_len = cfg.rollout.vllm.max_model_len if cfg.rollout.engine == "vllm" else None
+    if vllm_len is not None and (context is None or vllm_len < context):
+        return vllm_len, "rollout.vllm.max_model_len"
+    return context, key
+
+
+def prompt_tokenizer(cfg: TidalConfig):
+    if cfg.model.name_or_path is None:
+        from tidal.model.tiny import build_char_tokenizer
+
+        return build_char_tokenizer()
+    from tidal.model.loading import load_tokenizer
+
+    return load_tokenizer(cfg.model.name_or_path)
+
+
+def check_prompt_lengths(cfg: TidalConfig, dataset: Dataset) -> None:
+    """Every prompt, as the model sees it, plus its longest response fits the model's context."""
+    context, key = model_context(cfg)
+    if context is None:
+        return
+    new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    encode = prompt_encoder(prompt_tokenizer(cfg), cfg.data)
+    for p in (*dataset.train, *dataset.eval):
+        n = len(encode(p.prompt))
+        if n + new_tokens > context:
+            raise DatasetError(
+                f"{where(p)}: the prompt is {n} tokens; with up to {new_tokens} new tokens (rollout.max_new_tokens, eval.max_new_tokens) "
+                f"it does not fit the model's context of {context} tokens ({key})"
+            )

@@ -1,0 +1,81 @@
+"""User reward functions run in a process of the worker's own: a hang, a crash or sys.exit scores 0,
+is counted and logged with the prompt and the function, and the process is replaced. Real processes,
+a real `tidal run`."""
+
+import json
+import logging
+
+import pytest
+
+from tests.conftest import read_jsonl, run_cli
+from tidal.config import RewardConfig
+from tidal.rewards import RewardError, RewardScorer, check_reward_names
+
+
+def scorer(*names: str, timeout: float = 1.0) -> RewardScorer:
+    return RewardScorer.from_config(RewardConfig(functions=[{"name": n} for n in names], timeout_seconds=timeout))
+
+
+@pytest.mark.parametrize(
+    "bad, kind",
+    [("tests.rewards:hangs", "Timeout"), ("tests.rewards:crashes", "code -9"), ("tests.rewards:exits", "code 3")],
+)
+def test_a_hanging_crashing_or_exiting_reward_scores_zero_is_counted_and_its_process_replaced(bad, kind, caplog):
+    s = scorer("exact_match", "tests.rewards:chatty", bad)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tidal.rewards"):
+            total, parts = s.score("A: 3", "3", prompt_id=17)
+        assert parts == {"exact_match": 1.0, "tests.rewards:chatty": 0.25, bad: 0.0} and total == 1.25
+        assert s.errors == 1
+        warning = caplog.records[-1].getMessage()
+        assert bad in warning and "prompt 17" in warning and kind in warning
+        total, parts = s.score("A: 4", "3", prompt_id=18)  # the next call runs in a fresh process
+        assert parts["tests.rewards:chatty"] == 0.25 and s.errors == 2 and s.process.started == 2
+    finally:
+        s.close()
+
+
+def test_a_user_reward_that_raises_or_returns_a_string_is_an_error_in_its_process_not_a_replacement():
+    s = scorer("tests.test_data_rewards:broken_reward", "tests.test_data_rewards:string_reward")
+    try:
+        assert s.score("A: 3", "3") == (0.0, {"tests.test_data_rewards:broken_reward": 0.0, "tests.test_data_rewards:string_reward": 0.0})
+        assert s.errors == 2 and s.process.started == 1
+        assert "TypeError" in s.last_error and "not a number" in s.last_error
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("no_such_builtin", "unknown reward function 'no_such_builtin'"),
+        ("tests.no_such_module:f", "cannot import module 'tests.no_such_module'"),
+        ("tests.rewards:no_such_function", "tests.rewards has no callable 'no_such_function'"),
+    ],
+)
+def test_reward_names_are_resolved_up_front_naming_the_function(name, message):
+    with pytest.raises(RewardError, match=message):
+        check_reward_names(RewardConfig(functions=[{"name": name}]))
+
+
+def test_a_run_survives_a_hanging_a_crashing_and_an_exiting_reward(tmp_path, write_config):
+    """Before the reward process: the hang held its work item forever (the run failed at the group
+    timeout, having logged nothing), the crash and sys.exit killed the worker."""
+    rewards = ["exact_match", "tests.rewards:hangs_once", "tests.rewards:crashes_once", "tests.rewards:exits_once"]
+    config = write_config(
+        {"reward.functions": [{"name": n} for n in rewards], "reward.timeout_seconds": 1.0, "trainer.iterations": 2, "eval.enabled": False}
+    )
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    run_dir = tmp_path / "run"
+    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress", env={"TIDAL_TEST_MARKERS": str(markers)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in markers.iterdir()) == ["crashes", "exits", "hangs"]  # each misbehaved, once
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["reward_errors"] == 3 and summary["groups_trained"] == 2 * 6
+    assert sum(m["reward_errors"] for m in read_jsonl(run_dir / "metrics.jsonl")) == 3
+    log = (run_dir / "logs" / "worker-0.log").read_text()
+    for name, kind in [("hangs_once", "Timeout"), ("crashes_once", "ProcessDied"), ("exits_once", "ProcessDied")]:
+        assert f"reward function tests.rewards:{name} raised {kind}" in log
+    assert log.count("(prompt ") >= 3
+    assert "restarting" not in (run_dir / "logs" / "launcher.log").read_text()  # the worker itself never died
