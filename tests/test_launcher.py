@@ -106,7 +106,7 @@ def test_a_failed_run_resumes_from_its_last_boundary(tmp_path, write_config):
     wait_until(lambda: read_jsonl(run_dir / "metrics.jsonl"), proc)
     os.kill(int((run_dir / "logs" / "trainer.pid").read_text()), signal.SIGINT)
     out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 1 and "trainer exited with code 130" in err
+    assert proc.returncode == 1 and "trainer failed: interrupted" in err  # the role's own one-line error
     again = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "run state was failed" in (run_dir / "logs" / "launcher.log").read_text()

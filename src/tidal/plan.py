@@ -381,7 +381,7 @@ def apply_plan(cfg: TidalConfig, profile: Profile) -> tuple[TidalConfig, Predict
         rollout = {"workers": 1 if cfg.rollout.workers == "auto" else cfg.rollout.workers}
         rollout["threads"] = threads if cfg.rollout.threads == "auto" else cfg.rollout.threads
         trainer = {"threads": threads if cfg.trainer.threads == "auto" else cfg.trainer.threads}
-        chosen = predict_sync(profile, threads)
+        chosen = predict_sync(profile, trainer["threads"] or profile.cores)
     else:
         fixed = {"workers": cfg.rollout.workers, "worker_threads": cfg.rollout.threads, "trainer_threads": cfg.trainer.threads}
         fixed = {k: v for k, v in fixed.items() if isinstance(v, int)}
