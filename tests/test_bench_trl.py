@@ -244,5 +244,5 @@ def test_tidal_bench_trl_runs_trl_and_tidal_side_by_side(write_config, tmp_path)
     runs = client.search_runs([client.get_experiment_by_name("tidal-bench-trl").experiment_id])
     assert sorted(r.data.tags["system"] for r in runs) == ["periodic", "sync", "trl"]
     trl_run = next(r for r in runs if r.data.tags["system"] == "trl")
-    assert [m.step for m in client.get_metric_history(trl_run.info.run_id, "step_seconds")] == [0, 1]
+    assert [m.step for m in client.get_metric_history(trl_run.info.run_id, "time/step_seconds")] == [0, 1]
     assert trl_run.data.params["trl.loss_type"] == "dapo" and trl_run.info.status == "FINISHED"

@@ -10,6 +10,7 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from tests.conftest import embedded_nats_url, read_jsonl, run_and_kill, run_cli, start_run, trained_in
+from tidal.tracking import mlflow_metric_name
 
 REQUIRED_METRICS = [
     "reward_mean",
@@ -110,9 +111,9 @@ def test_every_metric_is_in_mlflow_for_every_iteration(periodic_run):
     assert run.info.status == "FINISHED"
     assert run.data.params["trainer.iterations"] == "3" and run.data.params["mode"] == "periodic"
     for name in REQUIRED_METRICS:
-        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, name))
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, mlflow_metric_name(name)))
         assert steps == [0, 1, 2], name
-    staleness = client.get_metric_history(run.info.run_id, "staleness_max")
+    staleness = client.get_metric_history(run.info.run_id, "rollout/staleness_max")
     assert all(m.value == 0 for m in staleness)
 
 
@@ -377,7 +378,7 @@ def test_bounded_mode_trains_stale_groups_within_the_bound_and_records_the_histo
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
-    history = client.get_metric_history(summary["mlflow_run_id"], "staleness_fraction_1")
+    history = client.get_metric_history(summary["mlflow_run_id"], "rollout/staleness_fraction_1")
     assert sorted(h.step for h in history) == [0, 1, 2, 3]
 
 

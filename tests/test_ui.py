@@ -79,3 +79,19 @@ def test_the_server_command_binds_loopback_and_keeps_artifacts_beside_the_store(
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "5123"
     assert cmd[cmd.index("--default-artifact-root") + 1] == (tmp_path / "mlartifacts").as_uri()
     assert ui.free_port("127.0.0.1") > 0 and ui.url_host("0.0.0.0") == "127.0.0.1"
+
+
+def test_mlflow_metric_names_fall_into_the_ui_groups():
+    from tidal.tracking import mlflow_metric_name
+
+    assert mlflow_metric_name("reward_mean") == "rollout/reward_mean"
+    assert mlflow_metric_name("staleness_fraction_2") == "rollout/staleness_fraction_2"
+    assert mlflow_metric_name("policy_loss") == "train/policy_loss" and mlflow_metric_name("grad_norm") == "train/grad_norm"
+    assert (
+        mlflow_metric_name("generate_seconds") == "time/generate_seconds" and mlflow_metric_name("pipeline_efficiency") == "time/pipeline_efficiency"
+    )
+    assert mlflow_metric_name("eval/accuracy") == "eval/accuracy"  # already grouped
+    assert (
+        mlflow_metric_name("accuracy_after") == "summary/accuracy_after"
+        and mlflow_metric_name("total_groups_trained") == "summary/total_groups_trained"
+    )

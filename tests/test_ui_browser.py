@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, read_jsonl, run_cli
+from tidal.tracking import NOT_LOGGED, mlflow_metric_name
 
 ARTIFACTS = ROOT / "test-artifacts"
 BROWSER_PACKAGES = ["chromium", "chromium-driver"]
@@ -133,11 +134,11 @@ def test_every_per_iteration_metric_is_in_the_store_at_its_step(ui, finished_run
     assert params["trainer.iterations"] == "3" and params["mode"] == "periodic"
     lines = read_jsonl(finished_run / "metrics.jsonl")
     assert [line["iteration"] for line in lines] == [0, 1, 2]
-    keys = sorted({k for line in lines for k in line})
+    keys = sorted({k for line in lines for k in line} - NOT_LOGGED)
     assert "reward_mean" in keys and "generate_seconds" in keys
     missing = []
     for key in keys:
-        history = rest(base, "metrics/get-history", run_id=summary["mlflow_run_id"], metric_key=key).get("metrics", [])
+        history = rest(base, "metrics/get-history", run_id=summary["mlflow_run_id"], metric_key=mlflow_metric_name(key)).get("metrics", [])
         stored = {m["step"]: m["value"] for m in history}
         for line in lines:
             value = line.get(key)
@@ -189,6 +190,7 @@ def test_the_run_page_renders_the_reward_chart_in_chromium(ui, browser, finished
     for name in ("reward_mean", "accuracy", "generate_seconds", "train_seconds", "staleness_max"):
         assert name in body, name
     assert "Finished" in body and "periodic" in body
+    assert "rollout/reward_mean" in body and "time/generate_seconds" in body and "train/policy_loss" in body  # grouped names
     save_screenshot(browser, tmp_path, "ui-run-overview.png")
 
     # The metric charts: filtered to the reward, wait until plotly has drawn its line.
@@ -256,10 +258,10 @@ def test_bench_modes_runs_sit_side_by_side_in_the_compare_view(bench_store, brow
         wait.until(both_runs_charted)
         search = browser.find_element(By.CSS_SELECTOR, "input[placeholder*='Search metric']")
         search.send_keys("seconds")
-        wait.until(lambda d: "periodic (iteration_seconds)" in d.find_element(By.TAG_NAME, "body").text)
+        wait.until(lambda d: "periodic (time/iteration_seconds)" in d.find_element(By.TAG_NAME, "body").text)
         time.sleep(1)
         body = browser.find_element(By.TAG_NAME, "body").text
-        assert "sync (iteration_seconds)" in body and "2 matching runs" in body
+        assert "sync (time/iteration_seconds)" in body and "2 matching runs" in body
         save_screenshot(browser, tmp_path, "ui-bench-modes-compare.png")
     finally:
         assert server.stop() == 0

@@ -91,8 +91,35 @@ def set_tags(uri: str, run_id: str, tags: dict[str, str]) -> None:
     _client(uri).log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
 
+# MLflow's UI groups charts by the prefix before "/": what the rollouts were, what the update did,
+# where the time went. metrics.jsonl keeps the flat names; only the store sees the grouped ones.
+ROLLOUT_METRICS = frozenset(
+    {
+        "reward_mean", "reward_std", "accuracy", "response_length_mean", "response_length_max", "response_length_correct_mean",
+        "response_length_incorrect_mean", "generated_tokens", "samples", "reward_errors", "zero_advantage_group_fraction",
+        "pass_at_group_size", "staleness_max", "staleness_mean", "groups_discarded", "groups_filtered", "messages_rejected",
+        "messages_rejected_total", "queue_depth", "policy_version",
+    }
+)  # fmt: skip
+TIME_METRICS = frozenset({"pipeline_efficiency", "wall_time", "generated_tokens_per_s", "trained_tokens_per_s", "samples_per_s"})
+NOT_LOGGED = frozenset({"iteration"})  # it is the step
+
+
+def mlflow_metric_name(key: str) -> str:
+    """`rollout/…`, `train/…`, `time/…`; names that already carry a group (`eval/…`) are kept."""
+    if "/" in key:
+        return key
+    if key in ROLLOUT_METRICS or key.startswith("staleness_fraction_"):
+        return f"rollout/{key}"
+    if key in TIME_METRICS or key.endswith("_seconds"):
+        return f"time/{key}"
+    if key.startswith(("accuracy_", "sampled_accuracy_", "total_", "pass_at_", "maj_at_")):
+        return f"summary/{key}"
+    return f"train/{key}"
+
+
 class Tracker:
-    """One batched MLflow call per iteration."""
+    """One batched MLflow call per iteration, under the grouped names of `mlflow_metric_name`."""
 
     def __init__(self, uri: str, run_id: str):
         self.client = _client(uri)
@@ -102,7 +129,11 @@ class Tracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and math.isfinite(float(v))]
+        batch = [
+            Metric(mlflow_metric_name(k), float(v), now, step)
+            for k, v in metrics.items()
+            if k not in NOT_LOGGED and v is not None and math.isfinite(float(v))
+        ]
         self.client.log_batch(self.run_id, metrics=batch)
 
     def finish(self, status: str = "FINISHED") -> None:
