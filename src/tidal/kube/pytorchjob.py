@@ -152,6 +152,25 @@ def trainer_container(spec: TrainerJobSpec) -> k8s.V1Container:
     )
 
 
+def trainer_pod_security() -> k8s.V1PodSecurityContext:
+    """Every trainer pod, whichever job kind runs it: not root, the data volume's group, the default seccomp profile."""
+    return k8s.V1PodSecurityContext(
+        run_as_non_root=True,
+        run_as_user=cluster.RUN_AS_USER,
+        run_as_group=cluster.RUN_AS_GROUP,
+        fs_group=cluster.RUN_AS_GROUP,
+        seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
+    )
+
+
+def trainer_volumes(spec: TrainerJobSpec) -> list[k8s.V1Volume]:
+    """The run's data volume and a memory-backed /dev/shm (the process group's shared memory)."""
+    return [
+        k8s.V1Volume(name="data", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=cluster.DATA_PVC)),
+        k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=spec.profile.shm_size)),
+    ]
+
+
 def pod_template(spec: TrainerJobSpec) -> k8s.V1PodTemplateSpec:
     labels = {**cluster.TIDAL_POD_LABEL, "app.kubernetes.io/component": "trainer", **spec.labels}
     tolerations = [k8s.V1Toleration(key=t.key, operator=t.operator, effect=t.effect) for t in spec.profile.tolerations] or None
@@ -161,17 +180,8 @@ def pod_template(spec: TrainerJobSpec) -> k8s.V1PodTemplateSpec:
         automount_service_account_token=False,
         node_selector=dict(spec.profile.node_selector) or None,
         tolerations=tolerations,
-        security_context=k8s.V1PodSecurityContext(
-            run_as_non_root=True,
-            run_as_user=cluster.RUN_AS_USER,
-            run_as_group=cluster.RUN_AS_GROUP,
-            fs_group=cluster.RUN_AS_GROUP,
-            seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
-        ),
-        volumes=[
-            k8s.V1Volume(name="data", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=cluster.DATA_PVC)),
-            k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=spec.profile.shm_size)),
-        ],
+        security_context=trainer_pod_security(),
+        volumes=trainer_volumes(spec),
     )
     return k8s.V1PodTemplateSpec(metadata=k8s.V1ObjectMeta(labels=labels, annotations=dict(POD_ANNOTATIONS)), spec=pod_spec)
 

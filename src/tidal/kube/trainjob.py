@@ -39,6 +39,8 @@ from tidal.kube.pytorchjob import (
     pod_ip_env,
     secret_env,
     trainer_command,
+    trainer_pod_security,
+    trainer_volumes,
 )
 
 GROUP = "trainer.kubeflow.org"
@@ -96,17 +98,8 @@ def pod_patch(spec: TrainerJobSpec) -> dict:
     """What the launcher patches into the runtime's ``node`` pods: the same pod as a PyTorchJob replica's."""
     labels = {**cluster.TIDAL_POD_LABEL, "app.kubernetes.io/component": "trainer", **spec.labels}
     tolerations = [k8s.V1Toleration(key=t.key, operator=t.operator, effect=t.effect) for t in spec.profile.tolerations] or None
-    pod_security = k8s.V1PodSecurityContext(
-        run_as_non_root=True,
-        run_as_user=cluster.RUN_AS_USER,
-        run_as_group=cluster.RUN_AS_GROUP,
-        fs_group=cluster.RUN_AS_GROUP,
-        seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
-    )
-    volumes = [
-        k8s.V1Volume(name="data", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=cluster.DATA_PVC)),
-        k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=spec.profile.shm_size)),
-    ]
+    pod_security = trainer_pod_security()
+    volumes = trainer_volumes(spec)
     container = {
         "name": NODE,
         "volumeMounts": _serialize(
