@@ -32,13 +32,15 @@ _calls = 0
 
 
 def kill_once(completion: str, answer: str) -> float:
-    """A reward function that SIGKILLs its own rollout worker once (marker file), mid-iteration."""
+    """A reward function that SIGKILLs its rollout worker once (marker file), mid-iteration. User rewards
+    run in the worker's reward host process (tidal.rewards.host), so the worker is this process's parent."""
     global _calls
     _calls += 1
     marker = os.environ.get("TIDAL_TEST_KILL_MARKER")
     if marker and _calls == KILL_AT_CALL and not os.path.exists(marker):
-        Path(marker).write_text(str(os.getpid()))
-        os.kill(os.getpid(), signal.SIGKILL)
+        worker = os.getppid()
+        Path(marker).write_text(str(worker))
+        os.kill(worker, signal.SIGKILL)
     return 0.0
 
 
