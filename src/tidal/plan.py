@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tidal.config import ConfigError, TidalConfig, dump_config, load_config
@@ -92,7 +92,6 @@ class Prediction:
     train_seconds: float
     iteration_seconds: float
     pipeline_efficiency: float  # (max(generate, train) + boundary) / iteration, as the run reports it
-    measured_seconds: float | None = field(default=None)
 
 
 def _at(table: dict[int, float], threads: int) -> float:
@@ -245,21 +244,26 @@ def measure_child(argv: list[str]) -> None:
         return generate_groups(engine, tokenizer, scorer, IterationPlan.for_iteration(cfg, dataset, version)[1], cfg, version, "plan")
 
     def train(groups) -> int:
+        """Forward and backward of the iteration's groups in arrival-sized calls; returns the number of calls."""
         chunks = generation_chunks([len(g.prompt_ids) for g in groups], r.group_size, r.max_new_tokens, r.generation_token_budget)
         learner.begin_iteration(groups[0].iteration)
         for chunk in chunks:
             learner.train_on_groups([groups[i] for i in chunk])
-        learner._reset()  # the loop phase measures forward and backward only; `both` measures the step too
         return len(chunks)
 
     if args.role != "both":
         groups = generate(0)
         train(groups)  # warm-up
+        learner._reset()
         time.sleep(max(0.0, args.start_at - time.time()))
         seconds, end = [], time.time() + args.seconds
         while time.time() < end or not seconds:
             t0 = time.perf_counter()
-            generate(0) if args.role == "generate" else train(groups)
+            if args.role == "generate":
+                generate(0)
+            else:
+                train(groups)
+                learner._reset()  # forward and backward only, never a step: the same weights every round
             seconds.append(time.perf_counter() - t0)
         Path(args.out).write_text(json.dumps({args.role: statistics.median(seconds)}))
         return
@@ -270,10 +274,7 @@ def measure_child(argv: list[str]) -> None:
             t0 = time.perf_counter()
             groups = generate(rep)
             t1 = time.perf_counter()
-            chunks = generation_chunks([len(g.prompt_ids) for g in groups], r.group_size, r.max_new_tokens, r.generation_token_budget)
-            learner.begin_iteration(rep)
-            for chunk in chunks:
-                learner.train_on_groups([groups[i] for i in chunk])
+            calls = train(groups)
             t2 = time.perf_counter()
             learner.step()
             path = store.publish(rep + 1, learner.full_state_dict())
@@ -284,7 +285,7 @@ def measure_child(argv: list[str]) -> None:
                 figures["train"].append(t2 - t1)
                 figures["boundary"].append(t3 - t2)
     result = {k: statistics.median(v) for k, v in figures.items()}
-    result["calls"] = len(chunks)
+    result["calls"] = calls
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -401,15 +402,12 @@ def apply_plan(cfg: TidalConfig, profile: Profile) -> tuple[TidalConfig, Predict
 
 def format_plan(profile: Profile, predictions: list[Prediction], sync: Prediction, sync_threads: int) -> str:
     lines = [
-        "| split | generate s | train s | predicted s/iteration | pipeline efficiency | measured s/iteration |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| split | generate s | train s | predicted s/iteration | pipeline efficiency |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for p in [*predictions, sync]:
         name = str(p.split) if p.split else f"sync, {sync_threads} thread(s) per phase"
-        measured = f"{p.measured_seconds:.3f}" if p.measured_seconds is not None else ""
-        lines.append(
-            f"| {name} | {p.generate_seconds:.3f} | {p.train_seconds:.3f} | {p.iteration_seconds:.3f} | {p.pipeline_efficiency:.2f} | {measured} |"
-        )
+        lines.append(f"| {name} | {p.generate_seconds:.3f} | {p.train_seconds:.3f} | {p.iteration_seconds:.3f} | {p.pipeline_efficiency:.2f} |")
     return "\n".join(lines)
 
 

@@ -130,19 +130,7 @@ def generate_groups(
     return groups
 
 
-FETCH_LINGER_SECONDS = 0.02
-
-
-async def fetch_up_to(transport: Transport, sub, wanted: int, timeout: float = 1.0) -> list:
-    """Up to `wanted` work items: what is queued now, plus what arrives right behind it (the trainer
-    publishes an iteration's items one after another, and a pull returns as soon as one is there)."""
-    msgs = await transport.fetch(sub, wanted, timeout=timeout)
-    while msgs and len(msgs) < wanted:
-        more = await transport.fetch(sub, wanted - len(msgs), timeout=FETCH_LINGER_SECONDS)
-        if not more:
-            break
-        msgs += more
-    return msgs
+FETCH_LINGER_SECONDS = 0.02  # the trainer publishes an iteration's work items one after another
 
 
 async def decode_work(transport: Transport, msgs: list, worker_id: str) -> list[tuple[object, WorkItem]]:
@@ -216,7 +204,11 @@ class RolloutWorker:
             if await self.transport.stopping():
                 log.info("worker %s: the run or round is over, exiting", self.worker_id)
                 return
-            pulled = await decode_work(self.transport, await fetch_up_to(self.transport, sub, pull_size(self.cfg, prompt_tokens)), self.worker_id)
+            pulled = await decode_work(
+                self.transport,
+                await self.transport.fetch(sub, pull_size(self.cfg, prompt_tokens), timeout=1.0, linger=FETCH_LINGER_SECONDS),
+                self.worker_id,
+            )
             if not pulled:
                 continue
             iteration = pulled[0][1].iteration

@@ -88,6 +88,11 @@ class InProcessSource:
         pass
 
 
+# A worker publishes an engine call's groups one after another; training them in one micro-batch costs far
+# less than a call per group (measured: 12 small train calls took 1.0 s per iteration where 4 took 0.55 s).
+ARRIVAL_LINGER_SECONDS = 0.01
+
+
 class QueueSource:
     """Periodic and bounded modes over NATS JetStream.
 
@@ -136,7 +141,7 @@ class QueueSource:
         arrivals = Arrivals(groups=self.early.pop(version, []))
         if arrivals.groups:
             return arrivals
-        msgs = await self.transport.fetch(await self._subscription(), wanted, timeout=timeout)
+        msgs = await self.transport.fetch(await self._subscription(), wanted, timeout=timeout, linger=ARRIVAL_LINGER_SECONDS)
         limits = self.limits(version)
         for m in msgs:
             try:

@@ -56,6 +56,13 @@ def stream_names(run_id: str) -> dict[str, str]:
     }
 
 
+async def _fetch_once(sub, batch: int, timeout: float) -> list:
+    try:
+        return await sub.fetch(batch, timeout=timeout)
+    except (TimeoutError, NatsTimeout):
+        return []
+
+
 async def keep_in_progress(msgs, every: float) -> None:
     """Extends the ack deadline of held messages (`msgs` is read afresh each round) until cancelled."""
     while True:
@@ -269,11 +276,17 @@ class Transport:
         return await self.js.pull_subscribe_bind(TRAINER_CONSUMER, stream=self.names["rollouts_stream"])
 
     @staticmethod
-    async def fetch(sub, batch: int, timeout: float) -> list:
-        try:
-            return await sub.fetch(batch, timeout=timeout)
-        except (TimeoutError, NatsTimeout):
-            return []
+    async def fetch(sub, batch: int, timeout: float, linger: float = 0.0) -> list:
+        """Up to `batch` messages, waiting at most `timeout` for the first. With `linger`, also those that
+        arrive within `linger` of each other behind it: a pull returns as soon as one message is there,
+        and publishers send a batch (an iteration's work items, an engine call's groups) one by one."""
+        msgs = await _fetch_once(sub, batch, timeout)
+        while linger and msgs and len(msgs) < batch:
+            more = await _fetch_once(sub, batch - len(msgs), linger)
+            if not more:
+                break
+            msgs += more
+        return msgs
 
     async def work_queue_depth(self) -> int:
         info = await self._retrying("stream info", lambda: self.js.stream_info(self.names["work_stream"]))
