@@ -104,8 +104,8 @@ def test_tidal_run_on_two_fsdp2_ranks_ends_at_one_process_weights(tmp_path, writ
     keys = [(r["iteration"], r["prompt_id"]) for r in records]
     assert len(keys) == len(set(keys)) == 3 * 6  # every group trained exactly once
     assert sorted(p.name for p in (tmp_path / "r2" / "checkpoint").glob("optimizer-*")) == [
-        "optimizer-rank0-of-2.safetensors",
-        "optimizer-rank1-of-2.safetensors",
+        "optimizer-v000003-rank0-of-2.safetensors",
+        "optimizer-v000003-rank1-of-2.safetensors",
     ]
 
 

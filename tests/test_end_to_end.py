@@ -411,3 +411,20 @@ def test_weight_retention_keeps_what_workers_and_a_resume_need(tmp_path, write_c
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from checkpoint: version 3" in (run_dir / "logs" / "trainer.log").read_text()
     assert store.versions() == [3, 4]
+
+
+def test_a_restarted_trainer_forgets_the_records_of_iterations_it_redoes(tmp_path):
+    """metrics.jsonl is appended before the background writer makes the boundary durable: a trainer
+    stopped in between leaves a line for an iteration it redoes, which must not appear twice."""
+    from tidal.rundir import RunFiles
+    from tidal.trainer.loop import forget_unfinished
+    from tidal.weights import WeightStore
+
+    files = RunFiles(tmp_path)
+    files.checkpoint.mkdir()
+    for v in range(3):
+        files.append("metrics.jsonl", {"iteration": v})
+        files.append_many("groups.jsonl", [{"iteration": v, "prompt_id": p} for p in range(2)])
+    forget_unfinished(files, WeightStore(tmp_path / "weights"), start=1)
+    assert [m["iteration"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [0]
+    assert [(r["iteration"], r["prompt_id"]) for r in read_jsonl(tmp_path / "groups.jsonl")] == [(0, 0), (0, 1)]

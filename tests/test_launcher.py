@@ -19,7 +19,8 @@ def test_sigterm_stops_every_process_of_the_run_records_it_and_a_rerun_resumes(t
     config = write_config({**SLOW, "trainer.iterations": 4})
     run_dir = tmp_path / "run"
     proc = start_run(config, run_dir)
-    wait_until(lambda: read_jsonl(run_dir / "metrics.jsonl"), proc)  # iteration 0 is done: mid-run
+    # iteration 0's boundary is durable (the checkpoint is written after metrics.jsonl): mid-run
+    wait_until(lambda: (run_dir / "checkpoint" / "state.json").is_file(), proc)
     assert len(run_processes(run_dir)) >= 4  # launcher, trainer, worker, nats-server
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
@@ -33,7 +34,7 @@ def test_sigterm_stops_every_process_of_the_run_records_it_and_a_rerun_resumes(t
     assert MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}").get_run(run_id).info.status == "KILLED"
 
     # what a kill mid-publish or mid-checkpoint leaves (#15 item 9): removed when the trainer starts
-    leftovers = [run_dir / "weights" / ".tmp-v000009-4242", run_dir / "checkpoint" / "optimizer-rank0-of-1.safetensors.tmp"]
+    leftovers = [run_dir / "weights" / ".tmp-v000009-4242", run_dir / "checkpoint" / "optimizer-v000009-rank0-of-1.safetensors.tmp"]
     leftovers[0].mkdir()
     (leftovers[0] / "model.safetensors").write_bytes(b"partial")
     leftovers[1].write_bytes(b"partial")

@@ -161,17 +161,20 @@ def publish_weights(store: WeightStore, version: int, learner: Learner) -> None:
 
 def forget_unfinished(files: RunFiles, store: WeightStore, start: int) -> None:
     """On start, before anything is written: what a trainer killed mid-iteration left is removed
-    (temp folders of an interrupted publish or checkpoint, groups.jsonl records of iterations from
-    `start` on, which are trained again), so every group is recorded once, when trained."""
+    (temp folders of an interrupted publish or checkpoint, groups.jsonl and metrics.jsonl records of
+    iterations from `start` on, which are trained again), so every group and iteration is recorded
+    once. metrics.jsonl is appended before the background writer has made the boundary durable, so
+    a trainer stopped in between leaves a line for an iteration it will redo."""
     removed = store.remove_temp()
     for tmp in sorted(files.checkpoint.glob("*.tmp")):
         tmp.unlink()
         removed.append(f"checkpoint/{tmp.name}")
     if removed:
         log.info("removed what an interrupted publish or checkpoint left: %s", ", ".join(removed))
-    dropped = files.drop_records("groups.jsonl", lambda r: r["iteration"] >= start)
-    if dropped:
-        log.info("dropped %d groups.jsonl record(s) of iterations from %d on (trained again now)", dropped, start)
+    for name in ("groups.jsonl", "metrics.jsonl"):
+        dropped = files.drop_records(name, lambda r: r["iteration"] >= start)
+        if dropped:
+            log.info("dropped %d %s record(s) of iterations from %d on (trained again now)", dropped, name, start)
 
 
 def prune_snapshots(cfg: TidalConfig, store: WeightStore, published: int, checkpoint: int) -> list[int]:
