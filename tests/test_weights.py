@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +37,36 @@ def test_corrupt_snapshot_is_refused(tmp_path):
     (path / "manifest.json").unlink()
     with pytest.raises(CorruptSnapshotError, match="no manifest.json"):
         store.load(1)
+
+
+def flip_a_byte(path: Path) -> None:
+    blob = bytearray((path / "model.safetensors").read_bytes())
+    blob[-3] ^= 0xFF
+    (path / "model.safetensors").write_bytes(bytes(blob))
+
+
+def test_a_corrupt_snapshot_is_rewritten_from_the_weights_it_held_and_an_intact_one_is_left(tmp_path):
+    store = WeightStore(tmp_path)
+    sd = {"a": torch.randn(100), "b": torch.arange(5)}
+    path = store.publish(1, sd)
+    assert store.repair(1, sd) is False  # verifies: nothing to do
+    flip_a_byte(path)
+    assert store.repair(1, sd) is True
+    assert torch.equal(store.load(1)["a"], sd["a"])
+    # another trainer process (a restart) has no record of what it wrote: the manifest says
+    flip_a_byte(path)
+    assert WeightStore(tmp_path).repair(1, sd) is True and torch.equal(store.load(1)["a"], sd["a"])
+
+
+def test_a_corrupt_snapshot_is_not_rewritten_from_other_weights(tmp_path):
+    store = WeightStore(tmp_path)
+    path = store.publish(1, {"a": torch.zeros(100)})
+    flip_a_byte(path)
+    with pytest.raises(CorruptSnapshotError, match=r"sha256 .* cannot be rewritten: the trainer's weights are no longer v1"):
+        store.repair(1, {"a": torch.ones(100)})
+    with pytest.raises(CorruptSnapshotError):
+        store.load(1)  # still the corrupt file: nothing was replaced
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
 
 
 # ---------------------------------------------------------------- retention (weights.keep_last / keep_every)

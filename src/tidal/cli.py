@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="the capacity planner: measure, then the split of cores between workers and trainer")
     plan.add_argument("args", nargs=argparse.REMAINDER, help="CONFIG [--set k=v] [--split WxT+C] [--json PATH] (tidal plan --help)")
     plan.set_defaults(func=lambda args: __import__("tidal.plan", fromlist=["main"]).main(args.args) or 0)
+    chaos = sub.add_parser("chaos", help="the fault matrix: kill or stop each role at random points, check nothing is lost")
+    chaos.add_argument("args", nargs=argparse.REMAINDER, help="CONFIG [--faults ...] [--runs N] [--json PATH] (tidal chaos --help)")
+    chaos.set_defaults(func=lambda args: __import__("tidal.chaos", fromlist=["main"]).main(args.args))
     from tidal import report, ui
 
     ui.register(sub)
@@ -133,6 +136,10 @@ def _main(argv: list[str] | None) -> int:
 
         plan_main(argv[1:])
         return 0
+    if argv[:1] == ["chaos"]:  # its own parser too
+        from tidal.chaos import main as chaos_main
+
+        return chaos_main(argv[1:])
     args = build_parser().parse_args(argv)
     if not hasattr(args, "config") and hasattr(args, "func"):
         return args.func(args)

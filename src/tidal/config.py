@@ -248,7 +248,9 @@ class TrackingConfig(_Strict):
 class TransportConfig(_Strict):
     nats_url: str | None = None  # None: start an embedded nats-server in the run directory
     max_payload_mb: int = Field(8, gt=0, le=64)
-    ack_wait_seconds: float = Field(60.0, gt=0)
+    # A worker's in-progress acks (every ack_wait / 3) keep its items; a dead or stopped worker's items go
+    # to another worker after this long. Short, so a failure costs seconds (#15), not a minute.
+    ack_wait_seconds: float = Field(6.0, gt=0)
     max_deliver: int = Field(5, gt=0)
     # JetStream limits of each of the run's streams (WORK, ROLLOUTS); None: no limit of its own. ROLLOUTS
     # drops its oldest (long acked) groups at a limit; WORK refuses new work there, an error the trainer raises.

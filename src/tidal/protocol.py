@@ -47,9 +47,12 @@ class KVKey:
     NCCL = "weight_sync.nccl"  # the NCCL weight-transfer handshake (transport/weight_handshake.py)
     NCCL_READY_PREFIX = "weight_sync.ready."
 
+    WORKERS_PREFIX = "workers."
+
     @staticmethod
-    def worker_error(worker_id: str) -> str:
-        return f"errors.{worker_id}"
+    def worker(worker_id: str) -> str:
+        """A worker's heartbeat (rollout/health.py)."""
+        return f"{KVKey.WORKERS_PREFIX}{worker_id}"
 
 
 # --- messages ----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from tidal.rollout.worker import RolloutWorker, generate_groups
 from tidal.rundir import RunFiles, RunInfo
 from tidal.runtime import set_threads, split_cores
 from tidal.tracking import Tracker
+from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.distributed import DistContext, context_from_env, init_process_group
 from tidal.trainer.distributed import shutdown as shutdown_process_group
 from tidal.trainer.learner import Learner
@@ -149,7 +150,9 @@ async def main_trainer(
             await weight_handshake.turn_off(transport, f"the trainer has {ctx.world_size} ranks: weights go through the weight store")
             push = None
         weight_push = None if push is None else (lambda v: push.push(v, learner.model.state_dict()))
-        source = QueueSource(transport, group_limits(cfg, learner, transport.max_message_bytes), lambda v: str(store.path(v)), weight_push)
+        # one rank only: gathering the weights is a collective under several ranks
+        repair = (lambda v: on_compute_thread(lambda: store.repair(v, learner.full_state_dict()))) if ctx.world_size == 1 else None
+        source = QueueSource(transport, group_limits(cfg, learner, transport.max_message_bytes), lambda v: str(store.path(v)), weight_push, repair)
         if ctx.distributed:
             source = BroadcastSource(source, ctx)
         history = await train(cfg, learner, source, dataset, store, RunFiles(run_dir), tracker, iterations)

@@ -24,6 +24,7 @@ from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
 from tidal.rollout.worker import build_group, decode_work, snapshot_path, version_to_generate
 from tidal.transport import Transport, keep_in_progress, weight_handshake
+from tidal.transport.health import WorkerHealth, beat
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,8 @@ class VLLMRolloutWorker:
         self.worker_id = worker_id
         self.scorer = RewardScorer.from_config(cfg.reward)
         self.score_pool = ThreadPoolExecutor(max_workers=1)  # one scorer, one thread: its error count stays exact
-        self.version: int | None = None
-        self.groups_published = 0
+        self.health = WorkerHealth(worker_id)
+        self.backoff = 0.0
         self.inflight: dict[asyncio.Task, object] = {}  # task -> its NATS message
         self.backlog: deque = deque()  # (msg, item) pulled but not started: another version
         self.load_seconds = 0.0
@@ -54,6 +55,14 @@ class VLLMRolloutWorker:
         self.nccl = cfg.rollout.vllm.weight_sync == "nccl" and engine.device == "cuda"
         self.nccl_group: str | None = None  # the trainer's NCCL group this engine belongs to
         self.offer_taken: str | None = None  # the last offer id this worker answered
+
+    @property
+    def version(self) -> int | None:
+        return self.health.version
+
+    @property
+    def groups_published(self) -> int:
+        return self.health.groups_published
 
     # --- weights ---------------------------------------------------------------------------------
 
@@ -86,8 +95,14 @@ class VLLMRolloutWorker:
             return False
 
     async def _report(self, version: int, error: str) -> None:
-        log.error("worker %s refused weights v%d: %s (keeping v%s)", self.worker_id, version, error, self.version)
-        await self.transport.report_worker_error(self.worker_id, version, error)
+        """A refused snapshot: in the heartbeat at once (the trainer checks and rewrites it), then a back-off."""
+        self.backoff = self.health.refused(version, error)
+        report = log.error if self.health.refusals == 1 else log.warning
+        report(
+            "worker %s refused weights v%d (%d time(s)): %s (keeping v%s; retrying in %.0fs)",
+            *(self.worker_id, version, self.health.refusals, error, self.version, self.backoff),
+        )
+        await self.transport.put_worker_health(self.health.record())
 
     async def sync_weights(self, version: int) -> bool:
         """Loads `version` with nothing in flight. False: refused (corrupt), the previous version stays."""
@@ -103,7 +118,7 @@ class VLLMRolloutWorker:
                 if result.get("partial") and self.version is not None:
                     await self.engine.load_snapshot(await self._policy_uri(self.version))
                 return False
-        self.version = version
+        self.health.loaded(version)
         self.load_seconds += time.time() - t0
         log.info("worker %s loaded weights v%d in %.3fs %s", self.worker_id, version, time.time() - t0, source)
         return True
@@ -126,7 +141,7 @@ class VLLMRolloutWorker:
         group.worker_idle_seconds, self.idle_seconds = self.idle_seconds, 0.0
         await self.transport.publish_group(group)
         await msg.ack()
-        self.groups_published += 1
+        self.health.groups_published += 1
 
     def _start(self, msg, item: WorkItem) -> None:
         if self.idle_since is not None:
@@ -169,8 +184,9 @@ class VLLMRolloutWorker:
                     return  # drain the current version first: no sample mixes two versions
                 if not await self.sync_weights(version):
                     for m, _ in self.backlog:
-                        await m.nak(delay=1.0)
+                        await m.nak(delay=self.backoff)
                     self.backlog.clear()
+                    await asyncio.sleep(self.backoff)
                     return
             self.backlog.popleft()
             self._start(msg, item)
@@ -199,6 +215,7 @@ class VLLMRolloutWorker:
             await weight_handshake.turn_off(self.transport, f"worker {self.worker_id}'s vLLM engine runs on {self.engine.device} (NCCL needs CUDA)")
         sub = await self.transport.work_subscription()
         keep_alive = asyncio.create_task(self._keep_alive())
+        heartbeat = asyncio.create_task(beat(self.transport, self.health))
         last_check = 0.0
         try:
             while True:
@@ -218,6 +235,7 @@ class VLLMRolloutWorker:
                     await self._finished({t for t in self.inflight if t.done()})
         finally:
             keep_alive.cancel()
+            heartbeat.cancel()
             for task in self.inflight:
                 task.cancel()
             for m, _ in self.backlog:

@@ -20,6 +20,7 @@ from tidal.protocol import Group, ProtocolError, Sample, WorkItem, decode_work_i
 from tidal.rewards import RewardScorer, exact_match
 from tidal.rollout.engine import Completion, GroupRequest, RolloutEngine, group_generator, group_seed
 from tidal.transport import Transport, keep_in_progress
+from tidal.transport.health import WorkerHealth, beat
 from tidal.weights import CorruptSnapshotError, load_verified, version_dir_name
 
 log = logging.getLogger(__name__)
@@ -178,25 +179,55 @@ class RolloutWorker:
         self.transport = transport
         self.worker_id = worker_id
         self.scorer = RewardScorer.from_config(cfg.reward)
-        self.version: int | None = None
-        self.groups_published = 0
+        self.health = WorkerHealth(worker_id)
+        self.backoff = 0.0
+
+    @property
+    def version(self) -> int | None:
+        return self.health.version
+
+    @property
+    def groups_published(self) -> int:
+        return self.health.groups_published
 
     async def _load_version(self, version: int) -> float | None:
-        """Loads snapshot `version`; returns seconds taken, or None when the snapshot is refused."""
+        """Loads snapshot `version`; returns seconds taken, or None when the snapshot is refused
+        (recorded in the heartbeat, which tells the trainer)."""
         path = await snapshot_path(self.transport, version, self.weights_root)
         t0 = time.time()
         try:
             state = await asyncio.to_thread(load_verified, path)
             await asyncio.to_thread(self.engine.load_state_dict, state)
         except (CorruptSnapshotError, ValueError) as err:
-            log.error("worker %s refused weights v%d: %s (keeping v%s)", self.worker_id, version, err, self.version)
-            await self.transport.report_worker_error(self.worker_id, version, str(err))
+            await self._refused(version, str(err))
             return None
-        self.version = version
+        self.health.loaded(version)
         log.info("worker %s loaded weights v%d in %.3fs", self.worker_id, version, time.time() - t0)
         return time.time() - t0
 
+    async def _refused(self, version: int, error: str) -> None:
+        self.backoff = self.health.refused(version, error)
+        report = log.error if self.health.refusals == 1 else log.warning
+        report(
+            "worker %s refused weights v%d (%d time(s)): %s (keeping v%s; retrying in %.0fs)",
+            *(self.worker_id, version, self.health.refusals, error, self.version, self.backoff),
+        )
+        await self.transport.put_worker_health(self.health.record())
+
+    async def _back_off(self, msgs: list) -> None:
+        """After a refusal: the items go back to the queue, and this worker waits before trying again."""
+        for m in msgs:
+            await m.nak(delay=self.backoff)
+        await asyncio.sleep(self.backoff)
+
     async def run(self) -> None:
+        heartbeat = asyncio.create_task(beat(self.transport, self.health))
+        try:
+            await self._serve()
+        finally:
+            heartbeat.cancel()
+
+    async def _serve(self) -> None:
         sub = await self.transport.work_subscription()
         prompt_tokens = 16  # until the first prompts are seen: the longest encoded prompt sizes later pulls
         idle_since = time.time()
@@ -223,27 +254,25 @@ class RolloutWorker:
                     await m.ack()
                 continue
             msgs, items = [m for m, _ in pulled], [it for _, it in pulled]
-            load_seconds = 0.0
-            if self.version != version:
-                taken = await self._load_version(version)
-                if taken is None:
-                    for m in msgs:
-                        await m.nak(delay=1.0)
-                    continue
-                load_seconds = taken
-            idle = time.time() - idle_since - load_seconds
+            # held from here on: a long weight load must not let them go to another worker
             keep_alive = asyncio.create_task(keep_in_progress(msgs, self.cfg.transport.ack_wait_seconds / 3))
             try:
-                groups = await asyncio.to_thread(
-                    generate_groups, self.engine, self.tokenizer, self.scorer, items, self.cfg, self.version, self.worker_id
-                )
+                load_seconds = await self._load_version(version) if self.version != version else 0.0
+                if load_seconds is not None:
+                    idle = time.time() - idle_since - load_seconds
+                    groups = await asyncio.to_thread(
+                        generate_groups, self.engine, self.tokenizer, self.scorer, items, self.cfg, self.version, self.worker_id
+                    )
             finally:
                 keep_alive.cancel()
+            if load_seconds is None:
+                await self._back_off(msgs)
+                continue
             prompt_tokens = max([prompt_tokens, *(len(g.prompt_ids) for g in groups)])
             for i, (m, g) in enumerate(zip(msgs, groups)):
                 g.weight_load_seconds = load_seconds if i == 0 else 0.0
                 g.worker_idle_seconds = idle if i == 0 else 0.0
                 await self.transport.publish_group(g)
                 await m.ack()
-                self.groups_published += 1
+                self.health.groups_published += 1
             idle_since = time.time()

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from tidal.rundir import RunFiles
 from tidal.trainer.distributed import DistContext, barrier
 from tidal.trainer.learner import Learner
-from tidal.weights import WeightStore
+from tidal.weights import CorruptSnapshotError, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,13 @@ def resume_version(files: RunFiles, learner: Learner, store: WeightStore, ctx: D
             f"{ctx.world_size}: resume with trainer.ranks={saved_world} (the optimizer shards do not reshard)"
         )
     version = state["next_version"]
-    learner.load_weights(store.load(version))
+    try:
+        learner.load_weights(store.load(version))
+    except CorruptSnapshotError as err:
+        raise CorruptSnapshotError(
+            f"cannot resume: {state_file} resumes weights v{version}, which do not verify ({err}). "
+            "Restore that snapshot from a backup, or start again in a new run directory"
+        ) from None
     shard = files.checkpoint / shard_name(ctx.rank, ctx.world_size, version)
     legacy = files.checkpoint / legacy_shard_name(ctx.rank, ctx.world_size)
     if not shard.is_file() and not legacy.is_file():

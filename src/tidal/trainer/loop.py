@@ -250,9 +250,11 @@ async def train(
             rejected += arrivals.rejected
             if not arrivals.groups:
                 if time.time() - waited_since > cfg.trainer.group_timeout_seconds:
+                    generators = await source.describe_generators()
                     raise TimeoutError(
                         f"iteration {v}: no group arrived for {cfg.trainer.group_timeout_seconds:.0f}s "
                         f"({len(plan.received)}/{len(plan.expected)} in): are the rollout workers alive? see logs/"
+                        + (f". {generators}" if generators else "")
                     )
                 continue
             waited_since = time.time()

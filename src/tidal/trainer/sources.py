@@ -21,6 +21,7 @@ from tidal.protocol import Group, GroupLimits, ProtocolError, WorkItem, decode_g
 from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.distributed import DistContext, broadcast_bytes
 from tidal.transport import Transport, keep_in_progress
+from tidal.transport.health import describe_workers, silent_workers
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class GroupSource(Protocol):
     async def queue_depth(self) -> int: ...
 
     async def finish(self, next_version: int) -> None: ...
+
+    async def describe_generators(self) -> str:
+        """The generators' state, for an error that blames them ("" when there is nothing to say)."""
 
 
 class InProcessSource:
@@ -87,10 +91,18 @@ class InProcessSource:
     async def finish(self, next_version: int) -> None:
         pass
 
+    async def describe_generators(self) -> str:
+        return ""
+
 
 # A worker publishes an engine call's groups one after another; training them in one micro-batch costs far
 # less than a call per group (measured: 12 small train calls took 1.0 s per iteration where 4 took 0.55 s).
 ARRIVAL_LINGER_SECONDS = 0.01
+WORKER_CHECK_SECONDS = 2.0  # while no group arrives: how often the workers' heartbeats are read
+
+
+class UndeliverableWorkError(RuntimeError):
+    """A work item went out transport.max_deliver times and no group came back: JetStream dropped it."""
 
 
 class QueueSource:
@@ -107,8 +119,16 @@ class QueueSource:
         limits: Callable[[int], GroupLimits],
         policy_uri: Callable[[int], str],
         weight_push: Callable[[int], Awaitable[bool]] | None = None,
+        repair_snapshot: Callable[[int], Awaitable[bool]] | None = None,
     ):
         self.transport = transport
+        # a worker refused snapshot v: True when it was corrupt and has been rewritten, False when it
+        # verifies; raises when it cannot be rewritten. None: not possible here (several ranks)
+        self.repair_snapshot = repair_snapshot
+        self.checked_at = 0.0
+        self.silent: set[str] = set()  # workers named as silent (until a heartbeat comes again)
+        self.refusals_seen: dict[str, tuple[int, int]] = {}  # worker -> (version, refusals) last handled
+        self.undeliverable: list[int] = []  # WORK stream sequences JetStream gave up on (max_deliver)
         self.limits = limits  # version -> what a group of that iteration may contain
         self.policy_uri = policy_uri
         self.weight_push = weight_push  # NCCL (GPU): sends version v to every engine; True when done
@@ -122,6 +142,7 @@ class QueueSource:
             self.sub = await self.transport.rollouts_subscription()
             every = self.transport.cfg.ack_wait_seconds / 3
             self.keep_alive = asyncio.create_task(keep_in_progress(lambda: [m for ms in self.messages.values() for m in ms], every))
+            await self.transport.on_undeliverable_work(self.undeliverable.append)
         return self.sub
 
     async def begin_iteration(self, version: int) -> tuple[float, bool]:
@@ -142,6 +163,8 @@ class QueueSource:
         if arrivals.groups:
             return arrivals
         msgs = await self.transport.fetch(await self._subscription(), wanted, timeout=timeout, linger=ARRIVAL_LINGER_SECONDS)
+        if not msgs:
+            await self._watch_workers()
         limits = self.limits(version)
         for m in msgs:
             try:
@@ -172,6 +195,49 @@ class QueueSource:
         if self.keep_alive is not None:
             self.keep_alive.cancel()
         await self.transport.put_policy(next_version, self.policy_uri(next_version))
+
+    async def describe_generators(self) -> str:
+        return describe_workers(await self.transport.worker_health(), time.time())
+
+    async def _watch_workers(self) -> None:
+        """While groups are not coming: names a worker whose heartbeat stopped, has a snapshot a
+        worker refused checked (and rewritten when corrupt), and fails on a work item JetStream
+        gave up on instead of waiting for trainer.group_timeout_seconds."""
+        if self.undeliverable:
+            raise UndeliverableWorkError(
+                f"{await self.transport.describe_work(self.undeliverable[0])} was handed to workers transport.max_deliver "
+                f"({self.transport.cfg.max_deliver}) times and no group came back, so JetStream dropped it; "
+                f"see logs/worker-*.log. Workers: {await self.describe_generators()}"
+            )
+        now = time.time()
+        if now - self.checked_at < WORKER_CHECK_SECONDS:
+            return
+        self.checked_at = now
+        records = await self.transport.worker_health()
+        silent = {r["worker_id"]: r for r in silent_workers(records, now)}
+        for wid in silent.keys() - self.silent:
+            r = silent[wid]
+            log.warning(
+                "worker %s (pid %s on %s) has sent no heartbeat for %.0fs: its work items go to other workers within "
+                "transport.ack_wait_seconds (%.0fs)",
+                *(wid, r["pid"], r["host"], now - r["time"], self.transport.cfg.ack_wait_seconds),
+            )
+        for wid in self.silent - silent.keys():
+            log.info("worker %s sends heartbeats again", wid)
+        self.silent = set(silent)
+        refused: dict[int, list[dict]] = defaultdict(list)
+        for r in records:
+            if r.get("refused_version") is not None and self.refusals_seen.get(r["worker_id"]) != (r["refused_version"], r["refusals"]):
+                self.refusals_seen[r["worker_id"]] = (r["refused_version"], r["refusals"])
+                refused[r["refused_version"]].append(r)
+        for version, reports in sorted(refused.items()):
+            names = ", ".join(r["worker_id"] for r in reports)
+            if self.repair_snapshot is None:
+                log.error("worker(s) %s refused weights v%d: %s", names, version, reports[0]["refused_error"])
+            elif await self.repair_snapshot(version):
+                log.warning("worker(s) %s refused weights v%d (%s): it was corrupt and is rewritten", names, version, reports[0]["refused_error"])
+            else:
+                log.error("worker(s) %s refused weights v%d, which verify here: %s", names, version, reports[0]["refused_error"])
 
 
 class BroadcastSource:
@@ -213,3 +279,6 @@ class BroadcastSource:
     async def finish(self, next_version: int) -> None:
         if self.ctx.is_main:
             await self.inner.finish(next_version)
+
+    async def describe_generators(self) -> str:
+        return await self.inner.describe_generators() if self.ctx.is_main else ""

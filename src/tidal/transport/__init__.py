@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
-import time
 from dataclasses import dataclass
 
 import nats
 import nats.errors
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError, ServiceUnavailableError
 
 from tidal.config import TransportConfig
 from tidal.protocol import (
@@ -337,8 +337,38 @@ class Transport:
         status = await self.run_status()
         return bool(status and status.state.stops_workers)
 
-    async def report_worker_error(self, worker_id: str, version: int, error: str) -> None:
-        await self.put(KVKey.worker_error(worker_id), {"version": version, "error": error, "time": time.time()})
+    async def on_undeliverable_work(self, callback) -> None:
+        """Calls `callback(stream_seq)` for each work item JetStream stops redelivering (max_deliver reached)."""
+        subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.names['work_stream']}.{WORKERS_CONSUMER}"
+
+        async def handle(msg) -> None:
+            try:
+                callback(int(json.loads(msg.data)["stream_seq"]))
+            except (ValueError, KeyError, TypeError) as err:
+                log.error("ignoring a malformed max-deliveries advisory: %s", err)
+
+        await self.nc.subscribe(subject, cb=handle)
+
+    async def describe_work(self, stream_seq: int) -> str:
+        """'work item <iteration>/<prompt id>' for a WORK stream sequence, as far as it can be read."""
+        try:
+            msg = await self.js.get_msg(self.names["work_stream"], stream_seq)
+            item = unpack(msg.data)
+            return f"work item {item['iteration']}/{item['prompt_id']} (WORK stream sequence {stream_seq})"
+        except Exception:  # noqa: BLE001 - only for an error message: the sequence alone still says which
+            return f"the work item at WORK stream sequence {stream_seq}"
+
+    async def put_worker_health(self, record: dict) -> None:
+        await self.put(KVKey.worker(record["worker_id"]), record)
+
+    async def worker_health(self) -> list[dict]:
+        """Every worker's last heartbeat (rollout/health.py); malformed entries are skipped."""
+        try:
+            keys = await self.kv.keys(filters=[KVKey.WORKERS_PREFIX])  # nats-py filters by substring
+        except NoKeysError:
+            return []
+        records = [await self.get(k) for k in keys if k.startswith(KVKey.WORKERS_PREFIX)]
+        return [r for r in records if isinstance(r, dict) and {"worker_id", "time", "pid", "host", "version"} <= r.keys()]
 
     async def close(self) -> None:
         await self.nc.close()

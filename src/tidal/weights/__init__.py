@@ -77,20 +77,49 @@ class WeightStore:
     def __init__(self, root: str | Path, base_model_dir: str | Path | None = None):
         self.root = Path(root)
         self.base_model_dir = Path(base_model_dir) if base_model_dir else None
+        self.written: dict[int, str] = {}  # version -> sha256 of the weights this store published
 
     def path(self, version: int) -> Path:
         return self.root / version_dir_name(version)
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> Path:
         """Writes into a temp dir, then renames: readers see a whole snapshot or none."""
-        final = self.path(version)
+        tmp, manifest = self._write_temp(version, state_dict, dtype)
+        self.written[version] = manifest["files"][WEIGHTS_FILE]
+        return self._commit(version, tmp)
+
+    def repair(self, version: int, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> bool:
+        """Snapshot `version` as a worker would load it: False when it verifies; True when it did not
+        and was rewritten from `state_dict`, which must be the weights it held (the same sha256 as
+        when this store published it, or as its manifest says). Raises CorruptSnapshotError when
+        the snapshot is corrupt and `state_dict` is no longer those weights."""
+        try:
+            verify_snapshot(self.path(version))
+            return False
+        except CorruptSnapshotError as err:
+            damage = str(err)
+        expected = self.written.get(version) or manifest_sha256(self.path(version))
+        tmp, manifest = self._write_temp(version, state_dict, dtype)
+        if manifest["files"][WEIGHTS_FILE] != expected:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CorruptSnapshotError(
+                f"{damage}; it cannot be rewritten: the trainer's weights are no longer v{version}"
+                + ("" if expected else " (and the manifest that would prove it is unreadable)")
+            )
+        self._commit(version, tmp, point_latest=False)
+        log.warning("rewrote snapshot v%d, which did not verify (%s)", version, damage)
+        return True
+
+    def _write_temp(self, version: int, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> tuple[Path, dict]:
         tmp = self.root / f".tmp-{version_dir_name(version)}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         tensors = unique_tensors(state_dict)
         if dtype is not None:
             tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "tidal_version": str(version)})
+        # one metadata key: safetensors writes the metadata map in hash order, and `repair` needs the
+        # same weights to give the same bytes (the version is in the manifest)
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         if self.base_model_dir and self.base_model_dir.is_dir():
             for name in SIDE_FILES:
                 if (self.base_model_dir / name).is_file():
@@ -103,10 +132,15 @@ class WeightStore:
             "created": time.time(),
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+        return tmp, manifest
+
+    def _commit(self, version: int, tmp: Path, point_latest: bool = True) -> Path:
+        final = self.path(version)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        self.point_latest(version)
+        if point_latest:
+            self.point_latest(version)
         return final
 
     def remove_temp(self) -> list[str]:
@@ -165,6 +199,13 @@ class WeightStore:
 
 
 def load_verified(path: str | Path) -> dict[str, torch.Tensor]:
+    """Loads a snapshot after verify_snapshot."""
+    verify_snapshot(path)
+    return load_file(str(Path(path) / WEIGHTS_FILE))
+
+
+def verify_snapshot(path: str | Path) -> dict:
+    """Every file's sha256 against the manifest; returns the manifest. CorruptSnapshotError names what is wrong."""
     path = Path(path)
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():
@@ -172,7 +213,7 @@ def load_verified(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
-    except (json.JSONDecodeError, KeyError) as err:
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise CorruptSnapshotError(f"snapshot {path}: unreadable manifest ({err})") from None
     for name, expected in files.items():
         if not (path / name).is_file():
@@ -180,4 +221,12 @@ def load_verified(path: str | Path) -> dict[str, torch.Tensor]:
         actual = sha256_of(path / name)
         if actual != expected:
             raise CorruptSnapshotError(f"snapshot {path}: {name} sha256 {actual[:12]}… does not match manifest {expected[:12]}…")
-    return load_file(str(path / WEIGHTS_FILE))
+    return manifest
+
+
+def manifest_sha256(path: Path) -> str | None:
+    """The weights file's sha256 as the manifest records it; None when the manifest is unreadable."""
+    try:
+        return json.loads((path / MANIFEST_FILE).read_text())["files"][WEIGHTS_FILE]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return None

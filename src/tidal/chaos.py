@@ -1,0 +1,379 @@
+"""`tidal chaos`: the fault matrix as a command (#15 item 9).
+
+For each fault, N deterministic runs of the config; each is hit once at a random point of its
+run, then left to finish (or resumed, when the fault took the launcher with it). Every run is
+checked against uninterrupted reference runs of the same config (two: the first also fills the
+caches, and their difference is the spread to expect):
+- groups lost: expected (iteration, prompt) pairs never trained (groups.jsonl);
+- groups trained twice: records beyond one per pair;
+- hang: the run did not end within --hang-seconds;
+- weights: the final snapshot's largest difference, relative to the reference's largest weight;
+- extra seconds: the run's wall time (resume included) minus the reference's.
+
+Faults: worker-kill (SIGKILL a rollout worker), worker-stop (SIGSTOP, then SIGCONT after
+--stop-seconds), trainer-kill, nats-kill (the embedded nats-server), launcher-kill (SIGKILL `tidal
+run` itself, then run it again on the run directory), snapshot-corrupt (flip a byte of the snapshot
+in use, then SIGKILL the worker, so its replacement has to load it).
+
+The exit status is 1 when any run lost a group, trained one twice, hung or ended at other weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import median
+
+FAULTS = ("worker-kill", "worker-stop", "trainer-kill", "nats-kill", "launcher-kill", "snapshot-corrupt")
+FAST = {"rollout.deterministic": "true", "eval.enabled": "false", "rollout.groups_per_batch": "1"}
+
+
+@dataclass
+class RunOutcome:
+    fault: str
+    run: int
+    injected_at: float | None  # seconds after the run's first iteration ended; None: the run ended first
+    returncode: int | None
+    wall_seconds: float
+    groups_lost: int
+    groups_twice: int
+    hang: bool
+    weights_rel_diff: float | None
+    error: str = ""
+
+    def ok(self, tolerance: float) -> bool:
+        weights_match = self.weights_rel_diff is not None and self.weights_rel_diff <= tolerance
+        return self.returncode == 0 and not self.hang and self.groups_lost == 0 and self.groups_twice == 0 and weights_match
+
+
+@dataclass
+class FaultSummary:
+    fault: str
+    runs: int
+    groups_lost: int
+    groups_twice: int
+    hangs: int
+    failed_runs: int
+    weights_match: int
+    worst_weights_rel_diff: float | None
+    extra_seconds_median: float | None
+    extra_seconds_max: float | None
+    not_injected: int = 0
+    outcomes: list[dict] = field(default_factory=list)
+
+
+# --- pure parts ------------------------------------------------------------------------------
+
+
+def group_accounting(records: list[dict], iterations: int, prompts_per_iteration: int) -> tuple[int, int]:
+    """(lost, trained twice) from groups.jsonl records against every (iteration, prompt slot) expected."""
+    keys = [(r["iteration"], r["prompt_id"]) for r in records]
+    per_iteration: dict[int, set] = {}
+    for it, pid in keys:
+        per_iteration.setdefault(it, set()).add(pid)
+    trained = sum(min(len(per_iteration.get(it, ())), prompts_per_iteration) for it in range(iterations))
+    return iterations * prompts_per_iteration - trained, len(keys) - len(set(keys))
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """Largest |a - b| over every tensor, relative to the largest |b|; inf when the tensors differ in name or shape."""
+    if a.keys() != b.keys() or any(a[k].shape != b[k].shape for k in a):
+        return float("inf")
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    scale = max(float(b[k].float().abs().max()) for k in b) or 1.0
+    return worst / scale
+
+
+def summarize(fault: str, outcomes: list[RunOutcome], reference_seconds: float, tolerance: float) -> FaultSummary:
+    extras = [o.wall_seconds - reference_seconds for o in outcomes if not o.hang and o.returncode == 0]
+    diffs = [o.weights_rel_diff for o in outcomes if o.weights_rel_diff is not None]
+    return FaultSummary(
+        fault=fault,
+        runs=len(outcomes),
+        groups_lost=sum(o.groups_lost for o in outcomes),
+        groups_twice=sum(o.groups_twice for o in outcomes),
+        hangs=sum(o.hang for o in outcomes),
+        failed_runs=sum(not o.ok(tolerance) for o in outcomes),
+        weights_match=sum(d <= tolerance for d in diffs),
+        worst_weights_rel_diff=max(diffs) if diffs else None,
+        extra_seconds_median=median(extras) if extras else None,
+        extra_seconds_max=max(extras) if extras else None,
+        not_injected=sum(o.injected_at is None for o in outcomes),
+        outcomes=[asdict(o) for o in outcomes],
+    )
+
+
+def format_table(summaries: list[FaultSummary], reference_seconds: float, tolerance: float, spread: float) -> str:
+    head = (
+        f"reference run: {reference_seconds:.1f}s, two uninterrupted runs differ by {spread:.1e}; "
+        f"weights match = largest difference <= {tolerance:g} of the largest weight\n"
+    )
+    rows = [("fault", "runs", "lost", "twice", "hangs", "weights match", "extra s (median / max)", "failed")]
+    for s in summaries:
+        extra = "-" if s.extra_seconds_median is None else f"{s.extra_seconds_median:.1f} / {s.extra_seconds_max:.1f}"
+        match = f"{s.weights_match}/{s.runs}" + ("" if s.worst_weights_rel_diff is None else f" (worst {s.worst_weights_rel_diff:.1e})")
+        rows.append((s.fault, str(s.runs), str(s.groups_lost), str(s.groups_twice), str(s.hangs), match, extra, str(s.failed_runs)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return head + "\n".join(lines)
+
+
+# --- running ---------------------------------------------------------------------------------
+
+
+def tidal_run(config: Path, run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"]
+    for o in overrides:
+        cmd += ["--set", o]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def pid_of(run_dir: Path, name: str) -> int | None:
+    try:
+        return int((run_dir / "logs" / f"{name}.pid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def signal_pid(pid: int | None, sig: int) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def corrupt_snapshot_in_use(run_dir: Path) -> bool:
+    try:
+        latest = int((run_dir / "weights" / "latest").read_text())
+    except (OSError, ValueError):
+        return False
+    path = run_dir / "weights" / f"v{latest:06d}" / "model.safetensors"
+    try:
+        blob = bytearray(path.read_bytes())
+    except OSError:
+        return False
+    blob[len(blob) // 2] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    return True
+
+
+def inject(fault: str, proc: subprocess.Popen, run_dir: Path, stop_seconds: float) -> bool:
+    """Hits the run once; False when the process to hit was not there (the run had ended)."""
+    if fault == "worker-kill":
+        return signal_pid(pid_of(run_dir, "worker-0"), signal.SIGKILL)
+    if fault == "worker-stop":
+        pid = pid_of(run_dir, "worker-0")
+        if not signal_pid(pid, signal.SIGSTOP):
+            return False
+        time.sleep(stop_seconds)
+        signal_pid(pid, signal.SIGCONT)
+        return True
+    if fault == "trainer-kill":
+        return signal_pid(pid_of(run_dir, "trainer"), signal.SIGKILL)
+    if fault == "nats-kill":
+        return signal_pid(pid_of(run_dir, "nats-server"), signal.SIGKILL)
+    if fault == "launcher-kill":
+        return signal_pid(proc.pid, signal.SIGKILL)
+    if fault == "snapshot-corrupt":
+        worker = pid_of(run_dir, "worker-0")
+        if not signal_pid(worker, signal.SIGSTOP):
+            return False
+        time.sleep(1.0)  # a publish already under way lands: the snapshot corrupted is the one in use
+        corrupted = corrupt_snapshot_in_use(run_dir)
+        signal_pid(worker, signal.SIGKILL)
+        return corrupted
+    raise ValueError(f"unknown fault {fault!r}: one of {', '.join(FAULTS)}")
+
+
+def wait_for(proc: subprocess.Popen, deadline: float) -> int | None:
+    try:
+        return proc.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def stop_everything(proc: subprocess.Popen, run_dir: Path) -> None:
+    """After a hang: the launcher's process group, and whatever it left (pid files)."""
+    for name in ("trainer", "worker-0", "worker-1", "nats-server"):
+        signal_pid(pid_of(run_dir, name), signal.SIGKILL)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def final_weights(run_dir: Path, iterations: int) -> dict | None:
+    from safetensors.torch import load_file
+
+    path = run_dir / "weights" / f"v{iterations:06d}" / "model.safetensors"
+    return load_file(str(path)) if path.is_file() else None
+
+
+@dataclass
+class Reference:
+    weights: dict
+    seconds: float  # wall time of the second uninterrupted run (the first also fills the caches)
+    first_boundary: float  # seconds from its start to its first metrics.jsonl line
+    spread: float  # relative difference between the two uninterrupted runs' final weights
+
+
+def timed_run(config: Path, run_dir: Path, overrides: list[str], hang_seconds: float) -> tuple[float, float]:
+    """(wall seconds, seconds to the first boundary) of one uninterrupted run; exits on a failure."""
+    t0, first = time.time(), None
+    proc = tidal_run(config, run_dir, overrides)
+    while proc.poll() is None and time.time() < t0 + hang_seconds:
+        if first is None and read_jsonl(run_dir / "metrics.jsonl"):
+            first = time.time() - t0
+        time.sleep(0.05)
+    if wait_for(proc, t0 + hang_seconds) != 0:
+        stop_everything(proc, run_dir)
+        raise SystemExit(f"tidal chaos: an uninterrupted reference run failed or hung:\n{(proc.stderr.read() or '')[-3000:]}")
+    wall = time.time() - t0
+    return wall, wall if first is None else first
+
+
+def run_reference(config: Path, work: Path, overrides: list[str], iterations: int, hang_seconds: float) -> Reference:
+    timed_run(config, work / "reference-0", overrides, hang_seconds)
+    seconds, first = timed_run(config, work / "reference-1", overrides, hang_seconds)
+    a, b = final_weights(work / "reference-0", iterations), final_weights(work / "reference-1", iterations)
+    return Reference(b, seconds, first, relative_difference(a, b))
+
+
+def run_one(
+    fault: str,
+    index: int,
+    config: Path,
+    run_dir: Path,
+    overrides: list[str],
+    reference: Reference,
+    expected: tuple[int, int],
+    rng: random.Random,
+    hang_seconds: float,
+    stop_seconds: float,
+) -> RunOutcome:
+    iterations, per_iteration = expected
+    t0 = time.time()
+    proc = tidal_run(config, run_dir, overrides)
+    deadline = t0 + hang_seconds
+    # a random point after the first boundary (the run is under way) and before the reference's end
+    while not read_jsonl(run_dir / "metrics.jsonl") and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    first = time.time()
+    time.sleep(rng.uniform(0.0, 0.8 * max(0.5, reference.seconds - reference.first_boundary)))
+    injected_at = time.time() - first if proc.poll() is None and inject(fault, proc, run_dir, stop_seconds) else None
+    returncode = wait_for(proc, deadline)
+    error = "" if returncode in (0, None) else (proc.stderr.read() or "").strip()[-500:]
+    if fault == "launcher-kill" and injected_at is not None and returncode is not None:
+        # the user's recovery: run it again on the same run directory
+        time.sleep(1.0)  # the children saw the launcher die (PDEATHSIG) and stop
+        proc = tidal_run(config, run_dir, overrides)
+        returncode = wait_for(proc, deadline)
+        error = "" if returncode in (0, None) else (proc.stderr.read() or "").strip()[-500:]
+    hang = returncode is None
+    if hang:
+        stop_everything(proc, run_dir)
+    wall = time.time() - t0
+    lost, twice = group_accounting(read_jsonl(run_dir / "groups.jsonl"), iterations, per_iteration)
+    weights = final_weights(run_dir, iterations)
+    diff = None if weights is None else relative_difference(weights, reference.weights)
+    return RunOutcome(fault, index, injected_at, returncode, wall, lost, twice, hang, diff, error)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tidal chaos", description=__doc__.split("\n\n")[0])
+    p.add_argument("config", type=Path)
+    p.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of: {', '.join(FAULTS)}")
+    p.add_argument("--runs", type=int, default=5, help="runs per fault (default 5)")
+    p.add_argument("--iterations", type=int, default=4, help="trainer.iterations of each run (default 4)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run")
+    p.add_argument("--seed", type=int, default=0, help="seeds the injection points")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="weights match: largest difference over the largest weight (default 1e-4)")
+    p.add_argument("--hang-seconds", type=float, default=None, help="a run not done by then is a hang (default: 4x the reference + 120 s)")
+    p.add_argument("--stop-seconds", type=float, default=10.0, help="how long worker-stop keeps the worker stopped (default 10)")
+    p.add_argument("--work-dir", type=Path, default=None, help="where the run directories go (default: a temporary folder, removed)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    unknown = [f for f in args.faults.split(",") if f not in FAULTS]
+    if unknown:
+        p.error(f"unknown fault(s) {', '.join(unknown)}: choose from {', '.join(FAULTS)}")
+    if args.runs < 1 or args.iterations < 2:
+        p.error("--runs must be at least 1 and --iterations at least 2 (a fault needs a run under way)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from tidal.config import load_config
+
+    overrides = [f"{k}={v}" for k, v in FAST.items()] + [f"trainer.iterations={args.iterations}"] + args.overrides
+    cfg = load_config(args.config, overrides)
+    expected = (cfg.trainer.iterations, cfg.trainer.prompts_per_iteration)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="tidal-chaos-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    try:
+        print(f"tidal chaos: two uninterrupted reference runs ({args.iterations} iterations, deterministic) ...", flush=True)
+        reference = run_reference(args.config, work, overrides, expected[0], args.hang_seconds or 1800.0)
+        reference_seconds = reference.seconds
+        print(f"  reference: {reference.seconds:.1f}s, first boundary at {reference.first_boundary:.1f}s, spread {reference.spread:.1e}", flush=True)
+        hang_seconds = args.hang_seconds or 4 * reference_seconds + 120.0
+        summaries = []
+        for fault in args.faults.split(","):
+            outcomes = []
+            for i in range(args.runs):
+                o = run_one(
+                    fault,
+                    i,
+                    args.config,
+                    work / f"{fault}-{i}",
+                    overrides,
+                    reference,
+                    expected,
+                    rng,
+                    hang_seconds,
+                    args.stop_seconds,
+                )
+                extra = o.wall_seconds - reference_seconds
+                state = "ok" if o.ok(args.tolerance) else "FAILED"
+                at = "not injected (the run ended first)" if o.injected_at is None else f"at +{o.injected_at:.1f}s"
+                print(
+                    f"  {fault} #{i}: {state} {at}, rc {o.returncode}, lost {o.groups_lost}, twice {o.groups_twice}, "
+                    f"weights {o.weights_rel_diff if o.weights_rel_diff is None else f'{o.weights_rel_diff:.1e}'}, extra {extra:+.1f}s"
+                    + (f"\n    {o.error.splitlines()[-1]}" if o.error else ""),
+                    flush=True,
+                )
+                outcomes.append(o)
+            summaries.append(summarize(fault, outcomes, reference_seconds, args.tolerance))
+        print(format_table(summaries, reference_seconds, args.tolerance, reference.spread))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            payload = {
+                "reference_seconds": reference_seconds,
+                "reference_spread": reference.spread,
+                "tolerance": args.tolerance,
+                "faults": [asdict(s) for s in summaries],
+            }
+            args.json.write_text(json.dumps(payload, indent=1))
+        return 1 if any(s.failed_runs for s in summaries) else 0
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)

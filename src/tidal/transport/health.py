@@ -1,0 +1,99 @@
+"""A rollout worker's heartbeat in the run's KV bucket (`workers.<id>`), and its back-off after
+refusing a snapshot.
+
+Two different clocks notice a failed worker:
+- its work items: the in-progress acks it sends every ack_wait / 3 are what keeps them its own, so
+  a worker that dies or is stopped loses them after `transport.ack_wait_seconds` (seconds, not a
+  minute) and another worker generates them (JetStream redelivery; nothing is lost);
+- its heartbeat: what the trainer reads to say which worker went silent, and to learn that a
+  worker refused weights, so it can check the snapshot and rewrite it (trainer/repair in roles).
+
+A worker that refused a snapshot waits before trying it again (1 s, doubling to 10 s) instead of
+re-reading and re-hashing it in a tight loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_SECONDS = 1.0
+SILENT_AFTER_SECONDS = 5.0  # no heartbeat for this long: the worker is named as silent
+FIRST_BACKOFF_SECONDS = 1.0
+MAX_BACKOFF_SECONDS = 10.0
+
+
+def refusal_backoff(refusals: int, first: float = FIRST_BACKOFF_SECONDS, cap: float = MAX_BACKOFF_SECONDS) -> float:
+    """Seconds to wait after the `refusals`-th consecutive refusal of one snapshot."""
+    return min(cap, first * 2 ** max(0, refusals - 1))
+
+
+@dataclass
+class WorkerHealth:
+    worker_id: str
+    pid: int = field(default_factory=os.getpid)
+    host: str = field(default_factory=socket.gethostname)
+    version: int | None = None
+    groups_published: int = 0
+    refused_version: int | None = None
+    refused_error: str = ""
+    refusals: int = 0  # consecutive refusals of refused_version
+
+    def refused(self, version: int, error: str) -> float:
+        """Records a refusal; returns how long to back off."""
+        self.refusals = self.refusals + 1 if version == self.refused_version else 1
+        self.refused_version, self.refused_error = version, error
+        return refusal_backoff(self.refusals)
+
+    def loaded(self, version: int) -> None:
+        self.version = version
+        self.refused_version, self.refused_error, self.refusals = None, "", 0
+
+    def record(self, now: float | None = None) -> dict:
+        return {
+            "worker_id": self.worker_id,
+            "pid": self.pid,
+            "host": self.host,
+            "time": time.time() if now is None else now,
+            "version": self.version,
+            "groups_published": self.groups_published,
+            "refused_version": self.refused_version,
+            "refused_error": self.refused_error,
+            "refusals": self.refusals,
+        }
+
+
+async def beat(transport, health: WorkerHealth, every: float = HEARTBEAT_SECONDS) -> None:
+    """Puts the heartbeat every `every` seconds until cancelled; a failed put (NATS restarting) is
+    retried at the next beat: a heartbeat is never worth failing the worker for."""
+    while True:
+        try:
+            await transport.put_worker_health(health.record())
+        except Exception as err:  # noqa: BLE001
+            log.debug("worker %s: heartbeat not sent (%s)", health.worker_id, err)
+        await asyncio.sleep(every)
+
+
+def silent_workers(records: list[dict], now: float, after: float = SILENT_AFTER_SECONDS) -> list[dict]:
+    return [r for r in records if now - r["time"] > after]
+
+
+def describe_workers(records: list[dict], now: float, after: float = SILENT_AFTER_SECONDS) -> str:
+    """One line per worker for an error message: silent for how long, or what it is doing."""
+    if not records:
+        return "no rollout worker has sent a heartbeat"
+    lines = []
+    for r in sorted(records, key=lambda r: r["worker_id"]):
+        age = now - r["time"]
+        state = f"silent for {age:.0f}s" if age > after else f"alive ({age:.1f}s ago)"
+        line = f"worker {r['worker_id']} (pid {r['pid']} on {r['host']}): {state}, holds v{r['version']}, {r['groups_published']} groups published"
+        if r.get("refused_version") is not None:
+            line += f", refused v{r['refused_version']} {r['refusals']}x: {r['refused_error']}"
+        lines.append(line)
+    return "; ".join(lines)

@@ -1,0 +1,52 @@
+"""Worker heartbeats and snapshot-refusal back-off (#15 item 5): the pure parts, and the KV round trip
+on a real nats-server."""
+
+import asyncio
+
+from tidal.config import TransportConfig
+from tidal.transport import Transport
+from tidal.transport.health import WorkerHealth, describe_workers, refusal_backoff, silent_workers
+
+
+def test_the_refusal_backoff_doubles_to_a_cap():
+    assert [refusal_backoff(n) for n in range(1, 7)] == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+def test_refusals_count_per_version_and_a_load_clears_them():
+    health = WorkerHealth("w0")
+    assert health.refused(3, "bad") == 1.0 and health.refused(3, "bad") == 2.0
+    assert health.refused(4, "bad") == 1.0 and health.refusals == 1  # another version starts again
+    health.loaded(4)
+    assert health.record()["refused_version"] is None and health.version == 4
+
+
+def test_a_silent_worker_is_named_with_how_long_and_what_it_held():
+    now = 1000.0
+    alive, dead = WorkerHealth("w0", pid=1, host="h"), WorkerHealth("w1", pid=2, host="h")
+    alive.loaded(3)
+    dead.refused(2, "snapshot x: model.safetensors sha256 … does not match")
+    records = [alive.record(now - 0.5), dead.record(now - 40)]
+    assert [r["worker_id"] for r in silent_workers(records, now)] == ["w1"]
+    text = describe_workers(records, now)
+    assert "worker w0 (pid 1 on h): alive (0.5s ago), holds v3" in text
+    assert "worker w1 (pid 2 on h): silent for 40s, holds vNone, 0 groups published, refused v2 1x: snapshot x" in text
+    assert describe_workers([], now) == "no rollout worker has sent a heartbeat"
+
+
+def test_heartbeats_round_trip_through_the_run_kv_bucket(nats_server):
+    async def scenario():
+        transport = await Transport.connect(nats_server.url, "health", TransportConfig())
+        try:
+            assert await transport.worker_health() == []
+            health = WorkerHealth("worker-0")
+            health.refused(5, "corrupt")
+            await transport.put_worker_health(health.record())
+            await transport.put_worker_health(WorkerHealth("worker-1").record())
+            await transport.put("workers.junk", {"not": "a heartbeat"})  # skipped, not fatal
+            records = sorted(await transport.worker_health(), key=lambda r: r["worker_id"])
+            assert [r["worker_id"] for r in records] == ["worker-0", "worker-1"]
+            assert records[0]["refused_version"] == 5 and records[0]["refusals"] == 1
+        finally:
+            await transport.close()
+
+    asyncio.run(scenario())
