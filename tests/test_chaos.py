@@ -1,0 +1,58 @@
+"""`tidal chaos` (#15 item 9): its accounting, and one real fault run end to end."""
+
+import json
+
+import torch
+
+from tests.conftest import run_cli
+from tidal.chaos import FaultSummary, RunOutcome, format_table, group_accounting, relative_difference, summarize
+
+
+def test_group_accounting_counts_missing_and_repeated_groups():
+    records = [{"iteration": 0, "prompt_id": p} for p in (1, 2, 3)] + [{"iteration": 1, "prompt_id": p} for p in (4, 4, 5)]
+    assert group_accounting(records, iterations=2, prompts_per_iteration=3) == (1, 1)  # iteration 1 lacks one, has 4 twice
+    assert group_accounting(records[:3], iterations=2, prompts_per_iteration=3) == (3, 0)
+
+
+def test_relative_difference_is_against_the_largest_weight_and_refuses_other_shapes():
+    b = {"w": torch.tensor([2.0, -4.0]), "v": torch.tensor([1.0])}
+    a = {"w": torch.tensor([2.0, -4.0]), "v": torch.tensor([1.4])}
+    assert abs(relative_difference(a, b) - 0.1) < 1e-6
+    assert relative_difference({"w": torch.zeros(3), "v": torch.zeros(1)}, b) == float("inf")
+
+
+def outcome(fault, **kw):
+    base = dict(fault=fault, run=0, injected_at=1.0, returncode=0, wall_seconds=30.0, groups_lost=0, groups_twice=0, hang=False, weights_rel_diff=0.0)
+    return RunOutcome(**{**base, **kw})
+
+
+def test_a_run_that_lost_a_group_hung_or_drifted_fails_the_summary():
+    outcomes = [
+        outcome("worker-kill"),
+        outcome("worker-kill", groups_lost=2),
+        outcome("worker-kill", hang=True, returncode=None),
+        outcome("worker-kill", weights_rel_diff=0.5),
+    ]
+    s = summarize("worker-kill", outcomes, reference_seconds=25.0, tolerance=1e-4)
+    assert (s.groups_lost, s.hangs, s.failed_runs, s.weights_match) == (2, 1, 3, 3)
+    assert s.extra_seconds_median == 5.0  # the hung run is not a time
+    table = format_table([s], 25.0, 1e-4, 0.0)
+    assert "worker-kill" in table and "3/4 (worst 5.0e-01)" in table
+
+
+def test_tidal_chaos_kills_a_worker_and_reports_nothing_lost(tmp_path, write_config):
+    config = write_config({"reward.functions": [{"name": "tests.rewards:slow_exact_match"}]})
+    out = tmp_path / "chaos.json"
+    proc = run_cli("chaos", str(config), "--faults", "worker-kill", "--runs", "1", "--iterations", "3", "--json", str(out), timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (fault,) = [FaultSummary(**f) for f in result["faults"]]
+    assert (fault.fault, fault.runs, fault.groups_lost, fault.groups_twice, fault.hangs, fault.failed_runs) == ("worker-kill", 1, 0, 0, 0, 0)
+    assert fault.worst_weights_rel_diff is not None and fault.worst_weights_rel_diff <= 1e-4
+    assert "worker-kill" in proc.stdout and "extra s" in proc.stdout
+    print(proc.stdout)
+
+
+def test_an_unknown_fault_is_named():
+    proc = run_cli("chaos", "examples/arithmetic.yaml", "--faults", "worker-kill,disk-melt")
+    assert proc.returncode == 2 and "unknown fault(s) disk-melt" in proc.stderr
