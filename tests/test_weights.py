@@ -126,3 +126,43 @@ def test_retention_settings_are_validated():
     with pytest.raises(ConfigError, match="stream_max_mb"):
         load_config(None, ["transport.stream_max_mb=8"])  # under 4 x max_payload_mb (8)
     assert load_config(None, ["weights.keep_last=null"]).weights.keep_last is None
+
+
+def test_with_the_run_key_a_planted_snapshot_is_refused_even_with_a_consistent_manifest(tmp_path, monkeypatch):
+    """#15 item 2: the sha256s prove integrity, the HMAC under the run's key proves the run's trainer wrote it."""
+    from tidal.weights import SIGNING_KEY_ENV, sha256_of
+
+    monkeypatch.setenv(SIGNING_KEY_ENV, "run-secret")
+    store = WeightStore(tmp_path)
+    path = store.publish(1, {"a": torch.zeros(10)})
+    assert torch.equal(store.load(1)["a"], torch.zeros(10))  # signed and checked
+    assert "hmac" in json.loads((path / "manifest.json").read_text())
+
+    # an attacker with write access to the store swaps the weights and recomputes the manifest
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.full((10,), 7.0)}, str(path / "model.safetensors"))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["model.safetensors"] = sha256_of(path / "model.safetensors")
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptSnapshotError, match=r"has a signature that does not match with this run's key \(TIDAL_WEIGHTS_KEY\)"):
+        store.load(1)
+    del manifest["hmac"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptSnapshotError, match=r"is not signed with this run's key"):
+        store.load(1)
+    monkeypatch.setenv(SIGNING_KEY_ENV, "another-run")
+    good = store.publish(2, {"a": torch.zeros(10)})
+    monkeypatch.setenv(SIGNING_KEY_ENV, "run-secret")
+    with pytest.raises(CorruptSnapshotError, match="signature that does not match"):
+        store.load(good)
+
+
+def test_the_run_key_is_made_once_private_and_kept(tmp_path):
+    import stat
+
+    from tidal.rundir import run_signing_key
+
+    key = run_signing_key(tmp_path)
+    assert len(key) > 32 and run_signing_key(tmp_path) == key
+    assert stat.S_IMODE((tmp_path / "weights-key").stat().st_mode) == 0o600

@@ -24,11 +24,11 @@ from tidal.model.warm_start import prepare_base_model
 from tidal.plan import apply_plan, cached_profile, wants_plan
 from tidal.preflight import check_before_start
 from tidal.roles import check_prompt_settings, sync_trainer
-from tidal.rundir import RunDirError, RunDirLock, RunInfo, new_nats_token
+from tidal.rundir import RunDirError, RunDirLock, RunInfo, new_nats_token, run_signing_key
 from tidal.runtime import NATS_LOST_EXIT, set_threads, setup_logging, split_cores
 from tidal.tracking import Tracker, start_run, tracking_uri
 from tidal.transport.server import TOKEN_ENV, EmbeddedNats, reachable
-from tidal.weights import WeightStore, version_dir_name
+from tidal.weights import SIGNING_KEY_ENV, WeightStore, version_dir_name
 
 log = logging.getLogger(__name__)
 MAX_WORKER_RESTARTS = 3
@@ -623,6 +623,8 @@ def _run_locked(cfg: TidalConfig, run_dir: Path, show_progress: bool, force_new_
     t_start = time.time()
     setup_logging(run_dir / "logs" / "launcher.log")
     check_saved_config(cfg, run_dir, force_new_config)
+    # every role of the run (children inherit it) signs or checks snapshot manifests with the run's key
+    os.environ[SIGNING_KEY_ENV] = run_signing_key(run_dir)
     check_before_start(cfg)
     if cfg.mode != "sync" and cfg.transport.nats_url and not reachable(cfg.transport.nats_url):
         from tidal.transport import NatsUnavailableError

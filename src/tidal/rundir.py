@@ -67,6 +67,26 @@ def nats_token() -> str:
     return "t" + secrets.token_hex(32)
 
 
+WEIGHTS_KEY_FILE = "weights-key"
+
+
+def run_signing_key(run_dir: Path) -> str:
+    """The run's snapshot-signing key (weights.manifest_signature), in RUN_DIR/weights-key (mode
+    0600), made on the run's first launch and kept: a resume verifies the snapshots written before."""
+    path = Path(run_dir) / WEIGHTS_KEY_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    key = nats_token()
+    tmp = path.with_name(f".{WEIGHTS_KEY_FILE}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, key.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return key
+
+
 def new_nats_token(run_dir: Path) -> str:
     """A fresh random token for this launch's embedded nats-server, in RUN_DIR/nats-token (mode 0600,
     replaced atomically): roles get it through their environment, a user's tool can read it here."""

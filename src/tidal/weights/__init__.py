@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -49,6 +50,21 @@ def retained_versions(versions: list[int], keep_last: int | None, keep_every: in
     if keep_every:
         keep |= {v for v in present if v % keep_every == 0}
     return keep
+
+
+SIGNING_KEY_ENV = "TIDAL_WEIGHTS_KEY"  # the run's secret: `tidal run` sets it from RUN_DIR/weights-key, a cluster from a Secret
+
+
+def signing_key_from_env() -> bytes | None:
+    key = os.environ.get(SIGNING_KEY_ENV, "")
+    return key.encode() if key else None
+
+
+def manifest_signature(manifest: dict, key: bytes) -> str:
+    """HMAC-SHA256 of the manifest (its `hmac` field aside) under the run's key: a snapshot whose
+    manifest is consistent (right sha256s) but not signed with the key was not written by the run's trainer."""
+    body = json.dumps({k: v for k, v in manifest.items() if k != "hmac"}, sort_keys=True).encode()
+    return hmac.new(key, body, hashlib.sha256).hexdigest()
 
 
 def sha256_of(path: Path) -> str:
@@ -131,6 +147,9 @@ class WeightStore:
             "num_tensors": len(tensors),
             "created": time.time(),
         }
+        key = signing_key_from_env()
+        if key:
+            manifest["hmac"] = manifest_signature(manifest, key)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
         return tmp, manifest
 
@@ -215,6 +234,10 @@ def verify_snapshot(path: str | Path) -> dict:
         files = manifest["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise CorruptSnapshotError(f"snapshot {path}: unreadable manifest ({err})") from None
+    key = signing_key_from_env()
+    if key and not hmac.compare_digest(str(manifest.get("hmac", "")), manifest_signature(manifest, key)):
+        what = "is not signed" if "hmac" not in manifest else "has a signature that does not match"
+        raise CorruptSnapshotError(f"snapshot {path}: its manifest {what} with this run's key ({SIGNING_KEY_ENV}): not written by this run's trainer")
     for name, expected in files.items():
         if not (path / name).is_file():
             raise CorruptSnapshotError(f"snapshot {path}: {name} is missing")
