@@ -22,7 +22,18 @@ def test_relative_difference_is_against_the_largest_weight_and_refuses_other_sha
 
 
 def outcome(fault, **kw):
-    base = dict(fault=fault, run=0, injected_at=1.0, returncode=0, wall_seconds=30.0, groups_lost=0, groups_twice=0, hang=False, weights_rel_diff=0.0)
+    base = dict(
+        fault=fault,
+        run=0,
+        injected_at=1.0,
+        returncode=0,
+        wall_seconds=40.0,
+        tail_seconds=30.0,
+        groups_lost=0,
+        groups_twice=0,
+        hang=False,
+        weights_rel_diff=0.0,
+    )
     return RunOutcome(**{**base, **kw})
 
 
@@ -33,7 +44,7 @@ def test_a_run_that_lost_a_group_hung_or_drifted_fails_the_summary():
         outcome("worker-kill", hang=True, returncode=None),
         outcome("worker-kill", weights_rel_diff=0.5),
     ]
-    s = summarize("worker-kill", outcomes, reference_seconds=25.0, tolerance=1e-4)
+    s = summarize("worker-kill", outcomes, reference_tail=25.0, tolerance=1e-4)
     assert (s.groups_lost, s.hangs, s.failed_runs, s.weights_match) == (2, 1, 3, 3)
     assert s.extra_seconds_median == 5.0  # the hung run is not a time
     table = format_table([s], 25.0, 1e-4, 0.0)

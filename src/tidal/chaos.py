@@ -8,7 +8,8 @@ caches, and their difference is the spread to expect):
 - groups trained twice: records beyond one per pair;
 - hang: the run did not end within --hang-seconds;
 - weights: the final snapshot's largest difference, relative to the reference's largest weight;
-- extra seconds: the run's wall time (resume included) minus the reference's.
+- extra seconds: the run's time from its first iteration boundary to its end (a resume included)
+  minus the reference's: start-up, which varies by seconds from run to run, is left out.
 
 Faults: worker-kill (SIGKILL a rollout worker), worker-stop (SIGSTOP, then SIGCONT after
 --stop-seconds), trainer-kill, nats-kill (the embedded nats-server), launcher-kill (SIGKILL `tidal
@@ -45,6 +46,7 @@ class RunOutcome:
     injected_at: float | None  # seconds after the run's first iteration ended; None: the run ended first
     returncode: int | None
     wall_seconds: float
+    tail_seconds: float  # from the first boundary to the end (the fault's cost is in here; start-up noise is not)
     groups_lost: int
     groups_twice: int
     hang: bool
@@ -94,8 +96,9 @@ def relative_difference(a: dict, b: dict) -> float:
     return worst / scale
 
 
-def summarize(fault: str, outcomes: list[RunOutcome], reference_seconds: float, tolerance: float) -> FaultSummary:
-    extras = [o.wall_seconds - reference_seconds for o in outcomes if not o.hang and o.returncode == 0]
+def summarize(fault: str, outcomes: list[RunOutcome], reference_tail: float, tolerance: float) -> FaultSummary:
+    """`reference_tail`: the reference run's seconds from its first boundary to its end."""
+    extras = [o.tail_seconds - reference_tail for o in outcomes if not o.hang and o.returncode == 0]
     diffs = [o.weights_rel_diff for o in outcomes if o.weights_rel_diff is not None]
     return FaultSummary(
         fault=fault,
@@ -113,10 +116,10 @@ def summarize(fault: str, outcomes: list[RunOutcome], reference_seconds: float, 
     )
 
 
-def format_table(summaries: list[FaultSummary], reference_seconds: float, tolerance: float, spread: float) -> str:
+def format_table(summaries: list[FaultSummary], reference_tail: float, tolerance: float, spread: float) -> str:
     head = (
-        f"reference run: {reference_seconds:.1f}s, two uninterrupted runs differ by {spread:.1e}; "
-        f"weights match = largest difference <= {tolerance:g} of the largest weight\n"
+        f"reference run: {reference_tail:.1f}s from its first boundary to its end (extra s are against this), two "
+        f"uninterrupted runs differ by {spread:.1e}; weights match = largest difference <= {tolerance:g} of the largest weight\n"
     )
     rows = [("fault", "runs", "lost", "twice", "hangs", "weights match", "extra s (median / max)", "failed")]
     for s in summaries:
@@ -279,7 +282,8 @@ def run_one(
         time.sleep(0.05)
     first = time.time()
     time.sleep(rng.uniform(0.0, 0.8 * max(0.5, reference.seconds - reference.first_boundary)))
-    injected_at = time.time() - first if proc.poll() is None and inject(fault, proc, run_dir, stop_seconds) else None
+    at = time.time() - first
+    injected_at = at if proc.poll() is None and inject(fault, proc, run_dir, stop_seconds) else None
     returncode = wait_for(proc, deadline)
     error = "" if returncode in (0, None) else (proc.stderr.read() or "").strip()[-500:]
     if fault == "launcher-kill" and injected_at is not None and returncode is not None:
@@ -291,11 +295,11 @@ def run_one(
     hang = returncode is None
     if hang:
         stop_everything(proc, run_dir)
-    wall = time.time() - t0
+    end = time.time()
     lost, twice = group_accounting(read_jsonl(run_dir / "groups.jsonl"), iterations, per_iteration)
     weights = final_weights(run_dir, iterations)
     diff = None if weights is None else relative_difference(weights, reference.weights)
-    return RunOutcome(fault, index, injected_at, returncode, wall, lost, twice, hang, diff, error)
+    return RunOutcome(fault, index, injected_at, returncode, end - t0, end - first, lost, twice, hang, diff, error)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -333,9 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"tidal chaos: two uninterrupted reference runs ({args.iterations} iterations, deterministic) ...", flush=True)
         reference = run_reference(args.config, work, overrides, expected[0], args.hang_seconds or 1800.0)
-        reference_seconds = reference.seconds
+        reference_tail = reference.seconds - reference.first_boundary
         print(f"  reference: {reference.seconds:.1f}s, first boundary at {reference.first_boundary:.1f}s, spread {reference.spread:.1e}", flush=True)
-        hang_seconds = args.hang_seconds or 4 * reference_seconds + 120.0
+        hang_seconds = args.hang_seconds or 4 * reference.seconds + 120.0
         summaries = []
         for fault in args.faults.split(","):
             outcomes = []
@@ -352,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                     hang_seconds,
                     args.stop_seconds,
                 )
-                extra = o.wall_seconds - reference_seconds
+                extra = o.tail_seconds - reference_tail
                 state = "ok" if o.ok(args.tolerance) else "FAILED"
                 at = "not injected (the run ended first)" if o.injected_at is None else f"at +{o.injected_at:.1f}s"
                 print(
@@ -362,12 +366,13 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 outcomes.append(o)
-            summaries.append(summarize(fault, outcomes, reference_seconds, args.tolerance))
-        print(format_table(summaries, reference_seconds, args.tolerance, reference.spread))
+            summaries.append(summarize(fault, outcomes, reference_tail, args.tolerance))
+        print(format_table(summaries, reference_tail, args.tolerance, reference.spread))
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             payload = {
-                "reference_seconds": reference_seconds,
+                "reference_seconds": reference.seconds,
+                "reference_tail_seconds": reference_tail,
                 "reference_spread": reference.spread,
                 "tolerance": args.tolerance,
                 "faults": [asdict(s) for s in summaries],
