@@ -50,3 +50,46 @@ def test_heartbeats_round_trip_through_the_run_kv_bucket(nats_server):
             await transport.close()
 
     asyncio.run(scenario())
+
+
+def test_tail_threads_resolve_only_where_tidal_run_said_whose_cores_are_free(monkeypatch, tiny_config_dict):
+    import copy
+
+    from tidal.config import config_from_dict
+    from tidal.runtime import TAIL_THREADS_ENV, tail_threads
+
+    def cfg(**trainer):
+        data = copy.deepcopy(tiny_config_dict)
+        data["trainer"].update(trainer)
+        return config_from_dict(data)
+
+    monkeypatch.delenv(TAIL_THREADS_ENV, raising=False)
+    assert tail_threads(cfg(), 1) is None  # auto in a pod: unknown
+    monkeypatch.setenv(TAIL_THREADS_ENV, "2")
+    assert tail_threads(cfg(), 1) == 2
+    assert tail_threads(cfg(), 2) is None  # no more than it has
+    assert tail_threads(cfg(tail_threads=None), 1) is None
+    assert tail_threads(cfg(tail_threads=4), 1) == 4
+    bounded = copy.deepcopy(tiny_config_dict) | {"mode": "bounded"}
+    assert tail_threads(config_from_dict(bounded), 1) is None  # bounded workers generate ahead: not idle
+
+
+def test_tail_threads_widen_and_narrow_the_trainers_thread_pool():
+    import torch
+
+    from tidal.trainer.compute import on_compute_thread
+    from tidal.trainer.loop import TailThreads
+
+    async def scenario():
+        threads = TailThreads(1, 2)
+        await on_compute_thread(torch.set_num_threads, 1)
+        await threads.widen()
+        wide = await on_compute_thread(torch.get_num_threads)
+        await threads.narrow()
+        return wide, await on_compute_thread(torch.get_num_threads)
+
+    before = torch.get_num_threads()
+    try:
+        assert asyncio.run(scenario()) == (2, 1)
+    finally:
+        torch.set_num_threads(before)

@@ -189,6 +189,10 @@ class TrainerConfig(_Strict):
     cpu_offload: bool = False  # fsdp2: parameters, gradients and optimizer state on the CPU
     activation_checkpointing: bool = False
     threads: PositiveInt | Literal["auto"] | None = None  # None: an even split of the cores; auto: tidal plan's
+    # periodic mode: once every group of an iteration is in, the workers wait for the next weights, so the
+    # trainer may use their cores for the rest of the iteration. auto: in `tidal run`, its own threads and
+    # its workers' together; a number: that many; None: trainer.threads throughout (e.g. a pod)
+    tail_threads: PositiveInt | Literal["auto"] | None = "auto"
     group_timeout_seconds: float = Field(600.0, gt=0)
     # optimizer steps a run may skip for a non-finite loss or gradient norm (weights kept) before it fails
     max_skipped_steps: int = Field(3, ge=0)
@@ -425,6 +429,7 @@ def flatten(cfg: TidalConfig) -> dict[str, str]:
 NON_TRAINING_KEYS = (
     "trainer.iterations",
     "trainer.threads",
+    "trainer.tail_threads",
     "trainer.group_timeout_seconds",
     "trainer.max_skipped_steps",  # raised to resume a run that failed on it
     "reward.timeout_seconds",

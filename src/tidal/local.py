@@ -25,7 +25,7 @@ from tidal.plan import apply_plan, cached_profile, wants_plan
 from tidal.preflight import check_before_start
 from tidal.roles import check_prompt_settings, sync_trainer
 from tidal.rundir import RunDirError, RunDirLock, RunInfo, new_nats_token, run_signing_key
-from tidal.runtime import NATS_LOST_EXIT, set_threads, setup_logging, split_cores
+from tidal.runtime import NATS_LOST_EXIT, TAIL_THREADS_ENV, set_threads, setup_logging, split_cores
 from tidal.tracking import Tracker, start_run, tracking_uri
 from tidal.transport.server import TOKEN_ENV, EmbeddedNats, reachable
 from tidal.weights import SIGNING_KEY_ENV, WeightStore, version_dir_name
@@ -180,9 +180,20 @@ class RoleProcesses:
         self.trainer: subprocess.Popen | None = None
         self.devices = local_accelerator_env(cfg)
 
+    def tail_threads(self) -> int | None:
+        """trainer.tail_threads for the trainer (per rank): `auto` is its threads and its workers' together."""
+        tail = self.cfg.trainer.tail_threads
+        if self.cfg.mode != "periodic" or tail is None:
+            return None
+        if tail == "auto":
+            tail = self.trainer_threads * self.cfg.trainer.ranks + self.cfg.rollout.workers * self.worker_threads
+        return max(1, tail // self.cfg.trainer.ranks)
+
     def _spawn(self, args: list[str], role: str, threads: int) -> subprocess.Popen:
         """`role` ("trainer" or a worker id) names its log and its device placement."""
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TIDAL_THREADS": str(threads), **self.devices.get(role, {}), **self.env}
+        if role == "trainer" and self.tail_threads():
+            env[TAIL_THREADS_ENV] = str(self.tail_threads())
         cmd = [*self._launcher(role), "tidal.cli", *args, str(self.config_path), "--run-dir", str(self.run_dir), "--nats-url", self.nats_url]
         with (self.logs / f"{role}.log").open("ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, **self.options)

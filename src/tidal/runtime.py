@@ -14,6 +14,19 @@ from tidal.config import TidalConfig
 NATS_LOST_EXIT = 75  # a role's exit code when NATS cannot be reached (EX_TEMPFAIL): the launcher may restart it
 
 
+TAIL_THREADS_ENV = "TIDAL_TAIL_THREADS"  # what `tidal run` resolved trainer.tail_threads to
+
+
+def tail_threads(cfg: TidalConfig, threads: int) -> int | None:
+    """The trainer's threads once its iteration's groups are all in (trainer.tail_threads), when more
+    than `threads`; None otherwise. `auto` means something only where `tidal run` resolved it (the
+    environment): a pod does not know whose cores are free."""
+    if cfg.mode != "periodic" or cfg.trainer.tail_threads is None:
+        return None
+    tail = int(os.environ.get(TAIL_THREADS_ENV, 0)) if cfg.trainer.tail_threads == "auto" else cfg.trainer.tail_threads
+    return tail if tail > threads else None
+
+
 def set_threads(n: int) -> None:
     torch.set_num_threads(max(1, n))
     os.environ["OMP_NUM_THREADS"] = str(max(1, n))

@@ -21,6 +21,7 @@ from tidal.config import TidalConfig
 from tidal.data import Dataset, Problem, iteration_prompt_order
 from tidal.protocol import Group, WorkItem
 from tidal.rundir import RunFiles
+from tidal.runtime import tail_threads
 from tidal.trainer.checkpoint import optimizer_snapshot, resume_version, write_checkpoint
 from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.learner import Learner, merge_updates
@@ -152,6 +153,24 @@ class WorkRelease:
         self.released = max(self.released, version)
 
 
+class TailThreads:
+    """trainer.tail_threads: more intra-op threads from the moment an iteration's last group is in
+    until its weights are published (periodic workers are idle then), back to `base` after."""
+
+    def __init__(self, base: int, tail: int | None):
+        self.base, self.tail, self.wide = base, tail, False
+
+    async def widen(self) -> None:
+        if self.tail and not self.wide:
+            await on_compute_thread(torch.set_num_threads, self.tail)
+            self.wide = True
+
+    async def narrow(self) -> None:
+        if self.wide:
+            await on_compute_thread(torch.set_num_threads, self.base)
+            self.wide = False
+
+
 def publish_weights(store: WeightStore, version: int, learner: Learner) -> None:
     """Every rank gathers (a collective under fsdp2); rank 0 writes the snapshot."""
     state = learner.full_state_dict()
@@ -225,6 +244,7 @@ async def train(
     if store.latest_version() is None or store.latest_version() < start:
         publish_weights(store, start, learner)
     allowed = max_staleness(cfg)
+    threads = TailThreads(torch.get_num_threads(), tail_threads(cfg, torch.get_num_threads()))
     release = WorkRelease(cfg, dataset, end)
     writer = BoundaryWriter(background=learner.ctx.world_size == 1)
     history: list[dict] = []
@@ -266,6 +286,8 @@ async def train(
                 elif verdict:
                     batch.append(group)
             await source.request(replacements)
+            if plan.complete:  # every group is in: periodic workers now wait for v+1, their cores are free
+                await threads.widen()
             train_start = time.time()
             with timer("train"):
                 await on_compute_thread(updates.add, batch)
@@ -278,6 +300,7 @@ async def train(
         with timer("sync"):
             await on_compute_thread(publish_weights, store, v + 1, learner)
             tensors = await on_compute_thread(optimizer_snapshot, learner)
+        await threads.narrow()  # the workers generate v+1 now
         await writer.make_durable(boundary_write(cfg, files, store, learner.ctx, records, tensors, v + 1), lambda v=v: source.commit(v))
         if not pushed:  # pushed: the workers' load time is the push, already counted
             timer.add("sync", max((g.weight_load_seconds for g in groups), default=0.0))
