@@ -176,10 +176,15 @@ def test_the_data_storage_class_is_a_parameter_of_an_overlay_of_ones_own(name, t
 
 
 def test_nats_has_jetstream_on_a_pvc_and_auth_from_the_secret(overlay):
+    """One user per role (tests/test_kube_nats_auth.py runs the rendered config on a real nats-server)."""
     _, objects = overlay
     nats = by_kind(objects, "StatefulSet")["tidal-nats"]
-    conf = by_kind(objects, "ConfigMap")["tidal-nats-config"]["data"]["nats.conf"]
-    assert "jetstream" in conf and "$NATS_PASSWORD" in conf
+    files = by_kind(objects, "ConfigMap")["tidal-nats-config"]["data"]
+    assert "jetstream" in files["nats.conf"] and "include ./auth.conf" in files["nats.conf"]
+    for role in cluster.NATS_ROLES:
+        assert (
+            f"{{user: {cluster.nats_user(role)}, password: ${cluster.NATS_SERVER_SECRET_ENV[cluster.nats_password_key(role)]}," in files["auth.conf"]
+        )
     assert nats["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "jetstream"
     env = {
         e["name"]: e["valueFrom"]["secretKeyRef"]
@@ -187,7 +192,7 @@ def test_nats_has_jetstream_on_a_pvc_and_auth_from_the_secret(overlay):
         if "secretKeyRef" in e.get("valueFrom", {})
     }
     assert {name: (ref["name"], ref["key"]) for name, ref in env.items()} == {
-        env_name: (cluster.NATS_SECRET, key) for key, env_name in cluster.NATS_SECRET_ENV.items()
+        env_name: (cluster.NATS_SECRET, key) for key, env_name in cluster.NATS_SERVER_SECRET_ENV.items()
     }
 
 
@@ -270,7 +275,9 @@ def test_compiled_pipeline_matches_what_the_overlay_promises(overlay, compiled):
         assert optional["MLFLOW_TRACKING_URI"] is False, executor  # no Secret: the pod does not start, and says so
         assert optional["MLFLOW_TRACKING_USERNAME"] is True, executor
         if executor in ("exec-prepare", "exec-open-round", "exec-rollout-worker", "exec-train", "exec-train-2", "exec-evaluate", "exec-finalize"):
-            assert secrets[cluster.NATS_SECRET] == cluster.NATS_SECRET_ENV
+            # the step's role's password (which role: tests/test_kube_nats_auth.py), and the server reads every one
+            ((key, env_name),) = secrets[cluster.NATS_SECRET].items()
+            assert env_name == cluster.NATS_PASSWORD_ENV and key in cluster.NATS_SERVER_SECRET_ENV, executor
             assert cluster.NATS_SECRET in service_secrets
     assert settings["DATA_PVC"] in by_kind(objects, "PersistentVolumeClaim")
 

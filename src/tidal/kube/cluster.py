@@ -19,8 +19,31 @@ RUNS_ROOT = f"{DATA_MOUNT_PATH}/runs"
 
 NATS_URL = "nats://tidal-nats:4222"
 NATS_SECRET = "tidal-nats"
-"""Secret with the NATS client credentials; the NATS server reads the same keys."""
-NATS_SECRET_ENV = {"user": "NATS_USER", "password": "NATS_PASSWORD"}
+"""Secret with one NATS password per role (key ``<role>-password``); the NATS server reads them all."""
+NATS_ROLES = ("control", "trainer", "worker")
+"""Who connects to the cluster's NATS, each as its own user with its own subject permissions (``auth.conf`` in
+manifests/base/nats.yaml): ``control``, the pipeline's bookkeeping steps (prepare, open_round, the trainer job
+launcher, evaluate, finalize): the run's streams, run state and round lease; ``trainer``, trainer rank 0: work
+items, the policy pointer, consuming ROLLOUTS; ``worker``, rollout workers: pulling WORK, publishing groups."""
+NATS_USER_ENV, NATS_PASSWORD_ENV = "NATS_USER", "NATS_PASSWORD"
+"""What a client reads (tidal.transport.credentials_from_env)."""
+
+
+def nats_user(role: str) -> str:
+    """The NATS user of ``role``: ``tidal-<role>``."""
+    if role not in NATS_ROLES:
+        raise ValueError(f"unknown NATS role {role!r}; choose one of: {', '.join(NATS_ROLES)}")
+    return f"tidal-{role}"
+
+
+def nats_password_key(role: str) -> str:
+    """The key of ``role``'s password in Secret ``tidal-nats``."""
+    nats_user(role)
+    return f"{role}-password"
+
+
+NATS_SERVER_SECRET_ENV = {nats_password_key(role): f"NATS_{role.upper()}_PASSWORD" for role in NATS_ROLES}
+"""The NATS server's environment: every role's password, which auth.conf names as ``$NATS_<ROLE>_PASSWORD``."""
 
 MLFLOW_URL = "http://tidal-mlflow:5000"
 MLFLOW_SECRET = "tidal-mlflow"
