@@ -1,6 +1,7 @@
 """kustomize overlays build with the real kubectl, every object validates strictly offline,
 and the compiled pipeline asks for what the overlays provide."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -77,7 +78,7 @@ def test_every_object_is_in_the_namespace_and_labelled(overlay):
     `kubectl apply -k` would put an object without a namespace wherever the caller's context points."""
     _, objects = overlay
     for o in objects:
-        if o["kind"] != "ClusterRole":  # cluster-scoped
+        if o["kind"] not in ("ClusterRole", "ClusterRoleBinding"):  # cluster-scoped
             assert o["metadata"].get("namespace") == "tidal", (o["kind"], o["metadata"]["name"])
         assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tidal", (o["kind"], o["metadata"]["name"])
 
@@ -210,18 +211,62 @@ def test_rbac_allows_trainer_jobs_and_nothing_more(overlay):
     assert cluster_role["rules"] == [{"apiGroups": ["trainer.kubeflow.org"], "resources": ["clustertrainingruntimes"], "verbs": ["get", "list"]}]
     (binding,) = by_kind(objects, "RoleBinding").values()
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name} for name in cluster.PIPELINE_SERVICE_ACCOUNTS]
+    # the cluster-scoped runtimes TrainerClient reads: bound to the same accounts, in this namespace
+    (cluster_binding,) = by_kind(objects, "ClusterRoleBinding").values()
+    assert cluster_binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role["metadata"]["name"]}
+    assert cluster_binding["subjects"] == [{"kind": "ServiceAccount", "name": n, "namespace": "tidal"} for n in cluster.PIPELINE_SERVICE_ACCOUNTS]
+
+
+def bound_accounts(objects) -> dict[str, set]:
+    """Per binding kind: the ``(account, namespace)`` pairs bound (a RoleBinding's subject without one: its own)."""
+    bound = {}
+    for kind in ("RoleBinding", "ClusterRoleBinding"):
+        (binding,) = by_kind(objects, kind).values()
+        own = binding["metadata"].get("namespace")
+        bound[kind] = {(s["name"], s.get("namespace", own)) for s in binding["subjects"]}
+    return bound
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_rbac_subjects_follow_a_namespace_change(name, tmp_path):
-    """`kustomize edit set namespace team-a` on top of an overlay: the binding must still name the accounts
+    """`kustomize edit set namespace team-a` on top of an overlay: both bindings must still name the accounts
     that run pipeline pods *in team-a*. A ServiceAccount subject without a namespace means the
-    RoleBinding's own; one that names a namespace must name the binding's."""
+    RoleBinding's own; the ClusterRoleBinding's name one, which kustomizeconfig.yaml lets the transformer move."""
     objects = kustomize_on_top_of(name, tmp_path, namespace="team-a")
-    (binding,) = by_kind(objects, "RoleBinding").values()
-    assert binding["metadata"]["namespace"] == "team-a"
-    subjects = {(s["name"], s.get("namespace", binding["metadata"]["namespace"])) for s in binding["subjects"]}
-    assert subjects == {(account, "team-a") for account in cluster.PIPELINE_SERVICE_ACCOUNTS}
+    assert by_kind(objects, "RoleBinding")["tidal-pytorchjob-launcher"]["metadata"]["namespace"] == "team-a"
+    assert bound_accounts(objects) == {
+        kind: {(account, "team-a") for account in cluster.PIPELINE_SERVICE_ACCOUNTS} for kind in ("RoleBinding", "ClusterRoleBinding")
+    }
+
+
+def test_without_the_kustomize_configuration_the_cluster_binding_would_stay_behind(tmp_path):
+    """What kustomizeconfig.yaml is for: kustomize's own namespace transformer leaves these subjects in `tidal`."""
+    base = tmp_path / "base"
+    shutil.copytree(ROOT / "manifests" / "base", base)
+    kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
+    del kustomization["configurations"]
+    (base / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "kustomization.yaml").write_text(yaml.safe_dump({"namespace": "team-a", "resources": ["../base"]}))
+    result = subprocess.run([kubectl(), "kustomize", str(tmp_path / "mine")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    objects = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert bound_accounts(objects)["ClusterRoleBinding"] == {(account, "tidal") for account in cluster.PIPELINE_SERVICE_ACCOUNTS}
+
+
+def test_a_second_namespace_on_the_cluster_binds_its_accounts_under_its_own_name(tmp_path):
+    """docs/kubernetes.md, "Several namespaces": the ClusterRoleBinding is cluster-scoped, so team-b's install renames it;
+    otherwise applying it would replace team-a's subjects and team-a's TrainJobs could no longer read the runtime."""
+    patch = [{"op": "replace", "path": "/metadata/name", "value": "tidal-trainjob-runtime-reader-team-b"}]
+    objects = kustomize_on_top_of(
+        "gpu",
+        tmp_path,
+        namespace="team-b",
+        patches=[{"target": {"kind": "ClusterRoleBinding", "name": "tidal-trainjob-runtime-reader"}, "patch": yaml.safe_dump(patch)}],
+    )
+    (name,) = by_kind(objects, "ClusterRoleBinding")
+    assert name == "tidal-trainjob-runtime-reader-team-b"
+    assert bound_accounts(objects)["ClusterRoleBinding"] == {(account, "team-b") for account in cluster.PIPELINE_SERVICE_ACCOUNTS}
 
 
 def test_only_tidal_pods_reach_nats_and_mlflow(overlay):
