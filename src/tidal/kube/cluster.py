@@ -45,12 +45,19 @@ def nats_password_key(role: str) -> str:
 NATS_SERVER_SECRET_ENV = {nats_password_key(role): f"NATS_{role.upper()}_PASSWORD" for role in NATS_ROLES}
 """The NATS server's environment: every role's password, which auth.conf names as ``$NATS_<ROLE>_PASSWORD``."""
 
-MLFLOW_URL = "http://tidal-mlflow:5000"
+MLFLOW_STATIC_PREFIX = "/tidal/mlflow"
+"""The MLflow server's --static-prefix (manifests/base/mlflow.yaml): every route, the REST API included, is under it,
+and components/kubeflow-gateway routes the same prefix of the Kubeflow gateway to it."""
+MLFLOW_URL = f"http://tidal-mlflow:5000{MLFLOW_STATIC_PREFIX}"
+"""The in-cluster tracking URI (the ``tracking-uri`` of Secret tidal-mlflow)."""
 MLFLOW_SECRET = "tidal-mlflow"
 """Secret with the MLflow tracking URI (required: a missing Secret stops the pod from starting, naming it,
 instead of the run falling back to a local store) and optional basic-auth credentials."""
 MLFLOW_SECRET_REQUIRED_ENV = {"tracking-uri": "MLFLOW_TRACKING_URI"}
-MLFLOW_SECRET_OPTIONAL_ENV = {"username": "MLFLOW_TRACKING_USERNAME", "password": "MLFLOW_TRACKING_PASSWORD"}
+MLFLOW_UI_URL_ENV = "TIDAL_MLFLOW_UI_URL"
+"""Where people open the MLflow UI (e.g. https://kubeflow.example.com/tidal/mlflow/), when the ``mlflow_ui_url``
+pipeline parameter is empty: the run's MLflow link then works without every submitter passing it."""
+MLFLOW_SECRET_OPTIONAL_ENV = {"username": "MLFLOW_TRACKING_USERNAME", "password": "MLFLOW_TRACKING_PASSWORD", "ui-url": MLFLOW_UI_URL_ENV}
 MLFLOW_SECRET_ENV = {**MLFLOW_SECRET_REQUIRED_ENV, **MLFLOW_SECRET_OPTIONAL_ENV}
 MLFLOW_STORES_SECRET = "tidal-mlflow-stores"
 """Secret of the MLflow server's Postgres and S3 credentials (manifests/components/mlflow-postgres-s3)."""
