@@ -14,8 +14,9 @@ from urllib.parse import urlparse
 
 import pytest
 import requests
+import yaml
 
-from tests.test_kube_manifests import GATEWAY_OVERLAYS, OVERLAYS, build_overlay, by_kind
+from tests.test_kube_manifests import GATEWAY_OVERLAYS, OVERLAYS, ROOT, build_overlay, by_kind, kustomize_on_top_of
 from tidal.kube import cluster
 from tidal.transport.server import free_port
 
@@ -197,3 +198,16 @@ def test_without_the_gateway_host_mlflow_refuses_the_gateways_requests(tmp_path)
         assert refused.status_code == 403 and "Invalid Host header" in refused.text
     finally:
         server.stop()
+
+
+def test_the_docs_overlay_sets_ones_own_gateway_host(tmp_path):
+    """The overlay docs/kubernetes.md shows under "MLflow through the Kubeflow gateway", built on top of gpu."""
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    section = docs[docs.index("### MLflow through the Kubeflow gateway") :]
+    (block,) = re.findall(r"```yaml\n(.*?)```", section[: section.index("\n### ")], re.S)
+    shown = yaml.safe_load(block)
+    assert shown["resources"] == ["../manifests/overlays/gpu"]
+    objects = kustomize_on_top_of("gpu", tmp_path, patches=shown["patches"])
+    config = by_kind(objects, "ConfigMap")["tidal-mlflow-config"]["data"]
+    assert "kubeflow.mycorp.com" in config["ALLOWED_HOSTS"].split(",") and config["CORS_ALLOWED_ORIGINS"] == "https://kubeflow.mycorp.com"
+    assert config["STATIC_PREFIX"] == cluster.MLFLOW_STATIC_PREFIX  # the rest of the ConfigMap stays
