@@ -22,7 +22,8 @@ from tidal.kube import cluster, core_hooks
 from tidal.kube.pipeline import compile_pipeline
 from tidal.kube.pytorchjob import secret_env
 from tidal.protocol import Group, KVKey, RunState, Sample, WorkItem, decode_group, decode_work_item
-from tidal.transport import NatsPermissionError, NatsUnavailableError, Transport, delete_run, stream_names, weight_handshake
+from tidal.transport import NatsPermissionError, NatsUnavailableError, Transport, delete_run, permission_violations, stream_names, weight_handshake
+from tidal.transport.health import WorkerHealth
 from tidal.transport.server import TOKEN_ENV, free_port, nats_server_binary
 
 RUN = "run-auth"
@@ -211,7 +212,7 @@ def test_each_role_can_do_its_part_of_a_round_on_the_clusters_nats(server, compi
             await m.in_progress()
         await t.publish_group(group(decode_work_item(msgs[0].data).prompt_id))
         await msgs[0].ack()
-        await t.report_worker_error("r000-1", 0, "reward function crashed")
+        await t.put_worker_health(WorkerHealth("r000-1").record())  # its heartbeat
         await t.put(f"{weight_handshake.READY_PREFIX}0", {"version": 0, "offer": "x"})
         await weight_handshake.turn_off(t, "joined late")
         await t.close()
@@ -228,7 +229,12 @@ def test_each_role_can_do_its_part_of_a_round_on_the_clusters_nats(server, compi
         (m,) = await t.fetch(sub, 5, timeout=2.0)
         got = decode_group(m.data)
         await m.ack()
-        assert await t.get(KVKey.worker_error("r000-1")) is not None and (await t.get(KVKey.NCCL))["state"] == "off"
+        assert [r["worker_id"] for r in await t.worker_health()] == ["r000-1"] and (await t.get(KVKey.NCCL))["state"] == "off"
+        described = [await t.describe_work(seq) for seq in (1, 2, 3)]  # naming an item JetStream gave up on (acked ones are gone)
+        assert sum(d.startswith("work item 0/") for d in described) == 2, described
+        await t.on_undeliverable_work(lambda seq: None)  # the max-deliveries advisory
+        await asyncio.sleep(0.3)
+        assert permission_violations(t.nc) == []  # nothing of this was refused, subscriptions included
         await t.close()
         return got.prompt_id
 
@@ -333,8 +339,6 @@ async def _pull_rollouts(t: Transport):
 
 
 def _violations(t: Transport) -> list[str]:
-    from tidal.transport import permission_violations
-
     return permission_violations(t.nc)
 
 
