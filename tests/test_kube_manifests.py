@@ -1,6 +1,7 @@
 """kustomize overlays build with the real kubectl, every object validates strictly offline,
 and the compiled pipeline asks for what the overlays provide."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,15 +45,24 @@ def pod_specs(objects):
             yield o["metadata"]["name"], o["spec"]["template"]["spec"]
 
 
+CUSTOM_RESOURCES = {"networking.istio.io/v1": {"VirtualService"}}
+"""Kinds of a CRD, which kubernetes-validate has no schema for: checked field by field in tests/test_kube_mlflow_gateway.py."""
+
+
+def core_objects(objects):
+    return [o for o in objects if o["kind"] not in CUSTOM_RESOURCES.get(o["apiVersion"], set())]
+
+
 def test_every_object_validates_strictly(overlay):
     _, objects = overlay
-    for obj in objects:
+    for obj in core_objects(objects):
         # SchemaNotFoundError (a kind without a schema) is a failure, not a skip.
         kubernetes_validate.validate(obj, cluster.KUBERNETES_VERSION, strict=True)
 
 
 def test_kubernetes_validate_cli_passes_strictly(overlay, tmp_path):
     name, objects = overlay
+    objects = core_objects(objects)
     built = tmp_path / f"{name}.yaml"
     built.write_text(yaml.safe_dump_all(objects))
     result = subprocess.run(
@@ -77,7 +87,7 @@ def test_every_object_is_in_the_namespace_and_labelled(overlay):
     `kubectl apply -k` would put an object without a namespace wherever the caller's context points."""
     _, objects = overlay
     for o in objects:
-        if o["kind"] != "ClusterRole":  # cluster-scoped
+        if o["kind"] not in ("ClusterRole", "ClusterRoleBinding"):  # cluster-scoped
             assert o["metadata"].get("namespace") == "tidal", (o["kind"], o["metadata"]["name"])
         assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tidal", (o["kind"], o["metadata"]["name"])
 
@@ -176,10 +186,15 @@ def test_the_data_storage_class_is_a_parameter_of_an_overlay_of_ones_own(name, t
 
 
 def test_nats_has_jetstream_on_a_pvc_and_auth_from_the_secret(overlay):
+    """One user per role (tests/test_kube_nats_auth.py runs the rendered config on a real nats-server)."""
     _, objects = overlay
     nats = by_kind(objects, "StatefulSet")["tidal-nats"]
-    conf = by_kind(objects, "ConfigMap")["tidal-nats-config"]["data"]["nats.conf"]
-    assert "jetstream" in conf and "$NATS_PASSWORD" in conf
+    files = by_kind(objects, "ConfigMap")["tidal-nats-config"]["data"]
+    assert "jetstream" in files["nats.conf"] and "include ./auth.conf" in files["nats.conf"]
+    for role in cluster.NATS_ROLES:
+        assert (
+            f"{{user: {cluster.nats_user(role)}, password: ${cluster.NATS_SERVER_SECRET_ENV[cluster.nats_password_key(role)]}," in files["auth.conf"]
+        )
     assert nats["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "jetstream"
     env = {
         e["name"]: e["valueFrom"]["secretKeyRef"]
@@ -187,7 +202,7 @@ def test_nats_has_jetstream_on_a_pvc_and_auth_from_the_secret(overlay):
         if "secretKeyRef" in e.get("valueFrom", {})
     }
     assert {name: (ref["name"], ref["key"]) for name, ref in env.items()} == {
-        env_name: (cluster.NATS_SECRET, key) for key, env_name in cluster.NATS_SECRET_ENV.items()
+        env_name: (cluster.NATS_SECRET, key) for key, env_name in cluster.NATS_SERVER_SECRET_ENV.items()
     }
 
 
@@ -205,27 +220,84 @@ def test_rbac_allows_trainer_jobs_and_nothing_more(overlay):
     assert cluster_role["rules"] == [{"apiGroups": ["trainer.kubeflow.org"], "resources": ["clustertrainingruntimes"], "verbs": ["get", "list"]}]
     (binding,) = by_kind(objects, "RoleBinding").values()
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name} for name in cluster.PIPELINE_SERVICE_ACCOUNTS]
+    # the cluster-scoped runtimes TrainerClient reads: bound to the same accounts, in this namespace
+    (cluster_binding,) = by_kind(objects, "ClusterRoleBinding").values()
+    assert cluster_binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role["metadata"]["name"]}
+    assert cluster_binding["subjects"] == [{"kind": "ServiceAccount", "name": n, "namespace": "tidal"} for n in cluster.PIPELINE_SERVICE_ACCOUNTS]
+
+
+def bound_accounts(objects) -> dict[str, set]:
+    """Per binding kind: the ``(account, namespace)`` pairs bound (a RoleBinding's subject without one: its own)."""
+    bound = {}
+    for kind in ("RoleBinding", "ClusterRoleBinding"):
+        (binding,) = by_kind(objects, kind).values()
+        own = binding["metadata"].get("namespace")
+        bound[kind] = {(s["name"], s.get("namespace", own)) for s in binding["subjects"]}
+    return bound
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_rbac_subjects_follow_a_namespace_change(name, tmp_path):
-    """`kustomize edit set namespace team-a` on top of an overlay: the binding must still name the accounts
+    """`kustomize edit set namespace team-a` on top of an overlay: both bindings must still name the accounts
     that run pipeline pods *in team-a*. A ServiceAccount subject without a namespace means the
-    RoleBinding's own; one that names a namespace must name the binding's."""
+    RoleBinding's own; the ClusterRoleBinding's name one, which kustomizeconfig.yaml lets the transformer move."""
     objects = kustomize_on_top_of(name, tmp_path, namespace="team-a")
-    (binding,) = by_kind(objects, "RoleBinding").values()
-    assert binding["metadata"]["namespace"] == "team-a"
-    subjects = {(s["name"], s.get("namespace", binding["metadata"]["namespace"])) for s in binding["subjects"]}
-    assert subjects == {(account, "team-a") for account in cluster.PIPELINE_SERVICE_ACCOUNTS}
+    assert by_kind(objects, "RoleBinding")["tidal-pytorchjob-launcher"]["metadata"]["namespace"] == "team-a"
+    assert bound_accounts(objects) == {
+        kind: {(account, "team-a") for account in cluster.PIPELINE_SERVICE_ACCOUNTS} for kind in ("RoleBinding", "ClusterRoleBinding")
+    }
+
+
+def test_without_the_kustomize_configuration_the_cluster_binding_would_stay_behind(tmp_path):
+    """What kustomizeconfig.yaml is for: kustomize's own namespace transformer leaves these subjects in `tidal`."""
+    base = tmp_path / "base"
+    shutil.copytree(ROOT / "manifests" / "base", base)
+    kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
+    del kustomization["configurations"]
+    (base / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "kustomization.yaml").write_text(yaml.safe_dump({"namespace": "team-a", "resources": ["../base"]}))
+    result = subprocess.run([kubectl(), "kustomize", str(tmp_path / "mine")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    objects = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert bound_accounts(objects)["ClusterRoleBinding"] == {(account, "tidal") for account in cluster.PIPELINE_SERVICE_ACCOUNTS}
+
+
+def test_a_second_namespace_on_the_cluster_binds_its_accounts_under_its_own_name(tmp_path):
+    """docs/kubernetes.md, "Several namespaces": the ClusterRoleBinding is cluster-scoped, so team-b's install renames it;
+    otherwise applying it would replace team-a's subjects and team-a's TrainJobs could no longer read the runtime."""
+    patch = [{"op": "replace", "path": "/metadata/name", "value": "tidal-trainjob-runtime-reader-team-b"}]
+    objects = kustomize_on_top_of(
+        "gpu",
+        tmp_path,
+        namespace="team-b",
+        patches=[{"target": {"kind": "ClusterRoleBinding", "name": "tidal-trainjob-runtime-reader"}, "patch": yaml.safe_dump(patch)}],
+    )
+    (name,) = by_kind(objects, "ClusterRoleBinding")
+    assert name == "tidal-trainjob-runtime-reader-team-b"
+    assert bound_accounts(objects)["ClusterRoleBinding"] == {(account, "team-b") for account in cluster.PIPELINE_SERVICE_ACCOUNTS}
 
 
 def test_only_tidal_pods_reach_nats_and_mlflow(overlay):
-    _, objects = overlay
+    """And, on the overlays with the Kubeflow gateway, the gateway's pods reach MLflow (its UI), nothing else."""
+    name, objects = overlay
     policies = by_kind(objects, "NetworkPolicy")
+    gateway = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "istio-system"}},
+        "podSelector": {"matchLabels": {"istio": "ingressgateway"}},
+    }
     for service in ("tidal-nats", "tidal-mlflow"):
         (policy,) = [p for p in policies.values() if p["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": service}]
-        (rule,) = policy["spec"]["ingress"]
-        assert rule["from"] == [{"podSelector": {"matchLabels": cluster.TIDAL_POD_LABEL}}]
+        peers = [rule["from"] for rule in policy["spec"]["ingress"]]
+        expected = [[{"podSelector": {"matchLabels": cluster.TIDAL_POD_LABEL}}]]
+        if service == "tidal-mlflow" and name in GATEWAY_OVERLAYS:
+            expected.append([gateway])
+        assert peers == expected, (name, service)
+        assert all(rule["ports"] == [{"port": 4222 if service == "tidal-nats" else 5000, "protocol": "TCP"}] for rule in policy["spec"]["ingress"])
+
+
+GATEWAY_OVERLAYS = {"gpu", "ascend"}
+"""Overlays for clusters with Kubeflow: the MLflow UI through the Kubeflow gateway (components/kubeflow-gateway)."""
 
 
 def platform_settings(objects) -> dict:
@@ -270,7 +342,9 @@ def test_compiled_pipeline_matches_what_the_overlay_promises(overlay, compiled):
         assert optional["MLFLOW_TRACKING_URI"] is False, executor  # no Secret: the pod does not start, and says so
         assert optional["MLFLOW_TRACKING_USERNAME"] is True, executor
         if executor in ("exec-prepare", "exec-open-round", "exec-rollout-worker", "exec-train", "exec-train-2", "exec-evaluate", "exec-finalize"):
-            assert secrets[cluster.NATS_SECRET] == cluster.NATS_SECRET_ENV
+            # the step's role's password (which role: tests/test_kube_nats_auth.py), and the server reads every one
+            ((key, env_name),) = secrets[cluster.NATS_SECRET].items()
+            assert env_name == cluster.NATS_PASSWORD_ENV and key in cluster.NATS_SERVER_SECRET_ENV, executor
             assert cluster.NATS_SECRET in service_secrets
     assert settings["DATA_PVC"] in by_kind(objects, "PersistentVolumeClaim")
 

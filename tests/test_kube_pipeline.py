@@ -562,3 +562,31 @@ def test_the_mlflow_run_links_to_its_kfp_run_and_the_final_metrics_are_the_last_
             roles.state_dir(str(run_dir)) / f"eval-{round_index:03d}.json", {"round": round_index, "metrics": {"accuracy": accuracy}}
         )
     assert roles.final_metrics(str(run_dir), "") == {"final_accuracy": 0.5, "rounds_evaluated": 2.0}
+
+
+@pytest.mark.parametrize(
+    "parameter, secret_ui_url, tracking_uri, expected",
+    [
+        (
+            "",
+            "https://kubeflow.example.com/tidal/mlflow/",
+            "http://tidal-mlflow:5000/tidal/mlflow",
+            "https://kubeflow.example.com/tidal/mlflow/#/experiments/3/runs/abc",
+        ),
+        (
+            "https://ml.example/tidal/mlflow",
+            "https://kubeflow.example.com/tidal/mlflow/",
+            "http://x",
+            "https://ml.example/tidal/mlflow/#/experiments/3/runs/abc",
+        ),
+        ("", "", "http://tidal-mlflow:5000/tidal/mlflow", "http://tidal-mlflow:5000/tidal/mlflow/#/experiments/3/runs/abc"),
+        ("", "", "sqlite:///tmp/m.db", ""),
+    ],
+)
+def test_the_mlflow_link_keeps_the_gateway_prefix_and_comes_from_the_parameter_the_secret_or_the_tracking_uri(
+    parameter, secret_ui_url, tracking_uri, expected, monkeypatch
+):
+    """Behind the Kubeflow gateway the UI is https://<host>/tidal/mlflow/ and its run pages are fragments of that path."""
+    monkeypatch.setenv(cluster.MLFLOW_UI_URL_ENV, secret_ui_url)
+    base = roles.mlflow_ui_base(roles.RunLinks(mlflow_ui_url=parameter), tracking_uri)
+    assert (roles.mlflow_run_url(base, "3", "abc") if base else "") == expected

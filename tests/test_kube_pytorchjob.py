@@ -74,6 +74,9 @@ def test_job_shape_for_nodes_and_accelerators(profile, resource, nodes):
         fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "fieldRef" in e.get("valueFrom", {})}
         assert fields == {"POD_IP": "status.podIP"}  # the NCCL weight transfer's rendezvous address
         assert secrets["NATS_PASSWORD"] == cluster.NATS_SECRET
+        keys = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+        users = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        assert (users["NATS_USER"], keys["NATS_PASSWORD"]) == ("tidal-trainer", "trainer-password")  # the trainer's own NATS user
         assert secrets["MLFLOW_TRACKING_URI"] == cluster.MLFLOW_SECRET
         optional = {e["name"]: e["valueFrom"]["secretKeyRef"].get("optional") for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
         # a missing tidal-mlflow Secret stops the replica from starting, naming the Secret; only basic auth is optional

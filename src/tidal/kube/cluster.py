@@ -19,15 +19,45 @@ RUNS_ROOT = f"{DATA_MOUNT_PATH}/runs"
 
 NATS_URL = "nats://tidal-nats:4222"
 NATS_SECRET = "tidal-nats"
-"""Secret with the NATS client credentials; the NATS server reads the same keys."""
-NATS_SECRET_ENV = {"user": "NATS_USER", "password": "NATS_PASSWORD"}
+"""Secret with one NATS password per role (key ``<role>-password``); the NATS server reads them all."""
+NATS_ROLES = ("control", "trainer", "worker")
+"""Who connects to the cluster's NATS, each as its own user with its own subject permissions (``auth.conf`` in
+manifests/base/nats.yaml): ``control``, the pipeline's bookkeeping steps (prepare, open_round, the trainer job
+launcher, evaluate, finalize): the run's streams, run state and round lease; ``trainer``, trainer rank 0: work
+items, the policy pointer, consuming ROLLOUTS; ``worker``, rollout workers: pulling WORK, publishing groups."""
+NATS_USER_ENV, NATS_PASSWORD_ENV = "NATS_USER", "NATS_PASSWORD"
+"""What a client reads (tidal.transport.credentials_from_env)."""
 
-MLFLOW_URL = "http://tidal-mlflow:5000"
+
+def nats_user(role: str) -> str:
+    """The NATS user of ``role``: ``tidal-<role>``."""
+    if role not in NATS_ROLES:
+        raise ValueError(f"unknown NATS role {role!r}; choose one of: {', '.join(NATS_ROLES)}")
+    return f"tidal-{role}"
+
+
+def nats_password_key(role: str) -> str:
+    """The key of ``role``'s password in Secret ``tidal-nats``."""
+    nats_user(role)
+    return f"{role}-password"
+
+
+NATS_SERVER_SECRET_ENV = {nats_password_key(role): f"NATS_{role.upper()}_PASSWORD" for role in NATS_ROLES}
+"""The NATS server's environment: every role's password, which auth.conf names as ``$NATS_<ROLE>_PASSWORD``."""
+
+MLFLOW_STATIC_PREFIX = "/tidal/mlflow"
+"""The MLflow server's --static-prefix (manifests/base/mlflow.yaml): every route, the REST API included, is under it,
+and components/kubeflow-gateway routes the same prefix of the Kubeflow gateway to it."""
+MLFLOW_URL = f"http://tidal-mlflow:5000{MLFLOW_STATIC_PREFIX}"
+"""The in-cluster tracking URI (the ``tracking-uri`` of Secret tidal-mlflow)."""
 MLFLOW_SECRET = "tidal-mlflow"
 """Secret with the MLflow tracking URI (required: a missing Secret stops the pod from starting, naming it,
 instead of the run falling back to a local store) and optional basic-auth credentials."""
 MLFLOW_SECRET_REQUIRED_ENV = {"tracking-uri": "MLFLOW_TRACKING_URI"}
-MLFLOW_SECRET_OPTIONAL_ENV = {"username": "MLFLOW_TRACKING_USERNAME", "password": "MLFLOW_TRACKING_PASSWORD"}
+MLFLOW_UI_URL_ENV = "TIDAL_MLFLOW_UI_URL"
+"""Where people open the MLflow UI (e.g. https://kubeflow.example.com/tidal/mlflow/), when the ``mlflow_ui_url``
+pipeline parameter is empty: the run's MLflow link then works without every submitter passing it."""
+MLFLOW_SECRET_OPTIONAL_ENV = {"username": "MLFLOW_TRACKING_USERNAME", "password": "MLFLOW_TRACKING_PASSWORD", "ui-url": MLFLOW_UI_URL_ENV}
 MLFLOW_SECRET_ENV = {**MLFLOW_SECRET_REQUIRED_ENV, **MLFLOW_SECRET_OPTIONAL_ENV}
 MLFLOW_STORES_SECRET = "tidal-mlflow-stores"
 """Secret of the MLflow server's Postgres and S3 credentials (manifests/components/mlflow-postgres-s3)."""

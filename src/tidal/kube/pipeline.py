@@ -35,21 +35,31 @@ PIPELINE_NAME = "tidal-grpo"
 DEFAULT_CONFIG_PATH = "/opt/tidal/examples/arithmetic.yaml"
 
 
-def on_cluster(task: dsl.PipelineTask, needs_nats: bool = True, cpu: str = "500m", memory: str = "1Gi") -> dsl.PipelineTask:
+def on_cluster(task: dsl.PipelineTask, nats_role: str | None = "control", cpu: str = "500m", memory: str = "1Gi") -> dsl.PipelineTask:
     """What every step gets on Kubernetes: the data PVC, secrets as env, the NetworkPolicy label,
-    a non-root security context, resource requests, and no caching (steps are stateful)."""
+    a non-root security context, resource requests, and no caching (steps are stateful).
+    ``nats_role``: the NATS user the step logs in as (cluster.NATS_ROLES), None for steps that do not use NATS."""
     task.set_caching_options(False)
     task.set_cpu_request(cpu).set_memory_request(memory).set_memory_limit(memory)
     consume_channels(task, cpu, memory)
     kubernetes.mount_pvc(task, pvc_name=cluster.DATA_PVC, mount_path=cluster.DATA_MOUNT_PATH)
-    if needs_nats:
-        kubernetes.use_secret_as_env(task, secret_name=cluster.NATS_SECRET, secret_key_to_env=cluster.NATS_SECRET_ENV)
+    if nats_role is not None:
+        as_nats_user(task, nats_role)
     # the tracking URI is required (no Secret: the pod does not start, and says why); basic auth is optional
     kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_REQUIRED_ENV)
     kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_OPTIONAL_ENV, optional=True)
     for key, value in cluster.TIDAL_POD_LABEL.items():
         kubernetes.add_pod_label(task, label_key=key, label_value=value)
     kubernetes.set_security_context(task, run_as_user=cluster.RUN_AS_USER, run_as_group=cluster.RUN_AS_GROUP, run_as_non_root=True)
+    return task
+
+
+def as_nats_user(task: dsl.PipelineTask, role: str) -> dsl.PipelineTask:
+    """The step logs in to NATS as ``role``'s user, with that role's password from Secret tidal-nats (required)."""
+    task.set_env_variable(cluster.NATS_USER_ENV, cluster.nats_user(role))
+    kubernetes.use_secret_as_env(
+        task, secret_name=cluster.NATS_SECRET, secret_key_to_env={cluster.nats_password_key(role): cluster.NATS_PASSWORD_ENV}
+    )
     return task
 
 
@@ -163,7 +173,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
                 with dsl.Else(name="trainer-in-step"):
                     # trainer_backend=local trains in this pod: it gets what a trainer replica would get
                     in_step = train(**trainer_args)
-                    on_cluster(in_step, cpu=trainer_cpu, memory=trainer_memory).set_display_name("train")
+                    on_cluster(in_step, nats_role="trainer", cpu=trainer_cpu, memory=trainer_memory).set_display_name("train")
                     on_accelerator(in_step, profile, trainer_accelerators_per_node)
                     in_queue(in_step, queue_name)
                 for task in (launcher, in_step):
@@ -173,9 +183,9 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
                     kubernetes.use_field_path_as_env(task, env_name="TIDAL_POD_UID", field_path="metadata.uid")
             with dsl.Else(name="rollout-lane"):
                 worker = rollout_worker(run_dir=run_dir, config_path=config_path, lane=lane, round_index=round_index)
-                on_cluster(worker, cpu=worker_cpu, memory=worker_memory).set_display_name("rollout-worker")
+                on_cluster(worker, nats_role="worker", cpu=worker_cpu, memory=worker_memory).set_display_name("rollout-worker")
                 in_queue(on_accelerator(worker, profile, worker_accelerators), queue_name).after(opened)
-        synced = retried(on_cluster(weight_sync(run_dir=run_dir, round_index=round_index), needs_nats=False))
+        synced = retried(on_cluster(weight_sync(run_dir=run_dir, round_index=round_index), nats_role=None))
         synced.after(trainer).after(worker)
         evaluation = evaluate(
             run_dir=run_dir, config_path=config_path, weights_path=synced.outputs["weights_path"], round_index=round_index, job_id=job_id
@@ -299,7 +309,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
         )
         loop.set_caching_options(False).set_display_name("training loop")
         registered = register_model(run_dir=prepared.outputs["run_dir"], registered_model_name=registered_model_name)
-        on_cluster(registered, needs_nats=False).after(loop)
+        on_cluster(registered, nats_role=None).after(loop)
 
     @dsl.pipeline(
         name=PIPELINE_NAME,

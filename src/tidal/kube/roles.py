@@ -304,6 +304,14 @@ def mlflow_run_url(ui_url: str, experiment_id: str, run_id: str) -> str:
     return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
+def mlflow_ui_base(links: RunLinks, tracking_uri: str) -> str:
+    """Where people open the MLflow UI: the ``mlflow_ui_url`` parameter, else the ``ui-url`` of Secret tidal-mlflow
+    (e.g. the Kubeflow gateway's https://kubeflow.example.com/tidal/mlflow/), else an http(s) tracking URI (which on
+    a cluster is the in-cluster address, http://tidal-mlflow:5000/tidal/mlflow); empty: no link, the run id only."""
+    ui = links.mlflow_ui_url or os.environ.get(cluster.MLFLOW_UI_URL_ENV, "")
+    return ui or (tracking_uri if tracking_uri.startswith(("http://", "https://")) else "")
+
+
 def mlflow_run_markdown(run_dir: str) -> str:
     """What the KFP run page shows for the MLflow run (KFP has no API to annotate a run once it exists)."""
     state = read_json(state_dir(run_dir) / "pipeline.json")
@@ -336,7 +344,7 @@ def open_parent_run(run_dir: str, config_path: str, job_id: str = "", links: Run
     params = flatten(config)
     for key, value in sorted(params.items()):
         client.log_param(run.info.run_id, key, str(value)[:6000])
-    ui = links.mlflow_ui_url or (uri if uri.startswith(("http://", "https://")) else "")
+    ui = mlflow_ui_base(links, uri)
     url = mlflow_run_url(ui, experiment_id, run.info.run_id) if ui else ""
     write_json_atomically(state_file, {"parent_run_id": run.info.run_id, "tracking_uri": uri, "mlflow_run_url": url})
     return run.info.run_id, uri

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import weakref
 from dataclasses import dataclass
 
 import nats
@@ -75,6 +76,19 @@ class NatsUnavailableError(ConnectionError):
     """NATS cannot be reached, refused this client, or the connection to it was lost for good."""
 
 
+class NatsPermissionError(PermissionError):
+    """The server refused this client's user a publish or subscribe (a "Permissions Violation"): on a
+    cluster each role logs in as its own user, with only the subjects that role needs."""
+
+
+_DENIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per client: the permission violations the server reported, in order (it reports them asynchronously)."""
+
+
+def permission_violations(nc: nats.NATS) -> list[str]:
+    return _DENIED.setdefault(nc, [])
+
+
 def credentials_from_env() -> dict:
     """NATS credentials come from the environment, never from config: the embedded server's per-run
     token (TIDAL_NATS_TOKEN, set by `tidal run`), else a Kubernetes Secret's (NATS_TOKEN, ...)."""
@@ -94,10 +108,17 @@ async def connect_nats(url: str, name: str, credentials: dict) -> nats.NATS:
     """A client that reconnects through a short outage (a restarted nats-server) and logs each
     connection event in one line, not nats-py's tracebacks."""
 
-    async def on_error(err: Exception) -> None:
-        log.warning("NATS %s: %s", url, str(err) or type(err).__name__)
-
     client: list[nats.NATS] = []
+    denied: list[str] = []
+    refused = asyncio.Event()  # the server refused the credentials: retrying them will not help
+
+    async def on_error(err: Exception) -> None:
+        message = str(err) or type(err).__name__
+        if "permissions violation" in message.lower():
+            denied.append(message.removeprefix("nats: "))
+        if isinstance(err, nats.errors.AuthorizationError) or "authorization violation" in message.lower():
+            refused.set()
+        log.warning("NATS %s: %s", url, message)
 
     async def on_disconnected() -> None:
         if client and not client[0].is_closed:  # closed: by us, or the reconnects gave up (the next call raises)
@@ -106,8 +127,8 @@ async def connect_nats(url: str, name: str, credentials: dict) -> nats.NATS:
     async def on_reconnected() -> None:
         log.info("reconnected to NATS at %s", url)
 
-    try:
-        nc = await nats.connect(
+    connecting = asyncio.ensure_future(
+        nats.connect(
             url,
             connect_timeout=5,
             reconnect_time_wait=1,
@@ -118,12 +139,47 @@ async def connect_nats(url: str, name: str, credentials: dict) -> nats.NATS:
             reconnected_cb=on_reconnected,
             **credentials,
         )
+    )
+    waiting = asyncio.ensure_future(refused.wait())
+    try:
+        await asyncio.wait({connecting, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():  # refused: nats-py would try the same credentials max_reconnect_attempts times
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            raise NatsUnavailableError(f"NATS at {url} refused the connection: {_who(credentials)} (Authorization Violation)")
+        nc = connecting.result()
     except nats.errors.NoServersError:
+        if refused.is_set():
+            raise NatsUnavailableError(f"NATS at {url} refused the connection: {_who(credentials)} (Authorization Violation)") from None
         raise NatsUnavailableError(f"cannot reach NATS at {url} (transport.nats_url, or the run's embedded nats-server): is it running?") from None
     except nats.errors.Error as err:
         raise NatsUnavailableError(f"NATS at {url} refused the connection: {err}") from None
+    finally:
+        waiting.cancel()
     client.append(nc)
+    _DENIED[nc] = denied
     return nc
+
+
+def _who(credentials: dict) -> str:
+    if credentials.get("user"):
+        return f"wrong password for user {credentials['user']} (NATS_USER / NATS_PASSWORD)"
+    if credentials.get("token"):
+        return "wrong token (TIDAL_NATS_TOKEN / NATS_TOKEN)"
+    if credentials.get("user_credentials"):
+        return f"credentials file {credentials['user_credentials']} not accepted (NATS_CREDS)"
+    return "it requires credentials and the environment has none (NATS_USER / NATS_PASSWORD, NATS_TOKEN or NATS_CREDS)"
+
+
+def raise_if_denied(nc: nats.NATS, since: int, what: str) -> None:
+    """A NatsPermissionError if the server reported a permission violation to ``nc`` after the first ``since``."""
+    new = permission_violations(nc)[since:]
+    if new:
+        user = getattr(nc, "options", {}).get("user") or "(token or anonymous)"
+        raise NatsPermissionError(
+            f"NATS refused {what} to user {user}: {new[-1]}. Each role logs in as its own user with only the subjects "
+            "that role needs (auth.conf in manifests/base/nats.yaml): check the pod's NATS_USER / NATS_PASSWORD"
+        )
 
 
 STREAM_CONFIG_DIFFERS = 10058
@@ -190,22 +246,41 @@ class Transport:
         nc = await connect_nats(url, f"tidal-{run_id}", credentials_from_env() if credentials is None else credentials)
         js = nc.jetstream()
         names = stream_names(run_id)
-        if create:
-            await cls._ensure_streams(js, names, cfg)
-            kv = await js.create_key_value(bucket=names["kv_bucket"], history=1)
-        else:
-            kv = await cls._wait_for_bucket(js, names["kv_bucket"])
+        try:
+            if create:
+                await cls._ensure_streams(js, names, cfg)
+                kv = await cls._create_bucket(js, names["kv_bucket"])
+            else:
+                kv = await cls._wait_for_bucket(js, names["kv_bucket"])
+        except (*TRANSIENT_ERRORS, TimeoutError) as err:
+            raise_if_denied(nc, 0, "setting up the run's streams and KV bucket" if create else "looking up the run's KV bucket")
+            await nc.close()
+            raise err
         return cls(nc, js, kv, names, cfg)
+
+    @staticmethod
+    async def _create_bucket(js, bucket: str):
+        """The run's KV bucket, with direct gets: reading a key then needs only ``$JS.API.DIRECT.GET``, which
+        the streams (no direct gets) do not answer, so a user that may read the KV cannot read WORK or ROLLOUTS
+        messages by sequence. A bucket created before (without them) is used as it is."""
+        try:
+            return await js.create_key_value(bucket=bucket, history=1, direct=True)
+        except BadRequestError as err:
+            if err.err_code != STREAM_CONFIG_DIFFERS:
+                raise
+            return await js.key_value(bucket)
 
     async def _retrying(self, what: str, request):
         """`await request()` again through a NATS outage (only for idempotent requests): a timeout or
         a missing responder while the server restarts is retried until OUTAGE_SECONDS have passed."""
         loop = asyncio.get_running_loop()
         deadline, delay = loop.time() + OUTAGE_SECONDS, 0.25
+        mark = len(permission_violations(self.nc))
         while True:
             try:
                 return await request()
             except TRANSIENT_ERRORS as err:
+                raise_if_denied(self.nc, mark, what)  # the server dropped it: no reply will come, however long we wait
                 if self.nc.is_closed or loop.time() > deadline:
                     raise
                 log.warning("NATS %s: %s; retrying", what, type(err).__name__)
@@ -275,12 +350,15 @@ class Transport:
     async def rollouts_subscription(self):
         return await self.js.pull_subscribe_bind(TRAINER_CONSUMER, stream=self.names["rollouts_stream"])
 
-    @staticmethod
-    async def fetch(sub, batch: int, timeout: float, linger: float = 0.0) -> list:
+    async def fetch(self, sub, batch: int, timeout: float, linger: float = 0.0) -> list:
         """Up to `batch` messages, waiting at most `timeout` for the first. With `linger`, also those that
         arrive within `linger` of each other behind it: a pull returns as soon as one message is there,
-        and publishers send a batch (an iteration's work items, an engine call's groups) one by one."""
+        and publishers send a batch (an iteration's work items, an engine call's groups) one by one.
+        A pull the server refused (this user may not use that consumer) is a NatsPermissionError, not an empty queue."""
+        mark = len(permission_violations(self.nc))
         msgs = await _fetch_once(sub, batch, timeout)
+        if not msgs:
+            raise_if_denied(self.nc, mark, "pulling messages")
         while linger and msgs and len(msgs) < batch:
             more = await _fetch_once(sub, batch - len(msgs), linger)
             if not more:
