@@ -341,6 +341,8 @@ def test_compiled_pipeline_matches_what_the_overlay_promises(overlay, compiled):
         optional = {k["envVar"]: s.get("optional", False) for s in config["secretAsEnv"] for k in s["keyToEnv"]}
         assert optional["MLFLOW_TRACKING_URI"] is False, executor  # no Secret: the pod does not start, and says so
         assert optional["MLFLOW_TRACKING_USERNAME"] is True, executor
+        # every step signs or checks weight snapshots with the run's key; no Secret: the pod does not start
+        assert secrets[cluster.WEIGHTS_SECRET] == cluster.WEIGHTS_SECRET_ENV and optional["TIDAL_WEIGHTS_KEY"] is False, executor
         if executor in ("exec-prepare", "exec-open-round", "exec-rollout-worker", "exec-train", "exec-train-2", "exec-evaluate", "exec-finalize"):
             # the step's role's password (which role: tests/test_kube_nats_auth.py), and the server reads every one
             ((key, env_name),) = secrets[cluster.NATS_SECRET].items()

@@ -469,7 +469,7 @@ def test_finalize_is_the_exit_handler_of_everything_the_run_does(tmp_path, accel
     assert params["run_dir"] == {"componentInputParameter": "run_dir"}
     assert params["job_id"] == inside["prepare"]["inputs"]["parameters"]["job_id"] == {"runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}}
     k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-finalize"]
-    assert {s["secretName"] for s in k8s["secretAsEnv"]} == {cluster.NATS_SECRET, cluster.MLFLOW_SECRET}
+    assert {s["secretName"] for s in k8s["secretAsEnv"]} == {cluster.NATS_SECRET, cluster.MLFLOW_SECRET, cluster.WEIGHTS_SECRET}
     assert k8s["pvcMount"][0]["mountPath"] == cluster.DATA_MOUNT_PATH
 
 

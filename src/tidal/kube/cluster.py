@@ -45,6 +45,11 @@ def nats_password_key(role: str) -> str:
 NATS_SERVER_SECRET_ENV = {nats_password_key(role): f"NATS_{role.upper()}_PASSWORD" for role in NATS_ROLES}
 """The NATS server's environment: every role's password, which auth.conf names as ``$NATS_<ROLE>_PASSWORD``."""
 
+WEIGHTS_SECRET = "tidal-weights"
+"""Secret whose key ``key`` signs and checks weight-snapshot manifests (tidal.weights.manifest_signature) in
+every pod of a run (required: a missing Secret stops the pod from starting, naming it)."""
+WEIGHTS_SECRET_ENV = {"key": "TIDAL_WEIGHTS_KEY"}  # tidal.weights.SIGNING_KEY_ENV
+
 MLFLOW_STATIC_PREFIX = "/tidal/mlflow"
 """The MLflow server's --static-prefix (manifests/base/mlflow.yaml): every route, the REST API included, is under it,
 and components/kubeflow-gateway routes the same prefix of the Kubeflow gateway to it."""

@@ -45,6 +45,7 @@ def on_cluster(task: dsl.PipelineTask, nats_role: str | None = "control", cpu: s
     kubernetes.mount_pvc(task, pvc_name=cluster.DATA_PVC, mount_path=cluster.DATA_MOUNT_PATH)
     if nats_role is not None:
         as_nats_user(task, nats_role)
+    kubernetes.use_secret_as_env(task, secret_name=cluster.WEIGHTS_SECRET, secret_key_to_env=cluster.WEIGHTS_SECRET_ENV)
     # the tracking URI is required (no Secret: the pod does not start, and says why); basic auth is optional
     kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_REQUIRED_ENV)
     kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_OPTIONAL_ENV, optional=True)
