@@ -24,7 +24,7 @@ from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
 from tidal.rollout.worker import build_group, decode_work, snapshot_path, version_to_generate
 from tidal.transport import Transport, keep_in_progress, weight_handshake
-from tidal.transport.health import WorkerHealth, beat
+from tidal.transport.health import WorkerHealth, beat, report_refusal
 
 log = logging.getLogger(__name__)
 
@@ -94,16 +94,6 @@ class VLLMRolloutWorker:
             log.warning("worker %s: NCCL weight transfer of v%d failed (%s); using the weight store", self.worker_id, version, err)
             return False
 
-    async def _report(self, version: int, error: str) -> None:
-        """A refused snapshot: in the heartbeat at once (the trainer checks and rewrites it), then a back-off."""
-        self.backoff = self.health.refused(version, error)
-        report = log.error if self.health.refusals == 1 else log.warning
-        report(
-            "worker %s refused weights v%d (%d time(s)): %s (keeping v%s; retrying in %.0fs)",
-            *(self.worker_id, version, self.health.refusals, error, self.version, self.backoff),
-        )
-        await self.transport.put_worker_health(self.health.record())
-
     async def sync_weights(self, version: int) -> bool:
         """Loads `version` with nothing in flight. False: refused (corrupt), the previous version stays."""
         assert not self.inflight, "weights change only with nothing in flight"
@@ -114,7 +104,7 @@ class VLLMRolloutWorker:
             source = "from the weight store"
             result = await self.engine.load_snapshot(path)
             if "error" in result:
-                await self._report(version, result["error"])
+                self.backoff = await report_refusal(self.transport, self.health, version, result["error"])
                 if result.get("partial") and self.version is not None:
                     await self.engine.load_snapshot(await self._policy_uri(self.version))
                 return False

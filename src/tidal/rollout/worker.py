@@ -20,7 +20,7 @@ from tidal.protocol import Group, ProtocolError, Sample, WorkItem, decode_work_i
 from tidal.rewards import RewardScorer, exact_match
 from tidal.rollout.engine import Completion, GroupRequest, RolloutEngine, group_generator, group_seed
 from tidal.transport import Transport, keep_in_progress
-from tidal.transport.health import WorkerHealth, beat
+from tidal.transport.health import WorkerHealth, beat, report_refusal
 from tidal.weights import CorruptSnapshotError, load_verified, version_dir_name
 
 log = logging.getLogger(__name__)
@@ -199,20 +199,11 @@ class RolloutWorker:
             state = await asyncio.to_thread(load_verified, path)
             await asyncio.to_thread(self.engine.load_state_dict, state)
         except (CorruptSnapshotError, ValueError) as err:
-            await self._refused(version, str(err))
+            self.backoff = await report_refusal(self.transport, self.health, version, str(err))
             return None
         self.health.loaded(version)
         log.info("worker %s loaded weights v%d in %.3fs", self.worker_id, version, time.time() - t0)
         return time.time() - t0
-
-    async def _refused(self, version: int, error: str) -> None:
-        self.backoff = self.health.refused(version, error)
-        report = log.error if self.health.refusals == 1 else log.warning
-        report(
-            "worker %s refused weights v%d (%d time(s)): %s (keeping v%s; retrying in %.0fs)",
-            *(self.worker_id, version, self.health.refusals, error, self.version, self.backoff),
-        )
-        await self.transport.put_worker_health(self.health.record())
 
     async def _back_off(self, msgs: list) -> None:
         """After a refusal: the items go back to the queue, and this worker waits before trying again."""

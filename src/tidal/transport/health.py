@@ -69,6 +69,19 @@ class WorkerHealth:
         }
 
 
+async def report_refusal(transport, health: WorkerHealth, version: int, error: str) -> float:
+    """A refused snapshot: logged (an error the first time), in the heartbeat at once (the trainer
+    checks and rewrites it); returns how long the worker backs off."""
+    backoff = health.refused(version, error)
+    report = log.error if health.refusals == 1 else log.warning
+    report(
+        "worker %s refused weights v%d (%d time(s)): %s (keeping v%s; retrying in %.0fs)",
+        *(health.worker_id, version, health.refusals, error, health.version, backoff),
+    )
+    await transport.put_worker_health(health.record())
+    return backoff
+
+
 async def beat(transport, health: WorkerHealth, every: float = HEARTBEAT_SECONDS) -> None:
     """Puts the heartbeat every `every` seconds until cancelled; a failed put (NATS restarting) is
     retried at the next beat: a heartbeat is never worth failing the worker for."""
