@@ -219,6 +219,58 @@ def test_periodic_trainer_fails_loudly_on_a_stale_group(tmp_path, tiny_config, n
     asyncio.run(scenario())
 
 
+def test_a_rejected_group_of_an_expected_prompt_is_asked_for_again_and_the_iteration_completes(tmp_path, tiny_config, nats_server):
+    """#15 item 3: a worker's group that fails validation (here a token id outside the vocabulary)
+    is terminated, counted, and its prompt's work item goes out again under a new message id, so
+    the iteration neither hangs nor trains on it. The test plays the worker; NATS, the trainer
+    loop and the learner are real."""
+    import numpy as np
+
+    from tidal.data import load_dataset
+    from tidal.model.warm_start import prepare_base_model
+    from tidal.protocol import Group, Sample, decode_work_item, pack
+    from tidal.roles import build_learner, group_limits
+    from tidal.rundir import RunFiles
+    from tidal.trainer.loop import train
+    from tidal.trainer.sources import QueueSource
+    from tidal.transport import Transport
+    from tidal.weights import WeightStore
+
+    dataset = load_dataset(tiny_config.data, tiny_config.seed)
+    base = prepare_base_model(tiny_config, dataset)
+    learner, _ = build_learner(tiny_config, str(base))
+    store = WeightStore(tmp_path / "w", base)
+    vocab = learner.model.config.vocab_size
+    seen: list[int] = []
+
+    async def play_the_worker(transport: Transport) -> None:
+        sub = await transport.work_subscription()
+        while True:
+            for m in await transport.fetch(sub, 8, timeout=0.5):
+                item = decode_work_item(m.data)
+                seen.append(item.prompt_id)
+                token = vocab + 5 if seen.count(item.prompt_id) == 1 and item.prompt_id == seen[0] else 7
+                sample = Sample(np.array([token], dtype=np.int32), np.array([-0.5], dtype=np.float32), float(len(seen) % 2))
+                group = Group(item.iteration, item.prompt_id, 0, "w", np.array([5, 6], dtype=np.int32), [sample] * 4)
+                await transport.js.publish(transport.names["rollouts_subject"], pack(group))
+                await m.ack()
+
+    async def scenario():
+        transport = await Transport.connect(nats_server.url, "reissue", tiny_config.transport)
+        worker = asyncio.create_task(play_the_worker(transport))
+        try:
+            source = QueueSource(transport, group_limits(tiny_config, learner, transport.max_message_bytes), lambda v: str(store.path(v)))
+            return await asyncio.wait_for(train(tiny_config, learner, source, dataset, store, RunFiles(tmp_path), None, iterations=1), 120)
+        finally:
+            worker.cancel()
+            await transport.close()
+
+    (metrics,) = asyncio.run(scenario())
+    first = seen[0]
+    assert seen.count(first) == 2 and len(seen) == tiny_config.trainer.prompts_per_iteration + 1  # only the rejected one again
+    assert metrics["messages_rejected"] == 1 and metrics["samples"] == tiny_config.trainer.prompts_per_iteration * 4
+
+
 def test_a_killed_rollout_worker_loses_no_group(tmp_path, write_config):
     """SIGKILL a worker mid-iteration: its unacked work is redelivered, the launcher restarts it,
     and every group of every iteration is trained exactly once."""

@@ -238,7 +238,7 @@ def test_train_step_gets_its_pod_name_and_uid_from_the_downward_api(tmp_path):
     assert parameters["trainer_start_timeout_s"]["defaultValue"] == 3600
 
 
-def test_trainer_requests_come_from_pipeline_parameters(pipeline_run):
+def test_trainer_requests_come_from_pipeline_parameters_with_a_stand_in_backend(pipeline_run):
     run_dir, config_path = pipeline_run
     backend = StandInBackend()
     placement = roles.TrainerPlacement(backend="pytorchjob", accelerator="nvidia", namespace="team-a", cpu="30", memory="200Gi")

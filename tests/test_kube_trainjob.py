@@ -163,7 +163,7 @@ def test_a_failed_trainjob_is_deleted_and_its_events_named_with_a_stand_in_train
     assert client.deleted == ["tidal-demo-r003-abcde"]
 
 
-def test_finalize_deletes_each_recorded_job_with_its_own_kind(tmp_path, monkeypatch):
+def test_finalize_deletes_each_recorded_job_with_its_own_kind_with_a_stand_in_job_backend(tmp_path, monkeypatch):
     run_dir = str(tmp_path / "run")
     roles.record_trainer_job(run_dir, "team-a", "tidal-run-r000-aaaaa", 0, "pytorchjob")
     roles.record_trainer_job(run_dir, "team-a", "tidal-run-r001-bbbbb", 1, "trainjob")
@@ -177,7 +177,7 @@ def test_finalize_deletes_each_recorded_job_with_its_own_kind(tmp_path, monkeypa
     assert deleted == [("pytorchjob", "tidal-run-r000-aaaaa"), ("trainjob", "tidal-run-r001-bbbbb")]
 
 
-def test_trainjob_is_a_trainer_backend_and_the_launcher_builds_it_with_the_queue(tmp_path, monkeypatch):
+def test_trainjob_is_a_trainer_backend_and_the_launcher_builds_it_with_the_queue_with_a_stand_in_trainer_client(tmp_path, monkeypatch):
     assert roles.TRAINER_BACKENDS == ("local", "trainjob", "pytorchjob")
     monkeypatch.setattr(roles, "nats_url_of", lambda config_path: "nats://tidal-nats:4222")
     client = StandInTrainerClient()

@@ -318,6 +318,19 @@ def decode_group(data: bytes, limits: GroupLimits = GroupLimits()) -> Group:
     return group_from(unpack(data, limits.max_bytes), limits)
 
 
+def group_key(data: bytes, max_bytes: int | None = None) -> tuple[int, int] | None:
+    """(iteration, prompt id) of a group message that failed validation, if it still says which
+    prompt it answers: that prompt's work goes out again. None when not even that is readable."""
+    try:
+        d = unpack(data, max_bytes)
+    except ProtocolError:
+        return None
+    if not isinstance(d, dict):
+        return None
+    key = d.get("iteration"), d.get("prompt_id")
+    return key if all(isinstance(k, int) and not isinstance(k, bool) for k in key) else None
+
+
 def policy_pointer_from(data: Any) -> PolicyPointer:
     d = _mapping(data, "policy pointer")
     return PolicyPointer(version=_get(d, "version", int, "policy pointer"), uri=_get(d, "uri", str, "policy pointer"))

@@ -63,6 +63,8 @@ class IterationPlan:
     spare: list[Problem]
     replacements_left: int
     received: dict[int, Group] = field(default_factory=dict)
+    problems: dict[int, Problem] = field(default_factory=dict)  # every prompt it may ask for, by id
+    reissued: dict[int, int] = field(default_factory=dict)  # prompt id -> times asked again after a rejected group
     filtered: int = 0
     filtered_reward_errors: int = 0
     discarded: int = 0
@@ -72,7 +74,20 @@ class IterationPlan:
         order = iteration_prompt_order(dataset, cfg.seed, version)
         first = order[: cfg.trainer.prompts_per_iteration]
         plan = cls(version, {p.id for p in first}, list(order[cfg.trainer.prompts_per_iteration :]), replacement_budget(cfg))
+        plan.problems = {p.id: p for p in order}
         return plan, work_items(version, first)
+
+    def reissue(self, iteration: int, prompt_id: int, limit: int) -> tuple[WorkItem, int] | None:
+        """A rejected group answered (iteration, prompt_id): its work item again, with its attempt
+        number, while the prompt is still expected and unanswered, at most `limit` times (a stream of
+        forged groups cannot make the workers generate without end)."""
+        if iteration != self.version or prompt_id not in self.expected or prompt_id in self.received:
+            return None
+        attempt = self.reissued.get(prompt_id, 0) + 1
+        if attempt > limit:
+            return None
+        self.reissued[prompt_id] = attempt
+        return work_items(self.version, [self.problems[prompt_id]])[0], attempt
 
     @property
     def complete(self) -> bool:
@@ -286,6 +301,12 @@ async def train(
                 elif verdict:
                     batch.append(group)
             await source.request(replacements)
+            reissues = [r for key in arrivals.rejected_keys if (r := plan.reissue(*key, limit=cfg.transport.max_deliver))]
+            if reissues:
+                log.warning(
+                    "iteration %d: asking again for %d prompt(s) whose group was rejected: %s", v, len(reissues), [w.prompt_id for w, _ in reissues]
+                )
+                await source.reissue(reissues)
             if plan.complete:  # every group is in: periodic workers now wait for v+1, their cores are free
                 await threads.widen()
             train_start = time.time()

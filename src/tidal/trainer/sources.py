@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tidal.protocol import Group, GroupLimits, ProtocolError, WorkItem, decode_group, pack, unpack
+from tidal.protocol import Group, GroupLimits, ProtocolError, WorkItem, decode_group, group_key, pack, unpack
 from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.distributed import DistContext, broadcast_bytes
 from tidal.transport import Transport, keep_in_progress
@@ -34,6 +34,7 @@ class Arrivals:
     groups: list[Group] = field(default_factory=list)
     rejected: int = 0
     generating_seconds: float = 0.0
+    rejected_keys: list[tuple[int, int]] = field(default_factory=list)  # (iteration, prompt id) of rejected groups, where readable
 
 
 class GroupSource(Protocol):
@@ -42,6 +43,9 @@ class GroupSource(Protocol):
 
     async def request(self, items: list[WorkItem]) -> None:
         """Asks for one group per item."""
+
+    async def reissue(self, items: list[tuple[WorkItem, int]]) -> None:
+        """Asks again for items whose group was rejected; (item, attempt), attempt 1 and up."""
 
     async def receive(self, version: int, wanted: int, timeout: float) -> Arrivals:
         """Groups of iteration `version` as they complete (possibly none within `timeout`)."""
@@ -75,6 +79,9 @@ class InProcessSource:
 
     async def request(self, items: list[WorkItem]) -> None:
         self.pending.extend(items)
+
+    async def reissue(self, items: list[tuple[WorkItem, int]]) -> None:
+        self.pending.extend(item for item, _ in items)
 
     async def receive(self, version: int, wanted: int, timeout: float) -> Arrivals:
         items, self.pending = self.pending, []
@@ -158,6 +165,10 @@ class QueueSource:
         for item in items:
             await self.transport.publish_work(item)
 
+    async def reissue(self, items: list[tuple[WorkItem, int]]) -> None:
+        for item, attempt in items:
+            await self.transport.publish_work(item, attempt)
+
     async def receive(self, version: int, wanted: int, timeout: float) -> Arrivals:
         arrivals = Arrivals(groups=self.early.pop(version, []))
         if arrivals.groups:
@@ -172,6 +183,9 @@ class QueueSource:
             except ProtocolError as err:
                 arrivals.rejected += 1
                 log.error("rejected a message on %s: %s", m.subject, err)
+                key = group_key(m.data, limits.max_bytes)
+                if key is not None:
+                    arrivals.rejected_keys.append(key)
                 await m.term()
                 continue
             if group.iteration > version:
@@ -257,17 +271,27 @@ class BroadcastSource:
         if self.ctx.is_main:
             await self.inner.request(items)
 
+    async def reissue(self, items: list[tuple[WorkItem, int]]) -> None:
+        if self.ctx.is_main:
+            await self.inner.reissue(items)
+
     async def receive(self, version: int, wanted: int, timeout: float) -> Arrivals:
         payload = None
         if self.ctx.is_main:
             arrivals = await self.inner.receive(version, wanted, timeout)
             payload = pack(
-                {"groups": [pack(g) for g in arrivals.groups], "rejected": arrivals.rejected, "generating_seconds": arrivals.generating_seconds}
+                {
+                    "groups": [pack(g) for g in arrivals.groups],
+                    "rejected": arrivals.rejected,
+                    "generating_seconds": arrivals.generating_seconds,
+                    "rejected_keys": [list(k) for k in arrivals.rejected_keys],
+                }
             )
         data = unpack(await asyncio.to_thread(broadcast_bytes, payload, self.ctx))
         if self.ctx.is_main:
             return arrivals
-        return Arrivals([decode_group(g) for g in data["groups"]], data["rejected"], data["generating_seconds"])
+        keys = [tuple(k) for k in data["rejected_keys"]]
+        return Arrivals([decode_group(g) for g in data["groups"]], data["rejected"], data["generating_seconds"], keys)
 
     async def commit(self, version: int) -> None:
         if self.ctx.is_main:

@@ -333,11 +333,14 @@ class Transport:
     def max_message_bytes(self) -> int:
         return min(self.nc.max_payload, self.cfg.max_payload_mb * 1024 * 1024)
 
-    async def publish_work(self, item: WorkItem) -> None:
+    async def publish_work(self, item: WorkItem, attempt: int = 0) -> None:
+        """`attempt` > 0: the item again, after its group was rejected (a message id of its own, or
+        JetStream's de-duplication would drop it)."""
         payload = pack(item)
         self._check_size(payload, f"work item {item.iteration}/{item.prompt_id}")
+        msg_id = item.msg_id if attempt == 0 else f"{item.msg_id}-r{attempt}"
         # de-duplicated by message id: a retry after a lost reply stores it once
-        await self._retrying("publish work", lambda: self.js.publish(self.names["work_subject"], payload, headers={"Nats-Msg-Id": item.msg_id}))
+        await self._retrying("publish work", lambda: self.js.publish(self.names["work_subject"], payload, headers={"Nats-Msg-Id": msg_id}))
 
     async def publish_group(self, group: Group) -> None:
         payload = pack(group)
