@@ -221,3 +221,35 @@ def test_a_token_that_reads_as_a_number_stops_nats_server_so_run_tokens_never_do
         assert good.url.startswith("nats://")
     finally:
         good.stop()
+
+
+def test_a_work_item_jetstream_gives_up_on_fails_the_trainer_naming_it(nats_server):
+    """#15 item 5: a work item refused until transport.max_deliver runs out is dropped by JetStream;
+    the trainer hears the advisory and fails in one line naming the item, instead of waiting for
+    trainer.group_timeout_seconds."""
+    from tidal.protocol import GroupLimits
+    from tidal.trainer.sources import QueueSource, UndeliverableWorkError
+
+    async def scenario():
+        cfg = TransportConfig(ack_wait_seconds=1.0, max_deliver=2)
+        trainer = await Transport.connect(nats_server.url, "undeliverable", cfg)
+        source = QueueSource(trainer, lambda v: GroupLimits(), lambda v: f"/w/v{v}")
+        await source.begin_iteration(0)
+        await source.request([item(3)])
+        worker = await Transport.connect(nats_server.url, "undeliverable", cfg, create=False)
+        sub = await worker.work_subscription()
+        try:
+            for _ in range(cfg.max_deliver):  # a worker that refuses it every time
+                (m,) = await worker.fetch(sub, 1, timeout=5)
+                await m.nak()
+            assert await worker.fetch(sub, 1, timeout=1) == []  # the next pull finds it gone (and makes the server say so)
+            with pytest.raises(
+                UndeliverableWorkError, match=r"work item 0/3 \(WORK stream sequence 1\) was handed to workers transport.max_deliver \(2\) times"
+            ):
+                for _ in range(20):
+                    await source.receive(0, 1, timeout=0.2)
+        finally:
+            await worker.close()
+            await trainer.close()
+
+    asyncio.run(scenario())
