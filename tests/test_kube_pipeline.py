@@ -376,6 +376,18 @@ def test_prepare_refuses_relative_data_paths_in_config_text_and_missing_data_fil
     assert yaml.safe_load(Path(staged).read_text())["data"]["path"] == str(data)
 
 
+def test_prepare_runs_the_checks_tidal_run_runs_before_anything_starts(tmp_path):
+    """#15 item 8 in the pipeline: a bad reward name or data row fails the prepare step in one line naming it."""
+    (tmp_path / "kube").mkdir()
+    with pytest.raises(roles.PipelineStepError, match=r"reward function 'no_such_module:score': cannot import module 'no_such_module'"):
+        roles.stage_config(str(tmp_path), "reward: {functions: [{name: 'no_such_module:score'}]}\n", "", [])
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n{"question": 3}\n')
+    with pytest.raises(roles.PipelineStepError, match=rf"{data}:2"):
+        roles.stage_config(str(tmp_path), f"data: {{task: jsonl, path: {data}}}\n", "", [])
+    assert not (tmp_path / "config.yaml").exists()  # nothing staged
+
+
 # ---------------------------------------------------------------- trainer resources
 
 

@@ -232,6 +232,12 @@ def stage_config(run_dir: str, config_yaml: str, config_path: str, overrides: li
     if missing:
         listed = ", ".join(f"{key}={value}" for key, value in missing.items())
         raise PipelineStepError(f"data files not found in the pipeline's pods: {listed} (put them in the image or on the data volume)")
+    from tidal.preflight import check_before_start
+
+    try:  # what `tidal run` checks before it starts anything: reward names, data rows, prompt lengths
+        check_before_start(config)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        raise PipelineStepError(str(err)) from None
     staged = Path(run_dir) / "config.yaml"
     staged.write_text(dump_config(config))
     return str(staged)
