@@ -54,7 +54,9 @@ def test_a_run_that_lost_a_group_hung_or_drifted_fails_the_summary():
 def test_tidal_chaos_kills_a_worker_and_reports_nothing_lost(tmp_path, write_config):
     config = write_config({"reward.functions": [{"name": "tests.rewards:slow_exact_match"}]})
     out = tmp_path / "chaos.json"
-    proc = run_cli("chaos", str(config), "--faults", "worker-kill", "--runs", "1", "--iterations", "3", "--json", str(out), timeout=1200)
+    proc = run_cli(
+        "chaos", str(config), "--faults", "worker-kill", "--runs", "1", "--iterations", "3", "--references", "1", "--json", str(out), timeout=1200
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     (fault,) = [FaultSummary(**f) for f in result["faults"]]

@@ -254,11 +254,13 @@ def timed_run(config: Path, run_dir: Path, overrides: list[str], hang_seconds: f
     return wall, wall if first is None else first
 
 
-def run_reference(config: Path, work: Path, overrides: list[str], iterations: int, hang_seconds: float) -> Reference:
-    timed_run(config, work / "reference-0", overrides, hang_seconds)
-    seconds, first = timed_run(config, work / "reference-1", overrides, hang_seconds)
-    a, b = final_weights(work / "reference-0", iterations), final_weights(work / "reference-1", iterations)
-    return Reference(b, seconds, first, relative_difference(a, b))
+def run_reference(config: Path, work: Path, overrides: list[str], iterations: int, hang_seconds: float, runs: int = 2) -> Reference:
+    """`runs` uninterrupted runs (1 or 2): the last one's time is the reference; with two, their spread."""
+    for i in range(runs):
+        seconds, first = timed_run(config, work / f"reference-{i}", overrides, hang_seconds)
+    last = final_weights(work / f"reference-{runs - 1}", iterations)
+    spread = relative_difference(final_weights(work / "reference-0", iterations), last) if runs == 2 else 0.0
+    return Reference(last, seconds, first, spread)
 
 
 def run_one(
@@ -314,6 +316,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hang-seconds", type=float, default=None, help="a run not done by then is a hang (default: 4x the reference + 120 s)")
     p.add_argument("--stop-seconds", type=float, default=10.0, help="how long worker-stop keeps the worker stopped (default 10)")
     p.add_argument("--work-dir", type=Path, default=None, help="where the run directories go (default: a temporary folder, removed)")
+    p.add_argument("--references", type=int, choices=(1, 2), default=2, help="uninterrupted reference runs (2: also their spread; default 2)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     unknown = [f for f in args.faults.split(",") if f not in FAULTS]
@@ -335,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     try:
-        print(f"tidal chaos: two uninterrupted reference runs ({args.iterations} iterations, deterministic) ...", flush=True)
-        reference = run_reference(args.config, work, overrides, expected[0], args.hang_seconds or 1800.0)
+        print(f"tidal chaos: {args.references} uninterrupted reference run(s) ({args.iterations} iterations, deterministic) ...", flush=True)
+        reference = run_reference(args.config, work, overrides, expected[0], args.hang_seconds or 1800.0, args.references)
         reference_tail = reference.seconds - reference.first_boundary
         print(f"  reference: {reference.seconds:.1f}s, first boundary at {reference.first_boundary:.1f}s, spread {reference.spread:.1e}", flush=True)
         hang_seconds = args.hang_seconds or 4 * reference.seconds + 120.0
