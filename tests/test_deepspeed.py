@@ -17,6 +17,7 @@ DeepSpeed behaviour `set_gradient_divisor` relies on.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -115,6 +116,10 @@ def test_tidal_owned_keys_pass_through_or_contradict_clearly():
             "trainer.deepspeed.gradient_accumulation_steps is 8 but Tidal sets it to 1 from Tidal streams",
         ),
         ({"deepspeed": {"bf16": {"enabled": True}}}, "trainer.deepspeed.bf16.enabled is True but Tidal sets it to False from trainer.param_dtype"),
+        (
+            {"param_dtype": "bfloat16", "deepspeed": {"bf16": {"check_grad_overflow": False}}},
+            "trainer.deepspeed.bf16.check_grad_overflow is False but Tidal sets it to True from trainer.max_skipped_steps",
+        ),
         ({"deepspeed": {"optimizer": {"type": "Adam"}}}, "trainer.deepspeed.optimizer cannot be set: Tidal builds the optimizer"),
         ({"param_dtype": "float16"}, "float16 is not supported by trainer.strategy 'deepspeed'"),
     ]
@@ -192,6 +197,17 @@ def divisor_contract() -> None:
             check(x1).pow(2).sum().backward()
             worst = max((a - f - p.grad).abs().max().item() for a, f, p in zip(after, final, check.parameters()))
             assert worst < 1e-6, (stage, "at divisor 1 the step did not apply the plain gradient", worst)
+            # a finite loss whose gradient is inf: the engine's step must leave the weights alone and
+            # report a non-finite norm, which is what the learner's guard counts as a skipped step
+            poison = next(model.parameters()).register_hook(lambda g: torch.full_like(g, float("inf")))
+            loss = engine(x1).pow(2).sum()
+            assert torch.isfinite(loss)
+            engine.backward(loss)
+            engine.step()
+            poison.remove()
+            untouched = [deepspeed.utils.safe_get_full_fp32_param(p) for p in model.parameters()]
+            assert all(torch.equal(a, b) for a, b in zip(final, untouched)), (stage, "a step with an inf gradient norm changed the weights")
+            assert not math.isfinite(float(engine.get_global_grad_norm())), (stage, engine.get_global_grad_norm())
     print("contract holds")
 
 

@@ -91,6 +91,8 @@ def _owned_keys(cfg: TrainerConfig, world_size: int | None) -> list[tuple[str, A
         ("gradient_predivide_factor", 1.0, NORMALISATION),
         ("zero_allow_untested_optimizer", True, "trainer.lr/betas/weight_decay (Tidal hands DeepSpeed a torch AdamW)"),
     ]
+    if cfg.param_dtype == "bfloat16":  # without it ZeRO-2 under bf16 would apply a step whose gradient norm is inf or NaN
+        owned.append(("bf16.check_grad_overflow", True, "trainer.max_skipped_steps (a non-finite gradient norm skips the step)"))
     if cfg.reduce_dtype is not None:
         owned.append(("communication_data_type", DS_DTYPES[cfg.reduce_dtype], "trainer.reduce_dtype"))
     if cfg.cpu_offload:
