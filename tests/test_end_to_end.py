@@ -94,6 +94,10 @@ def test_summary_has_every_field_and_staleness_zero(periodic_run):
     assert set(SUMMARY_KEYS) <= set(summary)
     assert summary["mode"] == "periodic" and summary["iterations"] == 3
     assert summary["staleness_max"] == 0
+    # staleness alone cannot see workers running other weights; the log-prob mismatch can (HF engine: ~0)
+    mismatches = [m["logprob_mismatch"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert summary["logprob_mismatch_max"] == max(mismatches) < 1e-3
+    assert f"log-prob mismatch max {summary['logprob_mismatch_max']:.2g}" in proc.stdout
     assert summary["groups_trained"] == 3 * 6
     assert summary["groups_filtered"] == 3 * 2
     assert summary["groups_generated"] == summary["groups_trained"] + summary["groups_filtered"] + summary["groups_discarded"]

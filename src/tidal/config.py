@@ -137,6 +137,9 @@ class RolloutConfig(_Strict):
     # on CPU decode steps cost about the same from ~1k to ~5k tokens, and more beyond (measured: README)
     generation_token_budget: int = Field(4096, gt=0)
     groups_per_batch: int | None = Field(None, gt=0)  # cap on groups a worker pulls at once; None: the token budget decides
+    # periodic/bounded: the first engine call after new weights holds at most this many groups, so the
+    # trainer starts on its first groups sooner; None: as many as the token budget allows
+    first_call_groups: int | None = Field(None, gt=0)
     sync_groups_per_call: int | None = Field(None, gt=0)  # sync mode: cap on groups per engine call
     deterministic: bool = False
     threads: PositiveInt | Literal["auto"] | None = None  # None: an even split of the cores; auto: tidal plan's
@@ -438,6 +441,7 @@ NON_TRAINING_KEYS = (
     "rollout.groups_per_batch",
     "rollout.sync_groups_per_call",
     "rollout.generation_token_budget",
+    "rollout.first_call_groups",
     "rollout.max_inflight_groups",
     "model.warm_start.cache_dir",
     "eval.",

@@ -481,6 +481,10 @@ def summarize(
         "groups_discarded": int(sum(m["groups_discarded"] for m in history)),
         "messages_rejected": int(sum(m.get("messages_rejected", 0) for m in history)),
         "staleness_mean": mean("staleness_mean"),
+        # how far the rollouts' log-probs are from the trainer's own at the version they claim: near 0
+        # for the HF engine; a rise with staleness 0 means the workers ran other weights (or another dtype)
+        "logprob_mismatch_mean": mean("logprob_mismatch"),
+        "logprob_mismatch_max": max((m.get("logprob_mismatch", 0.0) for m in history), default=0.0),
         "groups_filtered": int(sum(m.get("groups_filtered", 0) for m in history)),
         "final_weights": str(final_weights),
         "mlflow_run_id": info.mlflow_run_id,
@@ -523,7 +527,8 @@ def result_table(summary: dict, run_dir: Path, wall: float) -> str:
             f"train {summary['train_seconds_mean']:.2f} | weight-sync {summary['sync_seconds_mean']:.2f} | idle {summary['idle_seconds_mean']:.2f}; "
             f"pipeline efficiency {summary['pipeline_efficiency_mean']:.2f}, generation tail {summary['generation_tail_seconds_mean']:.2f}s",
             f"  groups               generated {summary['groups_generated']}, trained {summary['groups_trained']}, "
-            f"filtered {summary['groups_filtered']}, discarded {summary['groups_discarded']}; staleness max {summary['staleness_max']:.0f}",
+            f"filtered {summary['groups_filtered']}, discarded {summary['groups_discarded']}; staleness max {summary['staleness_max']:.0f}, "
+            f"log-prob mismatch max {summary.get('logprob_mismatch_max', 0.0):.2g}",
             f"  final weights        {summary['final_weights']}",
             f"  MLflow               run {summary['mlflow_run_id']} in {summary['tracking_uri']}",
             f"  summary              {run_dir / 'summary.json'}",

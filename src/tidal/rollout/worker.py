@@ -67,13 +67,23 @@ def build_group(
 
 
 def generation_chunks(
-    prompt_lengths: list[int], group_size: int, max_new_tokens: int, token_budget: int, max_groups: int | None = None
+    prompt_lengths: list[int],
+    group_size: int,
+    max_new_tokens: int,
+    token_budget: int,
+    max_groups: int | None = None,
+    first_groups: int | None = None,
 ) -> list[range]:
     """Consecutive groups per engine call: as many whole groups as fit ``token_budget`` tokens
     (G rows of prompt + max_new_tokens each), at most ``max_groups``, at least one. Evened out, so an
-    iteration's last call is not a small remainder."""
+    iteration's last call is not a small remainder. ``first_groups``: the first call holds only that
+    many, so the trainer gets its first groups sooner (the rest are chunked as before)."""
     if not prompt_lengths:
         return []
+    if first_groups and len(prompt_lengths) > first_groups:
+        head = range(0, first_groups)
+        rest = generation_chunks(prompt_lengths[first_groups:], group_size, max_new_tokens, token_budget, max_groups)
+        return [head, *(range(r.start + first_groups, r.stop + first_groups) for r in rest)]
     per_group = [group_size * (p + max_new_tokens) for p in prompt_lengths]
     cap = max(1, max_groups or len(per_group))
     calls, used, count = 1, 0, 0
@@ -107,12 +117,29 @@ def generate_groups(
     """Generates and scores one group per work item, in engine calls of `generation_chunks`
     (rollout.generation_token_budget). Deterministic mode: one group per engine call, with the
     group's own RNG, so samples depend on (seed, iteration, prompt id) alone."""
+    calls = generate_group_calls(engine, tokenizer, scorer, items, cfg, policy_version, worker_id, max_groups_per_call)
+    return [group for call in calls for group in call]
+
+
+def generate_group_calls(
+    engine: RolloutEngine,
+    tokenizer,
+    scorer: RewardScorer,
+    items: list[WorkItem],
+    cfg: TidalConfig,
+    policy_version: int,
+    worker_id: str,
+    max_groups_per_call: int | None = None,
+    first_call_groups: int | None = None,
+):
+    """`generate_groups`, one engine call at a time: yields each call's groups as soon as they are scored."""
     encode = prompt_encoder(tokenizer, cfg.data)
     prompts = [encode(it.prompt) for it in items]
     r = cfg.rollout
     cap = 1 if r.deterministic else max_groups_per_call
-    groups = []
-    for chunk in generation_chunks([len(p) for p in prompts], r.group_size, r.max_new_tokens, r.generation_token_budget, cap):
+    chunks = generation_chunks([len(p) for p in prompts], r.group_size, r.max_new_tokens, r.generation_token_budget, cap, first_call_groups)
+    for chunk in chunks:
+        groups = []
         batch = [items[i] for i in chunk]
         requests = [
             GroupRequest(
@@ -128,7 +155,7 @@ def generate_groups(
         gen_end = time.time()
         for i, item, completions in zip(chunk, batch, outputs):
             groups.append(build_group(item, prompts[i], completions, tokenizer, scorer, policy_version, worker_id, gen_start, gen_end))
-    return groups
+        yield groups
 
 
 FETCH_LINGER_SECONDS = 0.02  # the trainer publishes an iteration's work items one after another
@@ -245,25 +272,31 @@ class RolloutWorker:
                     await m.ack()
                 continue
             msgs, items = [m for m, _ in pulled], [it for _, it in pulled]
+            held = list(msgs)  # shrinks as groups are published and their items acked
             # held from here on: a long weight load must not let them go to another worker
-            keep_alive = asyncio.create_task(keep_in_progress(msgs, self.cfg.transport.ack_wait_seconds / 3))
+            keep_alive = asyncio.create_task(keep_in_progress(held, self.cfg.transport.ack_wait_seconds / 3))
             try:
-                load_seconds = await self._load_version(version) if self.version != version else 0.0
-                if load_seconds is not None:
-                    idle = time.time() - idle_since - load_seconds
-                    groups = await asyncio.to_thread(
-                        generate_groups, self.engine, self.tokenizer, self.scorer, items, self.cfg, self.version, self.worker_id
-                    )
+                new_version = self.version != version
+                load_seconds = await self._load_version(version) if new_version else 0.0
+                if load_seconds is None:
+                    await self._back_off(msgs)
+                    continue
+                idle = time.time() - idle_since - load_seconds
+                # the first pull of an iteration starts with a small call: the trainer waits on its first groups
+                first = self.cfg.rollout.first_call_groups if new_version else None
+                calls = generate_group_calls(self.engine, self.tokenizer, self.scorer, items, self.cfg, self.version, self.worker_id, None, first)
+                published = 0
+                while (groups := await asyncio.to_thread(next, calls, None)) is not None:
+                    prompt_tokens = max([prompt_tokens, *(len(g.prompt_ids) for g in groups)])
+                    for g in groups:
+                        g.weight_load_seconds = load_seconds if published == 0 else 0.0
+                        g.worker_idle_seconds = idle if published == 0 else 0.0
+                        await self.transport.publish_group(g)
+                        m = msgs[published]
+                        await m.ack()
+                        held.remove(m)
+                        published += 1
+                        self.health.groups_published += 1
             finally:
                 keep_alive.cancel()
-            if load_seconds is None:
-                await self._back_off(msgs)
-                continue
-            prompt_tokens = max([prompt_tokens, *(len(g.prompt_ids) for g in groups)])
-            for i, (m, g) in enumerate(zip(msgs, groups)):
-                g.weight_load_seconds = load_seconds if i == 0 else 0.0
-                g.worker_idle_seconds = idle if i == 0 else 0.0
-                await self.transport.publish_group(g)
-                await m.ack()
-                self.health.groups_published += 1
             idle_since = time.time()

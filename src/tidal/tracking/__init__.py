@@ -17,7 +17,46 @@ def tracking_uri(cfg: TidalConfig, run_dir: str | Path) -> str:
 def _client(uri: str):
     from mlflow.tracking import MlflowClient
 
+    if uri.startswith("sqlite:///"):
+        seed_sqlite_store(Path(uri.removeprefix("sqlite:///")))
     return MlflowClient(tracking_uri=uri)
+
+
+def schema_template_dir() -> Path:
+    return Path(os.environ.get("TIDAL_CACHE") or Path.home() / ".cache" / "tidal") / "mlflow-schema"
+
+
+def seed_sqlite_store(db: Path) -> None:
+    """A new sqlite store starts as a copy of an empty one already migrated by this MLflow version
+    (cached once per machine): MLflow's ~60 schema migrations take ~4 s on every new run otherwise.
+    The template has no Default experiment, so MLflow creates it with this store's artifact root."""
+    if db.exists():
+        return
+    import sqlite3
+
+    import mlflow
+
+    template = schema_template_dir() / f"mlflow-{mlflow.__version__}.db"
+    try:
+        if not template.is_file():
+            from mlflow.tracking import MlflowClient
+
+            template.parent.mkdir(parents=True, exist_ok=True)
+            building = template.with_name(f"{template.name}.{os.getpid()}.tmp")
+            building.unlink(missing_ok=True)
+            MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments()  # migrates it
+            with sqlite3.connect(building) as conn:
+                conn.execute("DELETE FROM experiments WHERE experiment_id = 0")
+            conn.close()
+            os.replace(building, template)
+        db.parent.mkdir(parents=True, exist_ok=True)
+        copying = db.with_name(f"{db.name}.{os.getpid()}.tmp")
+        copying.write_bytes(template.read_bytes())
+        if not db.exists():
+            os.replace(copying, db)
+        copying.unlink(missing_ok=True)
+    except OSError:  # an unwritable cache: MLflow migrates the new store itself
+        return
 
 
 # The UI's experiment type: metric charts and run comparison ("Model training"), not GenAI traces.
@@ -122,8 +161,18 @@ class Tracker:
     """One batched MLflow call per iteration, under the grouped names of `mlflow_metric_name`."""
 
     def __init__(self, uri: str, run_id: str):
-        self.client = _client(uri)
+        from concurrent.futures import ThreadPoolExecutor
+
         self.run_id = run_id
+        # MLflow's import and store set-up take seconds: done beside the role's own start-up, and
+        # waited for at the first call
+        pool = ThreadPoolExecutor(1, thread_name_prefix="mlflow-client")
+        self._client = pool.submit(_client, uri)
+        pool.shutdown(wait=False)
+
+    @property
+    def client(self):
+        return self._client.result()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
