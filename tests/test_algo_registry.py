@@ -43,6 +43,17 @@ def test_builtin_names_are_registered():
     assert ADVANTAGES["grpo"] is tidal.algo.grpo_advantages and POLICY_LOSSES["ppo_clip"] is ppo_clip_token_loss
 
 
+def test_the_configs_list_of_built_in_names_is_what_tidal_algo_registers():
+    """The config accepts these without importing tidal.algo (torch): the two must not drift apart."""
+    from tidal.config import BUILT_IN_ALGORITHMS
+
+    def built_in(registry: dict) -> list[str]:
+        return sorted(name for name, fn in registry.items() if fn.__module__.startswith("tidal.algo."))
+
+    assert sorted(BUILT_IN_ALGORITHMS["advantage"]) == built_in(ADVANTAGES)
+    assert sorted(BUILT_IN_ALGORITHMS["policy_loss"]) == built_in(POLICY_LOSSES)
+
+
 def test_registering_a_taken_name_is_an_error():
     with pytest.raises(ValueError, match="advantage estimator 'grpo' is already registered.*grpo_advantages"):
         register_advantage("grpo")(lambda rewards, *, std_normalize: rewards)

@@ -18,12 +18,8 @@ from tqdm import tqdm
 
 from tidal.config import ConfigError, TidalConfig, dump_config, load_config, training_changes
 from tidal.data import load_dataset
-from tidal.devices import VISIBLE_DEVICES_ENV, accelerator_placement, visible_accelerators, visible_device_ids
-from tidal.evaluate import eval_engine_kind, evaluate_snapshot, open_engine
-from tidal.model.warm_start import prepare_base_model
 from tidal.plan import apply_plan, cached_profile, wants_plan
 from tidal.preflight import check_before_start
-from tidal.roles import check_prompt_settings, sync_trainer
 from tidal.rundir import RunDirError, RunDirLock, RunInfo, new_nats_token, run_signing_key
 from tidal.runtime import NATS_LOST_EXIT, TAIL_THREADS_ENV, set_threads, setup_logging, split_cores
 from tidal.tracking import Tracker, start_run, tracking_uri
@@ -152,6 +148,8 @@ class ProgressBar:
 def local_accelerator_env(cfg: TidalConfig, environ: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
     """Role -> the visible-devices variable that places it (rollout.vllm.placement); {} to share."""
     environ = os.environ if environ is None else environ
+    from tidal.devices import VISIBLE_DEVICES_ENV, accelerator_placement, visible_accelerators, visible_device_ids
+
     visible = visible_accelerators()
     kind = "cuda" if visible["cuda"] else "npu" if visible["npu"] else None
     if kind is None or cfg.rollout.engine != "vllm" or cfg.rollout.vllm.placement == "shared":
@@ -587,6 +585,9 @@ def prepare_run(cfg: TidalConfig, run_dir: Path, show_progress: bool = True) -> 
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
 
+    from tidal.model.warm_start import prepare_base_model
+    from tidal.roles import check_prompt_settings
+
     base = prepare_base_model(cfg, dataset, progress)
     if bar is not None:
         bar.close()
@@ -652,6 +653,9 @@ def _run_locked(cfg: TidalConfig, run_dir: Path, show_progress: bool, force_new_
         print(f"tidal: {run_dir} already finished its {cfg.trainer.iterations} iterations: nothing to do", flush=True)
         print(result_table(done, run_dir, done.get("wall_seconds", 0.0)), flush=True)
         return done
+    from tidal.evaluate import eval_engine_kind, evaluate_snapshot, open_engine
+    from tidal.roles import sync_trainer
+
     set_threads(os.cpu_count() or 1)
     info, dataset, config_path = prepare_run(cfg, run_dir, show_progress)
     if wants_plan(cfg):

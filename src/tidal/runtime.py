@@ -7,8 +7,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 from tidal.config import TidalConfig
 
 NATS_LOST_EXIT = 75  # a role's exit code when NATS cannot be reached (EX_TEMPFAIL): the launcher may restart it
@@ -28,6 +26,8 @@ def tail_threads(cfg: TidalConfig, threads: int) -> int | None:
 
 
 def set_threads(n: int) -> None:
+    import torch  # here, not at the top: a refusal before anything starts should not wait for torch
+
     torch.set_num_threads(max(1, n))
     os.environ["OMP_NUM_THREADS"] = str(max(1, n))
 
@@ -56,6 +56,11 @@ def setup_logging(log_file: str | Path | None = None, level: int = logging.INFO)
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:  # else tidal.model.loading quiets it when it imports it
+        quiet_transformers()
+
+
+def quiet_transformers() -> None:
     try:
         import transformers
 

@@ -10,7 +10,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from tidal.runtime import quiet_transformers
+
 log = logging.getLogger(__name__)
+quiet_transformers()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

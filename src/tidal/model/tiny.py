@@ -5,7 +5,7 @@ from __future__ import annotations
 import string
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast
 
 from tidal.config import TinyModelConfig
 
@@ -22,6 +22,9 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast):
+    # the model classes here, not at the top: the checks before a run only need the tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,

@@ -11,9 +11,10 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import load_file, save_file
+if TYPE_CHECKING:  # torch is imported where tensors are written or read: the launcher's checks do without it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,8 @@ class WeightStore:
             tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
         # one metadata key: safetensors writes the metadata map in hash order, and `repair` needs the
         # same weights to give the same bytes (the version is in the manifest)
+        from safetensors.torch import save_file
+
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         if self.base_model_dir and self.base_model_dir.is_dir():
             for name in SIDE_FILES:
@@ -219,6 +222,8 @@ class WeightStore:
 
 def load_verified(path: str | Path) -> dict[str, torch.Tensor]:
     """Loads a snapshot after verify_snapshot."""
+    from safetensors.torch import load_file
+
     verify_snapshot(path)
     return load_file(str(Path(path) / WEIGHTS_FILE))
 
