@@ -42,3 +42,10 @@ def test_calls_hold_what_the_token_budget_allows_evened_out(n, budget, cap, expe
 def test_the_first_call_holds_first_call_groups_and_the_rest_follow(n, first, expected):
     chunks = generation_chunks([8] * n, 8, 10, 4096, None, first)
     assert sizes(chunks) == expected and covers_in_order(chunks, n)
+
+
+def test_the_first_call_never_exceeds_the_budget_or_the_cap():
+    assert sizes(generation_chunks([8] * 6, 8, 10, 4096, 1, 4)) == [1] * 6  # deterministic mode's one group per call
+    assert sizes(generation_chunks([8] * 6, 8, 10, 4096, 2, 4)) == [2, 2, 2]
+    long_prompts = [200] * 6  # 8 x 210 tokens a group: two fit 4096
+    assert sizes(generation_chunks(long_prompts, 8, 10, 4096, None, 4)) == [2, 2, 2]

@@ -14,6 +14,10 @@ def experiments(db) -> list[tuple]:
         return conn.execute("SELECT experiment_id, name, artifact_location FROM experiments ORDER BY experiment_id").fetchall()
 
 
+def temp_files(folder) -> list:
+    return [p for p in folder.iterdir() if p.suffix == ".tmp"]
+
+
 def test_new_stores_are_copies_of_one_migrated_template_each_with_its_own_default_experiment(tmp_path, monkeypatch):
     monkeypatch.setenv("TIDAL_CACHE", str(tmp_path / "cache"))
     template = schema_template_dir() / f"mlflow-{mlflow.__version__}.db"
@@ -29,14 +33,15 @@ def test_new_stores_are_copies_of_one_migrated_template_each_with_its_own_defaul
     assert [e.name for e in second.search_experiments()] == ["Default"]  # nothing of the first store
     assert experiments(tmp_path / "b" / "mlflow.db")[0][2].startswith((tmp_path / "elsewhere").as_uri().removeprefix("file://"))
     assert [(m.value, m.step) for m in first.get_metric_history(run.info.run_id, "train/loss")] == [(0.5, 3)]
-    assert not list(template.parent.glob("*.tmp")) and not list((tmp_path / "b").glob("*.tmp"))
+    assert not temp_files(template.parent) and not temp_files(tmp_path / "b")
 
 
-def test_an_existing_store_is_left_alone_and_an_unwritable_cache_still_gives_a_store(tmp_path, monkeypatch):
+def test_an_existing_store_is_left_alone_and_an_unwritable_cache_still_gives_a_store(tmp_path, monkeypatch, caplog):
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache folder would be")
     monkeypatch.setenv("TIDAL_CACHE", str(blocker))
     client = _client(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")  # MLflow migrates it itself
+    assert "MLflow migrates the new store itself" in caplog.text
     exp = client.create_experiment("kept")
     again = _client(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
     assert again.get_experiment(exp).name == "kept"

@@ -452,7 +452,7 @@ def summarize(
     cfg: TidalConfig, history: list[dict], before: dict | None, after: dict | None, final_weights: Path, info: RunInfo, extra: dict
 ) -> dict:
     def mean(key: str) -> float:
-        return sum(m[key] for m in history) / len(history) if history else 0.0
+        return sum(m.get(key, 0.0) for m in history) / len(history) if history else 0.0
 
     trained = sum(int(m["samples"]) // cfg.rollout.group_size for m in history)
     filtered = int(sum(m.get("groups_filtered", 0) for m in history))
@@ -665,6 +665,8 @@ def _run_locked(cfg: TidalConfig, run_dir: Path, show_progress: bool, force_new_
     store = WeightStore(run_dir / "weights", info.base_model)
     tracker = Tracker(info.tracking_uri, info.mlflow_run_id)
     # Sync mode on vLLM: one engine in this process serves eval before, every rollout and eval after.
+    if cfg.mode == "sync" and cfg.rollout.engine == "vllm":
+        tracker.client  # noqa: B018 - its set-up thread is done before vLLM starts its processes
     engine = open_engine(cfg, info.base_model, "vllm") if cfg.mode == "sync" and cfg.rollout.engine == "vllm" else None
     eval_engine = engine if eval_engine_kind(cfg) == "vllm" else None
     try:
@@ -690,7 +692,10 @@ def _run_locked(cfg: TidalConfig, run_dir: Path, show_progress: bool, force_new_
         set_threads(os.cpu_count() or 1)
         after = evaluate_snapshot(cfg, info.base_model, eval_set, final, engine=eval_engine) if cfg.eval.enabled else None
     except BaseException as err:
-        tracker.finish("KILLED" if isinstance(err, Stopped) else "FAILED")
+        try:
+            tracker.finish("KILLED" if isinstance(err, Stopped) else "FAILED")
+        except Exception as tracking_err:  # noqa: BLE001 - the run's own error is the one to report
+            log.warning("could not mark the MLflow run ended: %s", tracking_err)
         raise
     finally:
         if engine is not None:

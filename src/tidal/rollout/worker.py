@@ -80,10 +80,11 @@ def generation_chunks(
     many, so the trainer gets its first groups sooner (the rest are chunked as before)."""
     if not prompt_lengths:
         return []
-    if first_groups and len(prompt_lengths) > first_groups:
-        head = range(0, first_groups)
-        rest = generation_chunks(prompt_lengths[first_groups:], group_size, max_new_tokens, token_budget, max_groups)
-        return [head, *(range(r.start + first_groups, r.stop + first_groups) for r in rest)]
+    if first_groups:  # never more than the budget and cap would give the first call anyway
+        head = len(generation_chunks(prompt_lengths, group_size, max_new_tokens, token_budget, max_groups)[0])
+        if head > first_groups:
+            rest = generation_chunks(prompt_lengths[first_groups:], group_size, max_new_tokens, token_budget, max_groups)
+            return [range(0, first_groups), *(range(r.start + first_groups, r.stop + first_groups) for r in rest)]
     per_group = [group_size * (p + max_new_tokens) for p in prompt_lengths]
     cap = max(1, max_groups or len(per_group))
     calls, used, count = 1, 0, 0
@@ -279,6 +280,7 @@ class RolloutWorker:
                 new_version = self.version != version
                 load_seconds = await self._load_version(version) if new_version else 0.0
                 if load_seconds is None:
+                    keep_alive.cancel()  # else its in-progress acks would hold the nak'd items past the back-off
                     await self._back_off(msgs)
                     continue
                 idle = time.time() - idle_since - load_seconds

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
 from pathlib import Path
 
 from tidal.config import TidalConfig, flatten
+
+log = logging.getLogger(__name__)
 
 
 def tracking_uri(cfg: TidalConfig, run_dir: str | Path) -> str:
@@ -29,34 +32,57 @@ def schema_template_dir() -> Path:
 def seed_sqlite_store(db: Path) -> None:
     """A new sqlite store starts as a copy of an empty one already migrated by this MLflow version
     (cached once per machine): MLflow's ~60 schema migrations take ~4 s on every new run otherwise.
-    The template has no Default experiment, so MLflow creates it with this store's artifact root."""
+    The template has no Default experiment, so MLflow creates it with this store's artifact root.
+    Files appear only whole (a temp file, then a link or rename); a store that exists, or that
+    another process creates meanwhile, is never replaced."""
     if db.exists():
         return
-    import sqlite3
-
     import mlflow
 
     template = schema_template_dir() / f"mlflow-{mlflow.__version__}.db"
     try:
         if not template.is_file():
-            from mlflow.tracking import MlflowClient
-
-            template.parent.mkdir(parents=True, exist_ok=True)
-            building = template.with_name(f"{template.name}.{os.getpid()}.tmp")
-            building.unlink(missing_ok=True)
-            MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments()  # migrates it
-            with sqlite3.connect(building) as conn:
-                conn.execute("DELETE FROM experiments WHERE experiment_id = 0")
-            conn.close()
-            os.replace(building, template)
+            _build_template(template)
         db.parent.mkdir(parents=True, exist_ok=True)
-        copying = db.with_name(f"{db.name}.{os.getpid()}.tmp")
-        copying.write_bytes(template.read_bytes())
-        if not db.exists():
-            os.replace(copying, db)
-        copying.unlink(missing_ok=True)
-    except OSError:  # an unwritable cache: MLflow migrates the new store itself
-        return
+        copying = _temp_beside(db)
+        try:
+            copying.write_bytes(template.read_bytes())
+            os.link(copying, db)
+        except FileExistsError:  # another process seeded it first: theirs is the store
+            pass
+        finally:
+            copying.unlink(missing_ok=True)
+    except Exception as err:  # noqa: BLE001 - an unusable cache only costs the migrations
+        log.warning("no migrated MLflow store template (%s): MLflow migrates the new store itself", err)
+
+
+def _temp_beside(path: Path) -> Path:
+    import tempfile
+
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(name)
+
+
+def _build_template(template: Path) -> None:
+    import sqlite3
+
+    from mlflow.tracking import MlflowClient
+
+    template.parent.mkdir(parents=True, exist_ok=True)
+    building = _temp_beside(template)
+    try:
+        building.unlink()  # MLflow creates the database file itself
+        MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments()  # migrates it
+        conn = sqlite3.connect(building)
+        try:
+            with conn:
+                conn.execute("DELETE FROM experiments WHERE experiment_id = 0")
+        finally:
+            conn.close()
+        os.replace(building, template)  # two builders: either whole template will do
+    finally:
+        building.unlink(missing_ok=True)
 
 
 # The UI's experiment type: metric charts and run comparison ("Model training"), not GenAI traces.
