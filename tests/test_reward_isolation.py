@@ -45,6 +45,20 @@ def test_a_user_reward_that_raises_or_returns_a_string_is_an_error_in_its_proces
         s.close()
 
 
+def test_a_prestarted_reward_process_is_running_before_the_first_score_and_serves_it():
+    """A worker starts its user rewards' process beside its model load: the process exists before
+    any call, and the first score uses it instead of starting another."""
+    s = RewardScorer.from_config(RewardConfig(functions=[{"name": "tests.rewards:chatty"}]), prestart=True)
+    try:
+        process = s.process
+        assert process.proc is not None and process.proc.poll() is None and not process.ready and process.started == 1
+        pid = process.proc.pid
+        assert s.score("A: 3", "3") == (0.25, {"tests.rewards:chatty": 0.25})
+        assert process.ready and process.proc.pid == pid and process.started == 1 and s.errors == 0
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize(
     "name, message",
     [

@@ -215,10 +215,11 @@ def rollout_engine(cfg: TidalConfig, base_model: str) -> tuple[object, object, t
 async def worker_role(cfg: TidalConfig, run_dir: Path, nats_url: str, worker_id: str) -> int:
     info = RunInfo.load(run_dir)
     set_threads(split_cores(cfg)[1])
+    scorer = RewardScorer.from_config(cfg.reward, prestart=True)  # user rewards' process starts beside the model load
     engine, tokenizer, worker_class = rollout_engine(cfg, info.base_model)
     try:
         transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=False)
-        worker = worker_class(cfg, engine, tokenizer, transport, worker_id, weights_root=run_dir / "weights")
+        worker = worker_class(cfg, engine, tokenizer, transport, worker_id, weights_root=run_dir / "weights", scorer=scorer)
         try:
             await worker.run()
         finally:

@@ -120,11 +120,14 @@ class RewardScorer:
     process: object = field(default=None, repr=False)  # the user functions' RewardProcess, if any
 
     @classmethod
-    def from_config(cls, cfg: RewardConfig) -> RewardScorer:
+    def from_config(cls, cfg: RewardConfig, prestart: bool = False) -> RewardScorer:
+        """`prestart`: the user functions' process starts now, not at the first score."""
         from tidal.rewards.pool import RewardProcess
 
         user = [f.name for f in cfg.functions if is_user_function(f.name)]
         process = RewardProcess(user, cfg.timeout_seconds) if user else None
+        if process is not None and prestart:
+            process.prestart()
         fns = [(f.name, process.function(f.name) if is_user_function(f.name) else resolve(f.name), f.weight) for f in cfg.functions]
         return cls(fns, process=process)
 

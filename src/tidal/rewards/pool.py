@@ -55,14 +55,28 @@ class RewardProcess:
         self.proc: subprocess.Popen | None = None
         self.reader: LineReader | None = None
         self.started = 0  # processes started so far (a replacement is the second one on)
+        self.ready = False  # the running process has said it imported the functions
         self.lock = threading.Lock()
 
-    def _start(self) -> None:
-        from tidal.rewards import RewardError
+    def prestart(self) -> None:
+        """Starts the process now, without waiting for it: its interpreter and the user's imports
+        then overlap with the caller's own start-up (a worker's model load); the first call waits."""
+        with self.lock:
+            if self.proc is None:
+                self._spawn()
 
+    def _spawn(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "tidal.rewards.host", *self.names], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.reader = LineReader(self.proc.stdout.fileno())
+        self.ready = False
         self.started += 1
+
+    def _start(self) -> None:
+        """Spawns the process unless `prestart` did, and waits for its ready line."""
+        from tidal.rewards import RewardError
+
+        if self.proc is None:
+            self._spawn()
         try:
             first = self.reader.line(time.monotonic() + max(STARTUP_SECONDS, self.timeout))
         except TimeoutError:
@@ -72,6 +86,7 @@ class RewardProcess:
         if "fatal" in reply:
             self.stop()
             raise RewardError(reply["fatal"])
+        self.ready = True
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -80,10 +95,11 @@ class RewardProcess:
             for pipe in (self.proc.stdin, self.proc.stdout):
                 pipe.close()
         self.proc = self.reader = None
+        self.ready = False
 
     def call(self, name: str, completion: str, answer: str) -> float:
         with self.lock:
-            if self.proc is None:
+            if self.proc is None or not self.ready:
                 self._start()
             try:
                 self.proc.stdin.write((json.dumps({"fn": name, "completion": completion, "answer": answer}) + "\n").encode())

@@ -34,7 +34,16 @@ class NcclStuckError(RuntimeError):
 
 
 class VLLMRolloutWorker:
-    def __init__(self, cfg: TidalConfig, engine: VLLMEngine, tokenizer, transport: Transport, worker_id: str, weights_root: Path | None = None):
+    def __init__(
+        self,
+        cfg: TidalConfig,
+        engine: VLLMEngine,
+        tokenizer,
+        transport: Transport,
+        worker_id: str,
+        weights_root: Path | None = None,
+        scorer: RewardScorer | None = None,
+    ):
         self.weights_root = weights_root
         self.cfg = cfg
         self.engine = engine
@@ -42,7 +51,7 @@ class VLLMRolloutWorker:
         self.encode_prompt = prompt_encoder(tokenizer, cfg.data)
         self.transport = transport
         self.worker_id = worker_id
-        self.scorer = RewardScorer.from_config(cfg.reward)
+        self.scorer = scorer or RewardScorer.from_config(cfg.reward)
         self.score_pool = ThreadPoolExecutor(max_workers=1)  # one scorer, one thread: its error count stays exact
         self.health = WorkerHealth(worker_id)
         self.backoff = 0.0

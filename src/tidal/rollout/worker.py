@@ -199,14 +199,23 @@ async def snapshot_path(transport: Transport, version: int, weights_root: Path |
 
 
 class RolloutWorker:
-    def __init__(self, cfg: TidalConfig, engine: RolloutEngine, tokenizer, transport: Transport, worker_id: str, weights_root: Path | None = None):
+    def __init__(
+        self,
+        cfg: TidalConfig,
+        engine: RolloutEngine,
+        tokenizer,
+        transport: Transport,
+        worker_id: str,
+        weights_root: Path | None = None,
+        scorer: RewardScorer | None = None,
+    ):
         self.weights_root = weights_root
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = tokenizer
         self.transport = transport
         self.worker_id = worker_id
-        self.scorer = RewardScorer.from_config(cfg.reward)
+        self.scorer = scorer or RewardScorer.from_config(cfg.reward)
         self.health = WorkerHealth(worker_id)
         self.backoff = 0.0
 
