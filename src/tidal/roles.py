@@ -215,7 +215,9 @@ def rollout_engine(cfg: TidalConfig, base_model: str) -> tuple[object, object, t
 async def worker_role(cfg: TidalConfig, run_dir: Path, nats_url: str, worker_id: str) -> int:
     info = RunInfo.load(run_dir)
     set_threads(split_cores(cfg)[1])
-    scorer = RewardScorer.from_config(cfg.reward, prestart=True)  # user rewards' process starts beside the model load
+    # user rewards' process starts beside the model load; not before vLLM, whose engine processes
+    # would inherit its pipes and keep it alive after this worker dies
+    scorer = RewardScorer.from_config(cfg.reward, prestart=cfg.rollout.engine == "hf")
     engine, tokenizer, worker_class = rollout_engine(cfg, info.base_model)
     try:
         transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=False)
