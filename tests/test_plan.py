@@ -46,6 +46,24 @@ def test_the_busy_processes_share_the_cores_only_while_they_overlap():
     assert 1.0 + 4 * 0.5 < crowded < 2 * 1.0 * 1.5 + 4 * 0.5
 
 
+def test_tail_threads_speed_up_only_the_training_after_the_last_arrival():
+    from tidal.plan import simulate_periodic, tail_thread_count
+
+    # 2 calls of 1.0 s, 0.5 s of training each: the first call's training overlaps the second call,
+    # the second call's runs alone, at twice the speed with the workers' cores
+    assert simulate_periodic(1.0, 0.5, 2, 1, 1, 1, 2, 1.0) == pytest.approx(2.5)
+    assert simulate_periodic(1.0, 0.5, 2, 1, 1, 1, 2, 1.0, tail_speedup=2.0) == pytest.approx(2.25)
+    assert tail_thread_count(Split(1, 1, 1), "auto", cores=4) == 2  # its thread and its worker's
+    assert tail_thread_count(Split(1, 2, 1), 8, cores=4) == 4  # never more than the cores
+    assert tail_thread_count(Split(1, 1, 3), 3, cores=4) is None  # no more than it has
+    assert tail_thread_count(Split(1, 1, 1), None, cores=4) is None
+    plain, tail = predict_periodic(profile(), Split(1, 1, 1)), predict_periodic(profile(), Split(1, 1, 1), "auto")
+    # 1 worker x 1 thread: 4 calls of 0.5 s; trainer 1 thread: 0.4 s per call, each done before the next
+    # arrives; the last one's runs 1.6/1.0 times faster on 2 threads (the worker's idle core)
+    assert plain.iteration_seconds == pytest.approx(2.0 + 0.4 + 0.1)
+    assert tail.iteration_seconds == pytest.approx(2.0 + 0.4 / 1.6 + 0.1)
+
+
 def test_oversubscription_and_contention_slow_both_roles():
     calm = predict_periodic(profile(), Split(1, 2, 2))
     crowded = predict_periodic(profile(), Split(1, 2, 3))  # 5 threads on 4 cores
@@ -105,7 +123,7 @@ def test_apply_plan_replaces_auto_and_keeps_what_the_user_fixed(tiny_config_dict
     assert resolved.trainer.threads == 1 and chosen.split.trainer_threads == 1
     assert isinstance(resolved.rollout.workers, int) and isinstance(resolved.rollout.threads, int)
     allowed = [s for s in candidate_splits(4) if s.trainer_threads == 1]
-    assert chosen.iteration_seconds == min(predict_periodic(profile(), s).iteration_seconds for s in allowed)
+    assert chosen.iteration_seconds == min(predict_periodic(profile(), s, "auto").iteration_seconds for s in allowed)  # tail_threads: auto
     sync, chosen_sync = apply_plan(cfg.model_copy(update={"mode": "sync", "trainer": cfg.trainer.model_copy(update={"threads": "auto"})}), profile())
     assert chosen_sync.split is None and sync.trainer.threads == 3  # the fastest thread count for generate + train
 

@@ -102,14 +102,23 @@ def _at(table: dict[int, float], threads: int) -> float:
 
 
 def simulate_periodic(
-    generate_chunk: float, train_chunk: float, calls: int, workers: int, worker_threads: int, trainer_threads: int, cores: int, contention: float
+    generate_chunk: float,
+    train_chunk: float,
+    calls: int,
+    workers: int,
+    worker_threads: int,
+    trainer_threads: int,
+    cores: int,
+    contention: float,
+    tail_speedup: float = 1.0,
 ) -> float:
     """Seconds from the start of an iteration until its last group is trained: `calls` engine calls
     (each `generate_chunk` seconds of one engine alone) shared round-robin by the workers, each call's
     groups trained (`train_chunk` seconds alone) in arrival order by one trainer. The busy processes
     share the cores (fewer threads than cores: full speed; more: cores / threads each) and slow each
     other by `contention` while more than one is busy. An event simulation, so the head (only the
-    workers busy) and the tail (only the trainer) run at full speed."""
+    workers busy) and the tail (only the trainer) run at full speed; in the tail the trainer runs
+    `tail_speedup` times faster (trainer.tail_threads: it takes the idle workers' cores)."""
     queues = [list(range(w, calls, workers)) for w in range(workers)]
     left = {("gen", w): generate_chunk for w in range(workers) if queues[w]}  # busy jobs -> seconds of work left
     arrived, trained, now = 0, 0, 0.0
@@ -118,6 +127,8 @@ def simulate_periodic(
             left[("train", 0)] = train_chunk
         threads = sum(trainer_threads if kind == "train" else worker_threads for kind, _ in left)
         speed = min(1.0, cores / threads) / (contention if len(left) > 1 else 1.0)
+        if arrived == calls:  # every group is in: the workers wait for the next weights
+            speed *= tail_speedup
         job = min(left, key=left.get)
         step = left[job]
         now += step / speed
@@ -135,12 +146,33 @@ def simulate_periodic(
     return now
 
 
-def predict_periodic(profile: Profile, split: Split) -> Prediction:
+def tail_thread_count(split: Split, tail_threads: int | str | None, cores: int) -> int | None:
+    """What trainer.tail_threads gives the trainer once an iteration's groups are all in (as `tidal run`
+    resolves it: `auto` is its threads and its workers' together), at most the cores; None for no change."""
+    if tail_threads is None:
+        return None
+    tail = split.threads if tail_threads == "auto" else int(tail_threads)
+    tail = min(tail, cores)
+    return tail if tail > split.trainer_threads else None
+
+
+def predict_periodic(profile: Profile, split: Split, tail_threads: int | str | None = None) -> Prediction:
+    """`tail_threads`: trainer.tail_threads (None: the trainer keeps its threads to the end)."""
     gen_alone = _at(profile.generate_seconds, split.worker_threads)
     train_alone = _at(profile.train_seconds, split.trainer_threads)
     calls = max(profile.calls, split.workers)
+    tail = tail_thread_count(split, tail_threads, profile.cores)
+    tail_speedup = train_alone / _at(profile.train_seconds, tail) if tail else 1.0
     busy = simulate_periodic(
-        gen_alone / calls, train_alone / calls, calls, split.workers, split.worker_threads, split.trainer_threads, profile.cores, profile.contention
+        gen_alone / calls,
+        train_alone / calls,
+        calls,
+        split.workers,
+        split.worker_threads,
+        split.trainer_threads,
+        profile.cores,
+        profile.contention,
+        tail_speedup,
     )
     slow = profile.contention * max(1.0, split.threads / profile.cores)  # the phases' spans while both roles are busy
     generate, train = gen_alone / split.workers * slow, train_alone * slow
@@ -175,7 +207,9 @@ def calibration(profile: Profile, run_dir: Path) -> tuple[float, Split | None, f
         raise SystemExit(f"tidal plan: --from-run {run_dir}: needs at least 4 iterations in metrics.jsonl, found {len(lines)}")
     measured = statistics.median(b["wall_time"] - a["wall_time"] for a, b in zip(lines[2:], lines[3:]))
     split = run_split(cfg, profile.cores)
-    predicted = predict_sync(profile, cfg.trainer.threads or profile.cores) if split is None else predict_periodic(profile, split)
+    predicted = (
+        predict_sync(profile, cfg.trainer.threads or profile.cores) if split is None else predict_periodic(profile, split, cfg.trainer.tail_threads)
+    )
     return measured / predicted.iteration_seconds, split, measured
 
 
@@ -193,8 +227,9 @@ def candidate_splits(cores: int, max_workers: int | None = None) -> list[Split]:
     return out or [Split(1, 1, 1)]  # one core: both roles share it
 
 
-def best_split(profile: Profile, max_workers: int | None = None) -> Prediction:
-    return min((predict_periodic(profile, s) for s in candidate_splits(profile.cores, max_workers)), key=lambda p: p.iteration_seconds)
+def best_split(profile: Profile, max_workers: int | None = None, tail_threads: int | str | None = None) -> Prediction:
+    splits = candidate_splits(profile.cores, max_workers)
+    return min((predict_periodic(profile, s, tail_threads) for s in splits), key=lambda p: p.iteration_seconds)
 
 
 def best_sync_threads(profile: Profile) -> int:
@@ -388,7 +423,7 @@ def apply_plan(cfg: TidalConfig, profile: Profile) -> tuple[TidalConfig, Predict
         fixed = {k: v for k, v in fixed.items() if isinstance(v, int)}
         options = [s for s in candidate_splits(profile.cores) if all(getattr(s, k) == v for k, v in fixed.items())]
         options = options or [Split(fixed.get("workers", 1), fixed.get("worker_threads", 1), fixed.get("trainer_threads", 1))]
-        chosen = min((predict_periodic(profile, s) for s in options), key=lambda p: p.iteration_seconds)
+        chosen = min((predict_periodic(profile, s, cfg.trainer.tail_threads) for s in options), key=lambda p: p.iteration_seconds)
         rollout = {"workers": chosen.split.workers, "threads": chosen.split.worker_threads}
         trainer = {"threads": chosen.split.trainer_threads}
     resolved = cfg.model_copy(
@@ -445,7 +480,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.from_run:
         factor, ran, measured = calibration(profile, Path(args.from_run))
         print(f"calibrated on {args.from_run} ({ran or 'sync'}): measured {measured:.3f} s/iteration, x{factor:.2f} the model's", flush=True)
-    predictions = sorted((predict_periodic(profile, s) for s in [*splits, *(e for e in extra if e not in splits)]), key=lambda p: p.iteration_seconds)
+    tail = cfg.trainer.tail_threads if cfg.mode == "periodic" else None
+    candidates = [*splits, *(e for e in extra if e not in splits)]
+    predictions = sorted((predict_periodic(profile, s, tail) for s in candidates), key=lambda p: p.iteration_seconds)
     predictions = [scaled(p, factor) for p in predictions]
     sync_threads = best_sync_threads(profile)
     sync = scaled(predict_sync(profile, sync_threads), factor)
