@@ -253,3 +253,72 @@ def test_a_work_item_jetstream_gives_up_on_fails_the_trainer_naming_it(nats_serv
             await trainer.close()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_pull_takes_what_is_queued_at_once_and_lingers_only_behind_a_burst(nats_server):
+    """`linger_after_wait_only` (the rollout worker's pull): items already queued come back without
+    waiting for more (an iteration's last few items); a pull that had to wait for its first item
+    (the trainer is publishing an iteration right now) still collects the burst behind it."""
+
+    async def scenario():
+        t = await Transport.connect(nats_server.url, "linger", TransportConfig())
+        sub = await t.work_subscription()
+        for i in range(3):
+            await t.publish_work(item(i))
+
+        async def publish_later(ids, first_after, between):
+            await asyncio.sleep(first_after)
+            for i in ids:
+                await t.publish_work(item(i))
+                await asyncio.sleep(between)
+
+        late = asyncio.create_task(publish_later([3], 0.3, 0))
+        queued = await t.fetch(sub, 10, timeout=5, linger=1.0, linger_after_wait_only=True)
+        assert sorted(decode_work_item(m.data).prompt_id for m in queued) == [0, 1, 2]  # not item 3, published during a linger
+        await late
+        lingered = await t.fetch(sub, 10, timeout=5, linger=1.0)  # the plain linger waits for it
+        assert [decode_work_item(m.data).prompt_id for m in lingered] == [3]
+        for m in queued + lingered:
+            await m.ack()
+        burst = asyncio.create_task(publish_later([4, 5, 6], 0.5, 0.05))
+        waited = await t.fetch(sub, 10, timeout=5, linger=0.3, linger_after_wait_only=True)
+        await burst
+        assert sorted(decode_work_item(m.data).prompt_id for m in waited) == [4, 5, 6]
+        await t.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_worker_publisher_acks_an_item_only_after_its_group_is_published_and_reports_a_failure(nats_server):
+    """GroupPublisher (the worker publishes a call's groups while the engine runs the next call): every
+    group lands in ROLLOUTS before its work item is acked; a group that cannot be published leaves its
+    item unacked and held (it is redelivered) and fails the worker at its next check."""
+    from tidal.rollout.worker import GroupPublisher
+    from tidal.transport.health import WorkerHealth
+
+    async def scenario():
+        t = await Transport.connect(nats_server.url, "publisher", TransportConfig(max_payload_mb=1))
+        sub = await t.work_subscription()
+        for i in range(3):
+            await t.publish_work(item(i))
+        msgs = await t.fetch(sub, 3, timeout=5, linger=0.2)
+        held, health = list(msgs), WorkerHealth("w")
+        publisher = GroupPublisher(t, health, held)
+        publisher.submit([(big_group(0, 4), msgs[0]), (big_group(1, 4), msgs[1])])
+        publisher.submit([(big_group(2, 400_000), msgs[2])])  # 3.2 MB: over max_payload_mb
+        with pytest.raises(MessageTooLargeError):
+            await publisher.drain()
+        with pytest.raises(MessageTooLargeError):
+            publisher.raise_if_failed()
+        assert held == [msgs[2]] and health.groups_published == 2
+        rollouts = await t.rollouts_subscription()
+        published = await t.fetch(rollouts, 10, timeout=5, linger=0.2)
+        assert sorted(unpack(m.data)["prompt_id"] for m in published) == [0, 1]
+        for _ in range(50):  # acks are asynchronous: give the server a moment
+            if await t.work_queue_depth() == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert await t.work_queue_depth() == 1  # the unpublished group's item is still there, unacked
+        await t.close()
+
+    asyncio.run(scenario())

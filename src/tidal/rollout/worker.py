@@ -218,6 +218,7 @@ class RolloutWorker:
         self.scorer = scorer or RewardScorer.from_config(cfg.reward)
         self.health = WorkerHealth(worker_id)
         self.backoff = 0.0
+        self.held: list = []  # work item messages pulled and not yet acked
 
     @property
     def version(self) -> int | None:
@@ -250,24 +251,32 @@ class RolloutWorker:
 
     async def run(self) -> None:
         heartbeat = asyncio.create_task(beat(self.transport, self.health))
+        # every work item this worker holds (pulled, not yet acked) has its ack deadline extended
+        keep_alive = asyncio.create_task(keep_in_progress(lambda: self.held, self.cfg.transport.ack_wait_seconds / 3))
         try:
             await self._serve()
         finally:
+            keep_alive.cancel()
             heartbeat.cancel()
 
     async def _serve(self) -> None:
         sub = await self.transport.work_subscription()
         prompt_tokens = 16  # until the first prompts are seen: the longest encoded prompt sizes later pulls
         idle_since = time.time()
+        publisher = GroupPublisher(self.transport, self.health, self.held)
         while True:
             if await self.transport.stopping():
+                await publisher.drain()
                 log.info("worker %s: the run or round is over, exiting", self.worker_id)
                 return
             pulled = await decode_work(
                 self.transport,
-                await self.transport.fetch(sub, pull_size(self.cfg, prompt_tokens), timeout=1.0, linger=FETCH_LINGER_SECONDS),
+                await self.transport.fetch(
+                    sub, pull_size(self.cfg, prompt_tokens), timeout=1.0, linger=FETCH_LINGER_SECONDS, linger_after_wait_only=True
+                ),
                 self.worker_id,
             )
+            publisher.raise_if_failed()
             if not pulled:
                 continue
             iteration = pulled[0][1].iteration
@@ -282,32 +291,57 @@ class RolloutWorker:
                     await m.ack()
                 continue
             msgs, items = [m for m, _ in pulled], [it for _, it in pulled]
-            held = list(msgs)  # shrinks as groups are published and their items acked
-            # held from here on: a long weight load must not let them go to another worker
-            keep_alive = asyncio.create_task(keep_in_progress(held, self.cfg.transport.ack_wait_seconds / 3))
-            try:
-                new_version = self.version != version
-                load_seconds = await self._load_version(version) if new_version else 0.0
-                if load_seconds is None:
-                    keep_alive.cancel()  # else its in-progress acks would hold the nak'd items past the back-off
-                    await self._back_off(msgs)
-                    continue
-                idle = time.time() - idle_since - load_seconds
-                # the first pull of an iteration starts with a small call: the trainer waits on its first groups
-                first = self.cfg.rollout.first_call_groups if new_version else None
-                calls = generate_group_calls(self.engine, self.tokenizer, self.scorer, items, self.cfg, self.version, self.worker_id, None, first)
-                published = 0
-                while (groups := await asyncio.to_thread(next, calls, None)) is not None:
-                    prompt_tokens = max([prompt_tokens, *(len(g.prompt_ids) for g in groups)])
-                    for g in groups:
-                        g.weight_load_seconds = load_seconds if published == 0 else 0.0
-                        g.worker_idle_seconds = idle if published == 0 else 0.0
-                        await self.transport.publish_group(g)
-                        m = msgs[published]
-                        await m.ack()
-                        held.remove(m)
-                        published += 1
-                        self.health.groups_published += 1
-            finally:
-                keep_alive.cancel()
+            self.held.extend(msgs)  # held from here on: a long weight load must not let them go to another worker
+            new_version = self.version != version
+            load_seconds = await self._load_version(version) if new_version else 0.0
+            if load_seconds is None:
+                for m in msgs:  # else the in-progress acks would hold the nak'd items past the back-off
+                    self.held.remove(m)
+                await self._back_off(msgs)
+                continue
+            idle = time.time() - idle_since - load_seconds
+            # the first pull of an iteration starts with a small call: the trainer waits on its first groups
+            first = self.cfg.rollout.first_call_groups if new_version else None
+            calls = generate_group_calls(self.engine, self.tokenizer, self.scorer, items, self.cfg, self.version, self.worker_id, None, first)
+            published = 0
+            # each call's groups are published (and their items acked) while the engine runs the next call
+            while (groups := await asyncio.to_thread(next, calls, None)) is not None:
+                publisher.raise_if_failed()
+                prompt_tokens = max([prompt_tokens, *(len(g.prompt_ids) for g in groups)])
+                for g in groups:
+                    g.weight_load_seconds = load_seconds if published == 0 else 0.0
+                    g.worker_idle_seconds = idle if published == 0 else 0.0
+                    published += 1
+                publisher.submit(list(zip(groups, msgs[published - len(groups) : published])))
             idle_since = time.time()
+
+
+class GroupPublisher:
+    """Publishes finished groups and then acks their work items, in order, on the event loop, so the
+    engine's next call does not wait for them. An item is acked only after its group is published
+    (a worker that dies in between loses nothing: the item is redelivered); a failed publish fails
+    the worker at its next check (`raise_if_failed`) or `drain`."""
+
+    def __init__(self, transport: Transport, health: WorkerHealth, held: list):
+        self.transport, self.health, self.held = transport, health, held
+        self.task: asyncio.Task | None = None
+
+    def submit(self, pairs: list[tuple[Group, object]]) -> None:
+        self.task = asyncio.create_task(self._publish(self.task, pairs))
+
+    async def _publish(self, before: asyncio.Task | None, pairs: list[tuple[Group, object]]) -> None:
+        if before is not None:
+            await before
+        await asyncio.gather(*(self.transport.publish_group(group) for group, _ in pairs))  # one round trip for the call's groups
+        for _, msg in pairs:
+            await msg.ack()
+            self.held.remove(msg)
+            self.health.groups_published += 1
+
+    def raise_if_failed(self) -> None:
+        if self.task is not None and self.task.done():
+            self.task.result()
+
+    async def drain(self) -> None:
+        if self.task is not None:
+            await self.task

@@ -162,12 +162,12 @@ class QueueSource:
         return time.perf_counter() - t0, pushed
 
     async def request(self, items: list[WorkItem]) -> None:
-        for item in items:
-            await self.transport.publish_work(item)
+        # all in flight at once (in order on the one connection), then every PubAck: an iteration's
+        # items reach the workers in one round trip, not one per item
+        await asyncio.gather(*(self.transport.publish_work(item) for item in items))
 
     async def reissue(self, items: list[tuple[WorkItem, int]]) -> None:
-        for item, attempt in items:
-            await self.transport.publish_work(item, attempt)
+        await asyncio.gather(*(self.transport.publish_work(item, attempt) for item, attempt in items))
 
     async def receive(self, version: int, wanted: int, timeout: float) -> Arrivals:
         arrivals = Arrivals(groups=self.early.pop(version, []))

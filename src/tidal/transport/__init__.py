@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -353,15 +354,21 @@ class Transport:
     async def rollouts_subscription(self):
         return await self.js.pull_subscribe_bind(TRAINER_CONSUMER, stream=self.names["rollouts_stream"])
 
-    async def fetch(self, sub, batch: int, timeout: float, linger: float = 0.0) -> list:
+    async def fetch(self, sub, batch: int, timeout: float, linger: float = 0.0, linger_after_wait_only: bool = False) -> list:
         """Up to `batch` messages, waiting at most `timeout` for the first. With `linger`, also those that
         arrive within `linger` of each other behind it: a pull returns as soon as one message is there,
         and publishers send a batch (an iteration's work items, an engine call's groups) one by one.
+        `linger_after_wait_only`: linger only when the first message was not already queued (it took
+        longer than `linger` to come), i.e. when a publisher is likely sending a batch right now; a
+        queue's last few messages are then taken without waiting for more that are not coming.
         A pull the server refused (this user may not use that consumer) is a NatsPermissionError, not an empty queue."""
         mark = len(permission_violations(self.nc))
+        started = time.monotonic()
         msgs = await _fetch_once(sub, batch, timeout)
         if not msgs:
             raise_if_denied(self.nc, mark, "pulling messages")
+        if linger_after_wait_only and time.monotonic() - started < linger:
+            return msgs
         while linger and msgs and len(msgs) < batch:
             more = await _fetch_once(sub, batch - len(msgs), linger)
             if not more:
