@@ -3,12 +3,12 @@ snapshot says so in its heartbeat and backs off, the trainer rewrites the snapsh
 weights and the run goes on; a corrupt checkpoint snapshot fails a resume in one line; a silent
 worker is named."""
 
-import json
 import os
 import signal
 import time
 
 from tests.conftest import read_jsonl, run_cli, start_run, wait_until
+from tidal.rundir import latest_checkpoint
 
 SLOW = {"eval.enabled": False, "rollout.groups_per_batch": 1, "reward.functions": [{"name": "tests.rewards:slow_exact_match"}]}
 
@@ -64,4 +64,4 @@ def test_resuming_from_a_corrupt_checkpoint_snapshot_is_one_clear_line(tmp_path,
     last = again.stderr.strip().splitlines()[-1]
     assert "cannot resume: " in last and "resumes weights v1, which do not verify" in last and "sha256" in last, again.stderr[-3000:]
     assert "Traceback" not in again.stderr
-    assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["next_version"] == 1  # nothing moved
+    assert latest_checkpoint(run_dir / "checkpoint").next_version == 1  # nothing moved

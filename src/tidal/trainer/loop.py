@@ -195,16 +195,14 @@ def publish_weights(store: WeightStore, version: int, learner: Learner) -> None:
 
 def forget_unfinished(files: RunFiles, store: WeightStore, start: int) -> None:
     """On start, before anything is written: what a trainer killed mid-iteration left is removed
-    (temp folders of an interrupted publish or checkpoint, groups.jsonl and metrics.jsonl records of
-    iterations from `start` on, which are trained again), so every group and iteration is recorded
-    once. metrics.jsonl is appended before the background writer has made the boundary durable, so
-    a trainer stopped in between leaves a line for an iteration it will redo."""
+    (temp folders of an interrupted publish, groups.jsonl and metrics.jsonl records of iterations
+    from `start` on, which are trained again; resume_version removed an interrupted checkpoint), so
+    every group and iteration is recorded once. metrics.jsonl is appended before the background
+    writer has made the boundary durable, so a trainer stopped in between leaves a line for an
+    iteration it will redo."""
     removed = store.remove_temp()
-    for tmp in sorted(files.checkpoint.glob("*.tmp")):
-        tmp.unlink()
-        removed.append(f"checkpoint/{tmp.name}")
     if removed:
-        log.info("removed what an interrupted publish or checkpoint left: %s", ", ".join(removed))
+        log.info("removed what an interrupted publish left: %s", ", ".join(removed))
     for name in ("groups.jsonl", "metrics.jsonl"):
         dropped = files.drop_records(name, lambda r: r["iteration"] >= start)
         if dropped:
