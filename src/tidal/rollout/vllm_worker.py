@@ -138,7 +138,7 @@ class VLLMRolloutWorker:
         )
         group.weight_load_seconds, self.load_seconds = self.load_seconds, 0.0
         group.worker_idle_seconds, self.idle_seconds = self.idle_seconds, 0.0
-        await self.transport.publish_group(group)
+        await self.transport.publish_group(group, answering=msg)
         await msg.ack()
         self.health.groups_published += 1
 

@@ -302,8 +302,8 @@ class RolloutWorker:
                     for g in groups:
                         g.weight_load_seconds = load_seconds if published == 0 else 0.0
                         g.worker_idle_seconds = idle if published == 0 else 0.0
-                        await self.transport.publish_group(g)
                         m = msgs[published]
+                        await self.transport.publish_group(g, answering=m)
                         await m.ack()
                         held.remove(m)
                         published += 1
