@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
-from tidal.protocol import WorkItem
+from tidal.protocol import WorkItem, decode_work_item
 from tidal.rewards import RewardScorer
 from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
@@ -57,6 +57,7 @@ class VLLMRolloutWorker:
         self.backoff = 0.0
         self.inflight: dict[asyncio.Task, object] = {}  # task -> its NATS message
         self.backlog: deque = deque()  # (msg, item) pulled but not started: another version
+        self.health.held = lambda: [decode_work_item(m.data) for m in [*self.inflight.values(), *(m for m, _ in self.backlog)]]
         self.load_seconds = 0.0
         self.idle_seconds = 0.0
         self.idle_since: float | None = time.time()

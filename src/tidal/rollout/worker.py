@@ -282,6 +282,8 @@ class RolloutWorker:
                     await m.ack()
                 continue
             msgs, items = [m for m, _ in pulled], [it for _, it in pulled]
+            self.health.held = lambda: items[published:]  # noqa: B023 (the items of this pull, as they are answered)
+            published = 0
             held = list(msgs)  # shrinks as groups are published and their items acked
             # held from here on: a long weight load must not let them go to another worker
             keep_alive = asyncio.create_task(keep_in_progress(held, self.cfg.transport.ack_wait_seconds / 3))
@@ -296,7 +298,6 @@ class RolloutWorker:
                 # the first pull of an iteration starts with a small call: the trainer waits on its first groups
                 first = self.cfg.rollout.first_call_groups if new_version else None
                 calls = generate_group_calls(self.engine, self.tokenizer, self.scorer, items, self.cfg, self.version, self.worker_id, None, first)
-                published = 0
                 while (groups := await asyncio.to_thread(next, calls, None)) is not None:
                     prompt_tokens = max([prompt_tokens, *(len(g.prompt_ids) for g in groups)])
                     for g in groups:
@@ -310,4 +311,5 @@ class RolloutWorker:
                         self.health.groups_published += 1
             finally:
                 keep_alive.cancel()
+                self.health.held = list
             idle_since = time.time()

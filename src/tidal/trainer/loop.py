@@ -172,8 +172,9 @@ class WorkRelease:
 
 
 def reissue_rejected(plans: dict[int, IterationPlan], keys: list[tuple[int, int]], limit: int) -> list[tuple[WorkItem, int]]:
-    """The work items to ask for again, one per rejected group (iteration, prompt id), through its
-    iteration's plan: the one being trained, or one that bounded mode released ahead."""
+    """The work items to ask for again, one per (iteration, prompt id) of a rejected group or of an item a
+    silent worker held, through its iteration's plan: the one being trained, or one that bounded mode
+    released ahead. The plan asks only for prompts still unanswered, at most `limit` times each."""
     return [r for iteration, prompt_id in keys if iteration in plans and (r := plans[iteration].reissue(iteration, prompt_id, limit))]
 
 
@@ -292,10 +293,11 @@ async def train(
             timer.add("idle", -arrivals.generating_seconds)
             rejected += arrivals.rejected
             # before the wait below: a fetch may bring only rejected messages (or, in bounded mode, groups of later iterations)
-            reissues = reissue_rejected({**release.plans, v: plan}, arrivals.rejected_keys, cfg.transport.max_deliver)
+            keys = arrivals.rejected_keys + arrivals.abandoned_keys
+            reissues = reissue_rejected({**release.plans, v: plan}, keys, cfg.transport.max_deliver)
             if reissues:
                 log.warning(
-                    "iteration %d: asking again for %d prompt(s) whose group was rejected (iteration, prompt): %s",
+                    "iteration %d: asking again for %d prompt(s) whose group was rejected or whose worker went silent (iteration, prompt): %s",
                     *(v, len(reissues), [(w.iteration, w.prompt_id) for w, _ in reissues]),
                 )
                 await source.reissue(reissues)
