@@ -169,6 +169,8 @@ class VLLMRolloutWorker:
         # in-flight groups progress while we wait; an idle NCCL member also watches for offers
         timeout = 0.05 if self.inflight else (0.25 if self.nccl else 1.0)
         self.backlog.extend(await decode_work(self.transport, await self.transport.fetch(sub, free, timeout=timeout), self.worker_id))
+        if self.backlog:
+            self.health.changed.set()
 
     async def _start_ready(self) -> None:
         """Starts backlog items of the loaded version; switches version only with nothing in flight."""

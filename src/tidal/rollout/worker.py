@@ -283,6 +283,7 @@ class RolloutWorker:
                 continue
             msgs, items = [m for m, _ in pulled], [it for _, it in pulled]
             self.health.held = lambda: items[published:]  # noqa: B023 (the items of this pull, as they are answered)
+            self.health.changed.set()
             published = 0
             held = list(msgs)  # shrinks as groups are published and their items acked
             # held from here on: a long weight load must not let them go to another worker

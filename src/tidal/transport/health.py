@@ -48,6 +48,9 @@ class WorkerHealth:
     refused_error: str = ""
     refusals: int = 0  # consecutive refusals of refused_version
     held: Callable[[], list] = list  # the WorkItems it holds now (pulled, not yet answered)
+    # set when it takes new items: the next heartbeat goes out at once, so a worker killed right after
+    # a pull has them listed (else they wait for ack_wait)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def refused(self, version: int, error: str) -> float:
         """Records a refusal; returns how long to back off."""
@@ -88,14 +91,19 @@ async def report_refusal(transport, health: WorkerHealth, version: int, error: s
 
 
 async def beat(transport, health: WorkerHealth, every: float = HEARTBEAT_SECONDS) -> None:
-    """Puts the heartbeat every `every` seconds until cancelled; a failed put (NATS restarting) is
-    retried at the next beat: a heartbeat is never worth failing the worker for."""
+    """Puts the heartbeat every `every` seconds, and at once when the worker takes new work items,
+    until cancelled; a failed put (NATS restarting) is retried at the next beat: a heartbeat is never
+    worth failing the worker for."""
     while True:
         try:
             await transport.put_worker_health(health.record())
         except Exception as err:  # noqa: BLE001
             log.debug("worker %s: heartbeat not sent (%s)", health.worker_id, err)
-        await asyncio.sleep(every)
+        try:
+            await asyncio.wait_for(health.changed.wait(), every)
+        except TimeoutError:
+            pass
+        health.changed.clear()
 
 
 def silent_workers(records: list[dict], now: float, after: float = SILENT_AFTER_SECONDS) -> list[dict]:
