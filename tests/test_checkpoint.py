@@ -1,21 +1,23 @@
-"""The optimizer checkpoint moves from v to v+1 in one rename (#15 item 7): a trainer killed between
-writing its shard and state.json resumes v with v's own optimizer state. Real tiny model, real
-optimizer steps, real safetensors files."""
+"""The optimizer checkpoint moves from v to v+1 in one rename of its folder (#15 item 7): a trainer
+killed at any point of the write resumes the version whose folder is in place, with that version's
+own optimizer state, and what the interrupted write left is removed. Checkpoints of the two older
+layouts still resume. Real tiny model, real optimizer steps, real safetensors files."""
 
 import copy
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tidal.config import config_from_dict
 from tidal.data import load_dataset
 from tidal.model.warm_start import prepare_base_model
 from tidal.protocol import Group, Sample
 from tidal.roles import build_learner
-from tidal.rundir import RunFiles
+from tidal.rundir import RunFiles, latest_checkpoint, shard_name, versioned_shard_name
 from tidal.trainer import checkpoint
-from tidal.trainer.checkpoint import legacy_shard_name, optimizer_snapshot, resume_version, save_checkpoint
+from tidal.trainer.checkpoint import optimizer_snapshot, resume_version, save_checkpoint
 from tidal.weights import WeightStore
 
 
@@ -40,61 +42,112 @@ def step(learner, v: int, store: WeightStore, files: RunFiles) -> dict[str, torc
     return optimizer_snapshot(learner)
 
 
-def shards(files: RunFiles) -> list[str]:
-    return sorted(p.name for p in files.checkpoint.glob("optimizer-*"))
+def listing(files: RunFiles) -> list[str]:
+    """checkpoint/ and one level below, e.g. 'v000001/state.json'."""
+    root = files.checkpoint
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
-def test_a_trainer_killed_between_its_shard_and_state_json_resumes_the_previous_boundary(tmp_path, make_learner, monkeypatch):
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class Killed(Exception):
+    pass
+
+
+def killed(*args, **kwargs):
+    raise Killed
+
+
+# (the step that does not happen, what the kill leaves in checkpoint/, the version a restart resumes)
+CRASH_POINTS = [
+    ("write_state", ["v000001/optimizer-rank0-of-1.safetensors", "v000001/state.json", ".tmp-v000002/optimizer-rank0-of-1.safetensors"], 1),
+    (
+        "move_into_place",
+        [
+            "v000001/optimizer-rank0-of-1.safetensors",
+            "v000001/state.json",
+            ".tmp-v000002/optimizer-rank0-of-1.safetensors",
+            ".tmp-v000002/state.json",
+        ],
+        1,
+    ),
+    (
+        "remove_stale",
+        ["v000001/optimizer-rank0-of-1.safetensors", "v000001/state.json", "v000002/optimizer-rank0-of-1.safetensors", "v000002/state.json"],
+        2,
+    ),
+]
+
+
+@pytest.mark.parametrize("skipped, left, resumes", CRASH_POINTS, ids=["after-shards", "after-state-in-temp", "after-rename"])
+def test_a_trainer_killed_at_each_point_of_the_write_resumes_that_version_with_its_own_optimizer_state(
+    tmp_path, make_learner, monkeypatch, skipped, left, resumes
+):
     build, base = make_learner
     files, store = RunFiles(tmp_path), WeightStore(tmp_path / "weights", base)
     learner = build()
-    at_one = step(learner, 0, store, files)
-    assert shards(files) == ["optimizer-v000001-rank0-of-1.safetensors"]
+    at = {1: step(learner, 0, store, files)}
+    assert listing(files) == ["v000001/optimizer-rank0-of-1.safetensors", "v000001/state.json"]
 
-    class Killed(Exception):
-        pass
-
-    def killed(ctx):  # the first barrier separates the shard from state.json
-        raise Killed
-
-    monkeypatch.setattr(checkpoint, "barrier", killed)
+    monkeypatch.setattr(checkpoint, skipped, killed)
     with pytest.raises(Killed):
-        step(learner, 1, store, files)
+        at[2] = step(learner, 1, store, files)
+    at[2] = optimizer_snapshot(learner)  # what the killed write was saving
     monkeypatch.undo()
-    # the new shard is on disk, state.json still names version 1, and its shard is untouched
-    assert shards(files) == ["optimizer-v000001-rank0-of-1.safetensors", "optimizer-v000002-rank0-of-1.safetensors"]
+    assert not same(at[1], at[2])
+    assert listing(files) == sorted(left)
 
     fresh = build()
-    assert resume_version(files, fresh, store) == 1
-    resumed = optimizer_snapshot(fresh)
-    assert resumed.keys() == at_one.keys()
-    assert all(torch.equal(resumed[k], at_one[k]) for k in at_one)  # v1's moments, not v2's
-    assert shards(files) == ["optimizer-v000001-rank0-of-1.safetensors"]  # the orphan is gone
+    assert resume_version(files, fresh, store) == resumes
+    assert same(optimizer_snapshot(fresh), at[resumes])
+    assert listing(files) == [f"v{resumes:06d}/optimizer-rank0-of-1.safetensors", f"v{resumes:06d}/state.json"]  # the rest is gone
 
 
-def test_each_boundary_keeps_only_its_own_shard_and_a_legacy_shard_still_resumes(tmp_path, make_learner):
+def test_each_boundary_keeps_only_its_own_checkpoint_folder(tmp_path, make_learner):
     build, base = make_learner
     files, store = RunFiles(tmp_path), WeightStore(tmp_path / "weights", base)
     learner = build()
     step(learner, 0, store, files)
     at_two = step(learner, 1, store, files)
-    assert shards(files) == ["optimizer-v000002-rank0-of-1.safetensors"]
-
-    # a checkpoint written before shards were versioned
-    (files.checkpoint / "optimizer-v000002-rank0-of-1.safetensors").rename(files.checkpoint / legacy_shard_name(0, 1))
+    assert listing(files) == ["v000002/optimizer-rank0-of-1.safetensors", "v000002/state.json"]
+    assert latest_checkpoint(files.checkpoint).next_version == 2
     fresh = build()
     assert resume_version(files, fresh, store) == 2
-    assert all(torch.equal(optimizer_snapshot(fresh)[k], at_two[k]) for k in at_two)
+    assert same(optimizer_snapshot(fresh), at_two)
+
+
+@pytest.mark.parametrize(
+    "older_name", [lambda v: versioned_shard_name(0, 1, v), lambda v: shard_name(0, 1)], ids=["versioned-shards", "legacy-shards"]
+)
+def test_a_checkpoint_of_an_older_layout_resumes_and_the_next_boundary_replaces_it(tmp_path, make_learner, older_name):
+    """Before checkpoint folders: state.json directly in checkpoint/, beside shards named by version
+    (optimizer-v000002-rank0-of-1) or, before that, not (optimizer-rank0-of-1)."""
+    build, base = make_learner
+    files, store = RunFiles(tmp_path), WeightStore(tmp_path / "weights", base)
+    learner = build()
+    at_one = step(learner, 0, store, files)
+    at_two = step(learner, 1, store, files)
+    folder = files.checkpoint / "v000002"
+    (folder / "optimizer-rank0-of-1.safetensors").rename(files.checkpoint / older_name(2))
+    (folder / "state.json").rename(files.checkpoint / "state.json")
+    folder.rmdir()
+    older_shard = files.checkpoint / versioned_shard_name(0, 1, 1)  # a superseded shard of the versioned layout
+    save_file(at_one, str(older_shard))
+
+    fresh = build()
+    assert resume_version(files, fresh, store) == 2
+    assert same(optimizer_snapshot(fresh), at_two)
+    assert listing(files) == sorted(["state.json", older_name(2)])  # the superseded shard went, the resumed one stays
     step(fresh, 2, store, files)
-    assert shards(files) == ["optimizer-v000003-rank0-of-1.safetensors"]
+    assert listing(files) == ["v000003/optimizer-rank0-of-1.safetensors", "v000003/state.json"]
 
 
 def test_a_missing_shard_is_a_clear_error(tmp_path, make_learner):
     build, base = make_learner
     files, store = RunFiles(tmp_path), WeightStore(tmp_path / "weights", base)
     step(build(), 0, store, files)
-    (files.checkpoint / "optimizer-v000001-rank0-of-1.safetensors").unlink()
-    with pytest.raises(
-        FileNotFoundError, match=r"resumes version 1, but this rank's optimizer shard optimizer-v000001-rank0-of-1.safetensors is missing"
-    ):
+    (files.checkpoint / "v000001" / "optimizer-rank0-of-1.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"resumes version 1, but this rank's optimizer shard optimizer-rank0-of-1.safetensors is missing"):
         resume_version(files, build(), store)

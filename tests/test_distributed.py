@@ -58,15 +58,16 @@ def test_assignment_is_token_balanced_and_deterministic():
     assert assign_groups(counts, 1) == [list(range(7))] and assign_groups([], 3) == [[], [], []]
 
 
-def test_a_checkpoint_from_another_world_size_is_refused_clearly(tmp_path):
+@pytest.mark.parametrize("folder", ["checkpoint/v000004", "checkpoint"], ids=["checkpoint-folder", "older-layout"])
+def test_a_checkpoint_from_another_world_size_is_refused_clearly(tmp_path, folder):
     from types import SimpleNamespace
 
     from tidal.rundir import RunFiles
     from tidal.trainer.checkpoint import resume_version
     from tidal.trainer.distributed import DistContext
 
-    (tmp_path / "checkpoint").mkdir()
-    (tmp_path / "checkpoint" / "state.json").write_text(json.dumps({"next_version": 4, "world_size": 2}))
+    (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / folder / "state.json").write_text(json.dumps({"next_version": 4, "world_size": 2}))
     with pytest.raises(ValueError, match=r"written by 2 trainer rank\(s\) and this trainer has 1: resume with trainer.ranks=2"):
         resume_version(RunFiles(tmp_path), SimpleNamespace(ctx=DistContext()), store=None)
 
@@ -103,9 +104,12 @@ def test_tidal_run_on_two_fsdp2_ranks_ends_at_one_process_weights(tmp_path, writ
     records = [json.loads(line) for line in (tmp_path / "r2" / "groups.jsonl").read_text().splitlines()]
     keys = [(r["iteration"], r["prompt_id"]) for r in records]
     assert len(keys) == len(set(keys)) == 3 * 6  # every group trained exactly once
-    assert sorted(p.name for p in (tmp_path / "r2" / "checkpoint").glob("optimizer-*")) == [
-        "optimizer-v000003-rank0-of-2.safetensors",
-        "optimizer-v000003-rank1-of-2.safetensors",
+    checkpoint = tmp_path / "r2" / "checkpoint"
+    assert [p.name for p in checkpoint.iterdir()] == ["v000003"]  # one folder per checkpoint, the superseded ones removed
+    assert sorted(p.name for p in (checkpoint / "v000003").iterdir()) == [
+        "optimizer-rank0-of-2.safetensors",
+        "optimizer-rank1-of-2.safetensors",
+        "state.json",
     ]
 
 

@@ -234,7 +234,7 @@ def test_a_rejected_group_of_an_expected_prompt_is_asked_for_again_and_the_itera
 
     from tidal.data import load_dataset
     from tidal.model.warm_start import prepare_base_model
-    from tidal.protocol import Group, Sample, decode_work_item, pack
+    from tidal.protocol import Group, Sample, decode_work_item
     from tidal.roles import build_learner, group_limits
     from tidal.rundir import RunFiles
     from tidal.trainer.loop import train
@@ -258,7 +258,7 @@ def test_a_rejected_group_of_an_expected_prompt_is_asked_for_again_and_the_itera
                 token = vocab + 5 if seen.count(item.prompt_id) == 1 and item.prompt_id == seen[0] else 7
                 sample = Sample(np.array([token], dtype=np.int32), np.array([-0.5], dtype=np.float32), float(len(seen) % 2))
                 group = Group(item.iteration, item.prompt_id, 0, "w", np.array([5, 6], dtype=np.int32), [sample] * 4)
-                await transport.js.publish(transport.names["rollouts_subject"], pack(group))
+                await transport.publish_group(group, answering=m)  # message ids as a rollout worker's
                 await m.ack()
 
     async def scenario():

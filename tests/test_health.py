@@ -4,8 +4,9 @@ on a real nats-server."""
 import asyncio
 
 from tidal.config import TransportConfig
+from tidal.protocol import WorkItem
 from tidal.transport import Transport
-from tidal.transport.health import WorkerHealth, describe_workers, refusal_backoff, silent_workers
+from tidal.transport.health import WorkerHealth, abandoned_work, describe_workers, refusal_backoff, silent_workers
 
 
 def test_the_refusal_backoff_doubles_to_a_cap():
@@ -31,6 +32,26 @@ def test_a_silent_worker_is_named_with_how_long_and_what_it_held():
     assert "worker w0 (pid 1 on h): alive (0.5s ago), holds v3" in text
     assert "worker w1 (pid 2 on h): silent for 40s, holds vNone, 0 groups published, refused v2 1x: snapshot x" in text
     assert describe_workers([], now) == "no rollout worker has sent a heartbeat"
+
+
+def beat(worker_id: str, pid: int, at: float, holding: list[tuple[int, int]]) -> dict:
+    health = WorkerHealth(worker_id, pid=pid, host="h")
+    health.held = lambda: [WorkItem(i, p, "prompt", "answer") for i, p in holding]
+    return health.record(at)
+
+
+def test_the_items_a_silent_or_replaced_worker_held_are_handed_out_once():
+    """#15 item 5: what the last heartbeat listed goes out again when the worker falls silent, or when
+    another process (the launcher's restart) took its id before it was seen silent; a previous
+    launch's stale records hand out nothing."""
+    stale = beat("w9", 9, 0.0, [(0, 4)])
+    alive, keys = abandoned_work({}, [beat("w0", 1, 99.0, [(1, 7), (1, 8)]), beat("w1", 2, 99.0, [(1, 9)]), stale], now=100.0)
+    assert keys == [] and set(alive) == {"w0", "w1"}
+    # w0 is silent (its items go out), w1 was restarted by the launcher: a new pid under its id
+    alive, keys = abandoned_work(alive, [beat("w0", 1, 99.0, [(1, 7), (1, 8)]), beat("w1", 3, 104.0, []), stale], now=105.0)
+    assert keys == [(1, 7), (1, 8), (1, 9)] and set(alive) == {"w1"}
+    alive, keys = abandoned_work(alive, [beat("w0", 1, 99.0, [(1, 7), (1, 8)]), beat("w1", 3, 105.0, []), stale], now=106.0)
+    assert keys == []  # once
 
 
 def test_heartbeats_round_trip_through_the_run_kv_bucket(nats_server):

@@ -11,6 +11,7 @@ import time
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import embedded_nats_url, read_jsonl, run_cli, run_processes, start_run, wait_until
+from tidal.rundir import latest_checkpoint
 
 SLOW = {"eval.enabled": False, "rollout.groups_per_batch": 1, "reward.functions": [{"name": "tests.rewards:slow_exact_match"}]}
 
@@ -20,7 +21,7 @@ def test_sigterm_stops_every_process_of_the_run_records_it_and_a_rerun_resumes(t
     run_dir = tmp_path / "run"
     proc = start_run(config, run_dir)
     # iteration 0's boundary is durable (the checkpoint is written after metrics.jsonl): mid-run
-    wait_until(lambda: (run_dir / "checkpoint" / "state.json").is_file(), proc)
+    wait_until(lambda: latest_checkpoint(run_dir / "checkpoint"), proc)
     assert len(run_processes(run_dir)) >= 4  # launcher, trainer, worker, nats-server
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
@@ -34,10 +35,10 @@ def test_sigterm_stops_every_process_of_the_run_records_it_and_a_rerun_resumes(t
     assert MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}").get_run(run_id).info.status == "KILLED"
 
     # what a kill mid-publish or mid-checkpoint leaves (#15 item 9): removed when the trainer starts
-    leftovers = [run_dir / "weights" / ".tmp-v000009-4242", run_dir / "checkpoint" / "optimizer-v000009-rank0-of-1.safetensors.tmp"]
-    leftovers[0].mkdir()
-    (leftovers[0] / "model.safetensors").write_bytes(b"partial")
-    leftovers[1].write_bytes(b"partial")
+    leftovers = [run_dir / "weights" / ".tmp-v000009-4242", run_dir / "checkpoint" / ".tmp-v000009"]
+    for folder, name in zip(leftovers, ["model.safetensors", "optimizer-rank0-of-1.safetensors"]):
+        folder.mkdir()
+        (folder / name).write_bytes(b"partial")
 
     again = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
     assert again.returncode == 0, again.stderr[-3000:]

@@ -20,7 +20,7 @@ from tidal.config import ConfigError, TidalConfig, dump_config, load_config, tra
 from tidal.data import load_dataset
 from tidal.plan import apply_plan, cached_profile, wants_plan
 from tidal.preflight import check_before_start
-from tidal.rundir import RunDirError, RunDirLock, RunInfo, new_nats_token, run_signing_key
+from tidal.rundir import RunDirError, RunDirLock, RunInfo, latest_checkpoint, new_nats_token, run_signing_key
 from tidal.runtime import NATS_LOST_EXIT, TAIL_THREADS_ENV, set_threads, setup_logging, split_cores
 from tidal.tracking import Tracker, start_run, tracking_uri
 from tidal.transport.server import TOKEN_ENV, EmbeddedNats, reachable
@@ -555,8 +555,8 @@ def check_saved_config(cfg: TidalConfig, run_dir: Path, force: bool = False) -> 
 
 def checkpoint_version(run_dir: Path) -> int:
     """The iteration a (re-)run of `run_dir` starts from: the last checkpointed boundary, else 0."""
-    state = run_dir / "checkpoint" / "state.json"
-    return json.loads(state.read_text())["next_version"] if state.is_file() else 0
+    found = latest_checkpoint(run_dir / "checkpoint")
+    return found.next_version if found else 0
 
 
 def finished_summary(cfg: TidalConfig, run_dir: Path) -> dict | None:

@@ -1,11 +1,13 @@
 """The run directory: its record of the run (run.json), its append-only logs of iterations and
-groups, its lock (one launcher at a time) and the embedded NATS server's per-run token."""
+groups, its lock (one launcher at a time), the embedded NATS server's per-run token, and where the
+optimizer checkpoint is (read by the trainer and by the launcher, which imports no torch)."""
 
 from __future__ import annotations
 
 import fcntl
 import json
 import os
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -155,3 +157,77 @@ class RunFiles:
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(path)
         return len(lines) - len(kept)
+
+
+CHECKPOINT_STATE = "state.json"
+CHECKPOINT_FOLDER = re.compile(r"v(\d{6,})")
+CHECKPOINT_TEMP_PREFIX = ".tmp-v"
+
+
+def checkpoint_folder_name(version: int) -> str:
+    return f"v{version:06d}"
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    """A rank's optimizer shard in a checkpoint folder; also what the oldest layout called it in checkpoint/ itself."""
+    return f"optimizer-rank{rank}-of-{world_size}.safetensors"
+
+
+def versioned_shard_name(rank: int, world_size: int, version: int) -> str:
+    """The layout before checkpoint folders: shards named by version beside checkpoint/state.json."""
+    return f"optimizer-v{version:06d}-rank{rank}-of-{world_size}.safetensors"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint: `folder` holds its state.json and one optimizer shard per rank. That is
+    checkpoint/vNNNNNN/, or checkpoint/ itself for a checkpoint written in one of the two older layouts."""
+
+    folder: Path
+    next_version: int
+    world_size: int
+
+    @property
+    def state_file(self) -> Path:
+        return self.folder / CHECKPOINT_STATE
+
+    def shard(self, rank: int) -> Path:
+        names = [versioned_shard_name(rank, self.world_size, self.next_version), shard_name(rank, self.world_size)]
+        paths = [self.folder / n for n in names]
+        return next((p for p in paths if p.is_file()), paths[-1])
+
+    def owns(self, entry: Path) -> bool:
+        """Whether `entry` (a name directly in checkpoint/) is part of this checkpoint."""
+        if self.folder != entry.parent:
+            return entry == self.folder
+        ranks = range(self.world_size)
+        return entry.name in {CHECKPOINT_STATE} | {versioned_shard_name(r, self.world_size, self.next_version) for r in ranks} | {
+            shard_name(r, self.world_size) for r in ranks
+        }
+
+
+def latest_checkpoint(root: Path) -> Checkpoint | None:
+    """The newest committed checkpoint under `root` (the run's checkpoint/), None on a fresh run. A
+    vNNNNNN folder exists only once it is complete (it is renamed into place with its state.json)."""
+    root = Path(root)
+    found = [(int(m[1]), p) for p in root.glob("v*") if (m := CHECKPOINT_FOLDER.fullmatch(p.name)) and (p / CHECKPOINT_STATE).is_file()]
+    if (root / CHECKPOINT_STATE).is_file():
+        found.append((json.loads((root / CHECKPOINT_STATE).read_text())["next_version"], root))
+    if not found:
+        return None
+    folder = max(found)[1]  # a tie is a folder and checkpoint/ itself: the folder, the newer layout
+    state = json.loads((folder / CHECKPOINT_STATE).read_text())
+    return Checkpoint(folder, state["next_version"], state.get("world_size", 1))
+
+
+def stale_checkpoint_entries(root: Path, keep: Checkpoint | None) -> list[Path]:
+    """What Tidal wrote in checkpoint/ that is not part of `keep`: superseded checkpoints (folders, or
+    an older layout's files) and what an interrupted write left (.tmp-v… folders, *.tmp files)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+
+    def ours(p: Path) -> bool:
+        return bool(CHECKPOINT_FOLDER.fullmatch(p.name)) or p.name.startswith((CHECKPOINT_TEMP_PREFIX, CHECKPOINT_STATE, "optimizer-"))
+
+    return sorted(p for p in root.iterdir() if ours(p) and not (keep and keep.owns(p)))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
-from tidal.protocol import WorkItem
+from tidal.protocol import WorkItem, decode_work_item
 from tidal.rewards import RewardScorer
 from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
@@ -57,6 +57,7 @@ class VLLMRolloutWorker:
         self.backoff = 0.0
         self.inflight: dict[asyncio.Task, object] = {}  # task -> its NATS message
         self.backlog: deque = deque()  # (msg, item) pulled but not started: another version
+        self.health.held = lambda: [decode_work_item(m.data) for m in [*self.inflight.values(), *(m for m, _ in self.backlog)]]
         self.load_seconds = 0.0
         self.idle_seconds = 0.0
         self.idle_since: float | None = time.time()
@@ -138,7 +139,7 @@ class VLLMRolloutWorker:
         )
         group.weight_load_seconds, self.load_seconds = self.load_seconds, 0.0
         group.worker_idle_seconds, self.idle_seconds = self.idle_seconds, 0.0
-        await self.transport.publish_group(group)
+        await self.transport.publish_group(group, answering=msg)
         await msg.ack()
         self.health.groups_published += 1
 
@@ -168,6 +169,8 @@ class VLLMRolloutWorker:
         # in-flight groups progress while we wait; an idle NCCL member also watches for offers
         timeout = 0.05 if self.inflight else (0.25 if self.nccl else 1.0)
         self.backlog.extend(await decode_work(self.transport, await self.transport.fetch(sub, free, timeout=timeout), self.worker_id))
+        if self.backlog:
+            self.health.changed.set()
 
     async def _start_ready(self) -> None:
         """Starts backlog items of the loaded version; switches version only with nothing in flight."""

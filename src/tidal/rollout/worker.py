@@ -218,7 +218,8 @@ class RolloutWorker:
         self.scorer = scorer or RewardScorer.from_config(cfg.reward)
         self.health = WorkerHealth(worker_id)
         self.backoff = 0.0
-        self.held: list = []  # work item messages pulled and not yet acked
+        self.held: dict = {}  # id(message) -> (message, WorkItem): pulled, not yet acked (nats messages do not hash)
+        self.health.held = lambda: [it for _, it in self.held.values()]  # the heartbeat lists them: a silent worker's items are asked for again
 
     @property
     def version(self) -> int | None:
@@ -252,7 +253,7 @@ class RolloutWorker:
     async def run(self) -> None:
         heartbeat = asyncio.create_task(beat(self.transport, self.health))
         # every work item this worker holds (pulled, not yet acked) has its ack deadline extended
-        keep_alive = asyncio.create_task(keep_in_progress(lambda: self.held, self.cfg.transport.ack_wait_seconds / 3))
+        keep_alive = asyncio.create_task(keep_in_progress(lambda: [m for m, _ in self.held.values()], self.cfg.transport.ack_wait_seconds / 3))
         try:
             await self._serve()
         finally:
@@ -291,12 +292,13 @@ class RolloutWorker:
                     await m.ack()
                 continue
             msgs, items = [m for m, _ in pulled], [it for _, it in pulled]
-            self.held.extend(msgs)  # held from here on: a long weight load must not let them go to another worker
+            self.held.update((id(m), (m, it)) for m, it in pulled)  # held from here on: a long weight load must not let them go to another worker
+            self.health.changed.set()  # a heartbeat at once lists them (a worker killed now has its items asked for again)
             new_version = self.version != version
             load_seconds = await self._load_version(version) if new_version else 0.0
             if load_seconds is None:
                 for m in msgs:  # else the in-progress acks would hold the nak'd items past the back-off
-                    self.held.remove(m)
+                    del self.held[id(m)]
                 await self._back_off(msgs)
                 continue
             idle = time.time() - idle_since - load_seconds
@@ -322,7 +324,7 @@ class GroupPublisher:
     (a worker that dies in between loses nothing: the item is redelivered); a failed publish fails
     the worker at its next check (`raise_if_failed`) or `drain`."""
 
-    def __init__(self, transport: Transport, health: WorkerHealth, held: list):
+    def __init__(self, transport: Transport, health: WorkerHealth, held: dict):
         self.transport, self.health, self.held = transport, health, held
         self.task: asyncio.Task | None = None
 
@@ -332,10 +334,11 @@ class GroupPublisher:
     async def _publish(self, before: asyncio.Task | None, pairs: list[tuple[Group, object]]) -> None:
         if before is not None:
             await before
-        await asyncio.gather(*(self.transport.publish_group(group) for group, _ in pairs))  # one round trip for the call's groups
+        # all in flight at once: one round trip for the call's groups
+        await asyncio.gather(*(self.transport.publish_group(group, answering=msg) for group, msg in pairs))
         for _, msg in pairs:
             await msg.ack()
-            self.held.remove(msg)
+            del self.held[id(msg)]
             self.health.groups_published += 1
 
     def raise_if_failed(self) -> None:

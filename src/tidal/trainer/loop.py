@@ -155,17 +155,27 @@ class WorkRelease:
     def __init__(self, cfg: TidalConfig, dataset: Dataset, end: int):
         self.cfg, self.dataset, self.end = cfg, dataset, end
         self.released = -1  # the last iteration whose first prompts went out
+        # the plans of iterations released ahead, until their turn: a rejected group of one is asked for again at once
+        self.plans: dict[int, IterationPlan] = {}
 
     def ahead(self, version: int) -> list[WorkItem]:
         last = min(version + max_staleness(self.cfg), self.end - 1)
         items = []
         for u in range(max(self.released + 1, version + 1), last + 1):
-            items += IterationPlan.for_iteration(self.cfg, self.dataset, u)[1]
+            self.plans[u], first = IterationPlan.for_iteration(self.cfg, self.dataset, u)
+            items += first
         self.released = max(self.released, last)
         return items
 
     def mark(self, version: int) -> None:
         self.released = max(self.released, version)
+
+
+def reissue_rejected(plans: dict[int, IterationPlan], keys: list[tuple[int, int]], limit: int) -> list[tuple[WorkItem, int]]:
+    """The work items to ask for again, one per (iteration, prompt id) of a rejected group or of an item a
+    silent worker held, through its iteration's plan: the one being trained, or one that bounded mode
+    released ahead. The plan asks only for prompts still unanswered, at most `limit` times each."""
+    return [r for iteration, prompt_id in keys if iteration in plans and (r := plans[iteration].reissue(iteration, prompt_id, limit))]
 
 
 class TailThreads:
@@ -195,16 +205,14 @@ def publish_weights(store: WeightStore, version: int, learner: Learner) -> None:
 
 def forget_unfinished(files: RunFiles, store: WeightStore, start: int) -> None:
     """On start, before anything is written: what a trainer killed mid-iteration left is removed
-    (temp folders of an interrupted publish or checkpoint, groups.jsonl and metrics.jsonl records of
-    iterations from `start` on, which are trained again), so every group and iteration is recorded
-    once. metrics.jsonl is appended before the background writer has made the boundary durable, so
-    a trainer stopped in between leaves a line for an iteration it will redo."""
+    (temp folders of an interrupted publish, groups.jsonl and metrics.jsonl records of iterations
+    from `start` on, which are trained again; resume_version removed an interrupted checkpoint), so
+    every group and iteration is recorded once. metrics.jsonl is appended before the background
+    writer has made the boundary durable, so a trainer stopped in between leaves a line for an
+    iteration it will redo."""
     removed = store.remove_temp()
-    for tmp in sorted(files.checkpoint.glob("*.tmp")):
-        tmp.unlink()
-        removed.append(f"checkpoint/{tmp.name}")
     if removed:
-        log.info("removed what an interrupted publish or checkpoint left: %s", ", ".join(removed))
+        log.info("removed what an interrupted publish left: %s", ", ".join(removed))
     for name in ("groups.jsonl", "metrics.jsonl"):
         dropped = files.drop_records(name, lambda r: r["iteration"] >= start)
         if dropped:
@@ -269,6 +277,7 @@ async def train(
         sync_seconds, pushed = await source.begin_iteration(v)
         timer.add("sync", sync_seconds)
         plan, first = IterationPlan.for_iteration(cfg, dataset, v)
+        plan = release.plans.pop(v, plan)  # released ahead: it may have asked for prompts again already
         if release.released < v:  # bounded mode may have released it during an earlier iteration
             await source.request(first)
             release.mark(v)
@@ -283,6 +292,15 @@ async def train(
                 arrivals = await source.receive(v, plan.missing, timeout=1.0)
             timer.add("idle", -arrivals.generating_seconds)
             rejected += arrivals.rejected
+            # before the wait below: a fetch may bring only rejected messages (or, in bounded mode, groups of later iterations)
+            keys = arrivals.rejected_keys + arrivals.abandoned_keys
+            reissues = reissue_rejected({**release.plans, v: plan}, keys, cfg.transport.max_deliver)
+            if reissues:
+                log.warning(
+                    "iteration %d: asking again for %d prompt(s) whose group was rejected or whose worker went silent (iteration, prompt): %s",
+                    *(v, len(reissues), [(w.iteration, w.prompt_id) for w, _ in reissues]),
+                )
+                await source.reissue(reissues)
             if not arrivals.groups:
                 if time.time() - waited_since > cfg.trainer.group_timeout_seconds:
                     generators = await source.describe_generators()
@@ -301,12 +319,6 @@ async def train(
                 elif verdict:
                     batch.append(group)
             await source.request(replacements)
-            reissues = [r for key in arrivals.rejected_keys if (r := plan.reissue(*key, limit=cfg.transport.max_deliver))]
-            if reissues:
-                log.warning(
-                    "iteration %d: asking again for %d prompt(s) whose group was rejected: %s", v, len(reissues), [w.prompt_id for w, _ in reissues]
-                )
-                await source.reissue(reissues)
             if plan.complete:  # every group is in: periodic workers now wait for v+1, their cores are free
                 await threads.widen()
             train_start = time.time()

@@ -21,7 +21,7 @@ from tidal.protocol import Group, GroupLimits, ProtocolError, WorkItem, decode_g
 from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.distributed import DistContext, broadcast_bytes
 from tidal.transport import Transport, keep_in_progress
-from tidal.transport.health import describe_workers, silent_workers
+from tidal.transport.health import abandoned_work, describe_workers, silent_workers
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class Arrivals:
     rejected: int = 0
     generating_seconds: float = 0.0
     rejected_keys: list[tuple[int, int]] = field(default_factory=list)  # (iteration, prompt id) of rejected groups, where readable
+    abandoned_keys: list[tuple[int, int]] = field(default_factory=list)  # (iteration, prompt id) of items a silent worker held
 
 
 class GroupSource(Protocol):
@@ -105,7 +106,7 @@ class InProcessSource:
 # A worker publishes an engine call's groups one after another; training them in one micro-batch costs far
 # less than a call per group (measured: 12 small train calls took 1.0 s per iteration where 4 took 0.55 s).
 ARRIVAL_LINGER_SECONDS = 0.01
-WORKER_CHECK_SECONDS = 2.0  # while no group arrives: how often the workers' heartbeats are read
+WORKER_CHECK_SECONDS = 1.0  # how often the workers' heartbeats are read
 
 
 class UndeliverableWorkError(RuntimeError):
@@ -134,6 +135,8 @@ class QueueSource:
         self.repair_snapshot = repair_snapshot
         self.checked_at = 0.0
         self.silent: set[str] = set()  # workers named as silent (until a heartbeat comes again)
+        self.alive: dict[str, dict] = {}  # worker id -> its last heartbeat, while alive (abandoned_work)
+        self.abandoned: list[tuple[int, int]] = []  # items silent or replaced workers held, for the next receive to hand out
         self.refusals_seen: dict[str, tuple[int, int]] = {}  # worker -> (version, refusals) last handled
         self.undeliverable: list[int] = []  # WORK stream sequences JetStream gave up on (max_deliver)
         self.limits = limits  # version -> what a group of that iteration may contain
@@ -174,8 +177,8 @@ class QueueSource:
         if arrivals.groups:
             return arrivals
         msgs = await self.transport.fetch(await self._subscription(), wanted, timeout=timeout, linger=ARRIVAL_LINGER_SECONDS)
-        if not msgs:
-            await self._watch_workers()
+        await self._watch_workers()  # also while groups come: the other workers' groups do not mean this one is alive
+        arrivals.abandoned_keys, self.abandoned = self.abandoned, []
         limits = self.limits(version)
         for m in msgs:
             try:
@@ -232,10 +235,12 @@ class QueueSource:
         for wid in silent.keys() - self.silent:
             r = silent[wid]
             log.warning(
-                "worker %s (pid %s on %s) has sent no heartbeat for %.0fs: its work items go to other workers within "
-                "transport.ack_wait_seconds (%.0fs)",
+                "worker %s (pid %s on %s) has sent no heartbeat for %.0fs: the work items its last one listed are asked for again, "
+                "any other goes to another worker within transport.ack_wait_seconds (%.0fs)",
                 *(wid, r["pid"], r["host"], now - r["time"], self.transport.cfg.ack_wait_seconds),
             )
+        self.alive, abandoned = abandoned_work(self.alive, records, now)
+        self.abandoned += abandoned
         for wid in self.silent - silent.keys():
             log.info("worker %s sends heartbeats again", wid)
         self.silent = set(silent)
@@ -285,13 +290,15 @@ class BroadcastSource:
                     "rejected": arrivals.rejected,
                     "generating_seconds": arrivals.generating_seconds,
                     "rejected_keys": [list(k) for k in arrivals.rejected_keys],
+                    "abandoned_keys": [list(k) for k in arrivals.abandoned_keys],
                 }
             )
         data = unpack(await asyncio.to_thread(broadcast_bytes, payload, self.ctx))
         if self.ctx.is_main:
             return arrivals
         keys = [tuple(k) for k in data["rejected_keys"]]
-        return Arrivals([decode_group(g) for g in data["groups"]], data["rejected"], data["generating_seconds"], keys)
+        abandoned = [tuple(k) for k in data["abandoned_keys"]]
+        return Arrivals([decode_group(g) for g in data["groups"]], data["rejected"], data["generating_seconds"], keys, abandoned)
 
     async def commit(self, version: int) -> None:
         if self.ctx.is_main:

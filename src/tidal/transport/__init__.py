@@ -58,6 +58,15 @@ def stream_names(run_id: str) -> dict[str, str]:
     }
 
 
+def group_msg_id(group: Group, answering=None) -> str:
+    """A group's message id: g-{iteration}-{prompt}, plus the `-rN` of a work item the trainer asked
+    for again after a rejected group, so the answer is not dropped as a duplicate of the rejected one.
+    A redelivered item has its first message id, so its group is still stored once."""
+    work_id = (getattr(answering, "headers", None) or {}).get("Nats-Msg-Id", "")
+    again = re.search(r"-r\d+$", work_id)
+    return group.msg_id + (again.group(0) if again else "")
+
+
 async def _fetch_once(sub, batch: int, timeout: float) -> list:
     try:
         return await sub.fetch(batch, timeout=timeout)
@@ -343,10 +352,12 @@ class Transport:
         # de-duplicated by message id: a retry after a lost reply stores it once
         await self._retrying("publish work", lambda: self.js.publish(self.names["work_subject"], payload, headers={"Nats-Msg-Id": msg_id}))
 
-    async def publish_group(self, group: Group) -> None:
+    async def publish_group(self, group: Group, answering=None) -> None:
+        """`answering`: the work message the group answers; its message id decides the group's (group_msg_id)."""
         payload = pack(group)
         self._check_size(payload, f"group {group.iteration}/{group.prompt_id}")
-        await self._retrying("publish group", lambda: self.js.publish(self.names["rollouts_subject"], payload, headers={"Nats-Msg-Id": group.msg_id}))
+        msg_id = group_msg_id(group, answering)
+        await self._retrying("publish group", lambda: self.js.publish(self.names["rollouts_subject"], payload, headers={"Nats-Msg-Id": msg_id}))
 
     async def work_subscription(self):
         return await self.js.pull_subscribe_bind(WORKERS_CONSUMER, stream=self.names["work_stream"])

@@ -2,11 +2,13 @@
 refusing a snapshot.
 
 Two different clocks notice a failed worker:
-- its work items: the in-progress acks it sends every ack_wait / 3 are what keeps them its own, so
-  a worker that dies or is stopped loses them after `transport.ack_wait_seconds` (seconds, not a
-  minute) and another worker generates them (JetStream redelivery; nothing is lost);
-- its heartbeat: what the trainer reads to say which worker went silent, and to learn that a
-  worker refused weights, so it can check the snapshot and rewrite it (trainer/repair in roles).
+- its heartbeat, which lists the work items it holds: the trainer reads it to say which worker went
+  silent and asks at once for the items a silent worker held again, under new message ids (a late
+  group of the silent worker is then a duplicate the trainer drops); also, to learn that a worker
+  refused weights, so it can check the snapshot and rewrite it (trainer/repair in roles);
+- its work items' in-progress acks, sent every ack_wait / 3: a worker that dies or is stopped loses
+  them after `transport.ack_wait_seconds` and JetStream hands them to another worker (the fallback
+  for items the last heartbeat did not list; nothing is lost).
 
 A worker that refused a snapshot waits before trying it again (1 s, doubling to 10 s) instead of
 re-reading and re-hashing it in a tight loop.
@@ -19,12 +21,13 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 1.0
-SILENT_AFTER_SECONDS = 5.0  # no heartbeat for this long: the worker is named as silent
+SILENT_AFTER_SECONDS = 3.0  # no heartbeat for this long: the worker is silent, its items are asked for again
 FIRST_BACKOFF_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 10.0
 
@@ -44,6 +47,10 @@ class WorkerHealth:
     refused_version: int | None = None
     refused_error: str = ""
     refusals: int = 0  # consecutive refusals of refused_version
+    held: Callable[[], list] = list  # the WorkItems it holds now (pulled, not yet answered)
+    # set when it takes new items: the next heartbeat goes out at once, so a worker killed right after
+    # a pull has them listed (else they wait for ack_wait)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def refused(self, version: int, error: str) -> float:
         """Records a refusal; returns how long to back off."""
@@ -66,6 +73,7 @@ class WorkerHealth:
             "refused_version": self.refused_version,
             "refused_error": self.refused_error,
             "refusals": self.refusals,
+            "holding": [[item.iteration, item.prompt_id] for item in self.held()],
         }
 
 
@@ -83,18 +91,40 @@ async def report_refusal(transport, health: WorkerHealth, version: int, error: s
 
 
 async def beat(transport, health: WorkerHealth, every: float = HEARTBEAT_SECONDS) -> None:
-    """Puts the heartbeat every `every` seconds until cancelled; a failed put (NATS restarting) is
-    retried at the next beat: a heartbeat is never worth failing the worker for."""
+    """Puts the heartbeat every `every` seconds, and at once when the worker takes new work items,
+    until cancelled; a failed put (NATS restarting) is retried at the next beat: a heartbeat is never
+    worth failing the worker for."""
     while True:
         try:
             await transport.put_worker_health(health.record())
         except Exception as err:  # noqa: BLE001
             log.debug("worker %s: heartbeat not sent (%s)", health.worker_id, err)
-        await asyncio.sleep(every)
+        try:
+            await asyncio.wait_for(health.changed.wait(), every)
+        except TimeoutError:
+            pass
+        health.changed.clear()
 
 
 def silent_workers(records: list[dict], now: float, after: float = SILENT_AFTER_SECONDS) -> list[dict]:
     return [r for r in records if now - r["time"] > after]
+
+
+def abandoned_work(last_alive: dict[str, dict], records: list[dict], now: float, after: float = SILENT_AFTER_SECONDS):
+    """(the workers alive now, by id; the (iteration, prompt id) of work items to ask for again): what a
+    worker listed in its last heartbeat before it fell silent, or before another process took its id
+    (restarted by the launcher before it was seen silent). Only workers `last_alive` had count, so a
+    previous launch's records hand out nothing, and each listing is handed out once."""
+    alive, keys = {}, []
+    for r in records:
+        prev = last_alive.get(r["worker_id"])
+        if now - r["time"] > after:
+            keys += [tuple(k) for k in r.get("holding", [])] if prev is not None else []
+            continue
+        if prev is not None and prev["pid"] != r["pid"]:
+            keys += [tuple(k) for k in prev.get("holding", [])]
+        alive[r["worker_id"]] = r
+    return alive, keys
 
 
 def describe_workers(records: list[dict], now: float, after: float = SILENT_AFTER_SECONDS) -> str:
