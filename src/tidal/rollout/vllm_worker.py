@@ -168,8 +168,9 @@ class VLLMRolloutWorker:
             return
         # in-flight groups progress while we wait; an idle NCCL member also watches for offers
         timeout = 0.05 if self.inflight else (0.25 if self.nccl else 1.0)
-        self.backlog.extend(await decode_work(self.transport, await self.transport.fetch(sub, free, timeout=timeout), self.worker_id))
-        if self.backlog:
+        pulled = await decode_work(self.transport, await self.transport.fetch(sub, free, timeout=timeout), self.worker_id)
+        self.backlog.extend(pulled)
+        if pulled:  # a heartbeat at once lists them (not on every poll while a backlog waits)
             self.health.changed.set()
 
     async def _start_ready(self) -> None:
