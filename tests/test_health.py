@@ -6,7 +6,7 @@ import asyncio
 from tidal.config import TransportConfig
 from tidal.protocol import WorkItem
 from tidal.transport import Transport
-from tidal.transport.health import WorkerHealth, abandoned_work, describe_workers, refusal_backoff, silent_workers
+from tidal.transport.health import WorkerHealth, describe_workers, refusal_backoff, watch_workers
 
 
 def test_the_refusal_backoff_doubles_to_a_cap():
@@ -27,31 +27,53 @@ def test_a_silent_worker_is_named_with_how_long_and_what_it_held():
     alive.loaded(3)
     dead.refused(2, "snapshot x: model.safetensors sha256 … does not match")
     records = [alive.record(now - 0.5), dead.record(now - 40)]
-    assert [r["worker_id"] for r in silent_workers(records, now)] == ["w1"]
     text = describe_workers(records, now)
     assert "worker w0 (pid 1 on h): alive (0.5s ago), holds v3" in text
     assert "worker w1 (pid 2 on h): silent for 40s, holds vNone, 0 groups published, refused v2 1x: snapshot x" in text
     assert describe_workers([], now) == "no rollout worker has sent a heartbeat"
 
 
-def beat(worker_id: str, pid: int, at: float, holding: list[tuple[int, int]]) -> dict:
-    health = WorkerHealth(worker_id, pid=pid, host="h")
+def worker(worker_id: str, holding: list[tuple[int, int]]) -> WorkerHealth:
+    health = WorkerHealth(worker_id, host="h")
     health.held = lambda: [WorkItem(i, p, "prompt", "answer") for i, p in holding]
-    return health.record(at)
+    return health
 
 
 def test_the_items_a_silent_or_replaced_worker_held_are_handed_out_once():
     """#15 item 5: what the last heartbeat listed goes out again when the worker falls silent, or when
     another process (the launcher's restart) took its id before it was seen silent; a previous
     launch's stale records hand out nothing."""
-    stale = beat("w9", 9, 0.0, [(0, 4)])
-    alive, keys = abandoned_work({}, [beat("w0", 1, 99.0, [(1, 7), (1, 8)]), beat("w1", 2, 99.0, [(1, 9)]), stale], now=100.0)
-    assert keys == [] and set(alive) == {"w0", "w1"}
-    # w0 is silent (its items go out), w1 was restarted by the launcher: a new pid under its id
-    alive, keys = abandoned_work(alive, [beat("w0", 1, 99.0, [(1, 7), (1, 8)]), beat("w1", 3, 104.0, []), stale], now=105.0)
-    assert keys == [(1, 7), (1, 8), (1, 9)] and set(alive) == {"w1"}
-    alive, keys = abandoned_work(alive, [beat("w0", 1, 99.0, [(1, 7), (1, 8)]), beat("w1", 3, 105.0, []), stale], now=106.0)
-    assert keys == []  # once
+    w0, w1, stale = worker("w0", [(1, 7), (1, 8)]), worker("w1", [(1, 9)]), worker("w9", [(0, 4)]).record(0.0)
+    watched, silent, keys = watch_workers({}, [w0.record(), w1.record(), stale], now=100.0)
+    assert keys == [] and silent == []  # first seen: nothing is known yet
+    w0_last = w0.record()
+    watched, silent, keys = watch_workers(watched, [w0_last, w1.record(), stale], now=101.0)
+    assert keys == [] and silent == []  # both beat: alive; the stale record never changes
+    # w0 stops beating; w1 is restarted by the launcher: a new process under its id, before it was seen silent
+    w1_again = worker("w1", [])
+    watched, silent, keys = watch_workers(watched, [w0_last, w1_again.record(), stale], now=103.0)
+    assert keys == [(1, 9)] and silent == []
+    watched, silent, keys = watch_workers(watched, [w0_last, w1_again.record(), stale], now=104.5)
+    assert keys == [(1, 7), (1, 8)] and [r["worker_id"] for r in silent] == ["w0"]
+    watched, silent, keys = watch_workers(watched, [w0_last, w1_again.record(), stale], now=110.0)
+    assert keys == [] and [r["worker_id"] for r in silent] == ["w0"]  # once; w9 was never alive
+
+
+def test_silence_is_measured_on_the_trainers_clock_not_the_workers():
+    """A worker host whose clock is 30 s behind the trainer's is alive while its beats keep changing;
+    after a NATS restart the trainer may read beats written before it: they are stale only once they
+    stop changing for SILENT_AFTER_SECONDS of the trainer's own time."""
+    skewed = worker("w0", [(2, 1)])
+    watched, silent, keys = watch_workers({}, [skewed.record(970.0)], now=1000.0)
+    for now in (1001.0, 1002.0, 1003.0, 1004.0):
+        watched, silent, keys = watch_workers(watched, [skewed.record(now - 30.0)], now=now)
+        assert silent == [] and keys == []
+    last = skewed.record(975.0)  # an old beat, read again after a reconnect
+    watched, silent, keys = watch_workers(watched, [last], now=1005.0)
+    watched, silent, keys = watch_workers(watched, [last], now=1007.0)
+    assert silent == [] and keys == []  # 2 s unchanged: not yet
+    watched, silent, keys = watch_workers(watched, [last], now=1008.5)
+    assert [r["worker_id"] for r in silent] == ["w0"] and keys == [(2, 1)]
 
 
 def test_heartbeats_round_trip_through_the_run_kv_bucket(nats_server):

@@ -53,10 +53,19 @@ def test_tail_threads_speed_up_only_the_training_after_the_last_arrival():
     # the second call's runs alone, at twice the speed with the workers' cores
     assert simulate_periodic(1.0, 0.5, 2, 1, 1, 1, 2, 1.0) == pytest.approx(2.5)
     assert simulate_periodic(1.0, 0.5, 2, 1, 1, 1, 2, 1.0, tail_speedup=2.0) == pytest.approx(2.25)
+    # training slower than generation: call 1's training (0.5 to 2.0) is still running when the last
+    # group arrives (at 1.0), so it keeps one thread; only call 2's, started at 2.0, is faster
+    assert simulate_periodic(0.5, 1.5, 2, 1, 1, 1, 2, 1.0, tail_speedup=2.0) == pytest.approx(0.5 + 1.5 + 0.75)
     assert tail_thread_count(Split(1, 1, 1), "auto", cores=4) == 2  # its thread and its worker's
     assert tail_thread_count(Split(1, 2, 1), 8, cores=4) == 4  # never more than the cores
     assert tail_thread_count(Split(1, 1, 3), 3, cores=4) is None  # no more than it has
     assert tail_thread_count(Split(1, 1, 1), None, cores=4) is None
+    from tidal.config import TidalConfig
+    from tidal.plan import planned_tail
+
+    assert planned_tail(TidalConfig()) == "auto"  # periodic applies it; bounded and sync never do
+    assert planned_tail(TidalConfig.model_validate({"mode": "bounded", "rollout": {"max_staleness": 1}})) is None
+    assert planned_tail(TidalConfig.model_validate({"mode": "sync"})) is None
     plain, tail = predict_periodic(profile(), Split(1, 1, 1)), predict_periodic(profile(), Split(1, 1, 1), "auto")
     # 1 worker x 1 thread: 4 calls of 0.5 s; trainer 1 thread: 0.4 s per call, each done before the next
     # arrives; the last one's runs 1.6/1.0 times faster on 2 threads (the worker's idle core)

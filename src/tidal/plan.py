@@ -117,23 +117,24 @@ def simulate_periodic(
     groups trained (`train_chunk` seconds alone) in arrival order by one trainer. The busy processes
     share the cores (fewer threads than cores: full speed; more: cores / threads each) and slow each
     other by `contention` while more than one is busy. An event simulation, so the head (only the
-    workers busy) and the tail (only the trainer) run at full speed; in the tail the trainer runs
-    `tail_speedup` times faster (trainer.tail_threads: it takes the idle workers' cores)."""
+    workers busy) and the tail (only the trainer) run at full speed. A training call that starts
+    once every group is in runs `tail_speedup` times faster (trainer.tail_threads: the trainer takes
+    the idle workers' cores then, between calls; one already running keeps its threads)."""
     queues = [list(range(w, calls, workers)) for w in range(workers)]
-    left = {("gen", w): generate_chunk for w in range(workers) if queues[w]}  # busy jobs -> seconds of work left
-    arrived, trained, now = 0, 0, 0.0
+    left = {("gen", w): generate_chunk for w in range(workers) if queues[w]}  # busy jobs -> seconds of work left (alone)
+    arrived, trained, now, widened = 0, 0, 0.0, False
     while trained < calls:
         if ("train", 0) not in left and arrived > trained:
             left[("train", 0)] = train_chunk
+            widened = arrived == calls
         threads = sum(trainer_threads if kind == "train" else worker_threads for kind, _ in left)
         speed = min(1.0, cores / threads) / (contention if len(left) > 1 else 1.0)
-        if arrived == calls:  # every group is in: the workers wait for the next weights
-            speed *= tail_speedup
-        job = min(left, key=left.get)
-        step = left[job]
-        now += step / speed
+        rate = {job: speed * (tail_speedup if job[0] == "train" and widened else 1.0) for job in left}
+        job = min(left, key=lambda j: left[j] / rate[j])
+        seconds = left[job] / rate[job]
+        now += seconds
         for other in left:
-            left[other] -= step
+            left[other] -= seconds * rate[other]
         del left[job]
         kind, w = job
         if kind == "train":
@@ -154,6 +155,11 @@ def tail_thread_count(split: Split, tail_threads: int | str | None, cores: int) 
     tail = split.threads if tail_threads == "auto" else int(tail_threads)
     tail = min(tail, cores)
     return tail if tail > split.trainer_threads else None
+
+
+def planned_tail(cfg: TidalConfig) -> int | str | None:
+    """trainer.tail_threads where the run applies it (periodic mode only, as runtime.tail_threads)."""
+    return cfg.trainer.tail_threads if cfg.mode == "periodic" else None
 
 
 def predict_periodic(profile: Profile, split: Split, tail_threads: int | str | None = None) -> Prediction:
@@ -207,9 +213,7 @@ def calibration(profile: Profile, run_dir: Path) -> tuple[float, Split | None, f
         raise SystemExit(f"tidal plan: --from-run {run_dir}: needs at least 4 iterations in metrics.jsonl, found {len(lines)}")
     measured = statistics.median(b["wall_time"] - a["wall_time"] for a, b in zip(lines[2:], lines[3:]))
     split = run_split(cfg, profile.cores)
-    predicted = (
-        predict_sync(profile, cfg.trainer.threads or profile.cores) if split is None else predict_periodic(profile, split, cfg.trainer.tail_threads)
-    )
+    predicted = predict_sync(profile, cfg.trainer.threads or profile.cores) if split is None else predict_periodic(profile, split, planned_tail(cfg))
     return measured / predicted.iteration_seconds, split, measured
 
 
@@ -423,7 +427,7 @@ def apply_plan(cfg: TidalConfig, profile: Profile) -> tuple[TidalConfig, Predict
         fixed = {k: v for k, v in fixed.items() if isinstance(v, int)}
         options = [s for s in candidate_splits(profile.cores) if all(getattr(s, k) == v for k, v in fixed.items())]
         options = options or [Split(fixed.get("workers", 1), fixed.get("worker_threads", 1), fixed.get("trainer_threads", 1))]
-        chosen = min((predict_periodic(profile, s, cfg.trainer.tail_threads) for s in options), key=lambda p: p.iteration_seconds)
+        chosen = min((predict_periodic(profile, s, planned_tail(cfg)) for s in options), key=lambda p: p.iteration_seconds)
         rollout = {"workers": chosen.split.workers, "threads": chosen.split.worker_threads}
         trainer = {"threads": chosen.split.trainer_threads}
     resolved = cfg.model_copy(
@@ -480,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.from_run:
         factor, ran, measured = calibration(profile, Path(args.from_run))
         print(f"calibrated on {args.from_run} ({ran or 'sync'}): measured {measured:.3f} s/iteration, x{factor:.2f} the model's", flush=True)
-    tail = cfg.trainer.tail_threads if cfg.mode == "periodic" else None
+    tail = planned_tail(cfg)
     candidates = [*splits, *(e for e in extra if e not in splits)]
     predictions = sorted((predict_periodic(profile, s, tail) for s in candidates), key=lambda p: p.iteration_seconds)
     predictions = [scaled(p, factor) for p in predictions]

@@ -254,17 +254,18 @@ class RolloutWorker:
         heartbeat = asyncio.create_task(beat(self.transport, self.health))
         # every work item this worker holds (pulled, not yet acked) has its ack deadline extended
         keep_alive = asyncio.create_task(keep_in_progress(lambda: [m for m, _ in self.held.values()], self.cfg.transport.ack_wait_seconds / 3))
+        publisher = GroupPublisher(self.transport, self.health, self.held)
         try:
-            await self._serve()
+            await self._serve(publisher)
         finally:
             keep_alive.cancel()
             heartbeat.cancel()
+            publisher.discard()
 
-    async def _serve(self) -> None:
+    async def _serve(self, publisher: GroupPublisher) -> None:
         sub = await self.transport.work_subscription()
         prompt_tokens = 16  # until the first prompts are seen: the longest encoded prompt sizes later pulls
         idle_since = time.time()
-        publisher = GroupPublisher(self.transport, self.health, self.held)
         while True:
             if await self.transport.stopping():
                 await publisher.drain()
@@ -334,8 +335,11 @@ class GroupPublisher:
     async def _publish(self, before: asyncio.Task | None, pairs: list[tuple[Group, object]]) -> None:
         if before is not None:
             await before
-        # all in flight at once: one round trip for the call's groups
-        await asyncio.gather(*(self.transport.publish_group(group, answering=msg) for group, msg in pairs))
+        # all in flight at once: one round trip for the call's groups; every outcome is collected, the first failure raised
+        outcomes = await asyncio.gather(*(self.transport.publish_group(group, answering=msg) for group, msg in pairs), return_exceptions=True)
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if failed:
+            raise failed[0]
         for _, msg in pairs:
             await msg.ack()
             del self.held[id(msg)]
@@ -348,3 +352,13 @@ class GroupPublisher:
     async def drain(self) -> None:
         if self.task is not None:
             await self.task
+
+    def discard(self) -> None:
+        """The worker is failing for another reason: what is still being published is abandoned (its
+        items were not acked, so they are redelivered) and a failure it had is logged, not lost."""
+        if self.task is None:
+            return
+        if not self.task.done():
+            self.task.cancel()
+        elif not self.task.cancelled() and self.task.exception() is not None:
+            log.error("publishing a group failed: %s", self.task.exception())

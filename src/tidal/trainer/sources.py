@@ -21,7 +21,7 @@ from tidal.protocol import Group, GroupLimits, ProtocolError, WorkItem, decode_g
 from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.distributed import DistContext, broadcast_bytes
 from tidal.transport import Transport, keep_in_progress
-from tidal.transport.health import abandoned_work, describe_workers, silent_workers
+from tidal.transport.health import describe_workers, watch_workers
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class QueueSource:
         self.repair_snapshot = repair_snapshot
         self.checked_at = 0.0
         self.silent: set[str] = set()  # workers named as silent (until a heartbeat comes again)
-        self.alive: dict[str, dict] = {}  # worker id -> its last heartbeat, while alive (abandoned_work)
+        self.watched: dict = {}  # worker id -> WatchedWorker (watch_workers): heartbeats on this trainer's clock
         self.abandoned: list[tuple[int, int]] = []  # items silent or replaced workers held, for the next receive to hand out
         self.refusals_seen: dict[str, tuple[int, int]] = {}  # worker -> (version, refusals) last handled
         self.undeliverable: list[int] = []  # WORK stream sequences JetStream gave up on (max_deliver)
@@ -231,15 +231,15 @@ class QueueSource:
             return
         self.checked_at = now
         records = await self.transport.worker_health()
-        silent = {r["worker_id"]: r for r in silent_workers(records, now)}
+        self.watched, silent_records, abandoned = watch_workers(self.watched, records, now)
+        silent = {r["worker_id"]: r for r in silent_records}
         for wid in silent.keys() - self.silent:
             r = silent[wid]
             log.warning(
                 "worker %s (pid %s on %s) has sent no heartbeat for %.0fs: the work items its last one listed are asked for again, "
                 "any other goes to another worker within transport.ack_wait_seconds (%.0fs)",
-                *(wid, r["pid"], r["host"], now - r["time"], self.transport.cfg.ack_wait_seconds),
+                *(wid, r["pid"], r["host"], now - self.watched[wid].changed_at, self.transport.cfg.ack_wait_seconds),
             )
-        self.alive, abandoned = abandoned_work(self.alive, records, now)
         self.abandoned += abandoned
         for wid in self.silent - silent.keys():
             log.info("worker %s sends heartbeats again", wid)

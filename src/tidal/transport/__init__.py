@@ -79,7 +79,10 @@ async def keep_in_progress(msgs, every: float) -> None:
     while True:
         await asyncio.sleep(every)
         for m in list(msgs() if callable(msgs) else msgs):
-            await m.in_progress()
+            try:
+                await m.in_progress()
+            except Exception as err:  # noqa: BLE001 - one lost extension (NATS restarting) must not end the keep-alive for good
+                log.warning("could not extend a held message's ack deadline (%s); retrying in %.0fs", err, every)
 
 
 class NatsUnavailableError(ConnectionError):

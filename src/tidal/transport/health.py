@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -42,6 +43,10 @@ class WorkerHealth:
     worker_id: str
     pid: int = field(default_factory=os.getpid)
     host: str = field(default_factory=socket.gethostname)
+    # this process, whatever its pid (a restarted container is pid 1 again): a new one under the same
+    # worker id means the old one is gone
+    incarnation: str = field(default_factory=lambda: secrets.token_hex(6))
+    beats: int = 0  # heartbeats written: the trainer sees a live worker's count change on its own clock
     version: int | None = None
     groups_published: int = 0
     refused_version: int | None = None
@@ -63,9 +68,12 @@ class WorkerHealth:
         self.refused_version, self.refused_error, self.refusals = None, "", 0
 
     def record(self, now: float | None = None) -> dict:
+        self.beats += 1
         return {
             "worker_id": self.worker_id,
             "pid": self.pid,
+            "incarnation": self.incarnation,
+            "beat": self.beats,
             "host": self.host,
             "time": time.time() if now is None else now,
             "version": self.version,
@@ -106,25 +114,48 @@ async def beat(transport, health: WorkerHealth, every: float = HEARTBEAT_SECONDS
         health.changed.clear()
 
 
-def silent_workers(records: list[dict], now: float, after: float = SILENT_AFTER_SECONDS) -> list[dict]:
-    return [r for r in records if now - r["time"] > after]
+@dataclass
+class WatchedWorker:
+    """What the trainer knows of one worker's heartbeats, on the trainer's own clock."""
+
+    record: dict
+    changed_at: float  # trainer time when its heartbeat last changed (or was first seen)
+    alive: bool  # seen changing at least once: a stale record of an earlier launch never is
+    handed_out: bool = False  # its listed items were asked for again
 
 
-def abandoned_work(last_alive: dict[str, dict], records: list[dict], now: float, after: float = SILENT_AFTER_SECONDS):
-    """(the workers alive now, by id; the (iteration, prompt id) of work items to ask for again): what a
-    worker listed in its last heartbeat before it fell silent, or before another process took its id
-    (restarted by the launcher before it was seen silent). Only workers `last_alive` had count, so a
-    previous launch's records hand out nothing, and each listing is handed out once."""
-    alive, keys = {}, []
+def heartbeat_key(record: dict) -> tuple:
+    return record.get("incarnation", record.get("pid")), record.get("beat", record.get("time"))
+
+
+def watch_workers(
+    watched: dict[str, WatchedWorker], records: list[dict], now: float, after: float = SILENT_AFTER_SECONDS
+) -> tuple[dict[str, WatchedWorker], list[dict], list[tuple]]:
+    """(the watch updated, the silent workers' last heartbeats, the (iteration, prompt id) of work items
+    to ask for again). A worker is silent when its heartbeat has not changed for `after` seconds of
+    the trainer's clock (`now`), so hosts' clocks need not agree and a trainer that reconnects after a
+    NATS restart sees a live worker's next beat before it calls it silent. What a worker listed goes
+    out again once: when it falls silent, or when another process took its id (the launcher's restart)
+    before it was seen silent. A record never seen changing (an earlier launch's) hands out nothing."""
+    out, silent, keys = {}, [], []
     for r in records:
-        prev = last_alive.get(r["worker_id"])
-        if now - r["time"] > after:
-            keys += [tuple(k) for k in r.get("holding", [])] if prev is not None else []
-            continue
-        if prev is not None and prev["pid"] != r["pid"]:
-            keys += [tuple(k) for k in prev.get("holding", [])]
-        alive[r["worker_id"]] = r
-    return alive, keys
+        prev = watched.get(r["worker_id"])
+        if prev is None:
+            entry = WatchedWorker(r, now, alive=False)
+        elif heartbeat_key(r) == heartbeat_key(prev.record):
+            entry = prev
+        else:
+            replaced = heartbeat_key(r)[0] != heartbeat_key(prev.record)[0]
+            if replaced and prev.alive and not prev.handed_out:
+                keys += [tuple(k) for k in prev.record.get("holding", [])]
+            entry = WatchedWorker(r, now, alive=True)
+        if entry.alive and now - entry.changed_at > after:
+            silent.append(entry.record)
+            if not entry.handed_out:
+                keys += [tuple(k) for k in entry.record.get("holding", [])]
+                entry.handed_out = True
+        out[r["worker_id"]] = entry
+    return out, silent, keys
 
 
 def describe_workers(records: list[dict], now: float, after: float = SILENT_AFTER_SECONDS) -> str:
