@@ -41,22 +41,27 @@ def worker(worker_id: str, holding: list[tuple[int, int]]) -> WorkerHealth:
 
 def test_the_items_a_silent_or_replaced_worker_held_are_handed_out_once():
     """#15 item 5: what the last heartbeat listed goes out again when the worker falls silent, or when
-    another process (the launcher's restart) took its id before it was seen silent; a previous
-    launch's stale records hand out nothing."""
-    w0, w1, stale = worker("w0", [(1, 7), (1, 8)]), worker("w1", [(1, 9)]), worker("w9", [(0, 4)]).record(0.0)
-    watched, silent, keys = watch_workers({}, [w0.record(), w1.record(), stale], now=100.0)
-    assert keys == [] and silent == []  # first seen: nothing is known yet
+    another process (the launcher's restart) took its id before it was seen silent, also one the
+    trainer saw only once (killed right after its pull); each listing once."""
+    w0, w1, w2 = worker("w0", [(1, 7), (1, 8)]), worker("w1", [(1, 9)]), worker("w2", [(1, 3)])
+    watched, silent, keys = watch_workers({}, [w0.record(), w1.record(), w2.record()], now=100.0)
+    assert keys == [] and silent == []
     w0_last = w0.record()
-    watched, silent, keys = watch_workers(watched, [w0_last, w1.record(), stale], now=101.0)
-    assert keys == [] and silent == []  # both beat: alive; the stale record never changes
+    watched, silent, keys = watch_workers(watched, [w0_last, w1.record(), w2.record()], now=101.0)
+    assert keys == [] and silent == []  # all beat
     # w0 stops beating; w1 is restarted by the launcher: a new process under its id, before it was seen silent
     w1_again = worker("w1", [])
-    watched, silent, keys = watch_workers(watched, [w0_last, w1_again.record(), stale], now=103.0)
+    watched, silent, keys = watch_workers(watched, [w0_last, w1_again.record(), w2.record()], now=103.0)
     assert keys == [(1, 9)] and silent == []
-    watched, silent, keys = watch_workers(watched, [w0_last, w1_again.record(), stale], now=104.5)
+    watched, silent, keys = watch_workers(watched, [w0_last, w1_again.record(), w2.record()], now=104.5)
     assert keys == [(1, 7), (1, 8)] and [r["worker_id"] for r in silent] == ["w0"]
-    watched, silent, keys = watch_workers(watched, [w0_last, w1_again.record(), stale], now=110.0)
-    assert keys == [] and [r["worker_id"] for r in silent] == ["w0"]  # once; w9 was never alive
+    watched, silent, keys = watch_workers(watched, [w0_last, w1_again.record(), w2.record()], now=110.0)
+    assert keys == [] and [r["worker_id"] for r in silent] == ["w0"]  # once
+    # a worker seen once, then replaced: its items go out at once too
+    w3 = worker("w3", [(2, 5)])
+    watched, silent, keys = watch_workers(watched, [w3.record()], now=111.0)
+    watched, silent, keys = watch_workers(watched, [worker("w3", []).record()], now=112.0)
+    assert keys == [(2, 5)]
 
 
 def test_silence_is_measured_on_the_trainers_clock_not_the_workers():

@@ -120,7 +120,6 @@ class WatchedWorker:
 
     record: dict
     changed_at: float  # trainer time when its heartbeat last changed (or was first seen)
-    alive: bool  # seen changing at least once: a stale record of an earlier launch never is
     handed_out: bool = False  # its listed items were asked for again
 
 
@@ -136,20 +135,22 @@ def watch_workers(
     the trainer's clock (`now`), so hosts' clocks need not agree and a trainer that reconnects after a
     NATS restart sees a live worker's next beat before it calls it silent. What a worker listed goes
     out again once: when it falls silent, or when another process took its id (the launcher's restart)
-    before it was seen silent. A record never seen changing (an earlier launch's) hands out nothing."""
+    before it was seen silent, also when the trainer saw it only once (a worker killed right after its
+    pull). An earlier launch's record goes silent too: asking again is harmless, since the trainer
+    re-asks only prompts its iterations still expect (IterationPlan.reissue) and drops duplicates."""
     out, silent, keys = {}, [], []
     for r in records:
         prev = watched.get(r["worker_id"])
         if prev is None:
-            entry = WatchedWorker(r, now, alive=False)
+            entry = WatchedWorker(r, now)
         elif heartbeat_key(r) == heartbeat_key(prev.record):
             entry = prev
         else:
             replaced = heartbeat_key(r)[0] != heartbeat_key(prev.record)[0]
-            if replaced and prev.alive and not prev.handed_out:
+            if replaced and not prev.handed_out:
                 keys += [tuple(k) for k in prev.record.get("holding", [])]
-            entry = WatchedWorker(r, now, alive=True)
-        if entry.alive and now - entry.changed_at > after:
+            entry = WatchedWorker(r, now)
+        if now - entry.changed_at > after:
             silent.append(entry.record)
             if not entry.handed_out:
                 keys += [tuple(k) for k in entry.record.get("holding", [])]
