@@ -103,9 +103,11 @@ class InProcessSource:
         return ""
 
 
-# A worker publishes an engine call's groups one after another; training them in one micro-batch costs far
-# less than a call per group (measured: 12 small train calls took 1.0 s per iteration where 4 took 0.55 s).
-ARRIVAL_LINGER_SECONDS = 0.01
+# A worker publishes an engine call's groups together (all in flight at once); training them in one
+# micro-batch costs far less than a call per group (measured: 12 small train calls took 1.0 s per
+# iteration where 4 took 0.55 s). 3 ms gathers a call's groups (4 train calls per iteration on the
+# example, as with 10 ms) and starts the first sooner: 0.414-0.436 s/iteration against 0.437-0.457 s.
+ARRIVAL_LINGER_SECONDS = 0.003
 WORKER_CHECK_SECONDS = 1.0  # how often the workers' heartbeats are read
 
 
