@@ -138,7 +138,6 @@ class QueueSource:
         self.checked_at = 0.0
         self.silent: set[str] = set()  # workers named as silent (until a heartbeat comes again)
         self.watched: dict = {}  # worker id -> WatchedWorker (watch_workers): heartbeats on this trainer's clock
-        self.abandoned: list[tuple[int, int]] = []  # items silent or replaced workers held, for the next receive to hand out
         self.refusals_seen: dict[str, tuple[int, int]] = {}  # worker -> (version, refusals) last handled
         self.undeliverable: list[int] = []  # WORK stream sequences JetStream gave up on (max_deliver)
         self.limits = limits  # version -> what a group of that iteration may contain
@@ -179,8 +178,8 @@ class QueueSource:
         if arrivals.groups:
             return arrivals
         msgs = await self.transport.fetch(await self._subscription(), wanted, timeout=timeout, linger=ARRIVAL_LINGER_SECONDS)
-        await self._watch_workers()  # also while groups come: the other workers' groups do not mean this one is alive
-        arrivals.abandoned_keys, self.abandoned = self.abandoned, []
+        # also while groups come: the other workers' groups do not mean this one is alive
+        arrivals.abandoned_keys = await self._watch_workers()
         limits = self.limits(version)
         for m in msgs:
             try:
@@ -218,10 +217,11 @@ class QueueSource:
     async def describe_generators(self) -> str:
         return describe_workers(await self.transport.worker_health(), time.time())
 
-    async def _watch_workers(self) -> None:
-        """While groups are not coming: names a worker whose heartbeat stopped, has a snapshot a
-        worker refused checked (and rewritten when corrupt), and fails on a work item JetStream
-        gave up on instead of waiting for trainer.group_timeout_seconds."""
+    async def _watch_workers(self) -> list[tuple[int, int]]:
+        """At most every WORKER_CHECK_SECONDS: names a worker whose heartbeat stopped and returns the
+        (iteration, prompt id) of the items a silent or replaced worker held, has a snapshot a worker
+        refused checked (and rewritten when corrupt), and fails on a work item JetStream gave up on
+        instead of waiting for trainer.group_timeout_seconds."""
         if self.undeliverable:
             raise UndeliverableWorkError(
                 f"{await self.transport.describe_work(self.undeliverable[0])} was handed to workers transport.max_deliver "
@@ -230,7 +230,7 @@ class QueueSource:
             )
         now = time.time()
         if now - self.checked_at < WORKER_CHECK_SECONDS:
-            return
+            return []
         self.checked_at = now
         records = await self.transport.worker_health()
         self.watched, silent_records, abandoned = watch_workers(self.watched, records, now)
@@ -242,7 +242,6 @@ class QueueSource:
                 "any other goes to another worker within transport.ack_wait_seconds (%.0fs)",
                 *(wid, r["pid"], r["host"], now - self.watched[wid].changed_at, self.transport.cfg.ack_wait_seconds),
             )
-        self.abandoned += abandoned
         for wid in self.silent - silent.keys():
             log.info("worker %s sends heartbeats again", wid)
         self.silent = set(silent)
@@ -259,6 +258,7 @@ class QueueSource:
                 log.warning("worker(s) %s refused weights v%d (%s): it was corrupt and is rewritten", names, version, reports[0]["refused_error"])
             else:
                 log.error("worker(s) %s refused weights v%d, which verify here: %s", names, version, reports[0]["refused_error"])
+        return abandoned
 
 
 class BroadcastSource:
