@@ -57,6 +57,43 @@ def test_engine_logprobs_match_a_trainer_forward():
             assert (s.finish_reason == "stop") == (s.token_ids[-1] == tok.eos_token_id)
 
 
+def eos_prone(model, tok, eos_logit: float):
+    """The tiny model with an untied output layer whose EOS bias makes rows finish at different steps."""
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.get_output_embeddings().weight)
+        head.bias.zero_()
+        head.bias[tok.eos_token_id] = eos_logit
+    model.lm_head = head
+    return model
+
+
+def test_rows_that_finish_early_leave_the_batch_without_changing_any_sample():
+    """The engine prefills each prompt once and drops rows after EOS: every emitted token's log-prob
+    still equals a full forward over prompt + completion, whatever the prompt lengths (left padding),
+    group sizes and finishing steps in one call, and a group's samples are the same alone or batched."""
+    model, tok = tiny()
+    model = eos_prone(model, tok, eos_logit=3.0)
+    eng = engine_for(model, tok)
+    prompts = [tok(t).input_ids for t in ("1+2=", "45+67=", "123+456=")]
+    requests = lambda: [GroupRequest(p, n, group_generator(3, 1, i)) for i, (p, n) in enumerate(zip(prompts, (5, 2, 7)))]
+    batched = eng.generate(requests())
+    lengths = [len(s.token_ids) for group in batched for s in group]
+    assert min(lengths) < eng.max_new_tokens and max(lengths) == eng.max_new_tokens  # rows did finish at different steps
+    assert {s.finish_reason for group in batched for s in group} == {"stop", "length"}
+    for prompt, group in zip(prompts, batched):
+        for s in group:
+            ids = torch.tensor([prompt + s.token_ids])
+            logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1]
+            ref = token_logprobs_from_logits(logits, ids[:, len(prompt) :])[0][0]
+            assert torch.allclose(ref, torch.tensor(s.logprobs), atol=1e-4)
+            assert (s.finish_reason == "stop") == (s.token_ids[-1] == tok.eos_token_id)
+            assert tok.eos_token_id not in s.token_ids[:-1]
+    for i, request in enumerate(requests()):
+        alone = eng.generate([request])[0]
+        assert [s.token_ids for s in alone] == [s.token_ids for s in batched[i]]
+
+
 def make_group(rng, prompt_len, lengths, rewards, policy_version=0):
     from tidal.protocol import Group, Sample
 

@@ -98,38 +98,47 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Completion]]:
-        rows = [r.prompt_ids for r in requests for _ in range(r.n)]
-        width = max(len(r) for r in rows)
+        """Each prompt is prefilled once and its KV cache copied to its G rows; a row that has emitted
+        EOS leaves the batch (every row still draws its noise each step, so a group's samples do not
+        depend on when the others finish)."""
         device = next(self.model.parameters()).device  # the trainer's, when the model is shared with it
-        ids = torch.tensor([[self.pad] * (width - len(r)) + r for r in rows], device=device)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        prompts = [r.prompt_ids for r in requests]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache, logits = returned_cache(out), out.logits[:, -1, :]
-        next_pos = positions[:, -1:] + 1
-        tokens = [[] for _ in rows]
-        logps = [[] for _ in rows]
-        reasons = ["length"] * len(rows)
-        done = torch.zeros(len(rows), dtype=torch.bool, device=device)
-        for _ in range(max_new_tokens or self.max_new_tokens):
+        row_prompt = torch.repeat_interleave(torch.arange(len(requests), device=device), torch.tensor([r.n for r in requests], device=device))
+        cache = returned_cache(out)
+        cache.batch_select_indices(row_prompt)
+        logits, mask, next_pos = out.logits[row_prompt, -1, :], mask[row_prompt], positions[row_prompt, -1:] + 1
+        rows = len(row_prompt)
+        tokens = [[] for _ in range(rows)]
+        logps = [[] for _ in range(rows)]
+        reasons = ["length"] * rows
+        live = torch.arange(rows, device=device)  # the original row of each row still in the batch
+        for step in range(max_new_tokens or self.max_new_tokens):
             lp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
             if greedy:
                 nxt = lp.argmax(-1)
             else:
                 # noise from each group's seeded CPU generator: the same samples on any device
-                nxt = gumbel_sample(lp, self._noise(requests, lp.shape[-1]).to(device))
+                nxt = gumbel_sample(lp, self._noise(requests, lp.shape[-1]).to(device)[live])
             chosen = lp.gather(-1, nxt[:, None])[:, 0]
             step_tokens, step_logps = nxt.tolist(), chosen.tolist()  # one device sync per step, not per row
-            for i in torch.nonzero(~done).flatten().tolist():
-                tokens[i].append(step_tokens[i])
-                logps[i].append(step_logps[i])
+            for i, row in enumerate(live.tolist()):
+                tokens[row].append(step_tokens[i])
+                logps[row].append(step_logps[i])
                 if step_tokens[i] == self.eos:
-                    reasons[i] = "stop"
-            done |= nxt == self.eos
-            if bool(done.all()):
+                    reasons[row] = "stop"
+            going = nxt != self.eos
+            if not bool(going.any()) or step + 1 == (max_new_tokens or self.max_new_tokens):
                 break
-            nxt = torch.where(done, torch.full_like(nxt, self.pad), nxt)
-            mask = torch.cat([mask, (~done).long()[:, None]], dim=1)
+            if not bool(going.all()):
+                keep = torch.nonzero(going).flatten()
+                cache.batch_select_indices(keep)
+                live, nxt, mask, next_pos = live[keep], nxt[keep], mask[keep], next_pos[keep]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True, **{self.cache_kwarg: cache})
             cache, logits = returned_cache(out), out.logits[:, -1, :]
             next_pos = next_pos + 1
