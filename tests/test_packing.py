@@ -40,6 +40,8 @@ def tiny_model(family: str) -> torch.nn.Module:
     )
     if family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif family == "qwen2-mha":  # as many key/value heads as query heads: no grouped-query attention
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**common, "num_key_value_heads": 4}))
     elif family == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16))
     else:
@@ -48,7 +50,7 @@ def tiny_model(family: str) -> torch.nn.Module:
     return model.float().eval()
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen2-mha", "qwen3", "llama"])
 def model(request):
     return tiny_model(request.param)
 

@@ -255,9 +255,12 @@ def _segmented_sdpa(module, query, key, value, attention_mask=None, scaling=None
     attention over [its prompt, itself] in another. Costs about responses * R * (P + R) scores instead of
     the (P + G * R)^2 per group of a dense mask."""
     layout = segmented_layout
-    repeats = query.shape[1] // key.shape[1]
-    query, key, value = query[0], key[0].repeat_interleave(repeats, 0), value[0].repeat_interleave(repeats, 0)  # [H, T, D]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    query, key, value = query[0], key[0], value[0]  # [H, T, D]; key and value [H_kv, T, D]
+    # grouped-query attention inside SDPA: the key/value heads are gathered once, not once per query head
+    gqa = {"enable_gqa": True} if key.shape[0] != query.shape[0] else {}
+
+    def sdpa(q, k, v, **kwargs):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs, **gqa)
 
     def rows(x, index):  # [H, T, D] -> [rows, H, width, D]
         return x[:, index].transpose(0, 1)
