@@ -272,16 +272,25 @@ async def train(
     writer = BoundaryWriter(background=learner.ctx.world_size == 1)
     history: list[dict] = []
     rejected_total = 0
-    for v in range(start, end):
+
+    async def open_iteration(u: int) -> tuple[Timer, bool, IterationPlan]:
+        """Weights u made available and u's prompts asked for: the workers start on u from here.
+        Returns u's timer (started now), whether the weights were pushed, and u's plan."""
         timer = Timer()
-        sync_seconds, pushed = await source.begin_iteration(v)
+        sync_seconds, pushed = await source.begin_iteration(u)
         timer.add("sync", sync_seconds)
-        plan, first = IterationPlan.for_iteration(cfg, dataset, v)
-        plan = release.plans.pop(v, plan)  # released ahead: it may have asked for prompts again already
-        if release.released < v:  # bounded mode may have released it during an earlier iteration
+        plan, first = IterationPlan.for_iteration(cfg, dataset, u)
+        plan = release.plans.pop(u, plan)  # released ahead: it may have asked for prompts again already
+        if release.released < u:  # bounded mode may have released it during an earlier iteration
             await source.request(first)
-            release.mark(v)
-        await source.request(release.ahead(v))
+            release.mark(u)
+        await source.request(release.ahead(u))
+        return timer, pushed, plan
+
+    opened = None  # the next iteration, once opened at the end of the one before
+    for v in range(start, end):
+        timer, pushed, plan = opened or await open_iteration(v)
+        opened = None
         queue_depth = float(await source.queue_depth())
         updates = IterationUpdates(learner, cfg, v)
         records: list[dict] = []  # groups.jsonl, written with the iteration's boundary
@@ -332,8 +341,11 @@ async def train(
             update = await on_compute_thread(updates.finish)
         with timer("sync"):
             await on_compute_thread(publish_weights, store, v + 1, learner)
-            tensors = await on_compute_thread(optimizer_snapshot, learner)
         await threads.narrow()  # the workers generate v+1 now
+        if v + 1 < end:  # before the rest of v's boundary (its snapshot, records, logging), which overlaps v+1's start
+            opened = await open_iteration(v + 1)
+        with timer("sync"):
+            tensors = await on_compute_thread(optimizer_snapshot, learner)
         await writer.make_durable(boundary_write(cfg, files, store, learner.ctx, records, tensors, v + 1), lambda v=v: source.commit(v))
         if not pushed:  # pushed: the workers' load time is the push, already counted
             timer.add("sync", max((g.weight_load_seconds for g in groups), default=0.0))
