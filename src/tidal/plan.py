@@ -462,7 +462,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-workers", type=int, default=None)
     ap.add_argument("--from-run", help="a finished run of this config: scale the predictions by its measured / predicted iteration time")
     ap.add_argument("--json", dest="json_path")
+    accel = ap.add_argument_group("an accelerator node (tidal.plan_devices)")
+    accel.add_argument("--devices", type=int, help="plan this many GPUs/NPUs between trainer ranks and vLLM workers (TP size)")
+    accel.add_argument("--from-runs", nargs="+", default=[], metavar="RUN_DIR", help="finished periodic runs of the config on such a node")
+    accel.add_argument("--device-profile", help="a device profile (the 'profile' of a --devices --json output)")
     args = ap.parse_args(argv)
+    if args.devices is not None:
+        from tidal.plan_devices import plan_devices
+
+        if not args.from_runs and not args.device_profile:
+            raise SystemExit("tidal plan --devices: give --from-runs RUN_DIR ... (finished runs on the node) or --device-profile FILE")
+        return plan_devices(args.devices, args.from_runs, args.device_profile, args.max_workers, args.json_path)
     try:
         cfg = load_config(args.config, args.overrides)
         extra = [Split.parse(s) for s in args.split]
