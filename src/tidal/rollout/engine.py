@@ -117,7 +117,8 @@ class HFEngine:
         logps = [[] for _ in range(rows)]
         reasons = ["length"] * rows
         live = torch.arange(rows, device=device)  # the original row of each row still in the batch
-        for step in range(max_new_tokens or self.max_new_tokens):
+        limit = max_new_tokens or self.max_new_tokens
+        for step in range(limit):
             lp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
             if greedy:
                 nxt = lp.argmax(-1)
@@ -132,7 +133,7 @@ class HFEngine:
                 if step_tokens[i] == self.eos:
                     reasons[row] = "stop"
             going = nxt != self.eos
-            if not bool(going.any()) or step + 1 == (max_new_tokens or self.max_new_tokens):
+            if not bool(going.any()) or step + 1 == limit:  # no forward whose logits nobody reads
                 break
             if not bool(going.all()):
                 keep = torch.nonzero(going).flatten()
