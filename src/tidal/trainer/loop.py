@@ -9,6 +9,7 @@ generation for sync, the queue for periodic and bounded) and in how much stalene
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -196,6 +197,14 @@ class TailThreads:
             self.wide = False
 
 
+async def train_arrivals(updates: IterationUpdates, groups: list[Group], version: int, timer: Timer, records: list[dict]) -> None:
+    """One training call on `groups`: its seconds go to timer["train"], each group's record to `records`."""
+    started = time.time()
+    with timer("train"):
+        await on_compute_thread(updates.add, groups)
+    records.extend(group_record(g, version, started, time.time()) for g in groups)
+
+
 def publish_weights(store: WeightStore, version: int, learner: Learner) -> None:
     """Every rank gathers (a collective under fsdp2); rank 0 writes the snapshot."""
     state = learner.full_state_dict()
@@ -296,46 +305,71 @@ async def train(
         records: list[dict] = []  # groups.jsonl, written with the iteration's boundary
         rejected = 0
         waited_since = time.time()
-        while not plan.complete:
-            with timer("idle"):
-                arrivals = await source.receive(v, plan.missing, timeout=1.0)
-            timer.add("idle", -arrivals.generating_seconds)
-            rejected += arrivals.rejected
-            # before the wait below: a fetch may bring only rejected messages (or, in bounded mode, groups of later iterations)
-            keys = arrivals.rejected_keys + arrivals.abandoned_keys
-            reissues = reissue_rejected({**release.plans, v: plan}, keys, cfg.transport.max_deliver)
-            if reissues:
-                log.warning(
-                    "iteration %d: asking again for %d prompt(s) whose group was rejected or whose worker went silent (iteration, prompt): %s",
-                    *(v, len(reissues), [(w.iteration, w.prompt_id) for w, _ in reissues]),
-                )
-                await source.reissue(reissues)
-            if not arrivals.groups:
-                if time.time() - waited_since > cfg.trainer.group_timeout_seconds:
-                    generators = await source.describe_generators()
-                    raise TimeoutError(
-                        f"iteration {v}: no group arrived for {cfg.trainer.group_timeout_seconds:.0f}s "
-                        f"({len(plan.received)}/{len(plan.expected)} in): are the rollout workers alive? see logs/"
-                        + (f". {generators}" if generators else "")
+        # One receive and one training call may be in flight at once (one rank, groups from a queue): the
+        # groups that arrive while the learner trains are taken then, and go into its next call at once.
+        overlap = learner.ctx.world_size == 1 and source.receives_while_training
+        receiving: asyncio.Task | None = None
+        training: asyncio.Task | None = None
+        batch: list[Group] = []  # admitted, not yet handed to the learner
+        trained = 0
+
+        try:
+            while not plan.complete or batch or training is not None:
+                if training is None and batch:
+                    if plan.complete:  # every group is in: periodic workers now wait for v+1, their cores are free
+                        await threads.widen()
+                    training = asyncio.ensure_future(train_arrivals(updates, batch, v, timer, records))
+                    trained += len(batch)
+                    batch = []
+                    if not overlap:
+                        await training
+                if training is not None and training.done():
+                    training.result()
+                    training = None
+                    if main:
+                        log.info("iteration %d: %d/%d groups trained", v, trained, len(plan.expected))
+                    continue
+                if receiving is None and not plan.complete:
+                    receiving = asyncio.ensure_future(source.receive(v, plan.missing, timeout=1.0))
+                waiting = time.perf_counter()
+                await asyncio.wait([t for t in (receiving, training) if t is not None], return_when=asyncio.FIRST_COMPLETED)
+                if training is None:
+                    timer.add("idle", time.perf_counter() - waiting)
+                if receiving is None or not receiving.done():
+                    continue
+                arrivals, receiving = receiving.result(), None
+                timer.add("idle", -arrivals.generating_seconds)
+                rejected += arrivals.rejected
+                # before the wait below: a fetch may bring only rejected messages (or, in bounded mode, groups of later iterations)
+                keys = arrivals.rejected_keys + arrivals.abandoned_keys
+                reissues = reissue_rejected({**release.plans, v: plan}, keys, cfg.transport.max_deliver)
+                if reissues:
+                    log.warning(
+                        "iteration %d: asking again for %d prompt(s) whose group was rejected or whose worker went silent (iteration, prompt): %s",
+                        *(v, len(reissues), [(w.iteration, w.prompt_id) for w, _ in reissues]),
                     )
-                continue
-            waited_since = time.time()
-            batch, replacements = [], []
-            for group in arrivals.groups:
-                verdict = plan.admit(group, allowed)
-                if isinstance(verdict, WorkItem):
-                    replacements.append(verdict)
-                elif verdict:
-                    batch.append(group)
-            await source.request(replacements)
-            if plan.complete:  # every group is in: periodic workers now wait for v+1, their cores are free
-                await threads.widen()
-            train_start = time.time()
-            with timer("train"):
-                await on_compute_thread(updates.add, batch)
-            records += [group_record(g, v, train_start, time.time()) for g in batch]
-            if main and batch:
-                log.info("iteration %d: %d/%d groups trained", v, len(plan.received), len(plan.expected))
+                    await source.reissue(reissues)
+                if not arrivals.groups:
+                    if time.time() - waited_since > cfg.trainer.group_timeout_seconds:
+                        generators = await source.describe_generators()
+                        raise TimeoutError(
+                            f"iteration {v}: no group arrived for {cfg.trainer.group_timeout_seconds:.0f}s "
+                            f"({len(plan.received)}/{len(plan.expected)} in): are the rollout workers alive? see logs/"
+                            + (f". {generators}" if generators else "")
+                        )
+                    continue
+                waited_since = time.time()
+                replacements = []
+                for group in arrivals.groups:
+                    verdict = plan.admit(group, allowed)
+                    if isinstance(verdict, WorkItem):
+                        replacements.append(verdict)
+                    elif verdict:
+                        batch.append(group)
+                await source.request(replacements)
+        finally:
+            if receiving is not None and not receiving.done():  # the iteration failed: stop pulling for it
+                receiving.cancel()
         groups = list(plan.received.values())
         with timer("train"):
             update = await on_compute_thread(updates.finish)

@@ -39,6 +39,9 @@ class Arrivals:
 
 
 class GroupSource(Protocol):
+    # whether `receive` may run while the learner trains (on the event loop, no collectives, no compute thread)
+    receives_while_training: bool
+
     async def begin_iteration(self, version: int) -> tuple[float, bool]:
         """Makes weights `version` available to the generators; (seconds spent, pushed directly)."""
 
@@ -65,6 +68,8 @@ class GroupSource(Protocol):
 class InProcessSource:
     """Sync mode: `generate(items, version)` runs here; `load_weights(version)`, if given, loads
     version v into a separate engine (vLLM) before generating, else the engine shares the learner's weights."""
+
+    receives_while_training = False  # it generates on the learner's compute thread
 
     def __init__(self, generate: Callable[[list[WorkItem], int], list[Group]], load_weights: Callable[[int], None] | None = None):
         self.generate = generate
@@ -122,6 +127,8 @@ class QueueSource:
     reason and subject. Groups of a later iteration (bounded mode releases work ahead) are kept,
     unacked and kept alive, until that iteration; every message is acked only at `commit` of the
     iteration that trained it, so a trainer that dies gets them all again."""
+
+    receives_while_training = True
 
     def __init__(
         self,
@@ -265,6 +272,8 @@ class BroadcastSource:
     """Several trainer ranks: rank 0 alone talks to the real source (consume, dedupe, ack, publish
     work); every batch it receives reaches the other ranks as raw msgpack bytes over the CPU process
     group, so every rank decodes the same groups in the same order."""
+
+    receives_while_training = False  # its broadcast is a collective: never beside the learner's
 
     def __init__(self, inner: GroupSource | None, ctx: DistContext):
         if ctx.is_main and inner is None:
