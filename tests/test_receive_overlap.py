@@ -5,6 +5,7 @@ coroutine plays the worker so that the second half of the groups arrives during 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import numpy as np
@@ -83,7 +84,11 @@ def test_groups_that_arrive_while_the_learner_trains_are_received_then_and_train
             await transport.close()
 
     loop = None
+    gc.unfreeze()
     (metrics,) = asyncio.run(scenario())
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()
+    assert frozen > 0  # the trainer moved its start-up objects out of the cyclic collector's scans
     half = prompts // 2
     assert len(calls) == 2 and [len(c) for c in calls] == [half, prompts - half]  # the second half in one call, right after the first
     assert sorted(received_while_training) == sorted(calls[1])  # ... and it was taken from the queue during the first

@@ -10,6 +10,7 @@ generation for sync, the queue for periodic and bounded) and in how much stalene
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import time
@@ -275,6 +276,9 @@ async def train(
     end = cfg.trainer.iterations if iterations is None else min(cfg.trainer.iterations, start + iterations)
     if store.latest_version() is None or store.latest_version() < start:
         publish_weights(store, start, learner)
+    # Everything built so far (the model, transformers, MLflow, NATS) lives for the whole run: out of the
+    # cyclic collector's scans, whose full (generation 2) passes over it took 0.26-0.36 s each, mid-iteration
+    gc.freeze()
     allowed = max_staleness(cfg)
     threads = TailThreads(torch.get_num_threads(), tail_threads(cfg, torch.get_num_threads()))
     release = WorkRelease(cfg, dataset, end)
