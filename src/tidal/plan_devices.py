@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tidal.plan import Prediction, simulate_periodic
@@ -109,7 +109,7 @@ def predict_colocated_sync(profile: DeviceProfile) -> tuple[Prediction, int, int
         engines = profile.devices // tp
         if engines < 1:
             continue
-        generate = seconds / min(engines, profile.calls) if profile.calls else seconds
+        generate = seconds / min(engines, profile.calls)  # calls >= 1: an engine beyond the calls has nothing to do
         train = profile.train_seconds[profile.devices]
         iteration = generate + train + profile.boundary_seconds
         p = Prediction(None, generate, train, iteration, (max(generate, train) + profile.boundary_seconds) / iteration)
@@ -223,8 +223,7 @@ def plan_devices(devices: int, run_dirs: list[str], profile_path: str | None, ma
     try:
         if profile_path:
             data = json.loads(Path(profile_path).read_text())
-            profile = DeviceProfile.from_json(data.get("profile", data))  # a whole --json output, or its profile
-            profile = DeviceProfile(devices, profile.generate_seconds, profile.train_seconds, profile.boundary_seconds, profile.calls)
+            profile = replace(DeviceProfile.from_json(data.get("profile", data)), devices=devices)  # a whole --json output, or its profile
         else:
             profile = profile_from_runs(devices, [run_figures(Path(d)) for d in run_dirs])
     except (ValueError, KeyError, json.JSONDecodeError) as err:
