@@ -15,7 +15,7 @@ from tidal.data import load_dataset
 from tidal.model.warm_start import prepare_base_model
 from tidal.protocol import Group, Sample
 from tidal.roles import build_learner
-from tidal.rundir import RunFiles, latest_checkpoint, shard_name, versioned_shard_name
+from tidal.rundir import RunDir, latest_checkpoint, shard_name, versioned_shard_name
 from tidal.trainer import checkpoint
 from tidal.trainer.checkpoint import optimizer_snapshot, resume_version, save_checkpoint
 from tidal.weights import WeightStore
@@ -33,7 +33,7 @@ def make_learner(tiny_config_dict):
     return lambda: build_learner(cfg, str(base))[0], base
 
 
-def step(learner, v: int, store: WeightStore, files: RunFiles) -> dict[str, torch.Tensor]:
+def step(learner, v: int, store: WeightStore, files: RunDir) -> dict[str, torch.Tensor]:
     """One optimizer step, then the boundary as the trainer does it: publish v+1, then the checkpoint."""
     learner.train_on_groups([group([1.0, 0.0, 1.0, float(v % 2)])])
     learner.step()
@@ -42,7 +42,7 @@ def step(learner, v: int, store: WeightStore, files: RunFiles) -> dict[str, torc
     return optimizer_snapshot(learner)
 
 
-def listing(files: RunFiles) -> list[str]:
+def listing(files: RunDir) -> list[str]:
     """checkpoint/ and one level below, e.g. 'v000001/state.json'."""
     root = files.checkpoint
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
@@ -86,7 +86,7 @@ def test_a_trainer_killed_at_each_point_of_the_write_resumes_that_version_with_i
     tmp_path, make_learner, monkeypatch, skipped, left, resumes
 ):
     build, base = make_learner
-    files, store = RunFiles(tmp_path), WeightStore(tmp_path / "weights", base)
+    files, store = RunDir(tmp_path), WeightStore(tmp_path / "weights", base)
     learner = build()
     at = {1: step(learner, 0, store, files)}
     assert listing(files) == ["v000001/optimizer-rank0-of-1.safetensors", "v000001/state.json"]
@@ -107,7 +107,7 @@ def test_a_trainer_killed_at_each_point_of_the_write_resumes_that_version_with_i
 
 def test_each_boundary_keeps_only_its_own_checkpoint_folder(tmp_path, make_learner):
     build, base = make_learner
-    files, store = RunFiles(tmp_path), WeightStore(tmp_path / "weights", base)
+    files, store = RunDir(tmp_path), WeightStore(tmp_path / "weights", base)
     learner = build()
     step(learner, 0, store, files)
     at_two = step(learner, 1, store, files)
@@ -125,7 +125,7 @@ def test_a_checkpoint_of_an_older_layout_resumes_and_the_next_boundary_replaces_
     """Before checkpoint folders: state.json directly in checkpoint/, beside shards named by version
     (optimizer-v000002-rank0-of-1) or, before that, not (optimizer-rank0-of-1)."""
     build, base = make_learner
-    files, store = RunFiles(tmp_path), WeightStore(tmp_path / "weights", base)
+    files, store = RunDir(tmp_path), WeightStore(tmp_path / "weights", base)
     learner = build()
     at_one = step(learner, 0, store, files)
     at_two = step(learner, 1, store, files)
@@ -146,7 +146,7 @@ def test_a_checkpoint_of_an_older_layout_resumes_and_the_next_boundary_replaces_
 
 def test_a_missing_shard_is_a_clear_error(tmp_path, make_learner):
     build, base = make_learner
-    files, store = RunFiles(tmp_path), WeightStore(tmp_path / "weights", base)
+    files, store = RunDir(tmp_path), WeightStore(tmp_path / "weights", base)
     step(build(), 0, store, files)
     (files.checkpoint / "v000001" / "optimizer-rank0-of-1.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"resumes version 1, but this rank's optimizer shard optimizer-rank0-of-1.safetensors is missing"):

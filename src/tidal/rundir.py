@@ -9,6 +9,7 @@ import json
 import os
 import re
 import secrets
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -114,49 +115,130 @@ class RunInfo:
     tracking_uri: str
     mlflow_run_id: str
 
-    def save(self, run_dir: Path) -> None:
-        (Path(run_dir) / "run.json").write_text(json.dumps(asdict(self), indent=1))
 
-    @classmethod
-    def load(cls, run_dir: Path) -> RunInfo:
-        path = Path(run_dir) / "run.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: start the run with `tidal run` (or the pipeline's prepare step) first")
-        return cls(**json.loads(path.read_text()))
+def new_run_id(run_dir: Path, unique_name: bool = False) -> str:
+    """The run's id, which names its NATS streams and KV bucket: the directory's name, with a random
+    suffix unless the name is unique by itself (a pipeline's run directory is named by its KFP job; a
+    local `runs/arithmetic` is reused, and a server outside the run may still hold an old run's streams)."""
+    name = Path(run_dir).name
+    return name if unique_name else f"{name}-{uuid.uuid4().hex[:8]}"
 
 
-@dataclass
-class RunFiles:
-    """The run directory's append-only records (metrics.jsonl, groups.jsonl) and its checkpoint folder."""
+class Records:
+    """One of the run's append-only JSON-lines files; every reader and writer of run records goes
+    through this class (one record per line; a blank line is skipped)."""
 
-    run_dir: Path
-    on_iteration: Callable[[dict], None] | None = None  # e.g. the launcher's progress bar
+    def __init__(self, path: Path):
+        self.path = Path(path)
 
-    @property
-    def checkpoint(self) -> Path:
-        return Path(self.run_dir) / "checkpoint"
+    def read(self) -> list[dict]:
+        return self.read_from(0)[0]
 
-    def append(self, name: str, record: dict) -> None:
-        with (Path(self.run_dir) / name).open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+    def read_from(self, seen: int) -> tuple[list[dict], int]:
+        """The records after the first `seen` lines, and the new line count: to follow a file as it grows."""
+        if not self.path.is_file():
+            return [], seen
+        lines = self.path.read_text().splitlines()
+        return [json.loads(line) for line in lines[seen:] if line.strip()], len(lines)
 
-    def append_many(self, name: str, records: list[dict]) -> None:
-        with (Path(self.run_dir) / name).open("a") as fh:
+    def append(self, record: dict) -> None:
+        self.append_many([record])
+
+    def append_many(self, records: list[dict]) -> None:
+        with self.path.open("a") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in records)
 
-    def drop_records(self, name: str, drop: Callable[[dict], bool]) -> int:
+    def drop(self, drop: Callable[[dict], bool]) -> int:
         """Removes the records `drop` selects (replacing the file atomically); how many were removed."""
-        path = Path(self.run_dir) / name
-        if not path.is_file():
+        if not self.path.is_file():
             return 0
-        lines = path.read_text().splitlines()
+        lines = self.path.read_text().splitlines()
         kept = [line for line in lines if line.strip() and not drop(json.loads(line))]
         if len(kept) == len(lines):
             return 0
-        tmp = path.with_name(f".{name}.tmp")
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(path)
+        tmp.replace(self.path)
         return len(lines) - len(kept)
+
+
+@dataclass
+class RunDir:
+    """The run directory: the one place that knows its layout. Launchers, roles, pipeline steps,
+    reports and benchmarks take this handle instead of path strings.
+
+    RUN_DIR/
+      config.yaml        the resolved config every role reads (threads and workers as planned)
+      run.json           RunInfo: run id, base model, MLflow run
+      metrics.jsonl      one record per iteration (the trainer's)
+      groups.jsonl       one record per trained or discarded group
+      eval.jsonl         the held-out curve (one record per evaluated version)
+      summary.json       the result of a finished `tidal run`
+      weights/           the weight store (one snapshot per version)
+      checkpoint/        optimizer checkpoints (vNNNNNN/ folders)
+      logs/              one log (and pid file) per process of the run
+      nats/              the embedded NATS server's JetStream store
+    """
+
+    root: Path
+    on_iteration: Callable[[dict], None] | None = None  # e.g. the launcher's progress bar
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+
+    config = property(lambda self: self.root / "config.yaml")
+    info_file = property(lambda self: self.root / "run.json")
+    summary = property(lambda self: self.root / "summary.json")
+    weights = property(lambda self: self.root / "weights")
+    checkpoint = property(lambda self: self.root / "checkpoint")
+    logs = property(lambda self: self.root / "logs")
+    nats_store = property(lambda self: self.root / "nats")
+    metrics = property(lambda self: Records(self.root / "metrics.jsonl"))
+    groups = property(lambda self: Records(self.root / "groups.jsonl"))
+    evals = property(lambda self: Records(self.root / "eval.jsonl"))
+
+    def log(self, process: str) -> Path:
+        return self.logs / f"{process}.log"
+
+    def pid_file(self, process: str) -> Path:
+        return self.logs / f"{process}.pid"
+
+    def records(self, name: str) -> Records:
+        return Records(self.root / name)
+
+    @property
+    def started(self) -> bool:
+        """Whether a run was prepared here (its run.json exists)."""
+        return self.info_file.is_file()
+
+    def info(self) -> RunInfo:
+        if not self.info_file.is_file():
+            raise FileNotFoundError(f"{self.info_file} not found: start the run with `tidal run` (or the pipeline's prepare step) first")
+        return RunInfo(**json.loads(self.info_file.read_text()))
+
+    def save_info(self, info: RunInfo) -> None:
+        tmp = self.info_file.with_name(f".run.json.{os.getpid()}")
+        tmp.write_text(json.dumps(asdict(info), indent=1))
+        tmp.replace(self.info_file)
+
+    @property
+    def run_id(self) -> str:
+        return self.info().run_id
+
+    def latest_checkpoint(self) -> Checkpoint | None:
+        return latest_checkpoint(self.checkpoint)
+
+    def checkpoint_version(self) -> int:
+        """The iteration a (re-)run starts from: the last checkpointed boundary, else 0."""
+        found = self.latest_checkpoint()
+        return found.next_version if found else 0
+
+    def tracker(self):
+        """The run's MLflow run (tidal.tracking.Tracker), as run.json records it."""
+        from tidal.tracking import Tracker
+
+        info = self.info()
+        return Tracker(info.tracking_uri, info.mlflow_run_id)
 
 
 CHECKPOINT_STATE = "state.json"

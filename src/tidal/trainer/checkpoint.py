@@ -26,7 +26,7 @@ from tidal.rundir import (
     CHECKPOINT_STATE,
     CHECKPOINT_TEMP_PREFIX,
     Checkpoint,
-    RunFiles,
+    RunDir,
     checkpoint_folder_name,
     latest_checkpoint,
     shard_name,
@@ -39,7 +39,7 @@ from tidal.weights import CorruptSnapshotError, WeightStore
 log = logging.getLogger(__name__)
 
 
-def save_checkpoint(files: RunFiles, learner: Learner, next_version: int) -> None:
+def save_checkpoint(files: RunDir, learner: Learner, next_version: int) -> None:
     """Every rank calls it (barriers separate the shards from the commit and the commit from the clean-up)."""
     write_checkpoint(files, learner.optimizer_tensors(), next_version, learner.ctx)
 
@@ -50,7 +50,7 @@ def optimizer_snapshot(learner: Learner) -> dict:
     return {k: v.detach().clone() for k, v in learner.optimizer_tensors().items()}
 
 
-def write_checkpoint(files: RunFiles, tensors: dict, next_version: int, ctx: DistContext) -> None:
+def write_checkpoint(files: RunDir, tensors: dict, next_version: int, ctx: DistContext) -> None:
     root = files.checkpoint
     temp = root / f"{CHECKPOINT_TEMP_PREFIX}{next_version:06d}"
     write_shard(temp, tensors, ctx)
@@ -102,7 +102,7 @@ def remove_stale(root: Path, keep: Checkpoint | None) -> list[str]:
     return [p.name for p in stale]
 
 
-def resume_version(files: RunFiles, learner: Learner, store: WeightStore, ctx: DistContext | None = None) -> int:
+def resume_version(files: RunDir, learner: Learner, store: WeightStore, ctx: DistContext | None = None) -> int:
     """The version to start from: 0 on a fresh run, else the last committed boundary. Every rank calls it."""
     ctx = ctx or learner.ctx
     found = latest_checkpoint(files.checkpoint)

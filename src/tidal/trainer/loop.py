@@ -22,7 +22,7 @@ from tidal.algo import has_no_signal
 from tidal.config import TidalConfig
 from tidal.data import Dataset, Problem, iteration_prompt_order
 from tidal.protocol import Group, WorkItem
-from tidal.rundir import RunFiles
+from tidal.rundir import RunDir
 from tidal.runtime import tail_threads
 from tidal.trainer.checkpoint import optimizer_snapshot, resume_version, write_checkpoint
 from tidal.trainer.compute import on_compute_thread
@@ -213,7 +213,7 @@ def publish_weights(store: WeightStore, version: int, learner: Learner) -> None:
         store.publish(version, state)
 
 
-def forget_unfinished(files: RunFiles, store: WeightStore, start: int) -> None:
+def forget_unfinished(files: RunDir, store: WeightStore, start: int) -> None:
     """On start, before anything is written: what a trainer killed mid-iteration left is removed
     (temp folders of an interrupted publish, groups.jsonl and metrics.jsonl records of iterations
     from `start` on, which are trained again; resume_version removed an interrupted checkpoint), so
@@ -223,10 +223,10 @@ def forget_unfinished(files: RunFiles, store: WeightStore, start: int) -> None:
     removed = store.remove_temp()
     if removed:
         log.info("removed what an interrupted publish left: %s", ", ".join(removed))
-    for name in ("groups.jsonl", "metrics.jsonl"):
-        dropped = files.drop_records(name, lambda r: r["iteration"] >= start)
+    for records in (files.groups, files.metrics):
+        dropped = records.drop(lambda r: r["iteration"] >= start)
         if dropped:
-            log.info("dropped %d %s record(s) of iterations from %d on (trained again now)", dropped, name, start)
+            log.info("dropped %d %s record(s) of iterations from %d on (trained again now)", dropped, records.path.name, start)
 
 
 def prune_snapshots(cfg: TidalConfig, store: WeightStore, published: int, checkpoint: int) -> list[int]:
@@ -239,14 +239,14 @@ def prune_snapshots(cfg: TidalConfig, store: WeightStore, published: int, checkp
     return store.prune(cfg.weights.keep_last, cfg.weights.keep_every, protected)
 
 
-def boundary_write(cfg: TidalConfig, files: RunFiles, store: WeightStore, ctx, records: list[dict], tensors: dict, next_version: int):
+def boundary_write(cfg: TidalConfig, files: RunDir, store: WeightStore, ctx, records: list[dict], tensors: dict, next_version: int):
     """What makes iteration next_version - 1 durable, in order: its groups.jsonl records (before the
     checkpoint: a trainer that dies in between redoes the iteration and forget_unfinished drops them),
     the optimizer checkpoint, then snapshot retention (which protects that checkpoint's version)."""
 
     def write() -> None:
         if ctx.is_main:
-            files.append_many("groups.jsonl", records)
+            files.groups.append_many(records)
         write_checkpoint(files, tensors, next_version, ctx)
         if ctx.is_main:
             prune_snapshots(cfg, store, next_version, next_version)
@@ -260,7 +260,7 @@ async def train(
     source: GroupSource,
     dataset: Dataset,
     store: WeightStore,
-    files: RunFiles,
+    files: RunDir,
     tracker,
     iterations: int | None = None,
 ) -> list[dict]:
@@ -398,7 +398,7 @@ async def train(
         metrics = iteration_metrics(v, groups, update, timer, allowed, extra)
         metrics["reward_errors"] += plan.filtered_reward_errors  # dropped groups' reward errors still count
         if main:
-            files.append("metrics.jsonl", metrics)
+            files.metrics.append(metrics)
             if files.on_iteration:
                 files.on_iteration(metrics)
             writer.log_metrics(tracker, metrics, v)
