@@ -90,18 +90,18 @@ def _run_command(args) -> int:
     if os.environ.get("TIDAL_THREADS"):
         set_threads(int(os.environ["TIDAL_THREADS"]))
     from tidal import roles
+    from tidal.rundir import RunDir
 
     if args.command == "train":
-        roles.run_async(roles.trainer_role(cfg, run_dir, args.nats_url, args.iterations))
+        roles.run_async(roles.trainer_role(cfg, RunDir(run_dir), args.nats_url, args.iterations))
     elif args.command == "rollout-worker":
-        roles.run_async(roles.worker_role(cfg, run_dir, args.nats_url, args.worker_id))
+        roles.run_async(roles.worker_role(cfg, RunDir(run_dir), args.nats_url, args.worker_id))
     elif args.command == "eval":
         from tidal.data import load_dataset
         from tidal.evaluate import evaluate_snapshot
-        from tidal.rundir import RunInfo
         from tidal.weights import WeightStore
 
-        info = RunInfo.load(run_dir)
+        info = RunDir(run_dir).info()
         store = WeightStore(run_dir / "weights")
         problems = load_dataset(cfg.data, cfg.seed).eval
         problems = problems[: cfg.eval.num_prompts] if cfg.eval.num_prompts else problems

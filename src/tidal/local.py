@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from tidal.config import ConfigError, TidalConfig, dump_config, load_config, tra
 from tidal.data import load_dataset
 from tidal.plan import apply_plan, cached_profile, wants_plan
 from tidal.preflight import check_before_start
-from tidal.rundir import RunDirError, RunDirLock, RunInfo, latest_checkpoint, new_nats_token, run_signing_key
+from tidal.rundir import RunDir, RunDirError, RunDirLock, RunInfo, latest_checkpoint, new_nats_token, new_run_id, run_signing_key
 from tidal.runtime import NATS_LOST_EXIT, TAIL_THREADS_ENV, set_threads, setup_logging, split_cores
 from tidal.tracking import Tracker, start_run, tracking_uri
 from tidal.transport.server import TOKEN_ENV, EmbeddedNats, reachable
@@ -358,7 +357,7 @@ def record_run_state(nats_url: str, run_dir: Path, cfg: TidalConfig, credentials
     from tidal.transport import Transport
 
     async def put() -> None:
-        t = await Transport.connect(nats_url, RunInfo.load(run_dir).run_id, cfg.transport, create=False, credentials=credentials)
+        t = await Transport.connect(nats_url, RunDir(run_dir).run_id, cfg.transport, create=False, credentials=credentials)
         try:
             await t.put_run_state(RunState(state))
         finally:
@@ -379,7 +378,7 @@ def open_run_state(nats_url: str, run_dir: Path, cfg: TidalConfig, credentials: 
     from tidal.transport import Transport
 
     async def reset() -> None:
-        t = await Transport.connect(nats_url, RunInfo.load(run_dir).run_id, cfg.transport, create=True, credentials=credentials)
+        t = await Transport.connect(nats_url, RunDir(run_dir).run_id, cfg.transport, create=True, credentials=credentials)
         try:
             status = await t.run_status()
             if status is not None and status.state is not RunState.RUNNING:
@@ -399,7 +398,7 @@ def count_rollouts(nats_url: str, run_dir: Path, cfg: TidalConfig, credentials: 
     from tidal.transport import Transport
 
     async def count() -> int:
-        t = await Transport.connect(nats_url, RunInfo.load(run_dir).run_id, cfg.transport, create=False, credentials=credentials)
+        t = await Transport.connect(nats_url, RunDir(run_dir).run_id, cfg.transport, create=False, credentials=credentials)
         try:
             info = await t.js.stream_info(t.names["rollouts_stream"])
             return info.state.last_seq
@@ -593,13 +592,11 @@ def prepare_run(cfg: TidalConfig, run_dir: Path, show_progress: bool = True) -> 
         bar.close()
     check_prompt_settings(cfg, base)
     if (run_dir / "run.json").is_file():
-        info = RunInfo.load(run_dir)
+        info = RunDir(run_dir).info()
     else:
-        info = RunInfo(
-            run_id=f"{run_dir.name}-{uuid.uuid4().hex[:8]}", base_model=str(base), tracking_uri=tracking_uri(cfg, run_dir), mlflow_run_id=""
-        )
+        info = RunInfo(run_id=new_run_id(run_dir), base_model=str(base), tracking_uri=tracking_uri(cfg, run_dir), mlflow_run_id="")
         info.mlflow_run_id = start_run(cfg, run_dir, tags={"tidal.run_id": info.run_id})
-        info.save(run_dir)
+        RunDir(run_dir).save_info(info)
     return info, dataset, config_path
 
 
@@ -679,7 +676,7 @@ def _run_locked(cfg: TidalConfig, run_dir: Path, show_progress: bool, force_new_
             if cfg.mode == "sync":
                 if isinstance(cfg.trainer.threads, int):  # set, or chosen by the planner; else every core
                     set_threads(cfg.trainer.threads)
-                sync_trainer(cfg, run_dir, info, dataset, tracker, bar.update, engine)
+                sync_trainer(cfg, RunDir(run_dir, bar.update), dataset, tracker, engine)
             else:
                 extra = run_periodic_local(cfg, config_path, run_dir, bar, lock)
             finish_curve_eval(curve, run_dir)

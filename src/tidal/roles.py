@@ -23,9 +23,8 @@ from tidal.protocol import GroupLimits, RunState
 from tidal.rewards import RewardScorer
 from tidal.rollout.engine import HFEngine
 from tidal.rollout.worker import RolloutWorker, generate_groups
-from tidal.rundir import RunFiles, RunInfo
+from tidal.rundir import RunDir, RunInfo
 from tidal.runtime import set_threads, split_cores
-from tidal.tracking import Tracker
 from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.distributed import DistContext, context_from_env, init_process_group
 from tidal.trainer.distributed import shutdown as shutdown_process_group
@@ -58,7 +57,7 @@ def rank_device(cfg: TidalConfig, ctx: DistContext) -> str:
     return device
 
 
-def start_trainer_ranks(cfg: TidalConfig, run_dir: Path) -> tuple[DistContext, Strategy, str]:
+def start_trainer_ranks(cfg: TidalConfig, run: RunDir) -> tuple[DistContext, Strategy, str]:
     """This process's rank (torchrun's environment), its process group, strategy and device."""
     ctx = context_from_env()
     set_threads(max(1, split_cores(cfg)[0] // ctx.local_world_size))
@@ -67,8 +66,8 @@ def start_trainer_ranks(cfg: TidalConfig, run_dir: Path) -> tuple[DistContext, S
     init_process_group(ctx, device.partition(":")[0])
     strategy = build_strategy(cfg.trainer, ctx)
     if ctx.distributed:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        (run_dir / "logs" / f"trainer-rank{ctx.rank}.pid").write_text(str(os.getpid()))
+        run.logs.mkdir(parents=True, exist_ok=True)
+        run.pid_file(f"trainer-rank{ctx.rank}").write_text(str(os.getpid()))
         log.info("trainer rank %d of %d on %s, strategy %s", ctx.rank, ctx.world_size, device, strategy.name)
     return ctx, strategy, device
 
@@ -111,36 +110,34 @@ async def nccl_weight_push(cfg: TidalConfig, transport: Transport) -> NcclWeight
     )
 
 
-async def trainer_role(cfg: TidalConfig, run_dir: Path, nats_url: str, iterations: int | None = None) -> list[dict]:
+async def trainer_role(cfg: TidalConfig, run: RunDir, nats_url: str, iterations: int | None = None) -> list[dict]:
     """The trainer, on one rank or many (torchrun): rank 0 alone talks to NATS and MLflow."""
-    info = RunInfo.load(run_dir)
-    ctx, strategy, device = start_trainer_ranks(cfg, run_dir)
+    info = run.info()
+    ctx, strategy, device = start_trainer_ranks(cfg, run)
     try:
         if not ctx.is_main:
-            return await follower_trainer(cfg, run_dir, info, ctx, strategy, device, iterations)
-        return await main_trainer(cfg, run_dir, nats_url, info, ctx, strategy, device, iterations)
+            return await follower_trainer(cfg, run, info, ctx, strategy, device, iterations)
+        return await main_trainer(cfg, run, nats_url, info, ctx, strategy, device, iterations)
     finally:
         shutdown_process_group()
 
 
-async def follower_trainer(
-    cfg, run_dir: Path, info: RunInfo, ctx: DistContext, strategy: Strategy, device: str, iterations: int | None
-) -> list[dict]:
+async def follower_trainer(cfg, run: RunDir, info: RunInfo, ctx: DistContext, strategy: Strategy, device: str, iterations: int | None) -> list[dict]:
     learner, _ = build_learner(cfg, info.base_model, strategy, device)
-    store = WeightStore(run_dir / "weights", info.base_model)
+    store = WeightStore(run.weights, info.base_model)
     source = BroadcastSource(None, ctx)
-    return await train(cfg, learner, source, load_dataset(cfg.data, cfg.seed), store, RunFiles(run_dir), None, iterations)
+    return await train(cfg, learner, source, load_dataset(cfg.data, cfg.seed), store, run, None, iterations)
 
 
 async def main_trainer(
-    cfg, run_dir: Path, nats_url: str, info: RunInfo, ctx: DistContext, strategy: Strategy, device: str, iterations: int | None
+    cfg, run: RunDir, nats_url: str, info: RunInfo, ctx: DistContext, strategy: Strategy, device: str, iterations: int | None
 ) -> list[dict]:
     transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=True)
     try:  # from here on, any failure (a model that does not load included) is written to the run state
         dataset = load_dataset(cfg.data, cfg.seed)
         learner, _ = build_learner(cfg, info.base_model, strategy, device)
-        store = WeightStore(run_dir / "weights", info.base_model)
-        tracker = Tracker(info.tracking_uri, info.mlflow_run_id)
+        store = WeightStore(run.weights, info.base_model)
+        tracker = run.tracker()
         status = await transport.run_status()
         if status is None or status.state is not RunState.RUNNING:
             await transport.put_run_state(RunState.RUNNING, status.round if status else None)
@@ -155,7 +152,7 @@ async def main_trainer(
         source = QueueSource(transport, group_limits(cfg, learner, transport.max_message_bytes), lambda v: str(store.path(v)), weight_push, repair)
         if ctx.distributed:
             source = BroadcastSource(source, ctx)
-        history = await train(cfg, learner, source, dataset, store, RunFiles(run_dir), tracker, iterations)
+        history = await train(cfg, learner, source, dataset, store, run, tracker, iterations)
         finished = (store.latest_version() or 0) >= cfg.trainer.iterations
         await transport.put_run_state(RunState.DONE if finished else RunState.ROUND_DONE, status.round if status else None)
         log.info("trainer finished %d iterations", len(history))
@@ -192,12 +189,12 @@ def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: Weig
     return InProcessSource(generate, load_weights)
 
 
-def sync_trainer(cfg: TidalConfig, run_dir: Path, info: RunInfo, dataset, tracker, on_iteration=None, engine=None) -> list[dict]:
+def sync_trainer(cfg: TidalConfig, run: RunDir, dataset, tracker, engine=None) -> list[dict]:
     """Sync mode in this process: generate, then train, all cores to each phase."""
-    learner, tokenizer = build_learner(cfg, info.base_model)
-    store = WeightStore(run_dir / "weights", info.base_model)
+    learner, tokenizer = build_learner(cfg, run.info().base_model)
+    store = WeightStore(run.weights, run.info().base_model)
     source = in_process_source(cfg, learner, tokenizer, store, engine)
-    return asyncio.run(train(cfg, learner, source, dataset, store, RunFiles(run_dir, on_iteration), tracker))
+    return asyncio.run(train(cfg, learner, source, dataset, store, run, tracker))
 
 
 def rollout_engine(cfg: TidalConfig, base_model: str) -> tuple[object, object, type]:
@@ -212,8 +209,8 @@ def rollout_engine(cfg: TidalConfig, base_model: str) -> tuple[object, object, t
     return HFEngine.for_rollout(model, tokenizer, cfg.rollout), tokenizer, RolloutWorker
 
 
-async def worker_role(cfg: TidalConfig, run_dir: Path, nats_url: str, worker_id: str) -> int:
-    info = RunInfo.load(run_dir)
+async def worker_role(cfg: TidalConfig, run: RunDir, nats_url: str, worker_id: str) -> int:
+    info = run.info()
     set_threads(split_cores(cfg)[1])
     # user rewards' process starts beside the model load; not before vLLM, whose engine processes
     # would inherit its pipes and keep it alive after this worker dies
@@ -221,7 +218,7 @@ async def worker_role(cfg: TidalConfig, run_dir: Path, nats_url: str, worker_id:
     engine, tokenizer, worker_class = rollout_engine(cfg, info.base_model)
     try:
         transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=False)
-        worker = worker_class(cfg, engine, tokenizer, transport, worker_id, weights_root=run_dir / "weights", scorer=scorer)
+        worker = worker_class(cfg, engine, tokenizer, transport, worker_id, weights_root=run.weights, scorer=scorer)
         try:
             await worker.run()
         finally:

@@ -60,11 +60,11 @@ def resolve(run_dir: str | None, tracking_uri: str | None, experiment: str | Non
     $MLFLOW_TRACKING_URI; --experiment NAME opens that experiment (the compare view of its runs)."""
     from mlflow.tracking import MlflowClient
 
-    from tidal.rundir import RunInfo
+    from tidal.rundir import RunDir
 
     run_id = None
     if run_dir is not None:
-        info = RunInfo.load(Path(run_dir))
+        info = RunDir(run_dir).info()
         uri, run_id = tracking_uri or info.tracking_uri, info.mlflow_run_id or None
     else:
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")

@@ -68,10 +68,10 @@ def run_system(
     if proc.returncode != 0:
         raise SystemExit(f"{name} run failed:\n{proc.stderr[-3000:]}")
     if tracking:  # the run's own store (an override may have changed it): tag it for the compare view
-        from tidal.rundir import RunInfo
+        from tidal.rundir import RunDir
         from tidal.tracking import set_tags
 
-        info = RunInfo.load(run_dir)
+        info = RunDir(run_dir).info()
         set_tags(info.tracking_uri, info.mlflow_run_id, {"system": name, "bench": "modes", "bench.invocation": tracking["invocation"]})
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -493,10 +493,10 @@ def run_tidal(system: str, config_path: Path, steps: int, workdir: Path, trackin
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"tidal bench trl: the Tidal {system} run failed:\n{proc.stderr[-3000:]}")
-    from tidal.rundir import RunInfo
+    from tidal.rundir import RunDir
     from tidal.tracking import set_tags
 
-    info = RunInfo.load(run_dir)
+    info = RunDir(run_dir).info()
     set_tags(info.tracking_uri, info.mlflow_run_id, {"system": system, "bench": "trl", "bench.invocation": tracking["invocation"]})
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {

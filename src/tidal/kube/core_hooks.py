@@ -14,14 +14,15 @@ import time
 from pathlib import Path
 
 from tidal.protocol import RunState
+from tidal.rundir import new_run_id
 
 # run states after which a round's rollout workers may stop (the worker pods' supervisor reads them)
 ROUND_OVER_STATES = (RunState.ROUND_DONE.value, RunState.DONE.value)
 
 
 def run_id_of(run_dir: str) -> str:
-    """The run's id, which names its streams and KV bucket: the run directory's name."""
-    return Path(run_dir).name
+    """The run's id, which names its streams and KV bucket: a pipeline's run directory is named by its KFP job."""
+    return new_run_id(Path(run_dir), unique_name=True)
 
 
 BASE_MODEL_DIR = "base-model"
@@ -36,14 +37,14 @@ def prepare_run(run_dir: str, config_path: str, tracking_uri: str, mlflow_run_id
     """
     from tidal.config import load_config
     from tidal.roles import check_prompt_settings, ensure_base_model, run_async
-    from tidal.rundir import RunInfo
+    from tidal.rundir import RunDir, RunInfo
 
     cfg = load_config(config_path)
-    run_path = Path(run_dir)
-    if not (run_path / "run.json").is_file():
+    run = RunDir(run_dir)
+    if not run.started:
         base_model = stage_base_model(ensure_base_model(cfg), run_dir, shared_roots)
         check_prompt_settings(cfg, base_model)
-        RunInfo(run_id=run_id_of(run_dir), base_model=str(base_model), tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id).save(run_path)
+        run.save_info(RunInfo(run_id=run_id_of(run_dir), base_model=str(base_model), tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id))
     run_async(_create_transport(cfg, run_dir))
 
 
