@@ -98,7 +98,7 @@ def test_gradient_divisor_contract():
 
 
 def test_tidal_owned_keys_pass_through_or_contradict_clearly():
-    from tidal.trainer.deepspeed_strategy import deepspeed_config
+    from tidal.trainer.deepspeed_config import deepspeed_config
 
     user = {"zero_optimization": {"reduce_bucket_size": 1000, "stage": 3}, "gradient_clipping": 0.5, "wall_clock_breakdown": True}
     merged = deepspeed_config(TrainerConfig(strategy="deepspeed", zero_stage=3, max_grad_norm=0.5, deepspeed=user), world_size=4)
@@ -150,7 +150,8 @@ def divisor_contract() -> None:
     set_gradient_divisor(D) applies sum/D and reports ||sum||/D as the global norm; with clipping the
     update's norm is the clip and the reported norm is still the pre-clip one; back at divisor 1 the
     next step applies the plain sum."""
-    from tidal.trainer.deepspeed_strategy import deepspeed_config, import_deepspeed, set_gradient_divisor
+    from tidal.trainer.deepspeed_config import deepspeed_config
+    from tidal.trainer.deepspeed_strategy import import_deepspeed, set_gradient_divisor
     from tidal.trainer.distributed import SINGLE, ensure_process_group
 
     deepspeed = import_deepspeed("cpu")

@@ -100,26 +100,32 @@ def test_heartbeats_round_trip_through_the_run_kv_bucket(nats_server):
     asyncio.run(scenario())
 
 
-def test_tail_threads_resolve_only_where_tidal_run_said_whose_cores_are_free(monkeypatch, tiny_config_dict):
+def test_tail_threads_resolve_only_where_tidal_run_said_whose_cores_are_free(tiny_config_dict):
     import copy
 
     from tidal.config import config_from_dict
-    from tidal.runtime import TAIL_THREADS_ENV, tail_threads
+    from tidal.threads import resolve_threads, tail_threads, trainer_threads
 
     def cfg(**trainer):
         data = copy.deepcopy(tiny_config_dict)
         data["trainer"].update(trainer)
+        data["rollout"]["workers"] = 1
         return config_from_dict(data)
 
-    monkeypatch.delenv(TAIL_THREADS_ENV, raising=False)
     assert tail_threads(cfg(), 1) is None  # auto in a pod: unknown
-    monkeypatch.setenv(TAIL_THREADS_ENV, "2")
-    assert tail_threads(cfg(), 1) == 2
-    assert tail_threads(cfg(), 2) is None  # no more than it has
+    resolved = resolve_threads(cfg(), cores=4)  # what `tidal run` writes into the run's config.yaml
+    assert (resolved.trainer.threads, resolved.rollout.threads, resolved.trainer.tail_threads) == (2, 2, 4)
+    assert tail_threads(resolved, trainer_threads(resolved)) == 4  # the trainer's and its worker's cores
+    assert tail_threads(resolved, 4) is None  # no more than it has
+    two_ranks = resolve_threads(cfg(ranks=2, threads=2), cores=4)
+    assert trainer_threads(two_ranks, 2) == 1 and tail_threads(two_ranks, 1) == 2  # per rank
+    assert resolve_threads(cfg(tail_threads=None), cores=4).trainer.tail_threads is None
     assert tail_threads(cfg(tail_threads=None), 1) is None
     assert tail_threads(cfg(tail_threads=4), 1) == 4
+    assert resolve_threads(cfg(tail_threads=16), cores=4).trainer.tail_threads == 4  # at most the cores
     bounded = copy.deepcopy(tiny_config_dict) | {"mode": "bounded"}
     assert tail_threads(config_from_dict(bounded), 1) is None  # bounded workers generate ahead: not idle
+    assert resolve_threads(config_from_dict(bounded), cores=4).trainer.tail_threads is None
 
 
 def test_tail_threads_widen_and_narrow_the_trainers_thread_pool():

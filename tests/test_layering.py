@@ -1,4 +1,4 @@
-"""The import graph of src/tidal (every import, including ones inside functions) keeps DESIGN §5's
+"""The import graph of src/tidal (every import, including ones inside functions) keeps the
 layering: the trainer and the rollout package never import each other, and algo/ is pure tensor math."""
 
 import ast
@@ -77,3 +77,70 @@ def test_relative_and_function_level_imports_are_seen():
         "tidal.trainer.probe -> tidal.rollout (trainer must not import rollout)",
         "tidal.trainer.probe -> tidal.rollout.worker (trainer must not import rollout)",
     ]
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every group of modules of the tree that import each other, directly or through others (an
+    import names its longest enclosing module in the tree; a package's own __init__ counts as one)."""
+    modules = set(graph)
+
+    def in_tree(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges = {m: sorted({t for n in names if (t := in_tree(n)) and t != m}) for m, names in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycle_inside_the_tree():
+    graph = import_graph()
+    assert "tidal.config" in graph and "tidal.plan.model" in graph
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_check_finds_direct_and_indirect_cycles_and_function_level_imports():
+    graph = {
+        "tidal.config": {"tidal.trainer.deepspeed_config.check"},  # a name inside a module
+        "tidal.trainer.deepspeed_config": {"tidal.model.loading"},
+        "tidal.model.loading": {"tidal.config", "torch"},
+        "tidal.plan": {"tidal.plan.devices"},
+        "tidal.plan.devices": {"tidal.plan"},
+        "tidal.data": {"tidal.config"},
+    }
+    assert sorted(import_cycles(graph)) == [
+        ["tidal.config", "tidal.model.loading", "tidal.trainer.deepspeed_config"],
+        ["tidal.plan", "tidal.plan.devices"],
+    ]
+    source = "def f():\n    from tidal.plan import devices\n"
+    assert import_cycles({"tidal.plan.devices": {"tidal.plan"}, "tidal.plan": imports_of(source, "tidal.plan", True)})

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from tidal.config import ConfigError, config_from_dict, load_config
-from tidal.plan import Profile, Split, apply_plan, best_split, candidate_splits, predict_periodic, predict_sync, wants_plan
-from tidal.runtime import split_cores
+from tidal.plan.model import Profile, Split, apply_plan, best_split, candidate_splits, predict_periodic, predict_sync, wants_plan
+from tidal.threads import split_cores
 
 RECORDED = Path(__file__).parent / "data" / "plan_recorded.json"
 
@@ -39,7 +39,7 @@ def test_a_training_bound_split_waits_for_the_first_arrival_then_trains_everythi
 
 def test_the_busy_processes_share_the_cores_only_while_they_overlap():
     # 2 cores: while 2 workers and the trainer are all busy each runs at 2/3 speed; head and tail at full speed
-    from tidal.plan import simulate_periodic
+    from tidal.plan.model import simulate_periodic
 
     assert simulate_periodic(1.0, 0.5, 2, 2, 1, 1, 2, 1.0) == pytest.approx(1.0 + 0.5 + 0.5)  # two workers fill the cores, then the trainer alone
     crowded = simulate_periodic(1.0, 0.5, 4, 2, 1, 1, 2, 1.0)
@@ -47,7 +47,7 @@ def test_the_busy_processes_share_the_cores_only_while_they_overlap():
 
 
 def test_tail_threads_speed_up_only_the_training_after_the_last_arrival():
-    from tidal.plan import simulate_periodic, tail_thread_count
+    from tidal.plan.model import simulate_periodic
 
     # 2 calls of 1.0 s, 0.5 s of training each: the first call's training overlaps the second call,
     # the second call's runs alone, at twice the speed with the workers' cores
@@ -56,12 +56,14 @@ def test_tail_threads_speed_up_only_the_training_after_the_last_arrival():
     # training slower than generation: call 1's training (0.5 to 2.0) is still running when the last
     # group arrives (at 1.0), so it keeps one thread; only call 2's, started at 2.0, is faster
     assert simulate_periodic(0.5, 1.5, 2, 1, 1, 1, 2, 1.0, tail_speedup=2.0) == pytest.approx(0.5 + 1.5 + 0.75)
-    assert tail_thread_count(Split(1, 1, 1), "auto", cores=4) == 2  # its thread and its worker's
-    assert tail_thread_count(Split(1, 2, 1), 8, cores=4) == 4  # never more than the cores
-    assert tail_thread_count(Split(1, 1, 3), 3, cores=4) is None  # no more than it has
-    assert tail_thread_count(Split(1, 1, 1), None, cores=4) is None
+    from tidal.threads import tail_thread_total
+
+    assert tail_thread_total("auto", 1, 1, cores=4) == 2  # its thread and its worker's
+    assert tail_thread_total(8, 1, 2, cores=4) == 4  # never more than the cores
+    assert tail_thread_total(3, 3, 1, cores=4) is None  # no more than it has
+    assert tail_thread_total(None, 1, 1, cores=4) is None
     from tidal.config import TidalConfig
-    from tidal.plan import planned_tail
+    from tidal.plan.model import planned_tail
 
     assert planned_tail(TidalConfig()) == "auto"  # periodic applies it; bounded and sync never do
     assert planned_tail(TidalConfig.model_validate({"mode": "bounded", "rollout": {"max_staleness": 1}})) is None

@@ -11,7 +11,7 @@ import statistics
 import pytest
 
 from tests.conftest import run_cli
-from tidal.plan_devices import (
+from tidal.plan.devices import (
     DeviceProfile,
     DeviceSplit,
     device_splits,

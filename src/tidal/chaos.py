@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import median
 
+from tidal.rundir import RunDir
+
 FAULTS = ("worker-kill", "worker-stop", "trainer-kill", "nats-kill", "launcher-kill", "snapshot-corrupt")
 FAST = {"rollout.deterministic": "true", "eval.enabled": "false", "rollout.groups_per_batch": "1"}
 
@@ -142,13 +144,9 @@ def tidal_run(config: Path, run_dir: Path, overrides: list[str]) -> subprocess.P
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
 def pid_of(run_dir: Path, name: str) -> int | None:
     try:
-        return int((run_dir / "logs" / f"{name}.pid").read_text())
+        return int(RunDir(run_dir).pid_file(name).read_text())
     except (OSError, ValueError):
         return None
 
@@ -244,7 +242,7 @@ def timed_run(config: Path, run_dir: Path, overrides: list[str], hang_seconds: f
     t0, first = time.time(), None
     proc = tidal_run(config, run_dir, overrides)
     while proc.poll() is None and time.time() < t0 + hang_seconds:
-        if first is None and read_jsonl(run_dir / "metrics.jsonl"):
+        if first is None and RunDir(run_dir).metrics.read():
             first = time.time() - t0
         time.sleep(0.05)
     if wait_for(proc, t0 + hang_seconds) != 0:
@@ -280,7 +278,7 @@ def run_one(
     proc = tidal_run(config, run_dir, overrides)
     deadline = t0 + hang_seconds
     # a random point after the first boundary (the run is under way) and before the reference's end
-    while not read_jsonl(run_dir / "metrics.jsonl") and proc.poll() is None and time.time() < deadline:
+    while not RunDir(run_dir).metrics.read() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     first = time.time()
     time.sleep(rng.uniform(0.0, 0.8 * max(0.5, reference.seconds - reference.first_boundary)))
@@ -298,7 +296,7 @@ def run_one(
     if hang:
         stop_everything(proc, run_dir)
     end = time.time()
-    lost, twice = group_accounting(read_jsonl(run_dir / "groups.jsonl"), iterations, per_iteration)
+    lost, twice = group_accounting(RunDir(run_dir).groups.read(), iterations, per_iteration)
     weights = final_weights(run_dir, iterations)
     diff = None if weights is None else relative_difference(weights, reference.weights)
     return RunOutcome(fault, index, injected_at, returncode, end - t0, end - first, lost, twice, hang, diff, error)

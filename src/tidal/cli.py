@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=lambda args: run_benchmark(args.name, args.args) or 0)
     plan = sub.add_parser("plan", help="the capacity planner: measure, then the split of cores between workers and trainer")
     plan.add_argument("args", nargs=argparse.REMAINDER, help="CONFIG [--set k=v] [--split WxT+C] [--json PATH] (tidal plan --help)")
-    plan.set_defaults(func=lambda args: __import__("tidal.plan", fromlist=["main"]).main(args.args) or 0)
+    plan.set_defaults(func=lambda args: __import__("tidal.plan.command", fromlist=["main"]).main(args.args) or 0)
     chaos = sub.add_parser("chaos", help="the fault matrix: kill or stop each role at random points, check nothing is lost")
     chaos.add_argument("args", nargs=argparse.REMAINDER, help="CONFIG [--faults ...] [--runs N] [--json PATH] (tidal chaos --help)")
     chaos.set_defaults(func=lambda args: __import__("tidal.chaos", fromlist=["main"]).main(args.args))
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_command(args) -> int:
-    from tidal.runtime import set_threads, setup_logging
+    from tidal.logs import setup_logging
 
     run_dir = Path(args.run_dir)
     if args.command == "run" and args.via == "kfp-local":
@@ -85,10 +85,6 @@ def _run_command(args) -> int:
         run_local(cfg, run_dir, show_progress=not args.no_progress, force_new_config=args.force_new_config)
         return 0
     setup_logging()
-    import os
-
-    if os.environ.get("TIDAL_THREADS"):
-        set_threads(int(os.environ["TIDAL_THREADS"]))
     from tidal import roles
     from tidal.rundir import RunDir
 
@@ -132,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:  # its own parser: options may come before the config
-        from tidal.plan import main as plan_main
+        from tidal.plan.command import main as plan_main
 
         plan_main(argv[1:])
         return 0
@@ -167,7 +163,7 @@ def _main(argv: list[str] | None) -> int:
         import nats.errors
 
         from tidal.local import RoleFailed
-        from tidal.runtime import NATS_LOST_EXIT
+        from tidal.protocol import NATS_LOST_EXIT
         from tidal.trainer.guard import SkippedStepsError
         from tidal.transport import NatsUnavailableError
 

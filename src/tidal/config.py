@@ -223,7 +223,7 @@ class TrainerConfig(_Strict):
             reason = f"trainer.deepspeed is set but trainer.strategy is {self.strategy!r}: it applies to strategy 'deepspeed' only"
             raise PydanticCustomError("deepspeed_config", "{reason}", {"reason": reason})
         if self.strategy == "deepspeed":
-            from tidal.trainer.deepspeed_strategy import check_user_config  # lazy: imports torch, never deepspeed
+            from tidal.trainer.deepspeed_config import check_user_config
 
             try:
                 check_user_config(self)

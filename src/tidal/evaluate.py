@@ -13,6 +13,7 @@ from tidal.data import Problem, prompt_encoder
 from tidal.model.loading import load_model_and_tokenizer, load_tokenizer
 from tidal.rewards import exact_match, extract_final_answer
 from tidal.rollout.engine import GroupRequest, HFEngine, RolloutEngine, group_generator, group_seed
+from tidal.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -141,15 +142,14 @@ def follow_run(cfg: TidalConfig, run_dir: Path, base_model: str, problems: list[
     as soon as the weight store holds it, logs `eval/*` at that version's step, appends eval.jsonl,
     and returns once the final version (trainer.iterations) is evaluated. When evaluation is slower
     than training, it evaluates the newest pending version and skips the ones it fell behind on."""
-    import json
     import time
 
     from tidal.weights import WeightStore
 
     store = WeightStore(run_dir / "weights")
     final = cfg.trainer.iterations
-    records_path = run_dir / "eval.jsonl"
-    done = {json.loads(line)["version"] for line in records_path.read_text().splitlines()} if records_path.is_file() else set()
+    evals = RunDir(run_dir).evals
+    done = {record["version"] for record in evals.read()}
     engine = open_engine(cfg, base_model, eval_engine_kind(cfg))
     records = []
     try:
@@ -172,8 +172,7 @@ def follow_run(cfg: TidalConfig, run_dir: Path, base_model: str, problems: list[
                 continue
             record = {"version": version, "seconds": time.perf_counter() - t0, **scores}
             log_metrics({f"eval/{k}": v for k, v in scores.items() if v is not None}, version)
-            with records_path.open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
+            evals.append(record)
             records.append(record)
             done.update(v for v in pending)  # the skipped ones too: the curve moves on
             log.info("held-out eval of v%d: %s", version, scores)

@@ -19,6 +19,9 @@ import numpy as np
 
 _NDARRAY_EXT = 1
 
+# A role's exit code when NATS cannot be reached (EX_TEMPFAIL): the launcher may restart it.
+NATS_LOST_EXIT = 75
+
 
 class ProtocolError(ValueError):
     """A message that does not match its declared type; the text says which field and why."""

@@ -15,6 +15,9 @@ import math
 import sys
 from pathlib import Path
 
+from tidal.rundir import RunDir
+from tidal.summary import TIME_SPLIT
+
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 SPLIT = [  # trainer phases stacked per iteration: (label, metrics.jsonl key, colour)
     ("train", "train_seconds", "#1f77b4"),
@@ -22,10 +25,6 @@ SPLIT = [  # trainer phases stacked per iteration: (label, metrics.jsonl key, co
     ("idle (waiting for groups)", "trainer_idle_seconds", "#bbbbbb"),
 ]
 W, H, PAD_L, PAD_R, PAD_T, PAD_B = 640, 280, 56, 16, 28, 40
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def _num(x) -> float | None:
@@ -192,19 +191,11 @@ def summary_table(summary: dict) -> str:
 
 def split_table(summary: dict, metrics: list[dict]) -> str:
     """The mean split, as the end-of-run table prints it."""
-    names = [
-        ("iteration", "iteration_seconds_mean", "iteration_seconds"),
-        ("generate", "generate_seconds_mean", "generate_seconds"),
-        ("train", "train_seconds_mean", "train_seconds"),
-        ("weight-sync", "sync_seconds_mean", "sync_seconds"),
-        ("idle", "idle_seconds_mean", "trainer_idle_seconds"),
-    ]
     cells = []
-    for label, skey, mkey in names:
+    for label, skey, mkey in TIME_SPLIT:
         v = _num(summary.get(skey))
         if v is None and metrics:
-            vals = [_num(m.get(mkey)) for m in metrics]
-            vals = [x for x in vals if x is not None]
+            vals = [x for m in metrics if (x := _num(m.get(mkey))) is not None]
             v = sum(vals) / len(vals) if vals else None
         cells.append(f"<tr><th>{label}</th><td>{'n/a' if v is None else f'{v:.3f} s'}</td></tr>")
     return f'<table class="split">{"".join(cells)}</table>'
@@ -279,18 +270,17 @@ def iteration_table(metrics: list[dict]) -> str:
 
 def build_report(run_dir: str | Path) -> str:
     """The report's HTML for a finished (or running) run directory."""
-    run_dir = Path(run_dir)
-    metrics = _read_jsonl(run_dir / "metrics.jsonl")
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    run = RunDir(run_dir)
+    metrics = run.metrics.read()
+    summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
     if not metrics and not summary:
         raise FileNotFoundError(f"{run_dir}: neither metrics.jsonl nor summary.json; is it a Tidal run directory?")
-    evals = _read_jsonl(run_dir / "eval.jsonl")
+    evals = run.evals.read()
     config = {}
-    if (run_dir / "config.yaml").is_file():
+    if run.config.is_file():
         import yaml
 
-        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        config = yaml.safe_load(run.config.read_text()) or {}
     xs = [m.get("iteration", i) for i, m in enumerate(metrics)]
     iterations = int(summary.get("iterations") or len(metrics))
     reward = line_chart(
@@ -325,11 +315,11 @@ def build_report(run_dir: str | Path) -> str:
             f"sampled {_pct(summary.get('sampled_accuracy_before'))} &rarr; {_pct(summary.get('sampled_accuracy_after'))}.</p>"
         )
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>Tidal run report: {html.escape(run_dir.name)}</title>
+<html lang="en"><head><meta charset="utf-8"><title>Tidal run report: {html.escape(run.root.name)}</title>
 <style>{CSS}</style></head>
 <body>
-<h1>Tidal run report: {html.escape(run_dir.name)}</h1>
-<p class="meta">{" &middot; ".join(meta)}<br>run directory <code>{html.escape(str(run_dir.resolve()))}</code></p>
+<h1>Tidal run report: {html.escape(run.root.name)}</h1>
+<p class="meta">{" &middot; ".join(meta)}<br>run directory <code>{html.escape(str(run.root.resolve()))}</code></p>
 {headline}
 <h2>Curves</h2>
 <div class="charts">{reward}{heldout}</div>

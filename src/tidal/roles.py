@@ -24,7 +24,7 @@ from tidal.rewards import RewardScorer
 from tidal.rollout.engine import HFEngine
 from tidal.rollout.worker import RolloutWorker, generate_groups
 from tidal.rundir import RunDir, RunInfo
-from tidal.runtime import set_threads, split_cores
+from tidal.threads import set_threads, split_cores, trainer_threads
 from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.distributed import DistContext, context_from_env, init_process_group
 from tidal.trainer.distributed import shutdown as shutdown_process_group
@@ -60,7 +60,7 @@ def rank_device(cfg: TidalConfig, ctx: DistContext) -> str:
 def start_trainer_ranks(cfg: TidalConfig, run: RunDir) -> tuple[DistContext, Strategy, str]:
     """This process's rank (torchrun's environment), its process group, strategy and device."""
     ctx = context_from_env()
-    set_threads(max(1, split_cores(cfg)[0] // ctx.local_world_size))
+    set_threads(trainer_threads(cfg, ctx.local_world_size))
     resolve_strategy_name(cfg.trainer.strategy, ctx.world_size)  # one that cannot run here: an error before any rendezvous
     device = rank_device(cfg, ctx)
     init_process_group(ctx, device.partition(":")[0])

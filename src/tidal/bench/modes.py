@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tidal.rundir import RunDir
+
 SYSTEMS = {  # name -> config overrides
     "sync": ["mode=sync"],
     "periodic": ["mode=periodic"],
@@ -68,13 +70,13 @@ def run_system(
     if proc.returncode != 0:
         raise SystemExit(f"{name} run failed:\n{proc.stderr[-3000:]}")
     if tracking:  # the run's own store (an override may have changed it): tag it for the compare view
-        from tidal.rundir import RunDir
         from tidal.tracking import set_tags
 
         info = RunDir(run_dir).info()
         set_tags(info.tracking_uri, info.mlflow_run_id, {"system": name, "bench": "modes", "bench.invocation": tracking["invocation"]})
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    run = RunDir(run_dir)
+    metrics = run.metrics.read()
+    summary = json.loads(run.summary.read_text())
     figures = steady_state(metrics, warmup)
     figures["staleness_mean"] = sum(m.get("staleness_mean", 0.0) for m in metrics) / len(metrics)
     for key in ("accuracy_before", "accuracy_after", "sampled_accuracy_before", "sampled_accuracy_after"):

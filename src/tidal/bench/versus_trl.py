@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 from tidal.config import ConfigError, TidalConfig, dump_config, load_config
+from tidal.rundir import RunDir
 
 TRL_VERSION = "1.16.0"  # the release this mapping was written against (checked by the gradient comparison)
 SYSTEMS = ("trl", "sync", "periodic")
@@ -493,12 +494,11 @@ def run_tidal(system: str, config_path: Path, steps: int, workdir: Path, trackin
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"tidal bench trl: the Tidal {system} run failed:\n{proc.stderr[-3000:]}")
-    from tidal.rundir import RunDir
     from tidal.tracking import set_tags
 
     info = RunDir(run_dir).info()
     set_tags(info.tracking_uri, info.mlflow_run_id, {"system": system, "bench": "trl", "bench.invocation": tracking["invocation"]})
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = RunDir(run_dir).metrics.read()
     return {
         "step_seconds": tidal_step_seconds(metrics),
         "generate_seconds": [float(m["generate_seconds"]) for m in metrics],
@@ -527,8 +527,9 @@ def _child_setup(config_path: str):
     import warnings
 
     from tidal.data import load_dataset
+    from tidal.logs import setup_logging
     from tidal.model.warm_start import prepare_base_model
-    from tidal.runtime import set_threads, setup_logging
+    from tidal.threads import set_threads
 
     setup_logging()
     logging.getLogger("tidal").setLevel(logging.WARNING)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from tidal.runtime import quiet_transformers
+from tidal.logs import quiet_transformers
 
 log = logging.getLogger(__name__)
 quiet_transformers()

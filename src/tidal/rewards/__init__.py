@@ -15,15 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tidal.config import RewardConfig
+from tidal.rewards.pool import RewardError
 
 log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
 REGISTRY: dict[str, RewardFn] = {}
-
-
-class RewardError(ValueError):
-    """A reward function cannot be found or loaded."""
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:

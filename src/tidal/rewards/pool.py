@@ -16,6 +16,12 @@ import threading
 import time
 
 log = logging.getLogger(__name__)
+
+
+class RewardError(ValueError):
+    """A reward function cannot be found or loaded."""
+
+
 STARTUP_SECONDS = 120.0  # importing a user's module may load a model of its own
 
 
@@ -73,8 +79,6 @@ class RewardProcess:
 
     def _start(self) -> None:
         """Spawns the process unless `prestart` did, and waits for its ready line."""
-        from tidal.rewards import RewardError
-
         if self.proc is None:
             self._spawn()
         try:

@@ -23,7 +23,7 @@ from tidal.config import TidalConfig
 from tidal.data import Dataset, Problem, iteration_prompt_order
 from tidal.protocol import Group, WorkItem
 from tidal.rundir import RunDir
-from tidal.runtime import tail_threads
+from tidal.threads import tail_threads
 from tidal.trainer.checkpoint import optimizer_snapshot, resume_version, write_checkpoint
 from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.learner import Learner, merge_updates

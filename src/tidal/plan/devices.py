@@ -26,7 +26,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from tidal.plan import Prediction, simulate_periodic
+from tidal.plan.model import Prediction, simulate_periodic
+from tidal.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -142,26 +143,22 @@ def job_of(cfg) -> str:
     )
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def run_figures(run_dir: Path) -> RunFigures:
     from tidal.config import load_config
 
-    run_dir = Path(run_dir)
-    for name in ("config.yaml", "metrics.jsonl", "groups.jsonl"):
-        if not (run_dir / name).is_file():
-            raise ValueError(f"{run_dir}: no {name} (a finished `tidal run` directory is needed)")
-    cfg = load_config(run_dir / "config.yaml")
+    run = RunDir(run_dir)
+    for path in (run.config, run.metrics.path, run.groups.path):
+        if not path.is_file():
+            raise ValueError(f"{run_dir}: no {path.name} (a finished `tidal run` directory is needed)")
+    cfg = load_config(run.config)
     if cfg.mode != "periodic":
         raise ValueError(f"{run_dir}: mode {cfg.mode!r}; the device planner reads periodic runs (workers and trainer on devices of their own)")
-    metrics = _read_jsonl(run_dir / "metrics.jsonl")[2:]
+    metrics = run.metrics.read()[2:]
     if len(metrics) < 2:
         raise ValueError(f"{run_dir}: needs at least 4 iterations in metrics.jsonl")
     kept = {m["iteration"] for m in metrics}
     calls_per_iteration = defaultdict(set)
-    for g in _read_jsonl(run_dir / "groups.jsonl"):
+    for g in run.groups.read():
         if g["iteration"] in kept:
             calls_per_iteration[g["iteration"]].add((g["worker_id"], g["gen_start"]))
     workers = cfg.rollout.workers if isinstance(cfg.rollout.workers, int) else 1

@@ -1,0 +1,131 @@
+"""A run's result from its records: the summary `tidal run` writes (summary.json), the table it
+prints, and the figures the HTML report (tidal report) shares with them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tidal.config import TidalConfig
+from tidal.rundir import RunDir, RunInfo
+
+# (label, summary key, per-iteration metric): the split of an iteration, in the order it is shown
+TIME_SPLIT = (
+    ("iteration", "iteration_seconds_mean", "iteration_seconds"),
+    ("generate", "generate_seconds_mean", "generate_seconds"),
+    ("train", "train_seconds_mean", "train_seconds"),
+    ("weight-sync", "sync_seconds_mean", "sync_seconds"),
+    ("idle", "idle_seconds_mean", "trainer_idle_seconds"),
+)
+
+
+def mean_of(history: list[dict], key: str) -> float:
+    """The mean of a per-iteration metric over the iterations (a missing value counts as 0)."""
+    return sum(m.get(key, 0.0) for m in history) / len(history) if history else 0.0
+
+
+def pct(x) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def sparkline(values: list[float]) -> str:
+    """A held-out curve in one line of text."""
+    if not values:
+        return ""
+    bars = "▁▂▃▄▅▆▇█"
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    return "".join(bars[min(len(bars) - 1, int((v - low) / span * (len(bars) - 1) + 0.5))] for v in values)
+
+
+def at_k_before_after(before: dict | None, after: dict | None) -> dict[str, float]:
+    """pass_at_k / maj_at_k of the held-out eval before and after, as `pass_at_4_before` etc."""
+    if not (before and after):
+        return {}
+    keys = [k for k in before if k.startswith(("pass_at_", "maj_at_")) and k in after]
+    return {f"{k}_{when}": scores[k] for k in keys for when, scores in (("before", before), ("after", after))}
+
+
+def summarize(
+    cfg: TidalConfig, history: list[dict], before: dict | None, after: dict | None, final_weights: Path, info: RunInfo, extra: dict
+) -> dict:
+    def mean(key: str) -> float:
+        return mean_of(history, key)
+
+    trained = sum(int(m["samples"]) // cfg.rollout.group_size for m in history)
+    filtered = int(sum(m.get("groups_filtered", 0) for m in history))
+    return {
+        "mode": cfg.mode,
+        "iterations": len(history),
+        "accuracy_before": before and before["accuracy"],
+        "accuracy_after": after and after["accuracy"],
+        "sampled_accuracy_before": before and before["sampled_accuracy"],
+        "sampled_accuracy_after": after and after["sampled_accuracy"],
+        "iteration_seconds_mean": mean("iteration_seconds"),
+        "generate_seconds_mean": mean("generate_seconds"),
+        "train_seconds_mean": mean("train_seconds"),
+        "sync_seconds_mean": mean("sync_seconds"),
+        "idle_seconds_mean": mean("trainer_idle_seconds"),
+        "rollout_idle_seconds_mean": mean("rollout_idle_seconds"),
+        "pipeline_efficiency_mean": mean("pipeline_efficiency"),
+        "generation_tail_seconds_mean": mean("generation_tail_seconds"),
+        "eval_samples_per_prompt": cfg.eval.samples_per_prompt,
+        "staleness_max": max((m["staleness_max"] for m in history), default=0.0),
+        "reward_errors": sum(m["reward_errors"] for m in history),
+        "groups_generated": extra.get("groups_generated", trained + filtered),
+        "groups_trained": trained,
+        "groups_discarded": int(sum(m["groups_discarded"] for m in history)),
+        "messages_rejected": int(sum(m.get("messages_rejected", 0) for m in history)),
+        "staleness_mean": mean("staleness_mean"),
+        # how far the rollouts' log-probs are from the trainer's own at the version they claim: near 0
+        # for the HF engine; a rise with staleness 0 means the workers ran other weights (or another dtype)
+        "logprob_mismatch_mean": mean("logprob_mismatch"),
+        "logprob_mismatch_max": max((m.get("logprob_mismatch", 0.0) for m in history), default=0.0),
+        "groups_filtered": int(sum(m.get("groups_filtered", 0) for m in history)),
+        "final_weights": str(final_weights),
+        "mlflow_run_id": info.mlflow_run_id,
+        "tracking_uri": info.tracking_uri,
+    }
+
+
+def at_k_lines(summary: dict) -> list[str]:
+    ks = sorted({int(k.split("_")[2]) for k in summary if k.startswith(("pass_at_", "maj_at_")) and k.endswith("_before")})
+    parts = [
+        f"{name}@{k} {pct(summary[f'{name}_at_{k}_before'])} -> {pct(summary[f'{name}_at_{k}_after'])}"
+        for name in ("pass", "maj")
+        for k in ks
+        if f"{name}_at_{k}_before" in summary
+    ]
+    return [f"                       {', '.join(parts)}"] if parts else []
+
+
+def curve_lines(summary: dict) -> list[str]:
+    curve = summary.get("eval_curve") or []
+    key = "sampled_accuracy" if curve and curve[0].get("sampled_accuracy") is not None else "accuracy"
+    values = [point[key] for point in curve]
+    if not values:
+        return []
+    versions = f"v{curve[0]['version']}..v{curve[-1]['version']}"
+    return [f"  held-out curve       {sparkline(values)}  {pct(values[0])} -> {pct(values[-1])} ({key}, {versions}, {len(values)} points)"]
+
+
+def result_table(summary: dict, run_dir: Path, wall: float) -> str:
+    return "\n".join(
+        [
+            f"Tidal run finished: {run_dir}  (mode {summary['mode']}, {summary['iterations']} iterations, {wall:.0f}s wall)",
+            f"  held-out accuracy    before {pct(summary['accuracy_before'])}  ->  after {pct(summary['accuracy_after'])}  (greedy)",
+            f"                       before {pct(summary['sampled_accuracy_before'])}  ->  after {pct(summary['sampled_accuracy_after'])}  "
+            f"(sampled at the rollout temperature, {summary['eval_samples_per_prompt']} per prompt: what RL optimises)",
+            *at_k_lines(summary),
+            *curve_lines(summary),
+            f"  seconds / iteration  {summary['iteration_seconds_mean']:.2f}  =  "
+            + " | ".join(f"{label} {summary[key]:.2f}" for label, key, _ in TIME_SPLIT[1:])
+            + "; "
+            f"pipeline efficiency {summary['pipeline_efficiency_mean']:.2f}, generation tail {summary['generation_tail_seconds_mean']:.2f}s",
+            f"  groups               generated {summary['groups_generated']}, trained {summary['groups_trained']}, "
+            f"filtered {summary['groups_filtered']}, discarded {summary['groups_discarded']}; staleness max {summary['staleness_max']:.0f}, "
+            f"log-prob mismatch max {summary.get('logprob_mismatch_max', 0.0):.2g}",
+            f"  final weights        {summary['final_weights']}",
+            f"  MLflow               run {summary['mlflow_run_id']} in {summary['tracking_uri']}",
+            f"  summary              {RunDir(run_dir).summary}",
+        ]
+    )

@@ -1,0 +1,254 @@
+"""The launcher's processes: starting the roles of a local run, restarting the ones that die,
+stopping all of them together (signals, the parent-death signal, the run directory's lock)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from tidal.config import TidalConfig
+from tidal.protocol import NATS_LOST_EXIT
+from tidal.rundir import RunDir, RunDirLock
+from tidal.threads import split_cores
+from tidal.transport.server import EmbeddedNats, reachable
+
+log = logging.getLogger(__name__)
+MAX_WORKER_RESTARTS = 3
+MAX_TRAINER_RESTARTS = 2
+MAX_NATS_RESTARTS = 3
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class RoleFailed(RuntimeError):
+    """A role process exited with an error; the message carries the end of its log."""
+
+
+class Stopped(KeyboardInterrupt):
+    """The launcher got SIGINT, SIGTERM or SIGHUP: every process of the run is stopped, the run can be resumed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.resume_at: int | None = None  # the iteration a re-run starts from
+
+
+@contextmanager
+def stop_on_signals():
+    """SIGINT, SIGTERM and SIGHUP raise Stopped in the launcher's main thread (once: a second signal
+    during the shutdown is ignored, so the shutdown itself is not interrupted)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised = False
+
+    def handler(signum, frame):
+        nonlocal raised
+        if raised:
+            log.warning("got %s while stopping: still stopping", signal.Signals(signum).name)
+            return
+        raised = True
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _parent_death_signal():
+    """Linux: a function that makes a child get SIGTERM when the launcher dies, even by SIGKILL, so
+    no role or nats-server is left orphaned; None elsewhere."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def set_signal() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+
+    return set_signal
+
+
+def child_options(lock: RunDirLock | None) -> dict:
+    """Popen options for every process the launcher starts: its own process group (a terminal's
+    Ctrl-C reaches the launcher alone, which stops the others in order), the run directory's lock
+    descriptor (the directory stays locked while any of them lives) and the parent-death signal."""
+    options: dict = {"process_group": 0}
+    if lock is not None and lock.fd is not None:
+        options["pass_fds"] = (lock.fd,)
+    preexec = _parent_death_signal()
+    if preexec is not None:
+        options["preexec_fn"] = preexec
+    return options
+
+
+def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+    """SIGTERM to all at once, then SIGKILL to whatever still runs after `grace` seconds."""
+    procs = [p for p in procs if p is not None and p.poll() is None]
+    for p in procs:
+        p.terminate()
+    deadline = time.time() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def one_line_error(path: Path) -> str | None:
+    """The role's own one-line error (`tidal: ...`, what its CLI prints for a known failure) when its log ends with one."""
+    lines = tail(path, 1).strip()
+    return lines.removeprefix("tidal: ").removeprefix("error: ") if lines.startswith("tidal: ") else None
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    if not path.is_file():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def local_accelerator_env(cfg: TidalConfig, environ: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """Role -> the visible-devices variable that places it (rollout.vllm.placement); {} to share."""
+    environ = os.environ if environ is None else environ
+    from tidal.devices import VISIBLE_DEVICES_ENV, accelerator_placement, visible_accelerators, visible_device_ids
+
+    visible = visible_accelerators()
+    kind = "cuda" if visible["cuda"] else "npu" if visible["npu"] else None
+    if kind is None or cfg.rollout.engine != "vllm" or cfg.rollout.vllm.placement == "shared":
+        return {}
+    devices = visible_device_ids(kind, environ, visible[kind])
+    placement = accelerator_placement(devices, cfg.rollout.workers, cfg.rollout.vllm.tensor_parallel_size, cfg.trainer.ranks)
+    if placement is None:
+        log.info("%d %s device(s) for the trainer and %d worker(s): every role shares them", len(devices), kind, cfg.rollout.workers)
+        return {}
+    log.info("device placement (%s): %s", kind, placement)
+    return {role: {VISIBLE_DEVICES_ENV[kind]: ",".join(ids)} for role, ids in placement.items()}
+
+
+class RoleProcesses:
+    """Trainer and rollout workers as child processes; dead workers are restarted (their work is
+    redelivered). Each reads its threads from the run's config.yaml (resolved by `tidal run`)."""
+
+    def __init__(self, run: RunDir, nats_url: str, cfg: TidalConfig, env: dict | None = None, options: dict | None = None):
+        self.run, self.nats_url, self.cfg = run, nats_url, cfg
+        self.env = env or {}  # e.g. the embedded server's token
+        self.options = options or {}  # child_options
+        trainer_total, self.worker_threads = split_cores(cfg)
+        self.trainer_threads = max(1, trainer_total // cfg.trainer.ranks)  # per rank
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {}
+        self.trainer: subprocess.Popen | None = None
+        self.devices = local_accelerator_env(cfg)
+
+    def _spawn(self, args: list[str], role: str, threads: int) -> subprocess.Popen:
+        """`role` ("trainer" or a worker id) names its log and its device placement. OMP_NUM_THREADS:
+        the OpenMP pool is sized before any code of the role runs."""
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), **self.devices.get(role, {}), **self.env}
+        cmd = [*self._launcher(role), "tidal.cli", *args, str(self.run.config), "--run-dir", str(self.run.root), "--nats-url", self.nats_url]
+        with self.run.log(role).open("ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, **self.options)
+        self.run.pid_file(role).write_text(str(proc.pid))
+        return proc
+
+    def _launcher(self, role: str) -> list[str]:
+        """`python -m`, or for several trainer ranks torchrun (standalone rendezvous on this machine).
+        torchrun's own restarts are not used: a restarted worker group was seen hanging in gloo's
+        connect (torch 2.13, agent store); a fresh torchrun starts clean."""
+        ranks = self.cfg.trainer.ranks
+        if role != "trainer" or ranks == 1:
+            return [sys.executable, "-m"]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m"]
+
+    def start(self) -> None:
+        self.run.logs.mkdir(parents=True, exist_ok=True)
+        self.trainer = self._spawn(["train"], "trainer", self.trainer_threads)
+        for i in range(self.cfg.rollout.workers):
+            self.start_worker(f"worker-{i}")
+
+    def start_worker(self, worker_id: str) -> None:
+        self.workers[worker_id] = self._spawn(["rollout-worker", "--worker-id", worker_id], worker_id, self.worker_threads)
+
+    def failed(self, role: str, code: int, what: str) -> RoleFailed:
+        """The error for a role that failed for good; when NATS is down, that is what it says."""
+        if not reachable(self.nats_url):
+            return RoleFailed(f"NATS at {self.nats_url} is down or unreachable: the {what} exited with code {code} (see {self.run.log(role)})")
+        line = one_line_error(self.run.log(role))
+        if line is not None:
+            return RoleFailed(f"{what} failed: {line} (see {self.run.log(role)})")
+        return RoleFailed(f"{what} exited with code {code}:\n{tail(self.run.log(role))}")
+
+    def check(self) -> bool:
+        """True once the trainer is done; raises if a role failed for good."""
+        for wid, proc in list(self.workers.items()):
+            code = proc.poll()
+            if code not in (None, 0) and self.trainer.poll() is None:
+                self.restarts[wid] = self.restarts.get(wid, 0) + 1
+                if self.restarts[wid] > MAX_WORKER_RESTARTS:
+                    raise self.failed(wid, code, f"rollout worker {wid} ({self.restarts[wid]} times)")
+                log.warning("rollout worker %s exited with code %s; restarting (its work items are redelivered)", wid, code)
+                self.start_worker(wid)
+        code = self.trainer.poll()
+        if code is None:
+            return False
+        # torchrun exits 1 when one of its ranks was killed: for a multi-rank trainer any failure is retried;
+        # NATS_LOST_EXIT: the trainer lost NATS for longer than its client reconnects
+        restartable = code < 0 or code == NATS_LOST_EXIT or (self.cfg.trainer.ranks > 1 and code != 0)
+        if restartable and self.restarts.get("trainer", 0) < MAX_TRAINER_RESTARTS and reachable(self.nats_url):
+            # Killed by a signal (OOM killer, preemption): resume from the last checkpoint;
+            # the unacked groups of the interrupted iteration are redelivered to it.
+            self.restarts["trainer"] = self.restarts.get("trainer", 0) + 1
+            log.warning("trainer exited with %s; restarting from the last checkpoint", f"signal {-code}" if code < 0 else f"code {code}")
+            self.trainer = self._spawn(["train"], "trainer", self.trainer_threads)
+            return False
+        if code != 0:
+            raise self.failed("trainer", code, "trainer")
+        return True
+
+    def stop(self, grace: float = 15.0) -> None:
+        """Waits up to `grace` seconds for every role to exit by itself, then stops the rest."""
+        deadline = time.time() + grace
+        procs = [p for p in [self.trainer, *self.workers.values()] if p is not None]
+        while any(p.poll() is None for p in procs) and time.time() < deadline:
+            time.sleep(0.05)
+        stop_processes(procs)
+
+
+class NatsSupervisor:
+    """The embedded nats-server, restarted on its port and JetStream store when it dies (the streams,
+    consumers and unacked messages survive in the store; clients reconnect by themselves)."""
+
+    def __init__(self, server: EmbeddedNats, pid_file: Path):
+        self.server, self.pid_file = server, pid_file
+        self.restarts = 0
+
+    def start(self) -> None:
+        self.server.start()
+        self.pid_file.write_text(str(self.server.proc.pid))
+
+    def check(self) -> None:
+        code = self.server.exit_code
+        if code is None:
+            return
+        self.restarts += 1
+        if self.restarts > MAX_NATS_RESTARTS:
+            raise RoleFailed(f"nats-server exited with code {code} {self.restarts} times: see {self.server.log_file}")
+        log.warning("nats-server exited with code %s; restarting it on %s with the same JetStream store", code, self.server.url)
+        t0 = time.time()
+        try:
+            self.start()
+        except (RuntimeError, TimeoutError, OSError) as err:
+            raise RoleFailed(f"nats-server exited with code {code} and could not be restarted on {self.server.url}: {err}") from None
+        log.info("nats-server restarted in %.2fs", time.time() - t0)

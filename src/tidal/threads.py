@@ -1,0 +1,75 @@
+"""How many threads each process of a run uses. `tidal run` resolves the plan once (the planner's
+figures, or an even split of the cores) and writes it into the run's config.yaml as numbers; every
+role then reads its threads from the config it is given, like any other setting."""
+
+from __future__ import annotations
+
+import os
+
+from tidal.config import TidalConfig
+
+
+def set_threads(n: int) -> None:
+    import torch  # here, not at the top: a refusal before anything starts should not wait for torch
+
+    torch.set_num_threads(max(1, n))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, n))
+
+
+def split_cores(cfg: TidalConfig, cores: int | None = None) -> tuple[int, int]:
+    """(trainer threads over all its ranks, threads per rollout worker), unless set in config. `tidal
+    run` replaces `auto` by the capacity planner's figures before any role starts; a role started
+    another way (a pod) reads `auto` as an even split."""
+    cores = cores or os.cpu_count() or 1
+    workers = cfg.rollout.workers if isinstance(cfg.rollout.workers, int) else 1
+    trainer = cfg.trainer.threads if isinstance(cfg.trainer.threads, int) else max(1, cores // (workers + 1))
+    rollout = cfg.rollout.threads if isinstance(cfg.rollout.threads, int) else max(1, (cores - trainer) // workers)
+    return trainer, rollout
+
+
+def tail_thread_total(setting: int | str | None, trainer_threads: int, worker_threads: int, cores: int) -> int | None:
+    """trainer.tail_threads as a count over all trainer ranks, at most the cores: `auto` is the
+    trainer's threads and its workers' together (the cores those workers leave idle at the
+    iteration's tail); None when it would not add a thread."""
+    if setting is None:
+        return None
+    tail = trainer_threads + worker_threads if setting == "auto" else int(setting)
+    tail = min(tail, cores)
+    return tail if tail > trainer_threads else None
+
+
+def resolve_threads(cfg: TidalConfig, cores: int | None = None) -> TidalConfig:
+    """The config a run's separate processes read: trainer.threads, rollout.threads and
+    trainer.tail_threads as numbers (tail None where it adds nothing). Sync mode runs in one
+    process and keeps its settings."""
+    if cfg.mode == "sync":
+        return cfg
+    cores = cores or os.cpu_count() or 1
+    trainer, worker = split_cores(cfg, cores)
+    per_rank = max(1, trainer // cfg.trainer.ranks)
+    tail = None
+    if cfg.mode == "periodic":
+        tail = tail_thread_total(cfg.trainer.tail_threads, per_rank * cfg.trainer.ranks, cfg.rollout.workers * worker, cores)
+    return cfg.model_copy(
+        update={
+            "trainer": cfg.trainer.model_copy(update={"threads": per_rank * cfg.trainer.ranks, "tail_threads": tail}),
+            "rollout": cfg.rollout.model_copy(update={"threads": worker}),
+        },
+        deep=True,
+    )
+
+
+def trainer_threads(cfg: TidalConfig, ranks_here: int = 1) -> int:
+    """One trainer rank's threads (`ranks_here`: the trainer's ranks on this machine)."""
+    return max(1, split_cores(cfg)[0] // ranks_here)
+
+
+def tail_threads(cfg: TidalConfig, threads: int) -> int | None:
+    """One trainer rank's threads once its iteration's groups are all in, when more than `threads`;
+    None otherwise. Only a number counts: `auto` is resolved by `tidal run`, which knows whose cores
+    are free; a pod started with `auto` does not."""
+    tail = cfg.trainer.tail_threads
+    if cfg.mode != "periodic" or not isinstance(tail, int):
+        return None
+    per_rank = max(1, tail // cfg.trainer.ranks)
+    return per_rank if per_rank > threads else None
