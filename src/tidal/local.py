@@ -17,7 +17,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tidal.config import ConfigError, TidalConfig, dump_config, load_config, training_changes
-from tidal.data import load_dataset
 from tidal.logs import setup_logging
 from tidal.plan import apply_plan, cached_profile, wants_plan
 from tidal.preflight import check_before_start
@@ -69,7 +68,7 @@ def run_periodic_local(cfg: TidalConfig, run: RunDir, bar: ProgressBar, lock: Ru
     elif not reachable(nats_url):
         raise NatsUnavailableError(f"cannot reach NATS at {nats_url} (transport.nats_url): is it running?")
     roles = RoleProcesses(run, nats_url, cfg, env={TOKEN_ENV: credentials["token"]} if credentials else {}, options=options)
-    nats = RunNats(run, nats_url, cfg, credentials)
+    nats = run.nats(nats_url, cfg.transport, credentials)
     seen = 0
     try:
         nats.open_run_state()
@@ -102,52 +101,6 @@ def run_periodic_local(cfg: TidalConfig, run: RunDir, bar: ProgressBar, lock: Ru
         roles.stop(grace=0)
         if supervisor is not None:
             supervisor.server.stop()
-
-
-class RunNats:
-    """The launcher's one-off operations on the run's NATS streams and KV bucket."""
-
-    def __init__(self, run: RunDir, url: str, cfg: TidalConfig, credentials: dict | None = None):
-        self.run, self.url, self.cfg, self.credentials = run, url, cfg, credentials
-
-    def _call(self, fn, create: bool = False, timeout: float | None = None):
-        from tidal.transport import call
-
-        return call(self.url, self.run.run_id, self.cfg.transport, fn, create=create, credentials=self.credentials, timeout=timeout)
-
-    def open_run_state(self) -> None:
-        """Marks the run running before any worker starts: a run directory re-used after a finished or
-        failed run still holds "done" / "failed", and workers reading it would exit at once."""
-        from tidal.protocol import RunState
-
-        async def reset(t) -> None:
-            status = await t.run_status()
-            if status is not None and status.state is not RunState.RUNNING:
-                log.info("run state was %s (an earlier run in %s): now running", status.state.value, self.run.root)
-            await t.put_run_state(RunState.RUNNING)
-
-        self._call(reset, create=True)
-
-    def record_run_state(self, state: str) -> None:
-        """Best effort (NATS may be what failed): the run state in the KV bucket, for roles and a re-run to read."""
-        from tidal.protocol import RunState
-
-        async def put(t) -> None:
-            await t.put_run_state(RunState(state))
-
-        try:
-            self._call(put, timeout=10)
-        except Exception as err:  # noqa: BLE001 - the state is a record; stopping goes on without it
-            log.warning("could not record the run state %r in NATS: %s", state, err)
-
-    def count_rollouts(self) -> int:
-        """Groups published to the ROLLOUTS stream (generated), as the server counts them: its last
-        sequence number, since at `transport.stream_max_mb` the stream drops its oldest messages."""
-
-        async def count(t) -> int:
-            return (await t.js.stream_info(t.names["rollouts_stream"])).state.last_seq
-
-        return self._call(count)
 
 
 def start_curve_eval(cfg: TidalConfig, run: RunDir, options: dict | None = None):
@@ -200,11 +153,10 @@ def finished_summary(cfg: TidalConfig, run: RunDir) -> dict | None:
     return summary if Path(summary.get("final_weights", "")).name == version_dir_name(version) else None
 
 
-def prepare_run(cfg: TidalConfig, run: RunDir, show_progress: bool = True) -> tuple[RunInfo, object]:
-    """Resolved config, dataset check, warm start (cached), MLflow run: everything before the loop."""
+def prepare_run(cfg: TidalConfig, run: RunDir, dataset, show_progress: bool = True) -> RunInfo:
+    """The config written, the warm start (cached), the MLflow run: everything before the loop."""
     run.root.mkdir(parents=True, exist_ok=True)
     run.config.write_text(dump_config(cfg))
-    dataset = load_dataset(cfg.data, cfg.seed)
     bar = None
 
     def progress(step: int, total: int, loss: float) -> None:
@@ -222,11 +174,11 @@ def prepare_run(cfg: TidalConfig, run: RunDir, show_progress: bool = True) -> tu
         bar.close()
     check_prompt_settings(cfg, base)
     if run.started:
-        return run.info(), dataset
+        return run.info()
     info = RunInfo(run_id=new_run_id(run.root), base_model=str(base), tracking_uri=tracking_uri(cfg, run.root), mlflow_run_id="")
     info.mlflow_run_id = start_run(cfg, run.root, tags={"tidal.run_id": info.run_id})
     run.save_info(info)
-    return info, dataset
+    return info
 
 
 def resolved_config(cfg: TidalConfig, run: RunDir, base_model: str) -> TidalConfig:
@@ -271,7 +223,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
     check_saved_config(cfg, run, force_new_config)
     # every role of the run (children inherit it) signs or checks snapshot manifests with the run's key
     os.environ[SIGNING_KEY_ENV] = run_signing_key(run.root)
-    check_before_start(cfg)
+    dataset = check_before_start(cfg)
     if cfg.mode != "sync" and cfg.transport.nats_url and not reachable(cfg.transport.nats_url):
         from tidal.transport import NatsUnavailableError
 
@@ -286,7 +238,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
     from tidal.roles import sync_trainer
 
     set_threads(os.cpu_count() or 1)
-    info, dataset = prepare_run(cfg, run, show_progress)
+    info = prepare_run(cfg, run, dataset, show_progress)
     cfg = resolved_config(cfg, run, info.base_model)
     eval_set = dataset.eval[: cfg.eval.num_prompts] if cfg.eval.num_prompts else dataset.eval
     log.info("prepared run %s", info.run_id)

@@ -8,12 +8,14 @@ from tidal.data import Dataset, DatasetError, Problem, load_dataset, prompt_enco
 from tidal.rewards import check_reward_names
 
 
-def check_before_start(cfg: TidalConfig) -> None:
-    """Reward names (user modules imported), data files, row sizes, prompt lengths against the context."""
+def check_before_start(cfg: TidalConfig, dataset: Dataset | None = None) -> Dataset:
+    """Reward names (user modules imported), data files, row sizes, prompt lengths against the
+    context; the dataset, loaded once for the launcher (or the one it passed)."""
     check_reward_names(cfg.reward)
-    dataset = load_dataset(cfg.data, cfg.seed)
+    dataset = dataset if dataset is not None else load_dataset(cfg.data, cfg.seed)
     check_row_sizes(dataset, cfg.transport.max_payload_mb)
     check_prompt_lengths(cfg, dataset)
+    return dataset
 
 
 def where(problem: Problem) -> str:
