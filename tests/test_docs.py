@@ -1,5 +1,8 @@
-"""The user's manual stays true to the code: docs/configuration.md is what the config schema renders."""
+"""The user's manual stays true to the code: docs/configuration.md is what the config schema renders,
+and the README's links into docs/ lead somewhere. (`make docs` builds the site strictly: broken links
+and anchors between pages, and pages missing from mkdocs.yml's nav, fail there.)"""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +74,11 @@ def test_the_reference_module_imports_no_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_page_is_in_the_nav_and_no_page_cites_internal_documents():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in (ROOT / "docs").glob("*.md"):
+        assert re.search(rf":\s*{re.escape(page.name)}\s*$", nav, re.M), f"docs/{page.name} is not in mkdocs.yml's nav"
+        text = page.read_text()
+        assert "DESIGN.md" not in text and "../shared" not in text, f"docs/{page.name} cites a document users do not have"
