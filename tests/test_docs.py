@@ -76,6 +76,26 @@ def test_the_reference_module_imports_no_torch():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def headings_anchors(markdown: str) -> set[str]:
+    """The anchors of a page's headings (fenced code skipped), as MkDocs and GitHub make them."""
+    text = re.sub(r"^```.*?^```", "", markdown, flags=re.M | re.S)
+    return {anchor(m) for m in re.findall(r"^#{1,6}\s+(.+?)\s*$", text, re.M)}
+
+
+def test_the_readme_links_into_docs_resolve():
+    """mkdocs checks the links between pages of docs/; the README is outside it, so this checks its links."""
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    local = [link for link in links if "://" not in link and not link.startswith("mailto:")]
+    assert any(link.startswith("docs/") for link in local), "the README links into docs/"
+    for link in local:
+        path, _, fragment = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), f"README.md links to {path}, which does not exist"
+        if fragment:
+            assert fragment in headings_anchors(target.read_text()), f"README.md links to {link}: no such heading in {path}"
+
+
 def test_every_page_is_in_the_nav_and_no_page_cites_internal_documents():
     nav = (ROOT / "mkdocs.yml").read_text()
     for page in (ROOT / "docs").glob("*.md"):
