@@ -104,7 +104,7 @@ def make_group(rng, prompt_len, lengths, rewards, policy_version=0):
 
 
 def test_streaming_accumulation_equals_the_batch_token_mean_gradient():
-    """DESIGN §4: sum per group, scale by 1/N_total at the step == token-mean over the whole batch."""
+    """Loss normalisation under streaming (docs/design.md §3.2): sum per group, scale by 1/N_total at the step == token-mean over the whole batch."""
     rng = np.random.default_rng(0)
     groups = [make_group(rng, 5, [3, 1, 6], [1.0, 0.0, 0.0]), make_group(rng, 2, [4, 4, 2], [0.0, 1.0, 1.0])]
     model, tok = tiny()

@@ -54,7 +54,7 @@ def test_without_the_full_mlflow_it_says_how_to_install_it_in_one_line(run_dir, 
 
 
 def test_the_full_mlflow_is_installed_here():
-    """The test extra carries the ui extra: the browser test and the README's `mlflow ui` need it."""
+    """The test extra carries the ui extra: the browser test and the getting-started page's `mlflow ui` need it."""
     assert ui.have_mlflow_server()
 
 

@@ -134,7 +134,7 @@ class RolloutConfig(_Strict):
     max_new_tokens: int = Field(12, gt=0)
     temperature: float = Field(1.0, gt=0)
     # HF engine: one generate call holds whole groups up to this many tokens (rows x (prompt + max_new_tokens));
-    # on CPU decode steps cost about the same from ~1k to ~5k tokens, and more beyond (measured: README)
+    # on CPU a decode step costs about the same up to a few thousand tokens, and more beyond (docs/benchmarks.md)
     generation_token_budget: int = Field(4096, gt=0)
     groups_per_batch: int | None = Field(None, gt=0)  # cap on groups a worker pulls at once; None: the token budget decides
     # periodic/bounded: the first engine call after new weights holds at most this many groups, so the
@@ -262,7 +262,7 @@ class TransportConfig(_Strict):
     nats_url: str | None = None  # None: start an embedded nats-server in the run directory
     max_payload_mb: int = Field(8, gt=0, le=64)
     # A worker's in-progress acks (every ack_wait / 3) keep its items; a dead or stopped worker's items go
-    # to another worker after this long. Short, so a failure costs seconds (#15), not a minute.
+    # to another worker after this long. Short, so a failure costs seconds, not a minute.
     ack_wait_seconds: float = Field(6.0, gt=0)
     max_deliver: int = Field(5, gt=0)
     # JetStream limits of each of the run's streams (WORK, ROLLOUTS); None: no limit of its own. ROLLOUTS

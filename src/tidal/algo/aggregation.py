@@ -1,4 +1,4 @@
-"""Loss aggregation under streaming (DESIGN §4).
+"""Loss aggregation under streaming (docs/design.md §3.2).
 
 Each mode is a numerator, summed group by group as groups arrive, and a count of units (tokens or
 sequences) known only when the last group is in. loss = Σ numerators / Σ units; because gradients
