@@ -1,4 +1,4 @@
-"""`tidal chaos`: the fault matrix as a command (#15 item 9).
+"""`tidal chaos`: the fault matrix as a command.
 
 For each fault, N deterministic runs of the config; each is hit once at a random point of its
 run, then left to finish (or resumed, when the fault took the launcher with it). Every run is
