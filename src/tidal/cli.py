@@ -1,4 +1,8 @@
-"""`tidal run | rollout-worker | train | eval | compile | submit`."""
+"""`tidal run | rollout-worker | train | eval | bench | plan | chaos | ui | report | compile | submit`.
+
+Every subcommand dispatches the same way: its parser sets ``func``, the handler that takes the
+parsed arguments and returns the exit status; `_main` calls it and turns the errors every
+subcommand can meet into one line."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import sys
 from pathlib import Path
 
 from tidal.config import ConfigError, load_config
+from tidal.rundir import RunDir
 
 log = logging.getLogger("tidal")
 
@@ -23,6 +28,19 @@ def _common(p: argparse.ArgumentParser, nats: bool = False) -> None:
         p.add_argument("--nats-url", required=True, help="NATS server URL, e.g. nats://127.0.0.1:4222")
 
 
+NO_OPTION_PREFIX = "\0"
+"""The prefix characters of a subcommand that hands its words on: no command-line word can hold a NUL
+byte, so none reads as an option and every word (``--help``, options before the config) reaches
+the module's own parser in order."""
+
+
+def _own_parser(sub, name: str, help: str, usage: str, handler) -> None:
+    """A subcommand whose module parses its own arguments (``tidal plan``, ``tidal chaos``)."""
+    parser = sub.add_parser(name, help=help, add_help=False, prefix_chars=NO_OPTION_PREFIX)
+    parser.add_argument("args", nargs=argparse.REMAINDER, help=f"{usage} (tidal {name} --help)")
+    parser.set_defaults(func=handler)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidal", description="On-policy, periodically asynchronous RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -35,28 +53,40 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="resume a run directory even though the config changes training (group size, lr, model, data, seed, ...)",
     )
+    run.set_defaults(func=run_command)
     train = sub.add_parser("train", help="the trainer role (consumes groups, publishes weights)")
     _common(train, nats=True)
     train.add_argument("--iterations", type=int, default=None, help="run at most this many iterations, then stop (a pipeline round)")
+    train.set_defaults(func=train_command)
     worker = sub.add_parser("rollout-worker", help="a rollout worker role (generates groups)")
     _common(worker, nats=True)
     worker.add_argument("--worker-id", default="worker-0")
+    worker.set_defaults(func=worker_command)
     ev = sub.add_parser("eval", help="held-out accuracy of a weight snapshot")
     _common(ev)
     ev.add_argument("--weights", default=None, help="snapshot directory (default: the run's latest)")
     ev.add_argument("--follow", action="store_true", help="evaluate every eval.every-th version as training publishes it (MLflow eval/*)")
-    from tidal.bench import BENCHMARKS, run_benchmark
+    ev.set_defaults(func=eval_command)
+    from tidal.bench import BENCHMARKS
 
     bench = sub.add_parser("bench", help="a benchmark against its baseline, measured in the same run (prints the ratio)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (tidal bench NAME --help)")
-    bench.set_defaults(func=lambda args: run_benchmark(args.name, args.args) or 0)
-    plan = sub.add_parser("plan", help="the capacity planner: measure, then the split of cores between workers and trainer")
-    plan.add_argument("args", nargs=argparse.REMAINDER, help="CONFIG [--set k=v] [--split WxT+C] [--json PATH] (tidal plan --help)")
-    plan.set_defaults(func=lambda args: __import__("tidal.plan.command", fromlist=["main"]).main(args.args) or 0)
-    chaos = sub.add_parser("chaos", help="the fault matrix: kill or stop each role at random points, check nothing is lost")
-    chaos.add_argument("args", nargs=argparse.REMAINDER, help="CONFIG [--faults ...] [--runs N] [--json PATH] (tidal chaos --help)")
-    chaos.set_defaults(func=lambda args: __import__("tidal.chaos", fromlist=["main"]).main(args.args))
+    bench.set_defaults(func=bench_command)
+    _own_parser(
+        sub,
+        "plan",
+        "the capacity planner: measure, then the split of cores between workers and trainer",
+        "CONFIG [--set k=v] [--split WxT+C] [--json PATH]",
+        plan_command,
+    )
+    _own_parser(
+        sub,
+        "chaos",
+        "the fault matrix: kill or stop each role at random points, check nothing is lost",
+        "CONFIG [--faults ...] [--runs N] [--json PATH]",
+        chaos_command,
+    )
     from tidal import report, ui
 
     ui.register(sub)
@@ -70,77 +100,103 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_command(args) -> int:
-    from tidal.logs import setup_logging
-
-    run_dir = Path(args.run_dir)
-    if args.command == "run" and args.via == "kfp-local":
+def run_command(args: argparse.Namespace) -> int:
+    if args.via == "kfp-local":
         from tidal.kube.commands import run_via_kfp_local
 
-        return run_via_kfp_local(args.config, str(run_dir), args.overrides)
+        return run_via_kfp_local(args.config, args.run_dir, args.overrides)
+    from tidal.local import run_local
+
     cfg = load_config(args.config, args.overrides)
-    if args.command == "run":
-        from tidal.local import run_local
-
-        run_local(cfg, run_dir, show_progress=not args.no_progress, force_new_config=args.force_new_config)
-        return 0
-    setup_logging()
-    from tidal import roles
-    from tidal.rundir import RunDir
-
-    if args.command == "train":
-        roles.run_async(roles.trainer_role(cfg, RunDir(run_dir), args.nats_url, args.iterations))
-    elif args.command == "rollout-worker":
-        roles.run_async(roles.worker_role(cfg, RunDir(run_dir), args.nats_url, args.worker_id))
-    elif args.command == "eval":
-        from tidal.data import load_dataset
-        from tidal.evaluate import evaluate_snapshot
-        from tidal.weights import WeightStore
-
-        info = RunDir(run_dir).info()
-        store = WeightStore(run_dir / "weights")
-        problems = load_dataset(cfg.data, cfg.seed).eval
-        problems = problems[: cfg.eval.num_prompts] if cfg.eval.num_prompts else problems
-        if args.follow:
-            from tidal.evaluate import follow_run
-            from tidal.tracking import Tracker
-
-            if not cfg.eval.every:
-                raise ValueError("tidal eval --follow needs eval.every (evaluate every N-th version)")
-            follow_run(cfg, run_dir, info.base_model, problems, Tracker(info.tracking_uri, info.mlflow_run_id).log)
-            return 0
-        path = args.weights or store.path(store.latest_version())
-        scores = evaluate_snapshot(cfg, info.base_model, problems, path)
-        print(json.dumps({"weights": str(path), **scores, "num_prompts": len(problems)}))
+    run_local(cfg, Path(args.run_dir), show_progress=not args.no_progress, force_new_config=args.force_new_config)
     return 0
+
+
+def _role_setup() -> None:
+    """Logging of a role started on its own (by the launcher or a pipeline step); each role sets its
+    threads from the config it is given."""
+    from tidal.logs import setup_logging
+
+    setup_logging()
+
+
+def train_command(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    _role_setup()
+    from tidal import roles
+
+    roles.run_async(roles.trainer_role(cfg, RunDir(args.run_dir), args.nats_url, args.iterations))
+    return 0
+
+
+def worker_command(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    _role_setup()
+    from tidal import roles
+
+    roles.run_async(roles.worker_role(cfg, RunDir(args.run_dir), args.nats_url, args.worker_id))
+    return 0
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    _role_setup()
+    from tidal.data import load_dataset
+    from tidal.evaluate import evaluate_snapshot
+    from tidal.weights import WeightStore
+
+    run = RunDir(args.run_dir)
+    info = run.info()
+    store = WeightStore(run.weights)
+    problems = load_dataset(cfg.data, cfg.seed).eval
+    problems = problems[: cfg.eval.num_prompts] if cfg.eval.num_prompts else problems
+    if args.follow:
+        from tidal.evaluate import follow_run
+
+        if not cfg.eval.every:
+            raise ValueError("tidal eval --follow needs eval.every (evaluate every N-th version)")
+        follow_run(cfg, run.root, info.base_model, problems, run.tracker().log)
+        return 0
+    path = args.weights or store.path(store.latest_version())
+    scores = evaluate_snapshot(cfg, info.base_model, problems, path)
+    print(json.dumps({"weights": str(path), **scores, "num_prompts": len(problems)}))
+    return 0
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    from tidal.bench import run_benchmark
+
+    run_benchmark(args.name, args.args)
+    return 0
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from tidal.plan.command import main as plan_main
+
+    plan_main(args.args)
+    return 0
+
+
+def chaos_command(args: argparse.Namespace) -> int:
+    from tidal.chaos import main as chaos_main
+
+    return chaos_main(args.args)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     finally:
-        if argv is None:  # the program is exiting: spare it the teardown's collection of every object (~2 s with torch and MLflow loaded)
+        if argv is None:  # the program is exiting: spare it the teardown's collection of every object (seconds with torch and MLflow loaded)
             import gc
 
             gc.freeze()
 
 
 def _main(argv: list[str] | None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["plan"]:  # its own parser: options may come before the config
-        from tidal.plan.command import main as plan_main
-
-        plan_main(argv[1:])
-        return 0
-    if argv[:1] == ["chaos"]:  # its own parser too
-        from tidal.chaos import main as chaos_main
-
-        return chaos_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    if not hasattr(args, "config") and hasattr(args, "func"):
-        return args.func(args)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
-        return _run_command(args) if args.command in ("run", "train", "rollout-worker", "eval") else args.func(args)
+        return args.func(args)
     except ConfigError as err:
         print(f"tidal: {err}", file=sys.stderr)
         return 2
@@ -148,7 +204,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"tidal: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:
-        from tidal.local import Stopped
+        from tidal.supervise import Stopped
 
         if isinstance(err, Stopped):
             resume = f" (iteration {err.resume_at})" if err.resume_at is not None else ""
@@ -162,8 +218,8 @@ def _main(argv: list[str] | None) -> int:
     except Exception as err:
         import nats.errors
 
-        from tidal.local import RoleFailed
         from tidal.protocol import NATS_LOST_EXIT
+        from tidal.supervise import RoleFailed
         from tidal.trainer.guard import SkippedStepsError
         from tidal.transport import NatsUnavailableError
 

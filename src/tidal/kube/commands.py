@@ -23,10 +23,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     submit_parser = subparsers.add_parser(
         "submit",
-        help="submit a run to Kubeflow Pipelines",
+        help="submit a run to Kubeflow Pipelines (and, with --wait, gate CI on its outcome)",
         description="Compile the pipeline and start a run on a KFP server. The endpoint comes from --host "
         "or KFP_HOST; credentials from KFP_TOKEN or KF_PIPELINES_SA_TOKEN_PATH; the profile "
-        "namespace from KFP_NAMESPACE (see docs/kubernetes.md).",
+        "namespace from KFP_NAMESPACE (see docs/kubernetes.md). With --wait, follow the run to its end and "
+        "check --require on its final metrics, read from its MLflow run.",
+        epilog="Exit status: 0 submitted (with --wait: the run SUCCEEDED and met every requirement); 1 the run "
+        "failed, was cancelled, missed a requirement, outlived --timeout, or could not be followed; 2 nothing "
+        "was submitted (a bad option or config, the KFP API unreachable or refusing).",
     )
     submit_parser.add_argument("config", help="Tidal config YAML; its text is the run's config_yaml parameter")
     submit_parser.add_argument("--host", default=None, help="KFP API endpoint (default: $KFP_HOST)")
@@ -36,6 +40,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--param", "-p", action="append", default=[], metavar="NAME=VALUE", help="set a pipeline parameter, e.g. -p rounds=8 (repeatable)"
     )
     add_profile_arguments(submit_parser)
+    gate = submit_parser.add_argument_group("CI gate")
+    gate.add_argument("--wait", action="store_true", help="follow the run until it ends, printing each state it enters")
+    gate.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="with --wait: stop waiting after this long (the run goes on)")
+    gate.add_argument(
+        "--require",
+        action="append",
+        default=[],
+        metavar="EXPR",
+        help="with --wait: a final metric must satisfy METRIC OP NUMBER, OP one of >= <= > < == != (e.g. eval/accuracy>=0.6; repeatable)",
+    )
+    gate.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="with --wait: the MLflow server the run logs to, where its final metrics are read (default: $MLFLOW_TRACKING_URI)",
+    )
+    gate.add_argument("--poll-seconds", type=float, default=None, help="with --wait: how often to ask for the run's state (default: 15)")
+    gate.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the outcome as JSON")
+    gate.add_argument(
+        "--summary", default=None, metavar="PATH", help="write the outcome as Markdown (default: appended to $GITHUB_STEP_SUMMARY when set)"
+    )
     submit_parser.set_defaults(func=submit_command)
 
 
@@ -84,14 +108,16 @@ def compile_command(args: argparse.Namespace) -> int:
 
 def submit_command(args: argparse.Namespace) -> int:
     require_kube_extra()
-    from tidal.kube.submit import SubmitError, parse_params, submit_run
+    from tidal.kube.submit import SubmitError, follow_submitted, kfp_host, parse_params, submit_run, submitted_only, write_outcome
 
     try:
+        params = parse_params(args.param)
+        options = gate_options(args, params)
         run = submit_run(
             args.config,
             host=args.host,
             experiment=args.experiment,
-            params=parse_params(args.param),
+            params=params,
             accelerator=args.accelerator,
             image=args.image,
             queue_name=args.queue_name,
@@ -100,8 +126,50 @@ def submit_command(args: argparse.Namespace) -> int:
     except SubmitError as err:
         print(f"tidal submit: {err}", file=sys.stderr)
         return 2
-    print(run.url)
+    print(run.url, flush=True)
+    if options is None:
+        write_outcome(submitted_only(run), args.json_path, args.summary)
+        return 0
+    outcome = follow_submitted(run, kfp_host(args.host), options, say=lambda line: print(line, flush=True))
+    for check in outcome.checks:
+        print(check.describe(), flush=True)
+    for note in outcome.notes:
+        print(f"note: {note}", flush=True)
+    write_outcome(outcome, args.json_path, args.summary)
+    if not outcome.ok:
+        print(f"tidal submit: {outcome.failure()}", file=sys.stderr)
+        return 1
+    print(f"tidal submit: run {run.run_id} {outcome.state}" + (f"; {len(outcome.checks)} requirement(s) met" if outcome.checks else ""))
     return 0
+
+
+def gate_options(args: argparse.Namespace, params: dict):
+    """The ``--wait`` options, checked before anything is submitted; None without ``--wait``."""
+    import os
+
+    from tidal.kube.gate import RequirementError, parse_requirement
+    from tidal.kube.submit import POLL_SECONDS, GateOptions, SubmitError
+
+    if not args.wait:
+        given = [
+            name
+            for name, value in (("--require", args.require or None), ("--timeout", args.timeout), ("--poll-seconds", args.poll_seconds))
+            if value is not None
+        ]
+        if given:
+            raise SubmitError(f"{', '.join(given)} need(s) --wait (the run is followed to its end only with --wait)")
+        return None
+    try:
+        requirements = [parse_requirement(text) for text in args.require]
+    except RequirementError as err:
+        raise SubmitError(str(err)) from None
+    for name, value in (("--timeout", args.timeout), ("--poll-seconds", args.poll_seconds)):
+        if value is not None and not value > 0:
+            raise SubmitError(f"{name} must be a positive number of seconds, got {value:g}")
+    tracking_uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if requirements and not tracking_uri:
+        raise SubmitError("--require reads the run's final metrics from its MLflow run: pass --tracking-uri URI or set MLFLOW_TRACKING_URI")
+    return GateOptions(requirements, tracking_uri, args.timeout, args.poll_seconds or POLL_SECONDS, str(params.get("mlflow_ui_url", "")))
 
 
 def run_via_kfp_local(config_path: str, run_dir: str, overrides: list[str]) -> int:

@@ -9,17 +9,30 @@ Where the client finds the server and its credentials (nothing is ever read from
 - ``KFP_NAMESPACE``: the Kubeflow profile namespace to run in (multi-user KFP).
 - ``KFP_SSL_CA_CERT``: a CA bundle for a private TLS endpoint.
 - ``KFP_UI_HOST``: where the run's link should point, if the UI is not at ``host``.
+
+``--wait`` follows the run to its end and reads its final metrics from its MLflow parent run (found by
+its ``kfp.run_id`` tag) on ``--tracking-uri`` or ``MLFLOW_TRACKING_URI`` (MLflow's own variables, such as
+``MLFLOW_TRACKING_TOKEN``, give its credentials). MLflow, not KFP, because KFP's API does not serve
+the values of a run's metrics artifact, and the run directory lies on the cluster's volume.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
+import re
 import tempfile
-from dataclasses import dataclass
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tidal.kube import cluster
+from tidal.kube.gate import FINAL_STATES, NOT_FOLLOWED, Outcome, Requirement, check_requirements, outcome_dict, outcome_markdown
 from tidal.kube.pipeline import compile_pipeline
 
 
@@ -27,10 +40,81 @@ class SubmitError(RuntimeError):
     """Submission cannot start: what is missing is named in the message."""
 
 
+class KfpApiError(SubmitError):
+    """A call to the KFP API failed; ``transient``: worth asking again (unreachable, or a 5xx)."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+CHECK_HOST = "check --host / KFP_HOST and that the API is reachable"
+STATUS_HINTS = {
+    401: "check KFP_TOKEN or KF_PIPELINES_SA_TOKEN_PATH (a valid, unexpired token)",
+    403: "check that the token's identity may use the profile namespace (KFP_NAMESPACE)",
+    404: "check --host / KFP_HOST: the API's base URL, e.g. https://kubeflow.example.com/pipeline",
+}
+
+
+@contextlib.contextmanager
+def kfp_api_calls(host: str, what: str) -> Iterator[None]:
+    """The KFP client's errors (a traceback chain through urllib3, or an ApiException whose text holds the
+    response headers and body) become one :class:`KfpApiError` line naming the host and what to check."""
+    import kfp_server_api
+    import urllib3
+
+    try:
+        yield
+    except kfp_server_api.ApiException as err:
+        raise api_status_error(host, what, err.status, err.reason, err.body) from None
+    except (urllib3.exceptions.HTTPError, ConnectionError) as err:
+        raise KfpApiError(f"cannot reach the KFP API at {host} ({unreachable_reason(err)}): {CHECK_HOST}", transient=True) from None
+
+
+def api_status_error(host: str, what: str, status: int | None, reason: str | None, body: Any = None) -> KfpApiError:
+    if not status:  # the client's own failure before any answer (TLS, a bad URL)
+        return KfpApiError(f"cannot reach the KFP API at {host} ({one_line(reason)}): {CHECK_HOST}")
+    said = api_message(body)
+    answer = f"the KFP API at {host} answered HTTP {status} {reason or ''}".rstrip() + f" when {what}" + (f" ({said})" if said else "")
+    if status >= 500:
+        return KfpApiError(f"{answer}: the KFP API server failed; see its logs", transient=True)
+    return KfpApiError(f"{answer}: {STATUS_HINTS.get(status, CHECK_HOST)}")
+
+
+def api_message(body: Any) -> str:
+    """The ``message`` of a KFP error body (JSON), on one line; empty if there is none."""
+    try:
+        text = body.decode() if isinstance(body, bytes) else str(body or "")
+        message = json.loads(text).get("message", "") if text.lstrip().startswith("{") else ""
+    except (ValueError, AttributeError):
+        return ""
+    return one_line(message)
+
+
+def unreachable_reason(err: BaseException) -> str:
+    """The socket's own words (``connection refused``, ``name or service not known``) from urllib3's chain of errors."""
+    chain: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        reason = getattr(current, "reason", None)
+        current = reason if isinstance(reason, BaseException) else current.__cause__ or current.__context__
+    for link in chain:
+        if isinstance(link, OSError) and link.strerror:
+            return link.strerror.lower()
+    return one_line(chain[-1]) or type(chain[-1]).__name__
+
+
+def one_line(text: Any, limit: int = 300) -> str:
+    words = " ".join(str(text or "").split())
+    return words if len(words) <= limit else words[: limit - 3] + "..."
+
+
 @dataclass(frozen=True)
 class SubmittedRun:
     run_id: str
     url: str
+    client: Any = field(default=None, repr=False, compare=False)  # the kfp.Client that submitted it, to follow it
 
 
 def kfp_host(host: str | None) -> str:
@@ -52,13 +136,24 @@ def kfp_client_from_env(host: str | None = None) -> Any:
         if not Path(token_path).is_file():
             raise SubmitError(f"KF_PIPELINES_SA_TOKEN_PATH={token_path} does not exist")
         credentials = ServiceAccountTokenVolumeCredentials(path=token_path)
-    return kfp.Client(
-        host=kfp_host(host),
-        existing_token=token,
-        credentials=credentials,
-        namespace=os.environ.get("KFP_NAMESPACE") or "kubeflow",
-        ssl_ca_cert=os.environ.get("KFP_SSL_CA_CERT") or None,
-    )
+    resolved = kfp_host(host)
+
+    class Client(kfp.Client):
+        """Asks the API's health once: kfp.Client retries an HTTP error five times, five seconds apart, logging
+        a traceback each time, before it raises."""
+
+        def get_kfp_healthz(self, sleep_duration: int = 5):
+            return self._healthz_api.healthz_service_get_healthz()
+
+    with warnings.catch_warnings(), kfp_api_calls(resolved, "checking its health"):
+        warnings.filterwarnings("ignore", message="This client only works with Kubeflow Pipeline", category=FutureWarning)
+        return Client(
+            host=resolved,
+            existing_token=token,
+            credentials=credentials,
+            namespace=os.environ.get("KFP_NAMESPACE") or "kubeflow",
+            ssl_ca_cert=os.environ.get("KFP_SSL_CA_CERT") or None,
+        )
 
 
 def pipeline_arguments(config_path: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -164,12 +259,173 @@ def submit_run(
     client = client or kfp_client_from_env(resolved_host)
     with tempfile.TemporaryDirectory() as tmp:
         package = compile_pipeline(Path(tmp) / "tidal-pipeline.yaml", accelerator=accelerator, image=image, queue_name=queue_name)
-        result = client.create_run_from_pipeline_package(
-            str(package),
-            arguments=arguments,
-            run_name=run_name or f"tidal-{Path(config_path).stem}",
-            experiment_name=experiment,
-            namespace=os.environ.get("KFP_NAMESPACE") or None,
-            enable_caching=False,
-        )
-    return SubmittedRun(run_id=result.run_id, url=run_url(resolved_host, result.run_id))
+        # kfp prints its own "Experiment details: / Run details:" links (to the API host, not KFP_UI_HOST): the
+        # caller prints the run's link, so stdout starts with it
+        with kfp_api_calls(resolved_host, "creating the run"), contextlib.redirect_stdout(io.StringIO()):
+            result = client.create_run_from_pipeline_package(
+                str(package),
+                arguments=arguments,
+                run_name=run_name or f"tidal-{Path(config_path).stem}",
+                experiment_name=experiment,
+                namespace=os.environ.get("KFP_NAMESPACE") or None,
+                enable_caching=False,
+            )
+    return SubmittedRun(run_id=result.run_id, url=run_url(resolved_host, result.run_id), client=client)
+
+
+# ---------------------------------------------------------------- --wait: follow the run, read its final metrics
+
+POLL_SECONDS = 15.0
+POLL_FAILURES_ALLOWED = 5
+"""Polls that fail transiently in a row (the API unreachable, or a 5xx) before following the run gives up."""
+UNKNOWN = "UNKNOWN"
+
+
+@dataclass(frozen=True)
+class Followed:
+    state: str  # the last state seen
+    error: str = ""  # KFP's message for a failed run, or why following it stopped
+    timed_out: bool = False
+
+
+def run_state(client: Any, host: str, run_id: str) -> tuple[str, str]:
+    """The run's KFP runtime state and, when it failed, KFP's message."""
+    with kfp_api_calls(host, f"reading run {run_id}"):
+        run = client.get_run(run_id)
+    error = one_line(getattr(run.error, "message", "")) if run.error else ""
+    return str(run.state or UNKNOWN), error
+
+
+def follow_run(
+    read_state: Callable[[], tuple[str, str]],
+    timeout_s: float | None,
+    poll_s: float,
+    say: Callable[[str], None],
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Followed:
+    """Read the run's state every ``poll_s`` seconds until it is final or ``timeout_s`` has passed, saying each
+    new state. A transient failure is said and asked again; a lasting one ends the following, in ``error``."""
+    start = clock()
+    state, error, failures = UNKNOWN, "", 0
+    while True:
+        try:
+            seen, error = read_state()
+        except KfpApiError as err:
+            failures += 1
+            if not err.transient or failures >= POLL_FAILURES_ALLOWED:
+                return Followed(state, f"stopped following it: {err}")
+            say(f"{err}; asking again in {poll_s:g} s")
+        else:
+            failures = 0
+            if seen != state:
+                say(seen)
+            state = seen
+            if state in FINAL_STATES:
+                return Followed(state, error)
+        left = None if timeout_s is None else timeout_s - (clock() - start)
+        if left is not None and left <= 0:
+            return Followed(state, timed_out=True)
+        sleep(poll_s if left is None else min(poll_s, left))
+
+
+@dataclass(frozen=True)
+class MlflowRun:
+    run_id: str
+    url: str  # empty when no MLflow UI is known
+    metrics: dict[str, float]  # the last value of each metric
+
+
+def pipeline_mlflow_run(tracking_uri: str, kfp_run_id: str, mlflow_ui_url: str = "") -> MlflowRun | None:
+    """The MLflow parent run that the pipeline's prepare step opened for this KFP run (``roles.open_parent_run``
+    tags it ``kfp.run_id`` and ``tidal.role=pipeline``); None when there is none."""
+    from mlflow.tracking import MlflowClient
+
+    from tidal.kube.roles import RunLinks, mlflow_run_url, mlflow_ui_base
+
+    if not re.fullmatch(r"[\w.-]+", kfp_run_id):
+        raise ValueError(f"KFP run id {kfp_run_id!r} cannot be searched for")
+    client = MlflowClient(tracking_uri=tracking_uri)
+    experiment_ids, token = [], None
+    while True:
+        page = client.search_experiments(page_token=token)
+        experiment_ids += [e.experiment_id for e in page]
+        token = page.token
+        if not token:
+            break
+    query = f"tags.`kfp.run_id` = '{kfp_run_id}' and tags.`tidal.role` = 'pipeline'"
+    runs = client.search_runs(experiment_ids, filter_string=query, max_results=1) if experiment_ids else []
+    if not runs:
+        return None
+    run = runs[0]
+    ui = mlflow_ui_base(RunLinks(mlflow_ui_url=mlflow_ui_url), tracking_uri)
+    url = mlflow_run_url(ui, run.info.experiment_id, run.info.run_id) if ui else ""
+    return MlflowRun(run.info.run_id, url, {k: float(v) for k, v in run.data.metrics.items()})
+
+
+@dataclass(frozen=True)
+class GateOptions:
+    requirements: list[Requirement]
+    tracking_uri: str  # empty: no metrics
+    timeout_s: float | None
+    poll_s: float = POLL_SECONDS
+    mlflow_ui_url: str = ""
+
+
+def follow_submitted(run: SubmittedRun, host: str, options: GateOptions, say: Callable[[str], None]) -> Outcome:
+    """``--wait``: follow the run to its end, then check the requirements on its MLflow run's metrics."""
+    followed = follow_run(lambda: run_state(run.client, host, run.run_id), options.timeout_s, options.poll_s, lambda s: say(f"run {run.run_id}: {s}"))
+    mlflow, notes = None, []
+    if not options.tracking_uri:
+        notes.append("no MLflow tracking URI (--tracking-uri or MLFLOW_TRACKING_URI): the run's metrics were not read")
+    else:
+        try:
+            mlflow = pipeline_mlflow_run(options.tracking_uri, run.run_id, options.mlflow_ui_url)
+        except Exception as err:  # noqa: BLE001 - the outcome says what went wrong instead of a traceback
+            notes.append(f"could not read the run's metrics from MLflow at {options.tracking_uri}: {type(err).__name__}: {one_line(err)}")
+        else:
+            if mlflow is None:
+                notes.append(f"no MLflow run tagged kfp.run_id={run.run_id} at {options.tracking_uri}: the run's metrics were not read")
+    metrics = mlflow.metrics if mlflow else {}
+    unread = notes[-1] if options.requirements and mlflow is None else ""  # then every requirement fails for this reason
+    return Outcome(
+        run_id=run.run_id,
+        state=followed.state,
+        kfp_run_url=run.url,
+        mlflow_run_id=mlflow.run_id if mlflow else "",
+        mlflow_run_url=mlflow.url if mlflow else "",
+        metrics=metrics,
+        checks=check_requirements(options.requirements, metrics),
+        timed_out=followed.timed_out,
+        error=followed.error or unread,
+        notes=notes,
+    )
+
+
+def submitted_only(run: SubmittedRun) -> Outcome:
+    return Outcome(run_id=run.run_id, state=NOT_FOLLOWED, kfp_run_url=run.url)
+
+
+STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"
+
+
+def write_outcome(outcome: Outcome, json_path: str | None, summary_path: str | None) -> list[Path]:
+    """``--json`` and ``--summary`` (Markdown); without ``--summary``, appended to ``$GITHUB_STEP_SUMMARY`` when set."""
+    written = []
+    if json_path:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(outcome_dict(outcome), indent=1) + "\n")
+        written.append(path)
+    markdown = outcome_markdown(outcome)
+    if summary_path:
+        path = Path(summary_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(markdown)
+        written.append(path)
+    elif os.environ.get(STEP_SUMMARY_ENV):
+        path = Path(os.environ[STEP_SUMMARY_ENV])
+        with path.open("a") as summary:
+            summary.write(markdown + "\n")
+        written.append(path)
+    return written

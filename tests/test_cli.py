@@ -1,0 +1,72 @@
+"""The `tidal` command's dispatch: every subcommand through its parser's handler, `plan` and `chaos`
+with their own parsers behind it."""
+
+import re
+
+import pytest
+
+from tidal import cli
+
+ROOT_CONFIG = "examples/arithmetic.yaml"
+TRACKER_CITATION = re.compile(r"#\d+|DESIGN\s*§")
+
+
+def subcommands():
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]  # argparse keeps the subparsers here only
+    return sub.choices
+
+
+def test_every_subcommand_names_its_handler():
+    choices = subcommands()
+    assert {"run", "train", "rollout-worker", "eval", "bench", "plan", "chaos", "ui", "report", "compile", "submit"} <= set(choices)
+    without = [name for name, parser in choices.items() if not callable(parser.get_default("func"))]
+    assert without == []
+
+
+@pytest.mark.parametrize("name", ["plan", "chaos"])
+def test_plan_and_chaos_get_every_word_in_order_options_and_help_included(name):
+    words = ["--split", "1x1+1", "--set", "trainer.iterations=2", ROOT_CONFIG, "--json", "out.json", "--", "-x"]
+    args = cli.build_parser().parse_args([name, *words])
+    assert args.args == words
+    assert args.func is {"plan": cli.plan_command, "chaos": cli.chaos_command}[name]
+    assert cli.build_parser().parse_args([name, "--help"]).args == ["--help"]
+    assert cli.build_parser().parse_args([name]).args == []
+
+
+@pytest.mark.parametrize(("name", "own_option"), [("plan", "--split"), ("chaos", "--faults")])
+def test_help_of_plan_and_chaos_is_their_own_parsers_and_cites_no_tracker_item(name, own_option, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main([name, "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: tidal {name} ") and own_option in out
+    assert not TRACKER_CITATION.search(out), out
+
+
+def test_top_level_help_cites_no_tracker_item(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "plan" in out and "chaos" in out and "submit" in out
+    assert not TRACKER_CITATION.search(out), out
+
+
+def test_an_option_before_the_config_reaches_the_planner(capsys):
+    """The planner's own parser reads --split (and finds it malformed) although it comes before the config."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["plan", "--split", "1x1", ROOT_CONFIG])
+    assert str(exited.value.code).startswith("tidal plan: --split '1x1': expected WORKERSxTHREADS+TRAINER_THREADS")
+
+
+def test_the_chaos_parser_still_refuses_what_it_refused(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["chaos", ROOT_CONFIG, "--faults", "worker-kill,disk-melt"])
+    assert exited.value.code == 2 and "unknown fault(s) disk-melt" in capsys.readouterr().err
+
+
+def test_a_missing_config_is_one_line_for_chaos_as_for_run(tmp_path, capsys):
+    for argv in (["chaos", str(tmp_path / "nope.yaml")], ["run", str(tmp_path / "nope.yaml"), "--run-dir", str(tmp_path / "run")]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines() == [f"tidal: config file not found: {tmp_path / 'nope.yaml'}"]
