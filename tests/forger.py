@@ -1,4 +1,4 @@
-"""The forged-groups attack of the #15 audit, as a process of its own: connect to a running `tidal run`'s
+"""The forged-groups attack of the security audit, as a process of its own: connect to a running `tidal run`'s
 embedded NATS (with no credentials, or the token given), publish a forged group (the forger's own
 tokens, rewards of +-1000) for every prompt of every iteration before the workers answer it, and pull
 work items from the workers' consumer, answering each with a forged group. Prints one JSON line per

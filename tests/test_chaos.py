@@ -1,4 +1,4 @@
-"""`tidal chaos` (#15 item 9): its accounting, and one real fault run end to end."""
+"""`tidal chaos`: its accounting, and one real fault run end to end."""
 
 import json
 

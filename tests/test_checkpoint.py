@@ -1,4 +1,4 @@
-"""The optimizer checkpoint moves from v to v+1 in one rename of its folder (#15 item 7): a trainer
+"""The optimizer checkpoint moves from v to v+1 in one rename of its folder: a trainer
 killed at any point of the write resumes the version whose folder is in place, with that version's
 own optimizer state, and what the interrupted write left is removed. Checkpoints of the two older
 layouts still resume. Real tiny model, real optimizer steps, real safetensors files."""

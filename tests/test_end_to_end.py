@@ -229,7 +229,7 @@ def test_periodic_trainer_fails_loudly_on_a_stale_group(tmp_path, tiny_config, n
 
 
 def test_a_rejected_group_of_an_expected_prompt_is_asked_for_again_and_the_iteration_completes(tmp_path, tiny_config, nats_server):
-    """#15 item 3: a worker's group that fails validation (here a token id outside the vocabulary)
+    """a worker's group that fails validation (here a token id outside the vocabulary)
     is terminated, counted, and its prompt's work item goes out again under a new message id, so
     the iteration neither hangs nor trains on it. The test plays the worker; NATS, the trainer
     loop and the learner are real."""
@@ -334,7 +334,7 @@ def test_a_killed_trainer_resumes_and_loses_no_group(tmp_path, write_config):
     assert [m["iteration"] for m in metrics] == [0, 1, 2]
     assert all(m["samples"] == 6 * 4 and m["staleness_max"] == 0 for m in metrics)
     # iteration 1 was interrupted after some of its groups were trained, then trained again in full:
-    # groups.jsonl records each trained group once (#15 item 9: it used to repeat the interrupted ones)
+    # groups.jsonl records each trained group once (it used to repeat the interrupted ones)
     records = read_jsonl(run_dir / "groups.jsonl")
     keys = [(r["iteration"], r["prompt_id"]) for r in records]
     assert len(keys) == len(set(keys)) == 3 * 6

@@ -1,4 +1,4 @@
-"""Failures are noticed at once (#15 item 5), on real `tidal run`s: a worker that refuses a corrupt
+"""Failures are noticed at once, on real `tidal run`s: a worker that refuses a corrupt
 snapshot says so in its heartbeat and backs off, the trainer rewrites the snapshot from its own
 weights and the run goes on; a corrupt checkpoint snapshot fails a resume in one line; a silent
 worker is named."""
@@ -96,7 +96,7 @@ def pid_once_holding_work(run_dir, worker_id: str, proc) -> int:
 
 
 def test_a_killed_workers_items_go_out_again_when_its_heartbeat_stops_not_after_ack_wait(tmp_path, write_config):
-    """#15 item 5: ack_wait is ten minutes here, so only the heartbeat (which lists the items a worker
+    """ack_wait is ten minutes here, so only the heartbeat (which lists the items a worker
     holds) can get a killed worker's items generated again before trainer.group_timeout_seconds
     fails the run; its late groups, or the redelivered originals, would be duplicates the trainer drops."""
     overrides = {"rollout.workers": 2, "transport.ack_wait_seconds": 600.0, "trainer.group_timeout_seconds": 60.0}

@@ -1,4 +1,4 @@
-"""The #15 audit's forged-groups attack, replayed end to end against a real `tidal run`: a local process
+"""The security audit's forged-groups attack, replayed end to end against a real `tidal run`: a local process
 connects to the run's embedded NATS, publishes groups of its own (rewards +-1000, its own tokens) for
 every prompt and answers work items it pulls from the workers' consumer (tests/forger.py). Without
 the run's token it is refused, and the run trains exactly what an unattacked deterministic run trains.

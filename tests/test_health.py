@@ -1,4 +1,4 @@
-"""Worker heartbeats and snapshot-refusal back-off (#15 item 5): the pure parts, and the KV round trip
+"""Worker heartbeats and snapshot-refusal back-off: the pure parts, and the KV round trip
 on a real nats-server."""
 
 import asyncio
@@ -40,7 +40,7 @@ def worker(worker_id: str, holding: list[tuple[int, int]]) -> WorkerHealth:
 
 
 def test_the_items_a_silent_or_replaced_worker_held_are_handed_out_once():
-    """#15 item 5: what the last heartbeat listed goes out again when the worker falls silent, or when
+    """what the last heartbeat listed goes out again when the worker falls silent, or when
     another process (the launcher's restart) took its id before it was seen silent, also one the
     trainer saw only once (killed right after its pull); each listing once."""
     w0, w1, w2 = worker("w0", [(1, 7), (1, 8)]), worker("w1", [(1, 9)]), worker("w2", [(1, 3)])

@@ -377,7 +377,7 @@ def test_prepare_refuses_relative_data_paths_in_config_text_and_missing_data_fil
 
 
 def test_prepare_runs_the_checks_tidal_run_runs_before_anything_starts(tmp_path):
-    """#15 item 8 in the pipeline: a bad reward name or data row fails the prepare step in one line naming it."""
+    """Bad input in the pipeline: a bad reward name or data row fails the prepare step in one line naming it."""
     (tmp_path / "kube").mkdir()
     with pytest.raises(roles.PipelineStepError, match=r"reward function 'no_such_module:score': cannot import module 'no_such_module'"):
         roles.stage_config(str(tmp_path), "reward: {functions: [{name: 'no_such_module:score'}]}\n", "", [])

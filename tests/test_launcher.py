@@ -1,4 +1,4 @@
-"""`tidal run` as a launcher you can stop and resume (#15 item 6): signals, the run-directory lock,
+"""`tidal run` as a launcher you can stop and resume: signals, the run-directory lock,
 a supervised nats-server, resuming whatever state a run ended in, and a config that may not change."""
 
 import asyncio
@@ -34,7 +34,7 @@ def test_sigterm_stops_every_process_of_the_run_records_it_and_a_rerun_resumes(t
     run_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
     assert MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}").get_run(run_id).info.status == "KILLED"
 
-    # what a kill mid-publish or mid-checkpoint leaves (#15 item 9): removed when the trainer starts
+    # what a kill mid-publish or mid-checkpoint leaves: removed when the trainer starts
     leftovers = [run_dir / "weights" / ".tmp-v000009-4242", run_dir / "checkpoint" / ".tmp-v000009"]
     for folder, name in zip(leftovers, ["model.safetensors", "optimizer-rank0-of-1.safetensors"]):
         folder.mkdir()
@@ -145,7 +145,7 @@ def test_a_finished_run_finishes_at_once_and_a_training_change_is_refused_unless
 
 
 def test_the_embedded_nats_server_refuses_a_client_without_the_runs_token(tmp_path, write_config):
-    """#15 item 2: a local process without the run's credentials can neither consume work nor publish
+    """a local process without the run's credentials can neither consume work nor publish
     groups. The token is random per launch, in a 0600 file, and reaches the roles by environment only."""
     import nats
     import nats.errors

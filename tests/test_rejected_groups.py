@@ -1,4 +1,4 @@
-"""#15 item 3 in bounded mode: a rejected group of a later iteration than the one being trained (its
+"""Rejected groups in bounded mode: a rejected group of a later iteration than the one being trained (its
 work was released ahead) gets its work item out again, and the answer to that item is not dropped by
 JetStream as a duplicate of the rejected group. The test plays the worker, publishing as the rollout
 workers do (message ids from the work message it answers); NATS, the trainer loop and the learner

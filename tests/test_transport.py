@@ -224,7 +224,7 @@ def test_a_token_that_reads_as_a_number_stops_nats_server_so_run_tokens_never_do
 
 
 def test_a_work_item_jetstream_gives_up_on_fails_the_trainer_naming_it(nats_server):
-    """#15 item 5: a work item refused until transport.max_deliver runs out is dropped by JetStream;
+    """a work item refused until transport.max_deliver runs out is dropped by JetStream;
     the trainer hears the advisory and fails in one line naming the item, instead of waiting for
     trainer.group_timeout_seconds."""
     from tidal.protocol import GroupLimits

@@ -129,7 +129,7 @@ def test_retention_settings_are_validated():
 
 
 def test_with_the_run_key_a_planted_snapshot_is_refused_even_with_a_consistent_manifest(tmp_path, monkeypatch):
-    """#15 item 2: the sha256s prove integrity, the HMAC under the run's key proves the run's trainer wrote it."""
+    """the sha256s prove integrity, the HMAC under the run's key proves the run's trainer wrote it."""
     from tidal.weights import SIGNING_KEY_ENV, sha256_of
 
     monkeypatch.setenv(SIGNING_KEY_ENV, "run-secret")
