@@ -1,0 +1,135 @@
+"""Connecting to NATS: the credentials (from the environment), a client that reconnects through an outage
+and logs each connection event in one line, and the server's refusals (of the login, of a subject)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import nats
+import nats.errors
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import ServiceUnavailableError
+
+from tidal.transport.server import TOKEN_ENV
+
+# the package's log lines carry one name, whichever of its modules writes them
+log = logging.getLogger("tidal.transport")
+
+TRANSIENT_ERRORS = (NatsTimeout, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError, ServiceUnavailableError)
+
+
+class NatsUnavailableError(ConnectionError):
+    """NATS cannot be reached, refused this client, or the connection to it was lost for good."""
+
+
+class NatsPermissionError(PermissionError):
+    """The server refused this client's user a publish or subscribe (a "Permissions Violation"): on a
+    cluster each role logs in as its own user, with only the subjects that role needs."""
+
+
+class NatsClient(nats.NATS):
+    """A nats-py client that keeps the permission violations the server reported to it, in order: the
+    server reports them asynchronously (to the error callback), not as the failing request's error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.permission_violations: list[str] = []
+
+
+def permission_violations(nc: nats.NATS) -> list[str]:
+    """What the server refused ``nc`` so far; none for a client that connect_nats did not make."""
+    return nc.permission_violations if isinstance(nc, NatsClient) else []
+
+
+def credentials_from_env() -> dict:
+    """NATS credentials come from the environment, never from config: the embedded server's per-run
+    token (TIDAL_NATS_TOKEN, set by `tidal run`), else a Kubernetes Secret's (NATS_TOKEN, ...)."""
+    env = os.environ
+    if env.get(TOKEN_ENV):
+        return {"token": env[TOKEN_ENV]}
+    if env.get("NATS_TOKEN"):
+        return {"token": env["NATS_TOKEN"]}
+    if env.get("NATS_USER"):
+        return {"user": env["NATS_USER"], "password": env.get("NATS_PASSWORD", "")}
+    if env.get("NATS_CREDS"):
+        return {"user_credentials": env["NATS_CREDS"]}
+    return {}
+
+
+async def connect_nats(url: str, name: str, credentials: dict) -> NatsClient:
+    """A client that reconnects through a short outage (a restarted nats-server) and logs each
+    connection event in one line, not nats-py's tracebacks."""
+
+    nc = NatsClient()
+    connected = False  # until then a disconnect is a failed first attempt, which the connect itself reports
+    refused = asyncio.Event()  # the server refused the credentials: retrying them will not help
+
+    async def on_error(err: Exception) -> None:
+        message = str(err) or type(err).__name__
+        if "permissions violation" in message.lower():
+            nc.permission_violations.append(message.removeprefix("nats: "))
+        if isinstance(err, nats.errors.AuthorizationError) or "authorization violation" in message.lower():
+            refused.set()
+        log.warning("NATS %s: %s", url, message)
+
+    async def on_disconnected() -> None:
+        if connected and not nc.is_closed:  # closed: by us, or the reconnects gave up (the next call raises)
+            log.warning("lost the connection to NATS at %s; reconnecting", url)
+
+    async def on_reconnected() -> None:
+        log.info("reconnected to NATS at %s", url)
+
+    connecting = asyncio.ensure_future(
+        nc.connect(
+            url,
+            connect_timeout=5,
+            reconnect_time_wait=1,
+            max_reconnect_attempts=20,
+            name=name,
+            error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
+            **credentials,
+        )
+    )
+    waiting = asyncio.ensure_future(refused.wait())
+    try:
+        await asyncio.wait({connecting, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():  # refused: nats-py would try the same credentials max_reconnect_attempts times
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            raise NatsUnavailableError(f"NATS at {url} refused the connection: {_who(credentials)} (Authorization Violation)")
+        connecting.result()
+    except nats.errors.NoServersError:
+        if refused.is_set():
+            raise NatsUnavailableError(f"NATS at {url} refused the connection: {_who(credentials)} (Authorization Violation)") from None
+        raise NatsUnavailableError(f"cannot reach NATS at {url} (transport.nats_url, or the run's embedded nats-server): is it running?") from None
+    except nats.errors.Error as err:
+        raise NatsUnavailableError(f"NATS at {url} refused the connection: {err}") from None
+    finally:
+        waiting.cancel()
+    connected = True
+    return nc
+
+
+def _who(credentials: dict) -> str:
+    if credentials.get("user"):
+        return f"wrong password for user {credentials['user']} (NATS_USER / NATS_PASSWORD)"
+    if credentials.get("token"):
+        return "wrong token (TIDAL_NATS_TOKEN / NATS_TOKEN)"
+    if credentials.get("user_credentials"):
+        return f"credentials file {credentials['user_credentials']} not accepted (NATS_CREDS)"
+    return "it requires credentials and the environment has none (NATS_USER / NATS_PASSWORD, NATS_TOKEN or NATS_CREDS)"
+
+
+def raise_if_denied(nc: nats.NATS, since: int, what: str) -> None:
+    """A NatsPermissionError if the server reported a permission violation to ``nc`` after the first ``since``."""
+    new = permission_violations(nc)[since:]
+    if new:
+        user = getattr(nc, "options", {}).get("user") or "(token or anonymous)"
+        raise NatsPermissionError(
+            f"NATS refused {what} to user {user}: {new[-1]}. Each role logs in as its own user with only the subjects "
+            "that role needs (auth.conf in manifests/base/nats.yaml): check the pod's NATS_USER / NATS_PASSWORD"
+        )
