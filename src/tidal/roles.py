@@ -33,7 +33,7 @@ from tidal.trainer.loop import train
 from tidal.trainer.sources import BroadcastSource, InProcessSource, QueueSource
 from tidal.trainer.strategy import Strategy, build_strategy, resolve_strategy_name
 from tidal.trainer.weight_push import NcclWeightPush, rendezvous_endpoint
-from tidal.transport import Transport, weight_handshake
+from tidal.transport import Transport, session, weight_handshake
 from tidal.weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -217,12 +217,9 @@ async def worker_role(cfg: TidalConfig, run: RunDir, nats_url: str, worker_id: s
     scorer = RewardScorer.from_config(cfg.reward, prestart=cfg.rollout.engine == "hf")
     engine, tokenizer, worker_class = rollout_engine(cfg, info.base_model)
     try:
-        transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=False)
-        worker = worker_class(cfg, engine, tokenizer, transport, worker_id, weights_root=run.weights, scorer=scorer)
-        try:
+        async with session(nats_url, info.run_id, cfg.transport) as transport:
+            worker = worker_class(cfg, engine, tokenizer, transport, worker_id, weights_root=run.weights, scorer=scorer)
             await worker.run()
-        finally:
-            await transport.close()
     finally:
         engine.shutdown()  # vLLM's engine processes would otherwise outlive the worker
     return worker.groups_published
