@@ -75,4 +75,3 @@ def test_run_in_session_gives_up_at_its_timeout_and_closes_the_connection(nats_s
         run_in_session(nats_server.url, RUN, TransportConfig(), stuck, create=True, timeout=1.0)
     assert time.monotonic() - started < 10
     assert len(opened) == 1 and opened[0].nc.is_closed
-
