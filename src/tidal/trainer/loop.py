@@ -14,113 +14,28 @@ import gc
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from tidal.algo import has_no_signal
 from tidal.config import TidalConfig
-from tidal.data import Dataset, Problem, iteration_prompt_order
-from tidal.protocol import Group, WorkItem
+from tidal.data import Dataset
+from tidal.protocol import Group
 from tidal.rundir import RunFiles
 from tidal.runtime import tail_threads
-from tidal.trainer.checkpoint import optimizer_snapshot, resume_version, write_checkpoint
+from tidal.trainer.boundary import boundary_write, forget_unfinished, prune_snapshots, publish_weights
+from tidal.trainer.checkpoint import optimizer_snapshot, resume_version
 from tidal.trainer.compute import on_compute_thread
+from tidal.trainer.iteration_plan import Admission, IterationPlan, StalenessError, WorkRelease, max_staleness, reissue_rejected
 from tidal.trainer.learner import Learner, merge_updates
 from tidal.trainer.metrics import Timer, group_record, iteration_metrics
 from tidal.trainer.sources import GroupSource
 from tidal.trainer.writer import BoundaryWriter
-from tidal.weights import WeightStore, versions_in_use
+from tidal.weights import WeightStore
+
+# the names the rest of Tidal and its tests take from here
+__all__ = ["train", "IterationPlan", "IterationUpdates", "StalenessError", "TailThreads", "forget_unfinished", "prune_snapshots"]
 
 log = logging.getLogger(__name__)
-
-
-class StalenessError(RuntimeError):
-    """A group older than the mode allows (periodic and sync: any): the on-policy promise broke."""
-
-
-def max_staleness(cfg: TidalConfig) -> int:
-    """Versions a group may lag the iteration that trains it: 0 except in bounded mode."""
-    return cfg.rollout.max_staleness if cfg.mode == "bounded" else 0
-
-
-def work_items(version: int, problems: list[Problem]) -> list[WorkItem]:
-    return [WorkItem(version, p.id, p.prompt, p.answer) for p in problems]
-
-
-def replacement_budget(cfg: TidalConfig) -> int:
-    if not cfg.trainer.dynamic_sampling:
-        return 0
-    cap = cfg.trainer.max_replacements
-    return 4 * cfg.trainer.prompts_per_iteration if cap is None else cap
-
-
-@dataclass
-class IterationPlan:
-    """Which prompts iteration v trains on, and what has arrived. A group is trained when it answers
-    an expected prompt for the first time; replaced when it has no signal and the budget allows."""
-
-    version: int
-    expected: set[int]
-    spare: list[Problem]
-    replacements_left: int
-    received: dict[int, Group] = field(default_factory=dict)
-    problems: dict[int, Problem] = field(default_factory=dict)  # every prompt it may ask for, by id
-    reissued: dict[int, int] = field(default_factory=dict)  # prompt id -> times asked again after a rejected group
-    filtered: int = 0
-    filtered_reward_errors: int = 0
-    discarded: int = 0
-
-    @classmethod
-    def for_iteration(cls, cfg: TidalConfig, dataset: Dataset, version: int) -> tuple[IterationPlan, list[WorkItem]]:
-        order = iteration_prompt_order(dataset, cfg.seed, version)
-        first = order[: cfg.trainer.prompts_per_iteration]
-        plan = cls(version, {p.id for p in first}, list(order[cfg.trainer.prompts_per_iteration :]), replacement_budget(cfg))
-        plan.problems = {p.id: p for p in order}
-        return plan, work_items(version, first)
-
-    def reissue(self, iteration: int, prompt_id: int, limit: int) -> tuple[WorkItem, int] | None:
-        """A rejected group answered (iteration, prompt_id): its work item again, with its attempt
-        number, while the prompt is still expected and unanswered, at most `limit` times (a stream of
-        forged groups cannot make the workers generate without end)."""
-        if iteration != self.version or prompt_id not in self.expected or prompt_id in self.received:
-            return None
-        attempt = self.reissued.get(prompt_id, 0) + 1
-        if attempt > limit:
-            return None
-        self.reissued[prompt_id] = attempt
-        return work_items(self.version, [self.problems[prompt_id]])[0], attempt
-
-    @property
-    def complete(self) -> bool:
-        return len(self.received) == len(self.expected)
-
-    @property
-    def missing(self) -> int:
-        return len(self.expected) - len(self.received)
-
-    def admit(self, group: Group, allowed_staleness: int) -> WorkItem | bool:
-        """True: train on it. False: not part of this iteration (a duplicate or leftover). A WorkItem:
-        the group was dropped for having no signal; generate this replacement instead."""
-        if group.iteration != self.version or group.prompt_id not in self.expected or group.prompt_id in self.received:
-            self.discarded += 1
-            return False
-        staleness = self.version - group.policy_version
-        if not 0 <= staleness <= allowed_staleness:
-            raise StalenessError(
-                f"iteration {self.version}: group {group.prompt_id} was generated by version {group.policy_version} "
-                f"(staleness {staleness}, allowed {allowed_staleness})"
-            )
-        if self.replacements_left > 0 and self.spare and has_no_signal(torch.tensor(group.rewards)):
-            self.replacements_left -= 1
-            self.filtered += 1
-            self.filtered_reward_errors += group.reward_errors
-            replacement = self.spare.pop(0)
-            self.expected.discard(group.prompt_id)
-            self.expected.add(replacement.id)
-            return work_items(self.version, [replacement])[0]
-        self.received[group.prompt_id] = group
-        return True
 
 
 class IterationUpdates:
@@ -151,35 +66,6 @@ class IterationUpdates:
         return merge_updates(self.updates)
 
 
-class WorkRelease:
-    """Bounded mode's look-ahead: while the trainer is on v, the work of v+1..v+k is already out."""
-
-    def __init__(self, cfg: TidalConfig, dataset: Dataset, end: int):
-        self.cfg, self.dataset, self.end = cfg, dataset, end
-        self.released = -1  # the last iteration whose first prompts went out
-        # the plans of iterations released ahead, until their turn: a rejected group of one is asked for again at once
-        self.plans: dict[int, IterationPlan] = {}
-
-    def ahead(self, version: int) -> list[WorkItem]:
-        last = min(version + max_staleness(self.cfg), self.end - 1)
-        items = []
-        for u in range(max(self.released + 1, version + 1), last + 1):
-            self.plans[u], first = IterationPlan.for_iteration(self.cfg, self.dataset, u)
-            items += first
-        self.released = max(self.released, last)
-        return items
-
-    def mark(self, version: int) -> None:
-        self.released = max(self.released, version)
-
-
-def reissue_rejected(plans: dict[int, IterationPlan], keys: list[tuple[int, int]], limit: int) -> list[tuple[WorkItem, int]]:
-    """The work items to ask for again, one per (iteration, prompt id) of a rejected group or of an item a
-    silent worker held, through its iteration's plan: the one being trained, or one that bounded mode
-    released ahead. The plan asks only for prompts still unanswered, at most `limit` times each."""
-    return [r for iteration, prompt_id in keys if iteration in plans and (r := plans[iteration].reissue(iteration, prompt_id, limit))]
-
-
 class TailThreads:
     """trainer.tail_threads: more intra-op threads from the moment an iteration's last group is in
     until its weights are published (periodic workers are idle then), back to `base` after."""
@@ -204,54 +90,6 @@ async def train_arrivals(updates: IterationUpdates, groups: list[Group], version
     with timer("train"):
         await on_compute_thread(updates.add, groups)
     records.extend(group_record(g, version, started, time.time()) for g in groups)
-
-
-def publish_weights(store: WeightStore, version: int, learner: Learner) -> None:
-    """Every rank gathers (a collective under fsdp2); rank 0 writes the snapshot."""
-    state = learner.full_state_dict()
-    if learner.ctx.is_main:
-        store.publish(version, state)
-
-
-def forget_unfinished(files: RunFiles, store: WeightStore, start: int) -> None:
-    """On start, before anything is written: what a trainer killed mid-iteration left is removed
-    (temp folders of an interrupted publish, groups.jsonl and metrics.jsonl records of iterations
-    from `start` on, which are trained again; resume_version removed an interrupted checkpoint), so
-    every group and iteration is recorded once. metrics.jsonl is appended before the background
-    writer has made the boundary durable, so a trainer stopped in between leaves a line for an
-    iteration it will redo."""
-    removed = store.remove_temp()
-    if removed:
-        log.info("removed what an interrupted publish left: %s", ", ".join(removed))
-    for name in ("groups.jsonl", "metrics.jsonl"):
-        dropped = files.drop_records(name, lambda r: r["iteration"] >= start)
-        if dropped:
-            log.info("dropped %d %s record(s) of iterations from %d on (trained again now)", dropped, name, start)
-
-
-def prune_snapshots(cfg: TidalConfig, store: WeightStore, published: int, checkpoint: int) -> list[int]:
-    """Weight retention (cfg.weights) after ``published`` is out and the checkpoint resumes from ``checkpoint``.
-    Kept whatever the policy: what a worker may still load, what a resume needs, and the version an
-    eval.every follower evaluates next."""
-    protected = versions_in_use(published, max_staleness(cfg)) | {checkpoint}
-    if cfg.eval.enabled and cfg.eval.every:
-        protected.add(published - published % cfg.eval.every)
-    return store.prune(cfg.weights.keep_last, cfg.weights.keep_every, protected)
-
-
-def boundary_write(cfg: TidalConfig, files: RunFiles, store: WeightStore, ctx, records: list[dict], tensors: dict, next_version: int):
-    """What makes iteration next_version - 1 durable, in order: its groups.jsonl records (before the
-    checkpoint: a trainer that dies in between redoes the iteration and forget_unfinished drops them),
-    the optimizer checkpoint, then snapshot retention (which protects that checkpoint's version)."""
-
-    def write() -> None:
-        if ctx.is_main:
-            files.append_many("groups.jsonl", records)
-        write_checkpoint(files, tensors, next_version, ctx)
-        if ctx.is_main:
-            prune_snapshots(cfg, store, next_version, next_version)
-
-    return write
 
 
 async def train(
@@ -365,11 +203,11 @@ async def train(
                 waited_since = time.time()
                 replacements = []
                 for group in arrivals.groups:
-                    verdict = plan.admit(group, allowed)
-                    if isinstance(verdict, WorkItem):
-                        replacements.append(verdict)
-                    elif verdict:
+                    admission, replacement = plan.admit(group, allowed)
+                    if admission is Admission.TRAIN:
                         batch.append(group)
+                    elif admission is Admission.REPLACE:
+                        replacements.append(replacement)
                 await source.request(replacements)
         finally:
             if receiving is not None and not receiving.done():  # the iteration failed: stop pulling for it
