@@ -1,6 +1,6 @@
 """Optimizer state at an iteration boundary, as safetensors + JSON (no pickle), and resuming from it.
 
-One folder per checkpoint, committed by one rename. Every rank writes its shard
+One folder per checkpoint, committed by one rename, so it is there whole or not at all. Every rank writes its shard
 (`optimizer-rank{r}-of-{n}.safetensors`; under fsdp2 its slice of the AdamW moments, so a large run
 never gathers optimizer state on one host) into `checkpoint/.tmp-v{N}/` and fsyncs it; after a
 barrier rank 0 writes state.json there, fsyncs it and the folder, renames the folder to

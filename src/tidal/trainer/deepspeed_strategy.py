@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO (stage 2 or 3) as a trainer strategy: `trainer.strategy: deepspeed`, `trainer.zero_stage`.
 
-The update must equal one process's (DESIGN §4): the summed per-token loss numerators of every rank,
+The update must equal one process's: the summed per-token loss numerators of every rank,
 divided once by the global unit count N at the step. DeepSpeed's engine wants to own three things
 that get in the way, and each is pinned here:
 

@@ -1,7 +1,7 @@
 """The tri-model trainer: policy (trainable), old policy (only when an iteration takes more than one
 optimizer step) and frozen reference (only when the KL coefficient is > 0), one packing path.
 
-Loss normalisation under streaming (DESIGN §4): the aggregation's denominator (response tokens or
+Loss normalisation under streaming: the aggregation's denominator (response tokens or
 sequences of the update) is unknown until the last group is in, so we accumulate the gradient of
 the *numerator* group by group and scale the gradients by 1/units just before the step. Gradients
 are linear in the loss, so this equals the synchronous update.

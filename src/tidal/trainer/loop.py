@@ -1,257 +1,28 @@
 """The one iteration loop, for every mode: `train(cfg, learner, source, ...)`.
 
-Per iteration v: make weights v available, ask for v's prompts (bounded mode: also release the
-work of v+1..v+k), take groups as they complete, check their staleness, replace groups without
-signal (DAPO dynamic sampling), accumulate gradients, and after the last group step once, publish
-v+1, checkpoint, release the groups and report. The modes differ only in the source (in-process
-generation for sync, the queue for periodic and bounded) and in how much staleness is allowed.
+Per iteration v: open it (weights v available, v's prompts asked for), collect its groups (each
+trained as it arrives), close it (one step, v+1 published and opened, v made durable) and record
+its metrics; iteration.py has the steps. The modes differ only in the source (in-process generation
+for sync, the queue for periodic and bounded) and in how much staleness is allowed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import gc
-import logging
-import math
-import time
-from dataclasses import dataclass, field
 
-import torch
-
-from tidal.algo import has_no_signal
 from tidal.config import TidalConfig
-from tidal.data import Dataset, Problem, iteration_prompt_order
-from tidal.protocol import Group, WorkItem
+from tidal.data import Dataset
 from tidal.rundir import RunDir
-from tidal.threads import tail_threads
-from tidal.trainer.checkpoint import optimizer_snapshot, resume_version, write_checkpoint
-from tidal.trainer.compute import on_compute_thread
-from tidal.trainer.learner import Learner, merge_updates
-from tidal.trainer.metrics import Timer, group_record, iteration_metrics
+from tidal.trainer.boundary import forget_unfinished, prune_snapshots, publish_weights
+from tidal.trainer.checkpoint import resume_version
+from tidal.trainer.iteration import Iteration, IterationUpdates, Run, TailThreads
+from tidal.trainer.iteration_plan import IterationPlan, StalenessError
+from tidal.trainer.learner import Learner
 from tidal.trainer.sources import GroupSource
-from tidal.trainer.writer import BoundaryWriter
-from tidal.weights import WeightStore, versions_in_use
+from tidal.weights import WeightStore
 
-log = logging.getLogger(__name__)
-
-
-class StalenessError(RuntimeError):
-    """A group older than the mode allows (periodic and sync: any): the on-policy promise broke."""
-
-
-def max_staleness(cfg: TidalConfig) -> int:
-    """Versions a group may lag the iteration that trains it: 0 except in bounded mode."""
-    return cfg.rollout.max_staleness if cfg.mode == "bounded" else 0
-
-
-def work_items(version: int, problems: list[Problem]) -> list[WorkItem]:
-    return [WorkItem(version, p.id, p.prompt, p.answer) for p in problems]
-
-
-def replacement_budget(cfg: TidalConfig) -> int:
-    if not cfg.trainer.dynamic_sampling:
-        return 0
-    cap = cfg.trainer.max_replacements
-    return 4 * cfg.trainer.prompts_per_iteration if cap is None else cap
-
-
-@dataclass
-class IterationPlan:
-    """Which prompts iteration v trains on, and what has arrived. A group is trained when it answers
-    an expected prompt for the first time; replaced when it has no signal and the budget allows."""
-
-    version: int
-    expected: set[int]
-    spare: list[Problem]
-    replacements_left: int
-    received: dict[int, Group] = field(default_factory=dict)
-    problems: dict[int, Problem] = field(default_factory=dict)  # every prompt it may ask for, by id
-    reissued: dict[int, int] = field(default_factory=dict)  # prompt id -> times asked again after a rejected group
-    filtered: int = 0
-    filtered_reward_errors: int = 0
-    discarded: int = 0
-
-    @classmethod
-    def for_iteration(cls, cfg: TidalConfig, dataset: Dataset, version: int) -> tuple[IterationPlan, list[WorkItem]]:
-        order = iteration_prompt_order(dataset, cfg.seed, version)
-        first = order[: cfg.trainer.prompts_per_iteration]
-        plan = cls(version, {p.id for p in first}, list(order[cfg.trainer.prompts_per_iteration :]), replacement_budget(cfg))
-        plan.problems = {p.id: p for p in order}
-        return plan, work_items(version, first)
-
-    def reissue(self, iteration: int, prompt_id: int, limit: int) -> tuple[WorkItem, int] | None:
-        """A rejected group answered (iteration, prompt_id): its work item again, with its attempt
-        number, while the prompt is still expected and unanswered, at most `limit` times (a stream of
-        forged groups cannot make the workers generate without end)."""
-        if iteration != self.version or prompt_id not in self.expected or prompt_id in self.received:
-            return None
-        attempt = self.reissued.get(prompt_id, 0) + 1
-        if attempt > limit:
-            return None
-        self.reissued[prompt_id] = attempt
-        return work_items(self.version, [self.problems[prompt_id]])[0], attempt
-
-    @property
-    def complete(self) -> bool:
-        return len(self.received) == len(self.expected)
-
-    @property
-    def missing(self) -> int:
-        return len(self.expected) - len(self.received)
-
-    def admit(self, group: Group, allowed_staleness: int) -> WorkItem | bool:
-        """True: train on it. False: not part of this iteration (a duplicate or leftover). A WorkItem:
-        the group was dropped for having no signal; generate this replacement instead."""
-        if group.iteration != self.version or group.prompt_id not in self.expected or group.prompt_id in self.received:
-            self.discarded += 1
-            return False
-        staleness = self.version - group.policy_version
-        if not 0 <= staleness <= allowed_staleness:
-            raise StalenessError(
-                f"iteration {self.version}: group {group.prompt_id} was generated by version {group.policy_version} "
-                f"(staleness {staleness}, allowed {allowed_staleness})"
-            )
-        if self.replacements_left > 0 and self.spare and has_no_signal(torch.tensor(group.rewards)):
-            self.replacements_left -= 1
-            self.filtered += 1
-            self.filtered_reward_errors += group.reward_errors
-            replacement = self.spare.pop(0)
-            self.expected.discard(group.prompt_id)
-            self.expected.add(replacement.id)
-            return work_items(self.version, [replacement])[0]
-        self.received[group.prompt_id] = group
-        return True
-
-
-class IterationUpdates:
-    """Feeds one iteration's groups to the learner; with `updates_per_iteration` = k it steps after
-    every ceil(P/k) groups (PPO-style mini-batches against the old policy), else once at the end."""
-
-    def __init__(self, learner: Learner, cfg: TidalConfig, version: int):
-        self.learner = learner
-        self.steps = cfg.trainer.updates_per_iteration
-        self.per_update = math.ceil(cfg.trainer.prompts_per_iteration / self.steps)
-        self.pending = 0
-        self.updates: list[dict] = []
-        learner.begin_iteration(version)
-
-    def add(self, groups: list[Group]) -> None:
-        if self.steps == 1:
-            self.learner.train_on_groups(groups)
-            return
-        for g in groups:
-            self.learner.train_on_groups([g])
-            self.pending += 1
-            if self.pending >= self.per_update and len(self.updates) < self.steps - 1:
-                self.updates.append(self.learner.step())
-                self.pending = 0
-
-    def finish(self) -> dict:
-        self.updates.append(self.learner.step())
-        return merge_updates(self.updates)
-
-
-class WorkRelease:
-    """Bounded mode's look-ahead: while the trainer is on v, the work of v+1..v+k is already out."""
-
-    def __init__(self, cfg: TidalConfig, dataset: Dataset, end: int):
-        self.cfg, self.dataset, self.end = cfg, dataset, end
-        self.released = -1  # the last iteration whose first prompts went out
-        # the plans of iterations released ahead, until their turn: a rejected group of one is asked for again at once
-        self.plans: dict[int, IterationPlan] = {}
-
-    def ahead(self, version: int) -> list[WorkItem]:
-        last = min(version + max_staleness(self.cfg), self.end - 1)
-        items = []
-        for u in range(max(self.released + 1, version + 1), last + 1):
-            self.plans[u], first = IterationPlan.for_iteration(self.cfg, self.dataset, u)
-            items += first
-        self.released = max(self.released, last)
-        return items
-
-    def mark(self, version: int) -> None:
-        self.released = max(self.released, version)
-
-
-def reissue_rejected(plans: dict[int, IterationPlan], keys: list[tuple[int, int]], limit: int) -> list[tuple[WorkItem, int]]:
-    """The work items to ask for again, one per (iteration, prompt id) of a rejected group or of an item a
-    silent worker held, through its iteration's plan: the one being trained, or one that bounded mode
-    released ahead. The plan asks only for prompts still unanswered, at most `limit` times each."""
-    return [r for iteration, prompt_id in keys if iteration in plans and (r := plans[iteration].reissue(iteration, prompt_id, limit))]
-
-
-class TailThreads:
-    """trainer.tail_threads: more intra-op threads from the moment an iteration's last group is in
-    until its weights are published (periodic workers are idle then), back to `base` after."""
-
-    def __init__(self, base: int, tail: int | None):
-        self.base, self.tail, self.wide = base, tail, False
-
-    async def widen(self) -> None:
-        if self.tail and not self.wide:
-            await on_compute_thread(torch.set_num_threads, self.tail)
-            self.wide = True
-
-    async def narrow(self) -> None:
-        if self.wide:
-            await on_compute_thread(torch.set_num_threads, self.base)
-            self.wide = False
-
-
-async def train_arrivals(updates: IterationUpdates, groups: list[Group], version: int, timer: Timer, records: list[dict]) -> None:
-    """One training call on `groups`: its seconds go to timer["train"], each group's record to `records`."""
-    started = time.time()
-    with timer("train"):
-        await on_compute_thread(updates.add, groups)
-    records.extend(group_record(g, version, started, time.time()) for g in groups)
-
-
-def publish_weights(store: WeightStore, version: int, learner: Learner) -> None:
-    """Every rank gathers (a collective under fsdp2); rank 0 writes the snapshot."""
-    state = learner.full_state_dict()
-    if learner.ctx.is_main:
-        store.publish(version, state)
-
-
-def forget_unfinished(files: RunDir, store: WeightStore, start: int) -> None:
-    """On start, before anything is written: what a trainer killed mid-iteration left is removed
-    (temp folders of an interrupted publish, groups.jsonl and metrics.jsonl records of iterations
-    from `start` on, which are trained again; resume_version removed an interrupted checkpoint), so
-    every group and iteration is recorded once. metrics.jsonl is appended before the background
-    writer has made the boundary durable, so a trainer stopped in between leaves a line for an
-    iteration it will redo."""
-    removed = store.remove_temp()
-    if removed:
-        log.info("removed what an interrupted publish left: %s", ", ".join(removed))
-    for records in (files.groups, files.metrics):
-        dropped = records.drop(lambda r: r["iteration"] >= start)
-        if dropped:
-            log.info("dropped %d %s record(s) of iterations from %d on (trained again now)", dropped, records.path.name, start)
-
-
-def prune_snapshots(cfg: TidalConfig, store: WeightStore, published: int, checkpoint: int) -> list[int]:
-    """Weight retention (cfg.weights) after ``published`` is out and the checkpoint resumes from ``checkpoint``.
-    Kept whatever the policy: what a worker may still load, what a resume needs, and the version an
-    eval.every follower evaluates next."""
-    protected = versions_in_use(published, max_staleness(cfg)) | {checkpoint}
-    if cfg.eval.enabled and cfg.eval.every:
-        protected.add(published - published % cfg.eval.every)
-    return store.prune(cfg.weights.keep_last, cfg.weights.keep_every, protected)
-
-
-def boundary_write(cfg: TidalConfig, files: RunDir, store: WeightStore, ctx, records: list[dict], tensors: dict, next_version: int):
-    """What makes iteration next_version - 1 durable, in order: its groups.jsonl records (before the
-    checkpoint: a trainer that dies in between redoes the iteration and forget_unfinished drops them),
-    the optimizer checkpoint, then snapshot retention (which protects that checkpoint's version)."""
-
-    def write() -> None:
-        if ctx.is_main:
-            files.groups.append_many(records)
-        write_checkpoint(files, tensors, next_version, ctx)
-        if ctx.is_main:
-            prune_snapshots(cfg, store, next_version, next_version)
-
-    return write
+# the trainer's entry point, and the names the rest of Tidal and its tests take from here
+__all__ = ["train", "IterationPlan", "IterationUpdates", "StalenessError", "TailThreads", "forget_unfinished", "prune_snapshots"]
 
 
 async def train(
@@ -269,140 +40,23 @@ async def train(
 
     Under several ranks every rank runs this loop on the same groups (the source broadcasts them)
     and trains its share; only rank 0 writes the weight store, the run's records and MLflow."""
-    main = learner.ctx.is_main
     start = resume_version(files, learner, store)
-    if main:
+    if learner.ctx.is_main:
         forget_unfinished(files, store, start)
     end = cfg.trainer.iterations if iterations is None else min(cfg.trainer.iterations, start + iterations)
     if store.latest_version() is None or store.latest_version() < start:
         publish_weights(store, start, learner)
     # Everything built so far (the model, transformers, MLflow, NATS) lives for the whole run: out of the
-    # cyclic collector's scans, whose full (generation 2) passes over it took 0.26-0.36 s each, mid-iteration
+    # cyclic collector's scans, whose full (generation 2) passes over so many objects would stall iterations
     gc.freeze()
-    allowed = max_staleness(cfg)
-    threads = TailThreads(torch.get_num_threads(), tail_threads(cfg, torch.get_num_threads()))
-    release = WorkRelease(cfg, dataset, end)
-    writer = BoundaryWriter(background=learner.ctx.world_size == 1)
+    run = Run.start(cfg, learner, source, dataset, store, files, tracker, end)
     history: list[dict] = []
-    rejected_total = 0
-
-    async def open_iteration(u: int) -> tuple[Timer, bool, IterationPlan]:
-        """Weights u made available and u's prompts asked for: the workers start on u from here.
-        Returns u's timer (started now), whether the weights were pushed, and u's plan."""
-        timer = Timer()
-        sync_seconds, pushed = await source.begin_iteration(u)
-        timer.add("sync", sync_seconds)
-        plan, first = IterationPlan.for_iteration(cfg, dataset, u)
-        plan = release.plans.pop(u, plan)  # released ahead: it may have asked for prompts again already
-        if release.released < u:  # bounded mode may have released it during an earlier iteration
-            await source.request(first)
-            release.mark(u)
-        await source.request(release.ahead(u))
-        return timer, pushed, plan
-
-    opened = None  # the next iteration, once opened at the end of the one before
-    for v in range(start, end):
-        timer, pushed, plan = opened or await open_iteration(v)
-        opened = None
-        queue_depth = float(await source.queue_depth())
-        updates = IterationUpdates(learner, cfg, v)
-        records: list[dict] = []  # groups.jsonl, written with the iteration's boundary
-        rejected = 0
-        waited_since = time.time()
-        # One receive and one training call may be in flight at once (one rank, groups from a queue): the
-        # groups that arrive while the learner trains are taken then, and go into its next call at once.
-        overlap = learner.ctx.world_size == 1 and source.receives_while_training
-        receiving: asyncio.Task | None = None
-        training: asyncio.Task | None = None
-        batch: list[Group] = []  # admitted, not yet handed to the learner
-        trained = 0
-
-        try:
-            while not plan.complete or batch or training is not None:
-                if training is None and batch:
-                    if plan.complete:  # every group is in: periodic workers now wait for v+1, their cores are free
-                        await threads.widen()
-                    training = asyncio.ensure_future(train_arrivals(updates, batch, v, timer, records))
-                    trained += len(batch)
-                    batch = []
-                    if not overlap:
-                        await training
-                if training is not None and training.done():
-                    training.result()
-                    training = None
-                    if main:
-                        log.info("iteration %d: %d/%d groups trained", v, trained, len(plan.expected))
-                    continue
-                if receiving is None and not plan.complete:
-                    receiving = asyncio.ensure_future(source.receive(v, plan.missing, timeout=1.0))
-                waiting = time.perf_counter()
-                await asyncio.wait([t for t in (receiving, training) if t is not None], return_when=asyncio.FIRST_COMPLETED)
-                if training is None:
-                    timer.add("idle", time.perf_counter() - waiting)
-                if receiving is None or not receiving.done():
-                    continue
-                arrivals, receiving = receiving.result(), None
-                timer.add("idle", -arrivals.generating_seconds)
-                rejected += arrivals.rejected
-                # before the wait below: a fetch may bring only rejected messages (or, in bounded mode, groups of later iterations)
-                keys = arrivals.rejected_keys + arrivals.abandoned_keys
-                reissues = reissue_rejected({**release.plans, v: plan}, keys, cfg.transport.max_deliver)
-                if reissues:
-                    log.warning(
-                        "iteration %d: asking again for %d prompt(s) whose group was rejected or whose worker went silent (iteration, prompt): %s",
-                        *(v, len(reissues), [(w.iteration, w.prompt_id) for w, _ in reissues]),
-                    )
-                    await source.reissue(reissues)
-                if not arrivals.groups:
-                    if time.time() - waited_since > cfg.trainer.group_timeout_seconds:
-                        generators = await source.describe_generators()
-                        raise TimeoutError(
-                            f"iteration {v}: no group arrived for {cfg.trainer.group_timeout_seconds:.0f}s "
-                            f"({len(plan.received)}/{len(plan.expected)} in): are the rollout workers alive? see logs/"
-                            + (f". {generators}" if generators else "")
-                        )
-                    continue
-                waited_since = time.time()
-                replacements = []
-                for group in arrivals.groups:
-                    verdict = plan.admit(group, allowed)
-                    if isinstance(verdict, WorkItem):
-                        replacements.append(verdict)
-                    elif verdict:
-                        batch.append(group)
-                await source.request(replacements)
-        finally:
-            if receiving is not None and not receiving.done():  # the iteration failed: stop pulling for it
-                receiving.cancel()
-        groups = list(plan.received.values())
-        with timer("train"):
-            update = await on_compute_thread(updates.finish)
-        with timer("sync"):
-            await on_compute_thread(publish_weights, store, v + 1, learner)
-        await threads.narrow()  # the workers generate v+1 now
-        if v + 1 < end:  # before the rest of v's boundary (its snapshot, records, logging), which overlaps v+1's start
-            opened = await open_iteration(v + 1)
-        with timer("sync"):
-            tensors = await on_compute_thread(optimizer_snapshot, learner)
-        await writer.make_durable(boundary_write(cfg, files, store, learner.ctx, records, tensors, v + 1), lambda v=v: source.commit(v))
-        if not pushed:  # pushed: the workers' load time is the push, already counted
-            timer.add("sync", max((g.weight_load_seconds for g in groups), default=0.0))
-        rejected_total += rejected
-        extra = {
-            "queue_depth": queue_depth,
-            "groups_discarded": float(plan.discarded),
-            "groups_filtered": float(plan.filtered),
-            "messages_rejected": float(rejected),
-            "messages_rejected_total": float(rejected_total),
-        }
-        metrics = iteration_metrics(v, groups, update, timer, allowed, extra)
-        metrics["reward_errors"] += plan.filtered_reward_errors  # dropped groups' reward errors still count
-        if main:
-            files.metrics.append(metrics)
-            if files.on_iteration:
-                files.on_iteration(metrics)
-            writer.log_metrics(tracker, metrics, v)
-        history.append(metrics)
-    await writer.drain()
+    iteration = await Iteration.open(run, start) if start < end else None
+    while iteration is not None:
+        await iteration.collect()  # every expected group in, each trained as it arrived
+        following = await iteration.close()  # the step, v+1 published and opened, v made durable
+        history.append(run.record(iteration.metrics()))
+        iteration = following
+    await run.writer.drain()
     await source.finish(end)
     return history

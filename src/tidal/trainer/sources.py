@@ -1,10 +1,11 @@
-"""Where the trainer's groups come from. One interface, two sources:
+"""Where the trainer's groups come from. One interface, three sources:
 
 - `QueueSource` (periodic and bounded modes): work items go to the WORK stream, groups come back
   from the ROLLOUTS stream in completion order, decoded and validated; a group is acked only after
   the step and checkpoint of the iteration it was trained in.
 - `InProcessSource` (sync mode): generates the requested items in this process, all cores to it;
   the generate function is injected by the launcher, so the trainer never imports the rollout package.
+- `BroadcastSource` (several trainer ranks): rank 0 receives from the real source and broadcasts.
 """
 
 from __future__ import annotations
@@ -28,12 +29,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Arrivals:
-    """What one `receive` brought: valid groups, plus how many messages were rejected as malformed
-    and how many seconds were spent generating in this process (sync mode: not trainer idle time)."""
+    """What one `receive` brought: valid groups, plus how many messages were rejected as malformed."""
 
     groups: list[Group] = field(default_factory=list)
     rejected: int = 0
-    generating_seconds: float = 0.0
     rejected_keys: list[tuple[int, int]] = field(default_factory=list)  # (iteration, prompt id) of rejected groups, where readable
     abandoned_keys: list[tuple[int, int]] = field(default_factory=list)  # (iteration, prompt id) of items a silent worker held
 
@@ -41,6 +40,8 @@ class Arrivals:
 class GroupSource(Protocol):
     # whether `receive` may run while the learner trains (on the event loop, no collectives, no compute thread)
     receives_while_training: bool
+    # whether `receive` generates the groups in this process (sync mode): waiting on it is work, not trainer idle time
+    generates_on_receive: bool
 
     async def begin_iteration(self, version: int) -> tuple[float, bool]:
         """Makes weights `version` available to the generators; (seconds spent, pushed directly)."""
@@ -70,6 +71,7 @@ class InProcessSource:
     version v into a separate engine (vLLM) before generating, else the engine shares the learner's weights."""
 
     receives_while_training = False  # it generates on the learner's compute thread
+    generates_on_receive = True
 
     def __init__(self, generate: Callable[[list[WorkItem], int], list[Group]], load_weights: Callable[[int], None] | None = None):
         self.generate = generate
@@ -91,9 +93,7 @@ class InProcessSource:
 
     async def receive(self, version: int, wanted: int, timeout: float) -> Arrivals:
         items, self.pending = self.pending, []
-        t0 = time.perf_counter()
-        groups = await on_compute_thread(self.generate, items, version) if items else []
-        return Arrivals(groups=groups, generating_seconds=time.perf_counter() - t0)
+        return Arrivals(groups=await on_compute_thread(self.generate, items, version) if items else [])
 
     async def commit(self, version: int) -> None:
         pass
@@ -109,9 +109,8 @@ class InProcessSource:
 
 
 # A worker publishes an engine call's groups together (all in flight at once); training them in one
-# micro-batch costs far less than a call per group (measured: 12 small train calls took 1.0 s per
-# iteration where 4 took 0.55 s). 3 ms gathers a call's groups (4 train calls per iteration on the
-# example, as with 10 ms) and starts the first sooner: 0.414-0.436 s/iteration against 0.437-0.457 s.
+# micro-batch costs far less than a call per group. A linger of a few milliseconds gathers a call's
+# groups into one training call; a longer one gathers no more and only delays the first call.
 ARRIVAL_LINGER_SECONDS = 0.003
 WORKER_CHECK_SECONDS = 1.0  # how often the workers' heartbeats are read
 
@@ -129,6 +128,7 @@ class QueueSource:
     iteration that trained it, so a trainer that dies gets them all again."""
 
     receives_while_training = True
+    generates_on_receive = False
 
     def __init__(
         self,
@@ -274,6 +274,7 @@ class BroadcastSource:
     group, so every rank decodes the same groups in the same order."""
 
     receives_while_training = False  # its broadcast is a collective: never beside the learner's
+    generates_on_receive = False  # the other ranks wait for rank 0's receive, from the queue
 
     def __init__(self, inner: GroupSource | None, ctx: DistContext):
         if ctx.is_main and inner is None:
@@ -299,7 +300,6 @@ class BroadcastSource:
                 {
                     "groups": [pack(g) for g in arrivals.groups],
                     "rejected": arrivals.rejected,
-                    "generating_seconds": arrivals.generating_seconds,
                     "rejected_keys": [list(k) for k in arrivals.rejected_keys],
                     "abandoned_keys": [list(k) for k in arrivals.abandoned_keys],
                 }
@@ -309,7 +309,7 @@ class BroadcastSource:
             return arrivals
         keys = [tuple(k) for k in data["rejected_keys"]]
         abandoned = [tuple(k) for k in data["abandoned_keys"]]
-        return Arrivals([decode_group(g) for g in data["groups"]], data["rejected"], data["generating_seconds"], keys, abandoned)
+        return Arrivals([decode_group(g) for g in data["groups"]], data["rejected"], keys, abandoned)
 
     async def commit(self, version: int) -> None:
         if self.ctx.is_main:

@@ -4,9 +4,10 @@ deepspeed_strategy.py, loaded only when asked for). The strategy wraps the model
 what differs between layouts (gradient reduction, clipping, gathering full weights, optimizer
 shards); the loss math in `algo/` and the learner's accumulation do not change.
 
-DESIGN §4 divides the summed per-token loss by the *global* token count once, at the step; FSDP
-averages gradients over ranks by default, so every FSDP module is told to sum instead
-(`set_gradient_divide_factor(1.0)`, which gloo accepts only with `set_force_sum_reduction_for_comms`).
+The summed per-token loss is divided by the *global* token count once, at the step (so the update
+equals one process's); FSDP averages gradients over ranks by default, so every FSDP module is told
+to sum instead (`set_gradient_divide_factor(1.0)`, which gloo accepts only with
+`set_force_sum_reduction_for_comms`).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 After the optimizer step the trainer publishes weights v+1 (the workers wait for them), then hands
 the rest of the boundary to one writer thread: groups.jsonl, the optimizer checkpoint (fsynced),
 snapshot retention, and only then the acks of v's groups. So the next iteration generates and
-trains while v is being written, and nothing is acknowledged before its checkpoint is on disk
-(DESIGN §2): a trainer killed before the write is done gets v's groups again and redoes v.
+trains while v is being written, and nothing is acknowledged before its checkpoint is on disk: a
+trainer killed before the write is done gets v's groups again and redoes v.
 MLflow logging has a thread of its own, so a slow tracking server delays neither.
 Jobs run in submission order; a failed one is raised at the next boundary, or at the end.
 
