@@ -19,7 +19,7 @@ from tests.conftest import embedded_nats_url
 from tidal.config import load_config
 from tidal.data import iteration_prompt_order, load_dataset
 from tidal.protocol import Group, Sample, decode_work_item
-from tidal.rundir import RunInfo
+from tidal.rundir import RunDir
 from tidal.transport import NatsUnavailableError, Transport
 
 
@@ -36,9 +36,7 @@ def say(**event) -> None:
 async def attack(run_dir, credentials: dict) -> None:
     cfg = load_config(run_dir / "config.yaml")
     try:
-        transport = await Transport.connect(
-            embedded_nats_url(run_dir), RunInfo.load(run_dir).run_id, cfg.transport, create=False, credentials=credentials
-        )
+        transport = await Transport.connect(embedded_nats_url(run_dir), RunDir(run_dir).run_id, cfg.transport, create=False, credentials=credentials)
     except NatsUnavailableError as err:
         say(refused=str(err))
         return

@@ -62,14 +62,14 @@ def test_assignment_is_token_balanced_and_deterministic():
 def test_a_checkpoint_from_another_world_size_is_refused_clearly(tmp_path, folder):
     from types import SimpleNamespace
 
-    from tidal.rundir import RunFiles
+    from tidal.rundir import RunDir
     from tidal.trainer.checkpoint import resume_version
     from tidal.trainer.distributed import DistContext
 
     (tmp_path / folder).mkdir(parents=True)
     (tmp_path / folder / "state.json").write_text(json.dumps({"next_version": 4, "world_size": 2}))
     with pytest.raises(ValueError, match=r"written by 2 trainer rank\(s\) and this trainer has 1: resume with trainer.ranks=2"):
-        resume_version(RunFiles(tmp_path), SimpleNamespace(ctx=DistContext()), store=None)
+        resume_version(RunDir(tmp_path), SimpleNamespace(ctx=DistContext()), store=None)
 
 
 def deterministic_config(write_config, **extra):

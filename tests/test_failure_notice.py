@@ -73,7 +73,7 @@ def pid_once_holding_work(run_dir, worker_id: str, proc) -> int:
 
     from tests.conftest import embedded_nats_url
     from tidal.config import load_config
-    from tidal.rundir import RunInfo
+    from tidal.rundir import RunDir
     from tidal.transport import Transport
 
     wait_until(lambda: (run_dir / "logs" / f"{worker_id}.pid").is_file() and (run_dir / "nats-token").is_file(), proc)
@@ -81,7 +81,7 @@ def pid_once_holding_work(run_dir, worker_id: str, proc) -> int:
     async def watch() -> int:
         cfg = load_config(run_dir / "config.yaml")
         token = (run_dir / "nats-token").read_text()
-        transport = await Transport.connect(embedded_nats_url(run_dir), RunInfo.load(run_dir).run_id, cfg.transport, False, {"token": token})
+        transport = await Transport.connect(embedded_nats_url(run_dir), RunDir(run_dir).run_id, cfg.transport, False, {"token": token})
         try:
             while proc.poll() is None:
                 held = [r for r in await transport.worker_health() if r["worker_id"] == worker_id and r.get("holding")]

@@ -15,7 +15,7 @@ from tidal.data import load_dataset
 from tidal.model.warm_start import prepare_base_model
 from tidal.protocol import Group, Sample, decode_work_item
 from tidal.roles import build_learner, group_limits
-from tidal.rundir import RunFiles
+from tidal.rundir import RunDir
 from tidal.trainer.loop import train
 from tidal.trainer.sources import QueueSource
 from tidal.transport import Transport
@@ -64,7 +64,7 @@ def test_a_rejected_group_of_an_iteration_released_ahead_is_asked_for_again(tmp_
         worker = asyncio.create_task(play_the_worker(transport))
         try:
             source = QueueSource(transport, group_limits(cfg, learner, transport.max_message_bytes), lambda v: str(store.path(v)))
-            return await train(cfg, learner, source, dataset, store, RunFiles(tmp_path), None)
+            return await train(cfg, learner, source, dataset, store, RunDir(tmp_path), None)
         finally:
             worker.cancel()
             await transport.close()

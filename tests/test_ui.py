@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 
 from tidal import ui
 from tidal.cli import main
-from tidal.rundir import RunInfo
+from tidal.rundir import RunDir, RunInfo
 from tidal.tracking import start_run, tracking_uri
 
 
@@ -17,12 +17,12 @@ def run_dir(tmp_path, tiny_config):
     """A run directory with its run.json and MLflow run, as `tidal run` leaves them (no iterations)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    RunInfo("run-1", "base", tracking_uri(tiny_config, run_dir), start_run(tiny_config, run_dir)).save(run_dir)
+    RunDir(run_dir).save_info(RunInfo("run-1", "base", tracking_uri(tiny_config, run_dir), start_run(tiny_config, run_dir)))
     return run_dir
 
 
 def test_the_run_is_tagged_and_its_experiment_typed_for_the_ui(run_dir):
-    info = RunInfo.load(run_dir)
+    info = RunDir(run_dir).info()
     client = MlflowClient(tracking_uri=info.tracking_uri)
     run = client.get_run(info.mlflow_run_id)
     tags = run.data.tags
@@ -35,7 +35,7 @@ def test_the_run_is_tagged_and_its_experiment_typed_for_the_ui(run_dir):
 
 
 def test_resolve_finds_the_run_page_the_experiment_page_or_the_home_page(run_dir):
-    info = RunInfo.load(run_dir)
+    info = RunDir(run_dir).info()
     target = ui.resolve(str(run_dir), None)
     exp_id = MlflowClient(tracking_uri=info.tracking_uri).get_run(info.mlflow_run_id).info.experiment_id
     assert target.tracking_uri == info.tracking_uri
