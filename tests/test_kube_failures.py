@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from tidal.kube import cluster, core_hooks, roles
-from tidal.kube.pytorchjob import JobOutcome, TrainerJobSpec, build_pytorchjob, check_pytorchjob, pytorchjob_to_dict
+from tidal.kube.pytorchjob import build_pytorchjob, check_pytorchjob, pytorchjob_to_dict
+from tidal.kube.trainer_job import JobOutcome, TrainerJobSpec
 
 # ---------------------------------------------------------------- defect 2: the base model outlives the prepare pod
 

@@ -20,7 +20,7 @@ from tests.test_kube_manifests import build_overlay, by_kind
 from tidal.config import TransportConfig, load_config
 from tidal.kube import cluster, core_hooks
 from tidal.kube.pipeline import compile_pipeline
-from tidal.kube.pytorchjob import secret_env
+from tidal.kube.trainer_job import secret_env
 from tidal.protocol import Group, KVKey, RunState, Sample, WorkItem, decode_group, decode_work_item
 from tidal.transport import NatsPermissionError, NatsUnavailableError, Transport, delete_run, permission_violations, stream_names, weight_handshake
 from tidal.transport.health import WorkerHealth

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from tidal.kube import cluster, roles
-from tidal.kube.pytorchjob import TrainerJobFailed, TrainerJobSpec, build_pytorchjob, pytorchjob_to_dict, run_trainer_job
+from tidal.kube.pytorchjob import build_pytorchjob, pytorchjob_to_dict
+from tidal.kube.trainer_job import TrainerJobFailed, TrainerJobSpec, run_trainer_job
 from tidal.kube.trainjob import RUNTIME, TrainJobBackend, TrainJobRejected, build_trainjob, check_trainjob
 
 

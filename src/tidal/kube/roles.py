@@ -588,7 +588,7 @@ def record_run_failed(run_dir: str, config_path: str, round_index: int, reason: 
 
 
 def train_round_as_job(run_dir: str, config_path: str, round_index: int, iterations: int, placement: TrainerPlacement, job_backend=None) -> None:
-    from tidal.kube.pytorchjob import TrainerJobSpec, run_trainer_job
+    from tidal.kube.trainer_job import TrainerJobSpec, run_trainer_job
 
     pod = launcher_pod()
     spec = TrainerJobSpec(
