@@ -96,20 +96,22 @@ def test_the_pipeline_stages_an_image_config_with_its_data_paths_from_the_image(
     from pathlib import Path
 
     from tidal.config import load_config
-    from tidal.kube.roles import STATE_DIR, stage_config
+    from tidal.kube.staging import stage_config
+    from tidal.kube.step_records import StepRecords
+    from tidal.rundir import RunDir
 
     example = Path(__file__).resolve().parents[1] / "examples" / "gsm8k.yaml"
-    (tmp_path / STATE_DIR).mkdir()
     offline = [  # the hub is out of reach here: the built-in tiny model, with a context that fits GSM8K's prompts
         "model.name_or_path=null",
         "model.tiny.max_position_embeddings=4096",
         "data.chat_template=false",
         "rollout.engine=hf",
     ]
-    staged = load_config(stage_config(str(tmp_path), "", str(example), ["trainer.iterations=2", *offline]))
+    run = RunDir(tmp_path)
+    staged = load_config(stage_config(run, "", str(example), ["trainer.iterations=2", *offline]))
     assert staged.data.path == str(example.parent / "data" / "gsm8k" / "train.jsonl")
     assert staged.trainer.iterations == 2
-    assert (tmp_path / STATE_DIR / "submitted-config.yaml").read_text() == example.read_text()
+    assert StepRecords(run).submitted_config.read_text() == example.read_text()
 
 
 def test_training_changes_name_what_would_change_training_and_nothing_else(tiny_config_dict):

@@ -17,8 +17,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tidal.kube import cluster, core_hooks, roles
-from tidal.kube.pytorchjob import JobOutcome, TrainerJobSpec, build_pytorchjob, check_pytorchjob, pytorchjob_to_dict
+from tidal.kube import cluster, core_hooks, parent_run, steps, trainer_launch
+from tidal.kube.pod_sandbox import pod_sandbox
+from tidal.kube.pytorchjob import build_pytorchjob, check_pytorchjob, pytorchjob_to_dict
+from tidal.kube.step_records import PipelineStepError, StepRecords
+from tidal.kube.trainer_job import JobOutcome, TrainerJobSpec
+from tidal.rundir import RunDir
 
 # ---------------------------------------------------------------- defect 2: the base model outlives the prepare pod
 
@@ -35,16 +39,16 @@ def test_staged_base_model_is_readable_from_another_pods_home(tmp_path, tiny_con
     monkeypatch.setattr(core_hooks, "_create_transport", _no_transport)  # no NATS needed for staging
     monkeypatch.delenv("TIDAL_CACHE", raising=False)
 
-    with roles.pod_sandbox("prepare", tmp_path / "pods") as prepare_pod:
+    with pod_sandbox("prepare", tmp_path / "pods") as prepare_pod:
         assert Path.home() == prepare_pod / "home"
-        core_hooks.prepare_run(str(run_dir), str(config_path), "sqlite:///x.db", "mlflow-run")
+        core_hooks.prepare_run(RunDir(run_dir), str(config_path), "sqlite:///x.db", "mlflow-run")
         cache = Path(os.environ["TIDAL_CACHE"])
         assert any(cache.rglob("config.json"))  # the warm start was built in this pod's cache ...
     assert not prepare_pod.exists()  # ... which is gone with the pod
 
     base_model = json.loads((run_dir / "run.json").read_text())["base_model"]
     assert base_model == str(run_dir.resolve() / "base-model")
-    with roles.pod_sandbox("rollout-worker", tmp_path / "pods"):
+    with pod_sandbox("rollout-worker", tmp_path / "pods"):
         model, tokenizer = load_model_and_tokenizer(base_model, "float32")
         assert model is not None and tokenizer is not None
 
@@ -59,19 +63,19 @@ def test_stage_base_model_copies_local_dirs_keeps_shared_ones_and_hub_ids(tmp_pa
     (model / "config.json").write_text("{}")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    staged = core_hooks.stage_base_model(model, str(run_dir))
+    staged = core_hooks.stage_base_model(model, RunDir(run_dir))
     assert staged == str(run_dir / "base-model") and (run_dir / "base-model" / "config.json").is_file()
-    assert core_hooks.stage_base_model(model, str(run_dir)) == staged  # a retried prepare finds it
-    assert core_hooks.stage_base_model("Qwen/Qwen2.5-0.5B-Instruct", str(run_dir)) == "Qwen/Qwen2.5-0.5B-Instruct"
-    assert core_hooks.stage_base_model(model, str(run_dir), shared_roots=(str(tmp_path / "home"),)) == str(model)
+    assert core_hooks.stage_base_model(model, RunDir(run_dir)) == staged  # a retried prepare finds it
+    assert core_hooks.stage_base_model("Qwen/Qwen2.5-0.5B-Instruct", RunDir(run_dir)) == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert core_hooks.stage_base_model(model, RunDir(run_dir), shared_roots=(str(tmp_path / "home"),)) == str(model)
     assert not list(run_dir.glob(".base-model.tmp-*"))
 
 
 def test_pod_sandbox_gives_each_step_its_own_home_cache_and_cwd(tmp_path):
     before = (os.environ.get("HOME"), os.environ.get("TIDAL_CACHE"), os.getcwd())
-    with roles.pod_sandbox("a", tmp_path) as a:
+    with pod_sandbox("a", tmp_path) as a:
         seen_a = (os.environ["HOME"], os.environ["TIDAL_CACHE"], os.getcwd())
-    with roles.pod_sandbox("b", tmp_path) as b:
+    with pod_sandbox("b", tmp_path) as b:
         seen_b = (os.environ["HOME"], os.environ["TIDAL_CACHE"], os.getcwd())
     assert a != b and not a.exists() and not b.exists()
     assert all(x != y for x, y in zip(seen_a, seen_b, strict=True))
@@ -125,12 +129,12 @@ def pipeline_run(tmp_path, nats_server, tiny_config_dict):
     run_dir.mkdir(parents=True)
     config_path = run_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    core_hooks.open_round(str(run_dir), str(config_path), 0)
-    assert core_hooks.read_run_state(str(run_dir), str(config_path)) == "running"
+    core_hooks.open_round(RunDir(run_dir), str(config_path), 0)
+    assert core_hooks.read_run_state(RunDir(run_dir), str(config_path)) == "running"
     return str(run_dir), str(config_path)
 
 
-PLACEMENT = roles.TrainerPlacement(backend="pytorchjob", accelerator="nvidia", namespace="team-a", pipeline_job_id="job-7", deadline_s=3600)
+PLACEMENT = trainer_launch.TrainerPlacement(backend="pytorchjob", accelerator="nvidia", namespace="team-a", pipeline_job_id="job-7", deadline_s=3600)
 
 FAILURES = {
     # where it fails: (what the job's object sees, whether the job was created and so must be deleted)
@@ -148,8 +152,8 @@ def test_a_trainer_that_fails_marks_the_run_failed_and_is_deleted_with_a_stand_i
     backend = StandInBackend(fail_at=fail_at, message=FAILURES[fail_at][0])
     handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises((RuntimeError, TimeoutError)):
-        roles.train_round(run_dir, config_path, 0, 2, PLACEMENT, job_backend=backend)
-    assert core_hooks.read_run_state(run_dir, config_path) == "failed"
+        trainer_launch.train_round(run_dir, config_path, 0, 2, PLACEMENT, job_backend=backend)
+    assert core_hooks.read_run_state(RunDir(run_dir), config_path) == "failed"
     deleted = [c for c in backend.calls if c[0] == "delete"]
     assert deleted == ([("delete", backend.specs[0].name)] if FAILURES[fail_at][1] else [])
     assert signal.getsignal(signal.SIGTERM) == handler  # the step's SIGTERM handling is undone
@@ -158,12 +162,12 @@ def test_a_trainer_that_fails_marks_the_run_failed_and_is_deleted_with_a_stand_i
 def test_a_trainer_refused_before_any_job_exists_marks_the_run_failed_with_a_stand_in_backend(pipeline_run):
     run_dir, config_path = pipeline_run
     backend = StandInBackend()
-    with pytest.raises(roles.PipelineStepError, match="trainer_backend must be one of local, trainjob, pytorchjob"):
-        roles.train_round(run_dir, config_path, 0, 2, roles.TrainerPlacement(backend="mpijob"), job_backend=backend)
-    bad_shape = roles.TrainerPlacement(backend="pytorchjob", accelerator="nvidia", nodes=0)
+    with pytest.raises(PipelineStepError, match="trainer_backend must be one of local, trainjob, pytorchjob"):
+        trainer_launch.train_round(run_dir, config_path, 0, 2, trainer_launch.TrainerPlacement(backend="mpijob"), job_backend=backend)
+    bad_shape = trainer_launch.TrainerPlacement(backend="pytorchjob", accelerator="nvidia", nodes=0)
     with pytest.raises(ValueError, match="trainer nodes must be at least 1"):
-        roles.train_round(run_dir, config_path, 0, 2, bad_shape, job_backend=backend)
-    assert core_hooks.read_run_state(run_dir, config_path) == "failed"
+        trainer_launch.train_round(run_dir, config_path, 0, 2, bad_shape, job_backend=backend)
+    assert core_hooks.read_run_state(RunDir(run_dir), config_path) == "failed"
     assert [c[0] for c in backend.calls] == ["submit"]  # refused while building: nothing to delete
 
 
@@ -174,10 +178,10 @@ def test_a_trainer_that_never_starts_stops_the_rounds_workers_in_bounded_time_wi
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         with pytest.raises(TimeoutError):
-            roles.train_round(run_dir, config_path, 0, 2, PLACEMENT, job_backend=StandInBackend(fail_at="start", message="Pending"))
+            trainer_launch.train_round(run_dir, config_path, 0, 2, PLACEMENT, job_backend=StandInBackend(fail_at="start", message="Pending"))
         started = time.monotonic()
-        with pytest.raises(roles.PipelineStepError, match="trainer marked the run as failed"):
-            roles.supervise_worker(worker, lambda: roles.run_state(run_dir, config_path), poll_s=0.1, grace_s=1)
+        with pytest.raises(PipelineStepError, match="trainer marked the run as failed"):
+            steps.supervise_worker(worker, lambda: steps.run_state(RunDir(run_dir), config_path), poll_s=0.1, grace_s=1)
         assert time.monotonic() - started < 10
         assert worker.wait(10) is not None
     finally:
@@ -195,11 +199,11 @@ def test_job_gets_the_deadline_owner_and_a_per_attempt_name_with_a_stand_in_back
         monkeypatch.setenv("TIDAL_POD_NAME", "tidal-grpo-xyz-train-123")
         monkeypatch.setenv("TIDAL_POD_UID", uid)
         backend = StandInBackend()
-        roles.train_round(run_dir, config_path, 3, 2, PLACEMENT, job_backend=backend)
+        trainer_launch.train_round(run_dir, config_path, 3, 2, PLACEMENT, job_backend=backend)
         (spec,) = backend.specs
         manifest = pytorchjob_to_dict(build_pytorchjob(spec))
         assert manifest["spec"]["runPolicy"]["activeDeadlineSeconds"] == 3600
-        assert backend.calls[-1] == ("wait", spec.name, 3600 + roles.DEADLINE_MARGIN_S)
+        assert backend.calls[-1] == ("wait", spec.name, 3600 + trainer_launch.DEADLINE_MARGIN_S)
         (owner,) = manifest["metadata"]["ownerReferences"]
         assert owner == {
             "apiVersion": "v1",
@@ -212,15 +216,15 @@ def test_job_gets_the_deadline_owner_and_a_per_attempt_name_with_a_stand_in_back
         assert manifest["metadata"]["namespace"] == "team-a"
         names.append(spec.name)
     assert names[0] != names[1] and all(n.startswith("tidal-job-7-r003-") for n in names)  # a KFP retry gets a new job
-    assert core_hooks.read_run_state(run_dir, config_path) == "running"  # success leaves the state to the trainer
+    assert core_hooks.read_run_state(RunDir(run_dir), config_path) == "running"  # success leaves the state to the trainer
 
 
 def test_job_names_are_unique_per_attempt_and_leave_room_for_service_names():
     long_run = "3F2A_very-long-pipeline-job-id-" + "x" * 80
-    name = roles.trainer_job_name(long_run, 12, "a93b7")
-    assert len(name) <= roles.MAX_JOB_NAME and name.endswith("-r012-a93b7")
+    name = trainer_launch.trainer_job_name(long_run, 12, "a93b7")
+    assert len(name) <= trainer_launch.MAX_JOB_NAME and name.endswith("-r012-a93b7")
     assert len(f"{name}-worker-999") <= 63  # the operator's per-replica Service names are DNS-1035 labels
-    random_names = {roles.trainer_job_name("run", 0, roles.attempt_suffix(None)) for _ in range(5)}
+    random_names = {trainer_launch.trainer_job_name("run", 0, trainer_launch.attempt_suffix(None)) for _ in range(5)}
     assert len(random_names) == 5  # no downward API: a random suffix per attempt
     check_pytorchjob(pytorchjob_to_dict(build_pytorchjob(_spec(name=name))))
 
@@ -232,7 +236,7 @@ def test_train_step_gets_its_pod_name_and_uid_from_the_downward_api(tmp_path):
     spec, platform = yaml.safe_load_all(path.read_text())
     fields = {e["name"]: e["fieldPath"] for e in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-train"]["fieldPathAsEnv"]}
     assert fields == {"TIDAL_POD_NAME": "metadata.name", "TIDAL_POD_UID": "metadata.uid"}
-    assert set(roles.POD_NAME_ENV) >= {"TIDAL_POD_NAME"} and set(roles.POD_UID_ENV) >= {"TIDAL_POD_UID"}
+    assert set(trainer_launch.POD_NAME_ENV) >= {"TIDAL_POD_NAME"} and set(trainer_launch.POD_UID_ENV) >= {"TIDAL_POD_UID"}
     parameters = spec["root"]["inputDefinitions"]["parameters"]
     assert parameters["trainer_deadline_s"]["defaultValue"] == 24 * 3600
     assert parameters["trainer_start_timeout_s"]["defaultValue"] == 3600
@@ -241,8 +245,8 @@ def test_train_step_gets_its_pod_name_and_uid_from_the_downward_api(tmp_path):
 def test_trainer_requests_come_from_pipeline_parameters_with_a_stand_in_backend(pipeline_run):
     run_dir, config_path = pipeline_run
     backend = StandInBackend()
-    placement = roles.TrainerPlacement(backend="pytorchjob", accelerator="nvidia", namespace="team-a", cpu="30", memory="200Gi")
-    roles.train_round(run_dir, config_path, 0, 2, placement, job_backend=backend)
+    placement = trainer_launch.TrainerPlacement(backend="pytorchjob", accelerator="nvidia", namespace="team-a", cpu="30", memory="200Gi")
+    trainer_launch.train_round(run_dir, config_path, 0, 2, placement, job_backend=backend)
     manifest = pytorchjob_to_dict(build_pytorchjob(backend.specs[0]))
     requests = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["resources"]["requests"]
     assert (requests["cpu"], requests["memory"]) == ("30", "200Gi")
@@ -301,7 +305,7 @@ def prepared_run(pipeline_run, tmp_path, monkeypatch):
     """``pipeline_run`` with the MLflow parent run that prepare opens (in a sqlite store)."""
     run_dir, config_path = pipeline_run
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    parent_run_id, _ = roles.open_parent_run(run_dir, config_path)
+    parent_run_id = parent_run.open_parent_run(RunDir(run_dir), config_path).run_id
     return run_dir, config_path, parent_run_id
 
 
@@ -309,8 +313,8 @@ def prepared_run(pipeline_run, tmp_path, monkeypatch):
 def finished_pipeline_run(prepared_run):
     """A run as the rounds leave it: streams and KV bucket, an open MLflow parent run, two recorded trainer jobs."""
     run_dir, config_path, parent_run_id = prepared_run
-    roles.record_trainer_job(run_dir, "team-a", "tidal-run-7-r000-aaaaa", 0)  # finished and deleted by its TTL
-    roles.record_trainer_job(run_dir, "team-a", "tidal-run-7-r001-bbbbb", 1)  # orphaned: its launcher pod was killed
+    trainer_launch.record_trainer_job(RunDir(run_dir), "team-a", "tidal-run-7-r000-aaaaa", 0)  # finished and deleted by its TTL
+    trainer_launch.record_trainer_job(RunDir(run_dir), "team-a", "tidal-run-7-r001-bbbbb", 1)  # orphaned: its launcher pod was killed
     return run_dir, config_path, parent_run_id
 
 
@@ -341,16 +345,17 @@ def test_finalize_deletes_streams_kv_and_leftover_jobs_and_ends_the_mlflow_run_w
 
     run_dir, config_path, parent_run_id = finished_pipeline_run
     if registered:  # register_model, the run's last step, got to the end
-        roles.write_json_atomically(roles.state_dir(run_dir) / roles.REGISTERED_FILE, {"version": "1"})
+        records = StepRecords(RunDir(run_dir))
+        records.write(records.registered, {"version": "1"})
     assert len(stream_names_on_server(run_dir, config_path)) == 3  # WORK, ROLLOUTS, the KV bucket's stream
     api = StandInJobApi(existing={"tidal-run-7-r001-bbbbb"})
-    done = roles.finalize_run(run_dir, "", job_backend=api)
+    done = steps.finalize_run(run_dir, "", job_backend=api)
     assert api.deleted == [("team-a", "tidal-run-7-r001-bbbbb")]  # the one already gone (404) is no error
     assert stream_names_on_server(run_dir, config_path) == []
     assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(parent_run_id).info.status == mlflow_status
     assert any(line.startswith("deleted KV bucket") for line in done)
     assert Path(config_path).is_file()  # the run directory (config, weights, checkpoints) is the run's result: untouched
-    again = roles.finalize_run(run_dir, "", job_backend=api)  # a retried finalize
+    again = steps.finalize_run(run_dir, "", job_backend=api)  # a retried finalize
     assert not [line for line in again if line.startswith("deleted")]
 
 
@@ -358,8 +363,8 @@ def test_finalize_does_every_part_and_then_fails_naming_the_one_that_failed_with
     from mlflow.tracking import MlflowClient
 
     run_dir, config_path, parent_run_id = finished_pipeline_run
-    with pytest.raises(roles.PipelineStepError, match="deleting trainer jobs: RuntimeError: Failed to delete PyTorchJob"):
-        roles.finalize_run(run_dir, "", job_backend=StandInJobApi(existing={"tidal-run-7-r001-bbbbb"}, forbidden=True))
+    with pytest.raises(PipelineStepError, match="deleting trainer jobs: RuntimeError: Failed to delete PyTorchJob"):
+        steps.finalize_run(run_dir, "", job_backend=StandInJobApi(existing={"tidal-run-7-r001-bbbbb"}, forbidden=True))
     assert stream_names_on_server(run_dir, config_path) == []
     assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(parent_run_id).info.status == "FAILED"
 
@@ -367,15 +372,15 @@ def test_finalize_does_every_part_and_then_fails_naming_the_one_that_failed_with
 def test_finalize_after_a_prepare_that_created_nothing_succeeds(tmp_path):
     run_dir = tmp_path / "runs" / "job-1"
     run_dir.mkdir(parents=True)
-    assert roles.finalize_run(str(run_dir), "") == []
+    assert steps.finalize_run(str(run_dir), "") == []
 
 
 def test_the_launcher_records_each_job_before_creating_it_with_a_stand_in_backend(pipeline_run):
     run_dir, config_path = pipeline_run
     backend = StandInBackend(fail_at="submit")
     with pytest.raises(RuntimeError):
-        roles.train_round(run_dir, config_path, 2, 1, PLACEMENT, job_backend=backend)
-    assert roles.recorded_trainer_jobs(run_dir) == [("team-a", backend.specs[0].name)]
+        trainer_launch.train_round(run_dir, config_path, 2, 1, PLACEMENT, job_backend=backend)
+    assert trainer_launch.recorded_trainer_jobs(RunDir(run_dir)) == [("team-a", backend.specs[0].name)]
 
 
 # ---------------------------------------------------------------- defect 13: one round at a time
@@ -383,17 +388,17 @@ def test_the_launcher_records_each_job_before_creating_it_with_a_stand_in_backen
 
 def test_rounds_take_the_lease_in_order_and_a_retried_step_is_let_through(prepared_run):
     run_dir, config_path, _ = prepared_run
-    assert core_hooks.reset_rounds(run_dir, config_path, "job-a") is None
-    roles.open_round(run_dir, config_path, 0, "job-a")
-    roles.open_round(run_dir, config_path, 0, "job-a")  # a KFP retry of open_round
-    with pytest.raises(roles.PipelineStepError, match=r"round 1 cannot start: round 0 of this run is open\. .*KFP backends honour from 2\.4\.0"):
-        roles.open_round(run_dir, config_path, 1, "job-a")
-    core_hooks.end_round(run_dir, config_path, "job-a", 0)
-    core_hooks.end_round(run_dir, config_path, "job-a", 0)  # a KFP retry of evaluate
-    roles.open_round(run_dir, config_path, 1, "job-a")
-    with pytest.raises(roles.PipelineStepError, match="round 3 cannot start: round 1 of this run is open"):
-        roles.open_round(run_dir, config_path, 3, "job-a")
-    assert core_hooks.read_run_state(run_dir, config_path) == "running"
+    assert core_hooks.reset_rounds(RunDir(run_dir), config_path, "job-a") is None
+    steps.open_round(run_dir, config_path, 0, "job-a")
+    steps.open_round(run_dir, config_path, 0, "job-a")  # a KFP retry of open_round
+    with pytest.raises(PipelineStepError, match=r"round 1 cannot start: round 0 of this run is open\. .*KFP backends honour from 2\.4\.0"):
+        steps.open_round(run_dir, config_path, 1, "job-a")
+    core_hooks.end_round(RunDir(run_dir), config_path, "job-a", 0)
+    core_hooks.end_round(RunDir(run_dir), config_path, "job-a", 0)  # a KFP retry of evaluate
+    steps.open_round(run_dir, config_path, 1, "job-a")
+    with pytest.raises(PipelineStepError, match="round 3 cannot start: round 1 of this run is open"):
+        steps.open_round(run_dir, config_path, 3, "job-a")
+    assert core_hooks.read_run_state(RunDir(run_dir), config_path) == "running"
 
 
 def test_rounds_started_all_at_once_as_by_an_old_kfp_backend_leave_one_running_and_fail_the_others_clearly(prepared_run):
@@ -402,13 +407,13 @@ def test_rounds_started_all_at_once_as_by_an_old_kfp_backend_leave_one_running_a
     from concurrent.futures import ThreadPoolExecutor
 
     run_dir, config_path, _ = prepared_run
-    core_hooks.reset_rounds(run_dir, config_path, "job-b")
+    core_hooks.reset_rounds(RunDir(run_dir), config_path, "job-b")
 
     def start(round_index):
         try:
-            roles.open_round(run_dir, config_path, round_index, "job-b")
+            steps.open_round(run_dir, config_path, round_index, "job-b")
             return "started"
-        except roles.PipelineStepError as err:
+        except PipelineStepError as err:
             return str(err)
 
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -419,10 +424,10 @@ def test_rounds_started_all_at_once_as_by_an_old_kfp_backend_leave_one_running_a
 
 def test_a_second_pipeline_run_on_the_same_run_directory_stops_the_first_at_its_next_round(prepared_run):
     run_dir, config_path, _ = prepared_run
-    core_hooks.reset_rounds(run_dir, config_path, "job-old")
-    roles.open_round(run_dir, config_path, 0, "job-old")
-    warning = core_hooks.reset_rounds(run_dir, config_path, "job-new")  # another run's prepare on the same run_dir
+    core_hooks.reset_rounds(RunDir(run_dir), config_path, "job-old")
+    steps.open_round(run_dir, config_path, 0, "job-old")
+    warning = core_hooks.reset_rounds(RunDir(run_dir), config_path, "job-new")  # another run's prepare on the same run_dir
     assert warning and "pipeline run job-old had round 0 of this run directory open" in warning
     with pytest.raises(core_hooks.RoundSequenceError, match="pipeline run job-new has since taken over this run directory"):
-        core_hooks.end_round(run_dir, config_path, "job-old", 0)
-    roles.open_round(run_dir, config_path, 0, "job-new")
+        core_hooks.end_round(RunDir(run_dir), config_path, "job-old", 0)
+    steps.open_round(run_dir, config_path, 0, "job-new")

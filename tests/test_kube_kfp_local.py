@@ -61,6 +61,7 @@ def test_tidal_run_via_kfp_local_two_rounds(tmp_path):
     client = MlflowClient(tracking_uri=state["tracking_uri"])
     parent = client.get_run(state["parent_run_id"])
     assert parent.info.status == "FINISHED"
+    assert client.get_experiment(parent.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     assert [m.step for m in client.get_metric_history(parent.info.run_id, "eval/accuracy")] == [0, 1]
     assert [m.value for m in client.get_metric_history(parent.info.run_id, "round/policy_version")] == [1.0, 2.0]
     (model,) = client.search_registered_models(filter_string="name = 'tidal-run'")

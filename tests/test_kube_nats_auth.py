@@ -20,8 +20,9 @@ from tests.test_kube_manifests import build_overlay, by_kind
 from tidal.config import TransportConfig, load_config
 from tidal.kube import cluster, core_hooks
 from tidal.kube.pipeline import compile_pipeline
-from tidal.kube.pytorchjob import secret_env
+from tidal.kube.trainer_job import secret_env
 from tidal.protocol import Group, KVKey, RunState, Sample, WorkItem, decode_group, decode_work_item
+from tidal.rundir import RunDir
 from tidal.transport import NatsPermissionError, NatsUnavailableError, Transport, delete_run, permission_violations, stream_names, weight_handshake
 from tidal.transport.health import WorkerHealth
 from tidal.transport.server import TOKEN_ENV, free_port, nats_server_binary
@@ -175,16 +176,16 @@ async def eventually(check, timeout: float = 5.0):
 def test_each_role_can_do_its_part_of_a_round_on_the_clusters_nats(server, compiled_env, monkeypatch, tmp_path):
     """prepare/open_round (control) → trainer publishes policy and work → a worker pulls, keeps, answers and acks →
     the trainer consumes the group → the launcher marks the run failed → finalize deletes the run."""
-    run_dir = str(tmp_path / RUN)
+    run = RunDir(tmp_path / RUN)
     config = config_file(tmp_path, server.url)
     cfg = TransportConfig(nats_url=server.url, ack_wait_seconds=5.0)
 
     as_pod(monkeypatch, server, role_env(compiled_env, "exec-prepare"))
-    asyncio.run(core_hooks._create_transport(load_config(config), run_dir))  # what prepare_run does after staging the model
-    assert core_hooks.reset_rounds(run_dir, config, "job-1") is None
+    asyncio.run(core_hooks._create_transport(load_config(config), run))  # what prepare_run does after staging the model
+    assert core_hooks.reset_rounds(run, config, "job-1") is None
     as_pod(monkeypatch, server, role_env(compiled_env, "exec-open-round"))
-    core_hooks.begin_round(run_dir, config, "job-1", 0)
-    core_hooks.open_round(run_dir, config, 0)
+    core_hooks.begin_round(run, config, "job-1", 0)
+    core_hooks.open_round(run, config, 0)
 
     as_pod(monkeypatch, server, trainer_job_env())
 
@@ -200,7 +201,7 @@ def test_each_role_can_do_its_part_of_a_round_on_the_clusters_nats(server, compi
     assert asyncio.run(trainer_starts()) == 3
 
     as_pod(monkeypatch, server, role_env(compiled_env, "exec-rollout-worker"))
-    assert core_hooks.read_run_state(run_dir, config) == RunState.RUNNING.value  # the worker step's supervisor
+    assert core_hooks.read_run_state(run, config) == RunState.RUNNING.value  # the worker step's supervisor
 
     async def worker_answers():
         t = await Transport.connect(server.url, RUN, cfg, create=False)
@@ -241,12 +242,12 @@ def test_each_role_can_do_its_part_of_a_round_on_the_clusters_nats(server, compi
     assert asyncio.run(trainer_consumes()) == answered
 
     as_pod(monkeypatch, server, role_env(compiled_env, executor_of_role(compiled_env, "control", ("exec-train", "exec-train-2"))))
-    core_hooks.mark_run_failed(run_dir, config, 0)  # the launcher of a failed trainer job
+    core_hooks.mark_run_failed(run, config, 0)  # the launcher of a failed trainer job
     as_pod(monkeypatch, server, role_env(compiled_env, "exec-evaluate"))
-    assert core_hooks.read_run_state(run_dir, config) == RunState.FAILED.value
-    core_hooks.end_round(run_dir, config, "job-1", 0)
+    assert core_hooks.read_run_state(run, config) == RunState.FAILED.value
+    core_hooks.end_round(run, config, "job-1", 0)
     as_pod(monkeypatch, server, role_env(compiled_env, "exec-finalize"))
-    assert sorted(core_hooks.delete_run_transport(run_dir, config)) == sorted(
+    assert sorted(core_hooks.delete_run_transport(run, config)) == sorted(
         [
             f"stream {stream_names(RUN)['work_stream']}",
             f"stream {stream_names(RUN)['rollouts_stream']}",

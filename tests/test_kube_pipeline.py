@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tidal.kube import cluster, roles
+from tidal import tracking
+from tidal.kube import cluster, parent_run, staging, steps, trainer_launch
 from tidal.kube.ir_check import driver_resolution_violations
 from tidal.kube.kfp_local import KfpLocalError, split_loop_overrides
+from tidal.kube.step_records import PipelineStepError, StepRecords
 from tidal.kube.submit import SubmitError, parse_params, submit_run
+from tidal.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,24 +176,24 @@ def test_submit_rejects_a_bad_config_before_contacting_the_server(tmp_path):
 
 
 def test_pipeline_knobs_become_config_overrides():
-    knobs = roles.PipelineKnobs(
+    knobs = staging.PipelineKnobs(
         rounds=3, iterations_per_round=4, rollout_workers=2, group_size=0, mode="sync", overrides="# comment\nseed=7; rollout.max_new_tokens=5\n"
     )
     assert knobs.config_overrides() == ["trainer.iterations=12", "rollout.workers=2", "mode=sync", "seed=7", "rollout.max_new_tokens=5"]
-    with pytest.raises(roles.PipelineStepError, match="must both be at least 1"):
-        roles.PipelineKnobs(rounds=0, iterations_per_round=1, rollout_workers=1).config_overrides()
-    with pytest.raises(roles.PipelineStepError, match="'seed' must look like key=value"):
-        roles.PipelineKnobs(rounds=1, iterations_per_round=1, rollout_workers=1, overrides="seed").config_overrides()
+    with pytest.raises(PipelineStepError, match="must both be at least 1"):
+        staging.PipelineKnobs(rounds=0, iterations_per_round=1, rollout_workers=1).config_overrides()
+    with pytest.raises(PipelineStepError, match="'seed' must look like key=value"):
+        staging.PipelineKnobs(rounds=1, iterations_per_round=1, rollout_workers=1, overrides="seed").config_overrides()
 
 
 def test_lanes_put_the_trainer_first():
-    assert roles.worker_lanes(2) == ["trainer", "rollout-0", "rollout-1"]
-    with pytest.raises(roles.PipelineStepError, match="rollout_workers must be at least 1"):
-        roles.worker_lanes(0)
+    assert steps.worker_lanes(2) == ["trainer", "rollout-0", "rollout-1"]
+    with pytest.raises(PipelineStepError, match="rollout_workers must be at least 1"):
+        steps.worker_lanes(0)
 
 
 def test_trainer_job_names_are_dns_labels():
-    name = roles.trainer_job_name("3F2A_very-long-pipeline-job-id-" + "x" * 80, 12)
+    name = trainer_launch.trainer_job_name("3F2A_very-long-pipeline-job-id-" + "x" * 80, 12)
     assert len(name) <= 63 and name.endswith("-r012") and name.startswith("tidal-3f2a-very")
 
 
@@ -207,19 +210,19 @@ def sleeper(seconds: float, code: int = 0) -> subprocess.Popen:
 
 def test_worker_step_stops_a_worker_that_outlives_its_round():
     process = sleeper(600)
-    roles.supervise_worker(process, lambda: "round_done", poll_s=0.05, grace_s=0.2)
+    steps.supervise_worker(process, lambda: "round_done", poll_s=0.05, grace_s=0.2)
     assert process.poll() is not None
 
 
 def test_worker_step_fails_when_the_worker_crashes_mid_round():
-    with pytest.raises(roles.PipelineStepError, match="exited with status 3 while the run was 'running'"):
-        roles.supervise_worker(sleeper(0, code=3), lambda: "running", poll_s=0.05, grace_s=0.2)
+    with pytest.raises(PipelineStepError, match="exited with status 3 while the run was 'running'"):
+        steps.supervise_worker(sleeper(0, code=3), lambda: "running", poll_s=0.05, grace_s=0.2)
 
 
 def test_worker_step_stops_when_the_trainer_failed():
     process = sleeper(600)
-    with pytest.raises(roles.PipelineStepError, match="trainer marked the run as failed"):
-        roles.supervise_worker(process, lambda: "failed", poll_s=0.05, grace_s=0.2)
+    with pytest.raises(PipelineStepError, match="trainer marked the run as failed"):
+        steps.supervise_worker(process, lambda: "failed", poll_s=0.05, grace_s=0.2)
     process.wait(10)
 
 
@@ -366,25 +369,25 @@ def test_submit_refuses_a_relative_data_path_the_pods_cannot_read(tmp_path):
 
 def test_prepare_refuses_relative_data_paths_in_config_text_and_missing_data_files(tmp_path):
     (tmp_path / "kube").mkdir()
-    with pytest.raises(roles.PipelineStepError, match=r"config_yaml has relative data paths \(data.path: 'data/train.jsonl'\)"):
-        roles.stage_config(str(tmp_path), "data: {task: jsonl, path: data/train.jsonl}\n", "", [])
-    with pytest.raises(roles.PipelineStepError, match="data files not found in the pipeline's pods: data.path=/nowhere/train.jsonl"):
-        roles.stage_config(str(tmp_path), "data: {task: jsonl, path: /nowhere/train.jsonl}\n", "", [])
+    with pytest.raises(PipelineStepError, match=r"config_yaml has relative data paths \(data.path: 'data/train.jsonl'\)"):
+        staging.stage_config(RunDir(tmp_path), "data: {task: jsonl, path: data/train.jsonl}\n", "", [])
+    with pytest.raises(PipelineStepError, match="data files not found in the pipeline's pods: data.path=/nowhere/train.jsonl"):
+        staging.stage_config(RunDir(tmp_path), "data: {task: jsonl, path: /nowhere/train.jsonl}\n", "", [])
     data = tmp_path / "train.jsonl"
     data.write_text('{"question": "1+1", "answer": "2"}\n')
-    staged = roles.stage_config(str(tmp_path), f"data: {{task: jsonl, path: {data}}}\n", "", [])
+    staged = staging.stage_config(RunDir(tmp_path), f"data: {{task: jsonl, path: {data}}}\n", "", [])
     assert yaml.safe_load(Path(staged).read_text())["data"]["path"] == str(data)
 
 
 def test_prepare_runs_the_checks_tidal_run_runs_before_anything_starts(tmp_path):
     """Bad input in the pipeline: a bad reward name or data row fails the prepare step in one line naming it."""
     (tmp_path / "kube").mkdir()
-    with pytest.raises(roles.PipelineStepError, match=r"reward function 'no_such_module:score': cannot import module 'no_such_module'"):
-        roles.stage_config(str(tmp_path), "reward: {functions: [{name: 'no_such_module:score'}]}\n", "", [])
+    with pytest.raises(PipelineStepError, match=r"reward function 'no_such_module:score': cannot import module 'no_such_module'"):
+        staging.stage_config(RunDir(tmp_path), "reward: {functions: [{name: 'no_such_module:score'}]}\n", "", [])
     data = tmp_path / "train.jsonl"
     data.write_text('{"question": "1+1", "answer": "2"}\n{"question": 3}\n')
-    with pytest.raises(roles.PipelineStepError, match=rf"{data}:2"):
-        roles.stage_config(str(tmp_path), f"data: {{task: jsonl, path: {data}}}\n", "", [])
+    with pytest.raises(PipelineStepError, match=rf"{data}:2"):
+        staging.stage_config(RunDir(tmp_path), f"data: {{task: jsonl, path: {data}}}\n", "", [])
     assert not (tmp_path / "config.yaml").exists()  # nothing staged
 
 
@@ -438,23 +441,27 @@ def test_the_trainer_in_step_gets_the_trainers_resources_and_the_launcher_stays_
 
 
 def test_the_trainer_in_step_uses_every_accelerator_of_its_pod_and_refuses_several_nodes():
-    local = roles.TrainerPlacement(backend="local", accelerator="nvidia", accelerators_per_node=4)
-    command = roles.local_trainer_command("/r/config.yaml", "/r", "nats://n:4222", 5, local)
+    local = trainer_launch.TrainerPlacement(backend="local", accelerator="nvidia", accelerators_per_node=4)
+    command = trainer_launch.local_trainer_command("/r/config.yaml", RunDir("/r"), "nats://n:4222", 5, local)
     assert command[1:4] == ["--standalone", "--nproc-per-node=4", "--no-python"] and command[0].endswith("torchrun")
     assert command[-8:] == ["train", "/r/config.yaml", "--run-dir", "/r", "--nats-url", "nats://n:4222", "--iterations", "5"]
-    one = roles.local_trainer_command("/r/config.yaml", "/r", "nats://n:4222", 5, roles.TrainerPlacement(backend="local", accelerator="cpu"))
+    one = trainer_launch.local_trainer_command(
+        "/r/config.yaml", RunDir("/r"), "nats://n:4222", 5, trainer_launch.TrainerPlacement(backend="local", accelerator="cpu")
+    )
     assert one[0].endswith("tidal") and one[1] == "train"
-    with pytest.raises(roles.PipelineStepError, match="trainer_nodes must be 1 \\(got 2\\)"):
-        roles.local_trainer_command("/r/config.yaml", "/r", "nats://n:4222", 5, roles.TrainerPlacement(backend="local", nodes=2))
+    with pytest.raises(PipelineStepError, match="trainer_nodes must be 1 \\(got 2\\)"):
+        trainer_launch.local_trainer_command(
+            "/r/config.yaml", RunDir("/r"), "nats://n:4222", 5, trainer_launch.TrainerPlacement(backend="local", nodes=2)
+        )
 
 
 def test_a_step_without_a_tracking_uri_fails_naming_the_secret_instead_of_logging_to_a_local_file(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    with pytest.raises(roles.PipelineStepError, match="key 'tracking-uri' of Secret 'tidal-mlflow'"):
-        roles.tracking_uri_for(str(tmp_path), None)
+    with pytest.raises(PipelineStepError, match="key 'tracking-uri' of Secret 'tidal-mlflow'"):
+        parent_run.tracking_uri_for(RunDir(tmp_path), None)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tidal-mlflow:5000")
-    assert roles.tracking_uri_for(str(tmp_path), None) == "http://tidal-mlflow:5000"
-    assert roles.tracking_uri_for(str(tmp_path), "sqlite:///x.db") == "sqlite:///x.db"
+    assert parent_run.tracking_uri_for(RunDir(tmp_path), None) == "http://tidal-mlflow:5000"
+    assert parent_run.tracking_uri_for(RunDir(tmp_path), "sqlite:///x.db") == "sqlite:///x.db"
 
 
 # ---------------------------------------------------------------- finalize, the exit handler
@@ -561,19 +568,24 @@ def test_the_mlflow_run_links_to_its_kfp_run_and_the_final_metrics_are_the_last_
     config_path = run_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(tiny_config_dict))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
-    links = roles.RunLinks(kfp_ui_url="https://kf.example/pipeline/", mlflow_ui_url="https://kf.example/tidal-mlflow")
-    run_id, uri = roles.open_parent_run(str(run_dir), str(config_path), "job-7", links)
-    tags = MlflowClient(uri).get_run(run_id).data.tags
+    links = parent_run.RunLinks(kfp_ui_url="https://kf.example/pipeline/", mlflow_ui_url="https://kf.example/tidal-mlflow")
+    parent = parent_run.open_parent_run(RunDir(run_dir), str(config_path), "job-7", links)
+    client = MlflowClient(parent.tracking_uri)
+    run = client.get_run(parent.run_id)
+    tags = run.data.tags
     assert tags["kfp.run_id"] == "job-7" and tags["kfp.run_url"] == "https://kf.example/pipeline/#/runs/details/job-7"
-    markdown = roles.mlflow_run_markdown(str(run_dir))
-    assert "(https://kf.example/tidal-mlflow/#/experiments/" in markdown and f"/runs/{run_id})" in markdown
+    assert run.data.params["trainer.iterations"] == "3" and "rollout.group_size" in run.data.params  # the config, dotted keys
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the MLflow UI's model-training view
+    assert experiment.artifact_location == (tmp_path.resolve() / "mlartifacts").as_uri()  # beside the store, as for `tidal run`
+    markdown = parent_run.mlflow_run_markdown(str(run_dir))
+    assert f"(https://kf.example/tidal-mlflow/#/experiments/{run.info.experiment_id}/runs/{parent.run_id}?workflowType=machine_learning)" in markdown
 
-    assert roles.final_metrics(str(run_dir), "") == {}
+    assert steps.final_metrics(str(run_dir), "") == {}
+    records = StepRecords(RunDir(run_dir))
     for round_index, accuracy in ((0, 0.25), (1, 0.5)):
-        roles.write_json_atomically(
-            roles.state_dir(str(run_dir)) / f"eval-{round_index:03d}.json", {"round": round_index, "metrics": {"accuracy": accuracy}}
-        )
-    assert roles.final_metrics(str(run_dir), "") == {"final_accuracy": 0.5, "rounds_evaluated": 2.0}
+        records.write(records.eval_file(round_index), {"round": round_index, "metrics": {"accuracy": accuracy}})
+    assert steps.final_metrics(str(run_dir), "") == {"final_accuracy": 0.5, "rounds_evaluated": 2.0}
 
 
 @pytest.mark.parametrize(
@@ -583,15 +595,20 @@ def test_the_mlflow_run_links_to_its_kfp_run_and_the_final_metrics_are_the_last_
             "",
             "https://kubeflow.example.com/tidal/mlflow/",
             "http://tidal-mlflow:5000/tidal/mlflow",
-            "https://kubeflow.example.com/tidal/mlflow/#/experiments/3/runs/abc",
+            "https://kubeflow.example.com/tidal/mlflow/#/experiments/3/runs/abc?workflowType=machine_learning",
         ),
         (
             "https://ml.example/tidal/mlflow",
             "https://kubeflow.example.com/tidal/mlflow/",
             "http://x",
-            "https://ml.example/tidal/mlflow/#/experiments/3/runs/abc",
+            "https://ml.example/tidal/mlflow/#/experiments/3/runs/abc?workflowType=machine_learning",
         ),
-        ("", "", "http://tidal-mlflow:5000/tidal/mlflow", "http://tidal-mlflow:5000/tidal/mlflow/#/experiments/3/runs/abc"),
+        (
+            "",
+            "",
+            "http://tidal-mlflow:5000/tidal/mlflow",
+            "http://tidal-mlflow:5000/tidal/mlflow/#/experiments/3/runs/abc?workflowType=machine_learning",
+        ),
         ("", "", "sqlite:///tmp/m.db", ""),
     ],
 )
@@ -600,5 +617,5 @@ def test_the_mlflow_link_keeps_the_gateway_prefix_and_comes_from_the_parameter_t
 ):
     """Behind the Kubeflow gateway the UI is https://<host>/tidal/mlflow/ and its run pages are fragments of that path."""
     monkeypatch.setenv(cluster.MLFLOW_UI_URL_ENV, secret_ui_url)
-    base = roles.mlflow_ui_base(roles.RunLinks(mlflow_ui_url=parameter), tracking_uri)
-    assert (roles.mlflow_run_url(base, "3", "abc") if base else "") == expected
+    base = parent_run.mlflow_ui_base(parent_run.RunLinks(mlflow_ui_url=parameter), tracking_uri)
+    assert (tracking.run_page_url(base, "3", "abc") if base else "") == expected

@@ -7,15 +7,13 @@ from kubernetes import client as k8s
 
 from tidal.kube import cluster
 from tidal.kube.pytorchjob import (
-    JobOutcome,
     PyTorchJobBackend,
     PyTorchJobRejected,
-    TrainerJobSpec,
     build_pytorchjob,
     check_pytorchjob,
     pytorchjob_to_dict,
-    run_trainer_job,
 )
+from tidal.kube.trainer_job import JobOutcome, TrainerJobSpec, run_trainer_job
 
 
 def make_spec(profile="nvidia", nodes=1, accelerators=8, **extra):

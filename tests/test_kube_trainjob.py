@@ -6,9 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from tidal.kube import cluster, roles
-from tidal.kube.pytorchjob import TrainerJobFailed, TrainerJobSpec, build_pytorchjob, pytorchjob_to_dict, run_trainer_job
+from tidal.kube import cluster, trainer_launch
+from tidal.kube.pytorchjob import build_pytorchjob, pytorchjob_to_dict
+from tidal.kube.trainer_job import TrainerJobFailed, TrainerJobSpec, run_trainer_job
 from tidal.kube.trainjob import RUNTIME, TrainJobBackend, TrainJobRejected, build_trainjob, check_trainjob
+from tidal.rundir import RunDir
 
 
 def make_spec(profile="nvidia", nodes=1, accelerators=8, **extra):
@@ -164,25 +166,29 @@ def test_a_failed_trainjob_is_deleted_and_its_events_named_with_a_stand_in_train
 
 
 def test_finalize_deletes_each_recorded_job_with_its_own_kind_with_a_stand_in_job_backend(tmp_path, monkeypatch):
-    run_dir = str(tmp_path / "run")
-    roles.record_trainer_job(run_dir, "team-a", "tidal-run-r000-aaaaa", 0, "pytorchjob")
-    roles.record_trainer_job(run_dir, "team-a", "tidal-run-r001-bbbbb", 1, "trainjob")
+    run = RunDir(tmp_path / "run")
+    trainer_launch.record_trainer_job(run, "team-a", "tidal-run-r000-aaaaa", 0, "pytorchjob")
+    trainer_launch.record_trainer_job(run, "team-a", "tidal-run-r001-bbbbb", 1, "trainjob")
     deleted = []
 
     def backend_for(kind, start_timeout_s=3600):
         return SimpleNamespace(delete=lambda name, namespace: deleted.append((kind, name)))
 
-    monkeypatch.setattr(roles, "default_job_backend", backend_for)
-    roles.delete_trainer_jobs(run_dir)
+    monkeypatch.setattr(trainer_launch, "default_job_backend", backend_for)
+    trainer_launch.delete_trainer_jobs(run)
     assert deleted == [("pytorchjob", "tidal-run-r000-aaaaa"), ("trainjob", "tidal-run-r001-bbbbb")]
 
 
 def test_trainjob_is_a_trainer_backend_and_the_launcher_builds_it_with_the_queue_with_a_stand_in_trainer_client(tmp_path, monkeypatch):
-    assert roles.TRAINER_BACKENDS == ("local", "trainjob", "pytorchjob")
-    monkeypatch.setattr(roles, "nats_url_of", lambda config_path: "nats://tidal-nats:4222")
+    assert trainer_launch.TRAINER_BACKENDS == ("local", "trainjob", "pytorchjob")
+    monkeypatch.setattr(trainer_launch, "nats_url_of", lambda config_path: "nats://tidal-nats:4222")
     client = StandInTrainerClient()
-    placement = roles.TrainerPlacement(backend="trainjob", accelerator="nvidia", namespace="team-a", pipeline_job_id="job-7", queue_name="q1")
-    roles.train_round_as_job(str(tmp_path), str(tmp_path / "config.yaml"), 0, 2, placement, TrainJobBackend(client_factory=lambda ns: client))
+    placement = trainer_launch.TrainerPlacement(
+        backend="trainjob", accelerator="nvidia", namespace="team-a", pipeline_job_id="job-7", queue_name="q1"
+    )
+    trainer_launch.train_round_as_job(
+        RunDir(tmp_path), str(tmp_path / "config.yaml"), 0, 2, placement, TrainJobBackend(client_factory=lambda ns: client)
+    )
     body = client.created[0][4]
     assert body["metadata"]["labels"][cluster.QUEUE_LABEL] == "q1"
-    assert roles.recorded_trainer_jobs(str(tmp_path), with_kind=True) == [("team-a", body["metadata"]["name"], "trainjob")]
+    assert trainer_launch.recorded_trainer_jobs(RunDir(tmp_path), with_kind=True) == [("team-a", body["metadata"]["name"], "trainjob")]

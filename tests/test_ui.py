@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 from tidal import ui
 from tidal.cli import main
 from tidal.rundir import RunDir, RunInfo
-from tidal.tracking import start_run, tracking_uri
+from tidal.tracking import EXPERIMENT_KIND, create_run, start_run, tracking_uri
 
 
 @pytest.fixture
@@ -34,13 +34,16 @@ def test_the_run_is_tagged_and_its_experiment_typed_for_the_ui(run_dir):
     assert exp.artifact_location == (run_dir.resolve() / "mlartifacts").as_uri()  # beside the store, not in the cwd
 
 
-def test_resolve_finds_the_run_page_the_experiment_page_or_the_home_page(run_dir):
+def test_resolve_finds_the_run_page_the_experiment_page_or_the_home_page_in_the_model_training_view(run_dir):
     info = RunDir(run_dir).info()
     target = ui.resolve(str(run_dir), None)
     exp_id = MlflowClient(tracking_uri=info.tracking_uri).get_run(info.mlflow_run_id).info.experiment_id
     assert target.tracking_uri == info.tracking_uri
-    assert target.path() == f"/#/experiments/{exp_id}/runs/{info.mlflow_run_id}"
-    assert ui.resolve(str(run_dir), None, experiment="tidal").path() == f"/#/experiments/{exp_id}/runs"
+    assert target.path() == f"/#/experiments/{exp_id}/runs/{info.mlflow_run_id}?workflowType=machine_learning"
+    assert target.path("model-metrics") == f"/#/experiments/{exp_id}/runs/{info.mlflow_run_id}/model-metrics?workflowType=machine_learning"
+    experiment = ui.resolve(str(run_dir), None, experiment="tidal")
+    assert experiment.path() == f"/#/experiments/{exp_id}/runs?workflowType=machine_learning"
+    assert experiment.path(compareRunsMode="CHART") == f"/#/experiments/{exp_id}/runs?compareRunsMode=CHART&workflowType=machine_learning"
     assert ui.resolve(None, info.tracking_uri).path() == "/"
     with pytest.raises(ValueError, match="no experiment named"):
         ui.resolve(None, info.tracking_uri, experiment="nope")
@@ -54,7 +57,7 @@ def test_without_the_full_mlflow_it_says_how_to_install_it_in_one_line(run_dir, 
 
 
 def test_the_full_mlflow_is_installed_here():
-    """The test extra carries the ui extra: the browser test and the getting-started page's `mlflow ui` need it."""
+    """The test extra carries the ui extra: the browser test and the README's `mlflow ui` need it."""
     assert ui.have_mlflow_server()
 
 
@@ -95,3 +98,18 @@ def test_mlflow_metric_names_fall_into_the_ui_groups():
         mlflow_metric_name("accuracy_after") == "summary/accuracy_after"
         and mlflow_metric_name("total_groups_trained") == "summary/total_groups_trained"
     )
+
+
+def test_every_experiment_tidal_creates_is_typed_for_the_model_training_view_and_an_existing_one_is_reused(tmp_path):
+    """The pipeline's parent run and `tidal run` both create their experiment through tidal.tracking.create_run."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    exp_id, run_id = create_run(uri, "fresh", "r1", {"k": "v"}, {f"p{i}": str(i) for i in range(150)})  # more params than one batch takes
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment(exp_id)
+    assert experiment.tags[next(iter(EXPERIMENT_KIND))] == "custom_model_development"
+    assert experiment.artifact_location == (tmp_path.resolve() / "mlartifacts").as_uri()
+    run = client.get_run(run_id)
+    assert len(run.data.params) == 150 and run.data.tags["k"] == "v" and run.info.run_name == "r1"
+    client.create_experiment("someone-elses", artifact_location=(tmp_path / "theirs").as_uri())  # created outside Tidal: reused as it is
+    other_id, _ = create_run(uri, "someone-elses", "r2", {}, {})
+    assert "mlflow.experimentKind" not in client.get_experiment(other_id).tags

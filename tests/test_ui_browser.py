@@ -1,7 +1,8 @@
 """`tidal ui` on a finished short run, as a user opens it: the MLflow server answers, its REST API
 holds every per-iteration metric of metrics.jsonl at its iteration's step, and the run page renders
 the metric charts in a real headless Chromium (Debian's chromium + chromium-driver, driven by
-Selenium). Screenshots land in the pytest tmp dir and in test-artifacts/ (git-ignored) at the repo root.
+Selenium), in the UI's model-training view (not its GenAI one). Screenshots land in the pytest tmp
+dir and in test-artifacts/ (git-ignored) at the repo root.
 
 A missing browser is a failure, not a skip: .ci/run installs it; as root with apt-get the test
 installs it itself."""
@@ -116,7 +117,9 @@ def test_ui_prints_the_run_page_on_loopback(ui, finished_run):
     url = ui.url("open")
     parsed = urllib.parse.urlsplit(url)
     assert parsed.scheme == "http" and parsed.hostname == "127.0.0.1" and parsed.port
-    assert parsed.fragment.startswith("/experiments/") and parsed.fragment.endswith(f"/runs/{summary['mlflow_run_id']}")
+    page, _, query = parsed.fragment.partition("?")
+    assert page.startswith("/experiments/") and page.endswith(f"/runs/{summary['mlflow_run_id']}")
+    assert query == "workflowType=machine_learning"  # the UI's model-training view
     with urllib.request.urlopen(f"http://127.0.0.1:{parsed.port}/health", timeout=10) as resp:
         assert resp.status == 200
 
@@ -132,6 +135,8 @@ def test_every_per_iteration_metric_is_in_the_store_at_its_step(ui, finished_run
     assert tags["mode"] == "periodic" and tags["tidal.run_dir"] == str(finished_run.resolve()) and tags["model"] == "tiny"
     params = {p["key"]: p["value"] for p in run["data"]["params"]}
     assert params["trainer.iterations"] == "3" and params["mode"] == "periodic"
+    experiment = rest(base, "experiments/get", experiment_id=run["info"]["experiment_id"])["experiment"]
+    assert {t["key"]: t["value"] for t in experiment.get("tags", [])}.get("mlflow.experimentKind") == "custom_model_development"
     lines = read_jsonl(finished_run / "metrics.jsonl")
     assert [line["iteration"] for line in lines] == [0, 1, 2]
     keys = sorted({k for line in lines for k in line} - NOT_LOGGED)
@@ -176,6 +181,22 @@ def save_screenshot(drv, tmp_path: Path, name: str) -> Path:
     return path
 
 
+GENAI_PAGES = ("Evaluations", "Evaluation runs", "Judges", "Prompts & versions")
+"""What MLflow's GenAI view shows (a run page under "Evaluations", the GenAI pages in the sidebar) and its
+model-training view does not. The view is the sidebar's GenAI / Model training switch, which starts on
+GenAI unless the page's address names the other."""
+
+
+def assert_model_training_view(drv) -> None:
+    from selenium.webdriver.common.by import By
+
+    body = drv.find_element(By.TAG_NAME, "body").text
+    shown = [page for page in GENAI_PAGES if page in body]
+    assert not shown, f"the GenAI view: {shown}"
+    assert "Model registry" in body  # the sidebar's model-training pages: Runs, Models, Traces, Model registry
+    assert "workflowType=machine_learning" in drv.current_url, drv.current_url  # and it stays so as the user clicks on
+
+
 def test_the_run_page_renders_the_reward_chart_in_chromium(ui, browser, finished_run, tmp_path):
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
@@ -191,6 +212,7 @@ def test_the_run_page_renders_the_reward_chart_in_chromium(ui, browser, finished
         assert name in body, name
     assert "Finished" in body and "periodic" in body
     assert "rollout/reward_mean" in body and "time/generate_seconds" in body and "train/policy_loss" in body  # grouped names
+    assert_model_training_view(browser)
     save_screenshot(browser, tmp_path, "ui-run-overview.png")
 
     # The metric charts: filtered to the reward, wait until plotly has drawn its line.
@@ -211,6 +233,7 @@ def test_the_run_page_renders_the_reward_chart_in_chromium(ui, browser, finished
     time.sleep(1)  # let the chart's transition finish before the screenshot
     body = browser.find_element(By.TAG_NAME, "body").text
     assert "reward_mean" in body and "Step" in body
+    assert_model_training_view(browser)
     path = save_screenshot(browser, tmp_path, "ui-run-reward-chart.png")
     assert path.stat().st_size > 10_000
 
@@ -262,6 +285,7 @@ def test_bench_modes_runs_sit_side_by_side_in_the_compare_view(bench_store, brow
         time.sleep(1)
         body = browser.find_element(By.TAG_NAME, "body").text
         assert "sync (time/iteration_seconds)" in body and "2 matching runs" in body
+        assert_model_training_view(browser)
         save_screenshot(browser, tmp_path, "ui-bench-modes-compare.png")
     finally:
         assert server.stop() == 0

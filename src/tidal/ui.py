@@ -24,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from tidal.tracking import ui_page
+
 INSTALL_HINT = (
     "tidal ui: the MLflow UI needs the full `mlflow` package (mlflow-skinny is a client only): "
     "pip install 'mlflow==3.17.2' (from a Tidal checkout: pip install -e '.[ui]', which `make run` does)"
@@ -38,11 +40,10 @@ class Target:
     experiment_id: str | None = None
     run_id: str | None = None
 
-    def path(self) -> str:
-        if self.experiment_id and self.run_id:
-            return f"/#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        if self.experiment_id:  # its runs, side by side
-            return f"/#/experiments/{self.experiment_id}/runs"
+    def path(self, tab: str = "", **query: str) -> str:
+        """The run's page (``tab`` of it), else the experiment's runs side by side, else the home page."""
+        if self.experiment_id:
+            return "/" + ui_page(self.experiment_id, self.run_id, tab, **query)
         return "/"
 
 
@@ -139,9 +140,9 @@ def serve(target: Target, host: str = "127.0.0.1", port: int | None = None, work
         print(f"MLflow UI for {target.tracking_uri}", flush=True)
         print(f"  open {base}{target.path()}", flush=True)
         if target.run_id:
-            print(f"  charts {base}{target.path()}/model-metrics", flush=True)
+            print(f"  charts {base}{target.path('model-metrics')}", flush=True)
         elif target.experiment_id:
-            print(f"  compare {base}{target.path()}?compareRunsMode=CHART", flush=True)
+            print(f"  compare {base}{target.path(compareRunsMode='CHART')}", flush=True)
         print("  (Ctrl-C stops it)", flush=True)
         return proc.wait()
     except KeyboardInterrupt:

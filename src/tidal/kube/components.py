@@ -1,7 +1,7 @@
 """KFP v2 lightweight components, one per pipeline step.
 
-Each body imports :mod:`tidal.kube.roles` (Tidal is installed in the image: no
-per-task pip install, ``install_kfp_package=False``) and calls one role. The
+Each body imports :mod:`tidal.kube.steps` (the train step: :mod:`tidal.kube.trainer_launch`; Tidal is
+installed in the image: no per-task pip install, ``install_kfp_package=False``) and calls one step. The
 image here is a placeholder: :func:`tidal.kube.pipeline.compile_pipeline`
 writes the image of the chosen accelerator profile into the compiled YAML.
 """
@@ -41,9 +41,9 @@ def prepare(
     KFP run's id and link); the run's page shows the MLflow run's link (artifact ``mlflow_run``)."""
     from collections import namedtuple
 
-    from tidal.kube import roles
+    from tidal.kube import parent_run, staging, steps
 
-    knobs = roles.PipelineKnobs(
+    knobs = staging.PipelineKnobs(
         rounds=rounds,
         iterations_per_round=iterations_per_round,
         rollout_workers=rollout_workers,
@@ -55,10 +55,10 @@ def prepare(
         tracking_uri=tracking_uri,
         overrides=overrides,
     )
-    links = roles.RunLinks(kfp_ui_url=kfp_ui_url, mlflow_ui_url=mlflow_ui_url)
-    run = roles.prepare(config_yaml=config_yaml, config_path=config_path, run_dir=run_dir, job_id=job_id, knobs=knobs, links=links)
+    links = parent_run.RunLinks(kfp_ui_url=kfp_ui_url, mlflow_ui_url=mlflow_ui_url)
+    run = steps.prepare(config_yaml=config_yaml, config_path=config_path, run_dir=run_dir, job_id=job_id, knobs=knobs, links=links)
     with open(mlflow_run.path, "w") as fh:
-        fh.write(roles.mlflow_run_markdown(run.run_dir))
+        fh.write(parent_run.mlflow_run_markdown(run.run_dir))
     prepared = namedtuple("Prepared", ["run_dir", "config_path", "rounds", "lanes", "parent_run_id"])
     return prepared(run.run_dir, run.config_path, run.rounds, run.lanes, run.parent_run_id)
 
@@ -66,17 +66,17 @@ def prepare(
 @component
 def open_round(run_dir: str, config_path: str, round_index: int, job_id: str):
     """Take the round lease (the previous round must have ended), set the KV run state to 'running round N'."""
-    from tidal.kube import roles
+    from tidal.kube import steps
 
-    roles.open_round(run_dir=run_dir, config_path=config_path, round_index=int(round_index), job_id=job_id)
+    steps.open_round(run_dir=run_dir, config_path=config_path, round_index=int(round_index), job_id=job_id)
 
 
 @component
 def rollout_worker(run_dir: str, config_path: str, lane: str, round_index: int):
     """One long-running rollout worker; exits when the round is over."""
-    from tidal.kube import roles
+    from tidal.kube import steps
 
-    roles.rollout_worker(run_dir=run_dir, config_path=config_path, lane=lane, round_index=int(round_index))
+    steps.rollout_worker(run_dir=run_dir, config_path=config_path, lane=lane, round_index=int(round_index))
 
 
 @component
@@ -100,9 +100,9 @@ def train(
 ):
     """The round's trainer: a TrainJob or PyTorchJob (waited for, logs streamed) or, locally, the trainer role itself.
     On any failure it marks the run failed (the round's workers stop) and deletes the job."""
-    from tidal.kube import roles
+    from tidal.kube import trainer_launch
 
-    placement = roles.TrainerPlacement(
+    placement = trainer_launch.TrainerPlacement(
         backend=backend,
         nodes=nodes,
         accelerators_per_node=accelerators_per_node,
@@ -116,7 +116,7 @@ def train(
         start_timeout_s=start_timeout_s,
         queue_name=queue_name,
     )
-    roles.train_round(run_dir=run_dir, config_path=config_path, round_index=int(round_index), iterations=iterations, placement=placement)
+    trainer_launch.train_round(run_dir=run_dir, config_path=config_path, round_index=int(round_index), iterations=iterations, placement=placement)
 
 
 @component
@@ -124,18 +124,18 @@ def weight_sync(run_dir: str, round_index: int) -> NamedTuple("Synced", version=
     """Verify and publish the round's checkpoint: move `latest`, log it to MLflow."""
     from collections import namedtuple
 
-    from tidal.kube import roles
+    from tidal.kube import steps
 
-    synced = roles.weight_sync(run_dir=run_dir, round_index=int(round_index))
+    synced = steps.weight_sync(run_dir=run_dir, round_index=int(round_index))
     return namedtuple("Synced", ["version", "weights_path"])(synced.version, synced.path)
 
 
 @component
 def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int, job_id: str, metrics: dsl.Output[dsl.Metrics]) -> float:
     """Held-out accuracy of the round's checkpoint, to MLflow and as KFP metrics; releases the round lease."""
-    from tidal.kube import roles
+    from tidal.kube import steps
 
-    values = roles.evaluate(run_dir=run_dir, config_path=config_path, weights_path=weights_path, round_index=int(round_index), job_id=job_id)
+    values = steps.evaluate(run_dir=run_dir, config_path=config_path, weights_path=weights_path, round_index=int(round_index), job_id=job_id)
     for name, value in values.items():
         metrics.log_metric(name, value)
     return float(values.get("accuracy", next(iter(values.values()))))
@@ -144,9 +144,9 @@ def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int
 @component
 def register_model(run_dir: str, registered_model_name: str) -> str:
     """Register the final checkpoint in the MLflow model registry; returns the model version."""
-    from tidal.kube import roles
+    from tidal.kube import steps
 
-    return roles.register_model(run_dir=run_dir, registered_model_name=registered_model_name)
+    return steps.register_model(run_dir=run_dir, registered_model_name=registered_model_name)
 
 
 @component
@@ -154,8 +154,8 @@ def finalize(run_dir: str, job_id: str, namespace: str, run_metrics: dsl.Output[
     """The exit handler (runs after success, failure or cancellation): the run's final held-out metrics as a
     KFP metrics artifact at the top of the run, then delete leftover trainer jobs, end the MLflow run as
     FINISHED or FAILED, delete the run's NATS streams and KV bucket."""
-    from tidal.kube import roles
+    from tidal.kube import steps
 
-    for name, value in roles.final_metrics(run_dir=run_dir, job_id=job_id).items():
+    for name, value in steps.final_metrics(run_dir=run_dir, job_id=job_id).items():
         run_metrics.log_metric(name, value)
-    return "\n".join(roles.finalize_run(run_dir=run_dir, job_id=job_id, namespace=namespace))
+    return "\n".join(steps.finalize_run(run_dir=run_dir, job_id=job_id, namespace=namespace))

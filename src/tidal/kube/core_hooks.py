@@ -14,22 +14,22 @@ import time
 from pathlib import Path
 
 from tidal.protocol import RunState
-from tidal.rundir import new_run_id
+from tidal.rundir import RunDir, new_run_id
 
 # run states after which a round's rollout workers may stop (the worker pods' supervisor reads them)
 ROUND_OVER_STATES = (RunState.ROUND_DONE.value, RunState.DONE.value)
 
 
-def run_id_of(run_dir: str) -> str:
+def run_id_of(run: RunDir) -> str:
     """The run's id, which names its streams and KV bucket: a pipeline's run directory is named by its KFP job."""
-    return new_run_id(Path(run_dir), unique_name=True)
+    return new_run_id(run.root, unique_name=True)
 
 
 BASE_MODEL_DIR = "base-model"
 """Where the prepare step stages the base model inside the run directory (on the shared volume)."""
 
 
-def prepare_run(run_dir: str, config_path: str, tracking_uri: str, mlflow_run_id: str, shared_roots: tuple[str, ...] = ()) -> None:
+def prepare_run(run: RunDir, config_path: str, tracking_uri: str, mlflow_run_id: str, shared_roots: tuple[str, ...] = ()) -> None:
     """Stage the base model and data, write run.json, create the streams and the KV bucket.
 
     The base model is copied into ``RUN_DIR/base-model`` (see :func:`stage_base_model`), and
@@ -37,18 +37,17 @@ def prepare_run(run_dir: str, config_path: str, tracking_uri: str, mlflow_run_id
     """
     from tidal.config import load_config
     from tidal.roles import check_prompt_settings, ensure_base_model, run_async
-    from tidal.rundir import RunDir, RunInfo
+    from tidal.rundir import RunInfo
 
     cfg = load_config(config_path)
-    run = RunDir(run_dir)
     if not run.started:
-        base_model = stage_base_model(ensure_base_model(cfg), run_dir, shared_roots)
+        base_model = stage_base_model(ensure_base_model(cfg), run, shared_roots)
         check_prompt_settings(cfg, base_model)
-        run.save_info(RunInfo(run_id=run_id_of(run_dir), base_model=str(base_model), tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id))
-    run_async(_create_transport(cfg, run_dir))
+        run.save_info(RunInfo(run_id=run_id_of(run), base_model=str(base_model), tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id))
+    run_async(_create_transport(cfg, run))
 
 
-def stage_base_model(base_model: str | Path, run_dir: str, shared_roots: tuple[str, ...] = ()) -> str:
+def stage_base_model(base_model: str | Path, run: RunDir, shared_roots: tuple[str, ...] = ()) -> str:
     """Where every later pod finds the base model: a local directory is copied to ``RUN_DIR/base-model``.
 
     The warm-started tiny model, and any model directory, lives in this pod's file system
@@ -62,7 +61,7 @@ def stage_base_model(base_model: str | Path, run_dir: str, shared_roots: tuple[s
     if not source.is_dir():
         return str(base_model)
     source = source.resolve()
-    run_path = Path(run_dir).resolve()
+    run_path = run.root.resolve()
     if any(source.is_relative_to(Path(root).resolve()) for root in (run_path, *shared_roots)):
         return str(source)
     target = run_path / BASE_MODEL_DIR
@@ -76,19 +75,19 @@ def stage_base_model(base_model: str | Path, run_dir: str, shared_roots: tuple[s
     return str(target)
 
 
-async def _create_transport(cfg, run_dir: str) -> None:
+async def _create_transport(cfg, run: RunDir) -> None:
     from tidal.transport import Transport
 
-    transport = await Transport.connect(nats_url(cfg), run_id_of(run_dir), cfg.transport, create=True)
+    transport = await Transport.connect(nats_url(cfg), run_id_of(run), cfg.transport, create=True)
     await transport.close()
 
 
-def open_round(run_dir: str, config_path: str, round_index: int) -> None:
+def open_round(run: RunDir, config_path: str, round_index: int) -> None:
     """Set the KV run state to running for ``round_index``, so the round's workers do not exit at once."""
     from tidal.config import load_config
     from tidal.roles import run_async
 
-    run_async(_put_run_state(load_config(config_path), run_dir, RunState.RUNNING, round_index))
+    run_async(_put_run_state(load_config(config_path), run, RunState.RUNNING, round_index))
 
 
 # ---------------------------------------------------------------- round sequencing (one round at a time)
@@ -101,36 +100,36 @@ class RoundSequenceError(RuntimeError):
     """A round was asked to start or end out of turn: rounds of one run directory ran concurrently."""
 
 
-def reset_rounds(run_dir: str, config_path: str, job_id: str) -> str | None:
+def reset_rounds(run: RunDir, config_path: str, job_id: str) -> str | None:
     """prepare: the rounds of pipeline run ``job_id`` start from scratch (none open, none closed). Returns a
     warning when another pipeline run had a round open on this run directory (it will fail at its next round)."""
     from tidal.config import load_config
     from tidal.roles import run_async
 
-    return run_async(_reset_rounds(load_config(config_path), run_dir, job_id))
+    return run_async(_reset_rounds(load_config(config_path), run, job_id))
 
 
-def begin_round(run_dir: str, config_path: str, job_id: str, round_index: int) -> None:
+def begin_round(run: RunDir, config_path: str, job_id: str, round_index: int) -> None:
     """Take the round lease for ``round_index``: only after round ``round_index - 1`` of the same pipeline run
     closed (or again, for a retried step of the same round). Raises :class:`RoundSequenceError` otherwise."""
     from tidal.config import load_config
     from tidal.roles import run_async
 
-    run_async(_move_lease(load_config(config_path), run_dir, job_id, round_index, "open"))
+    run_async(_move_lease(load_config(config_path), run, job_id, round_index, "open"))
 
 
-def end_round(run_dir: str, config_path: str, job_id: str, round_index: int) -> None:
+def end_round(run: RunDir, config_path: str, job_id: str, round_index: int) -> None:
     """Release the round lease of ``round_index`` (its evaluation is done); the next round may begin."""
     from tidal.config import load_config
     from tidal.roles import run_async
 
-    run_async(_move_lease(load_config(config_path), run_dir, job_id, round_index, "closed"))
+    run_async(_move_lease(load_config(config_path), run, job_id, round_index, "closed"))
 
 
-async def _reset_rounds(cfg, run_dir: str, job_id: str) -> str | None:
+async def _reset_rounds(cfg, run: RunDir, job_id: str) -> str | None:
     from tidal.protocol import pack
 
-    transport = await _transport(cfg, run_dir)
+    transport = await _transport(cfg, run)
     try:
         current, _ = await _read_lease(transport)
         warning = None
@@ -142,12 +141,12 @@ async def _reset_rounds(cfg, run_dir: str, job_id: str) -> str | None:
         await transport.close()
 
 
-async def _move_lease(cfg, run_dir: str, job_id: str, round_index: int, to_state: str) -> None:
+async def _move_lease(cfg, run: RunDir, job_id: str, round_index: int, to_state: str) -> None:
     from nats.js.errors import KeyWrongLastSequenceError
 
     from tidal.protocol import pack
 
-    transport = await _transport(cfg, run_dir)
+    transport = await _transport(cfg, run)
     try:
         current, revision = await _read_lease(transport)
         if current is None and to_state == "open" and round_index == 0:
@@ -214,37 +213,37 @@ async def _read_lease(transport) -> tuple[dict | None, int | None]:
     return (value if isinstance(value, dict) else None), entry.revision
 
 
-async def _transport(cfg, run_dir: str):
+async def _transport(cfg, run: RunDir):
     from tidal.transport import Transport
 
-    return await Transport.connect(nats_url(cfg), run_id_of(run_dir), cfg.transport, create=True)
+    return await Transport.connect(nats_url(cfg), run_id_of(run), cfg.transport, create=True)
 
 
-def mark_run_failed(run_dir: str, config_path: str, round_index: int | None = None) -> None:
+def mark_run_failed(run: RunDir, config_path: str, round_index: int | None = None) -> None:
     """Set the KV run state to failed, so the round's rollout workers stop and release their accelerators."""
     from tidal.config import load_config
     from tidal.roles import run_async
 
-    run_async(_put_run_state(load_config(config_path), run_dir, RunState.FAILED, round_index))
+    run_async(_put_run_state(load_config(config_path), run, RunState.FAILED, round_index))
 
 
-async def _put_run_state(cfg, run_dir: str, state: RunState, round_index: int | None) -> None:
+async def _put_run_state(cfg, run: RunDir, state: RunState, round_index: int | None) -> None:
     from tidal.transport import Transport
 
-    transport = await Transport.connect(nats_url(cfg), run_id_of(run_dir), cfg.transport, create=True)
+    transport = await Transport.connect(nats_url(cfg), run_id_of(run), cfg.transport, create=True)
     try:
         await transport.put_run_state(state, round_index)
     finally:
         await transport.close()
 
 
-def delete_run_transport(run_dir: str, config_path: str) -> list[str]:
+def delete_run_transport(run: RunDir, config_path: str) -> list[str]:
     """Delete the run's streams and KV bucket; returns what existed (nothing on a second call)."""
     from tidal.config import load_config
     from tidal.roles import run_async
     from tidal.transport import delete_run
 
-    return run_async(delete_run(nats_url(load_config(config_path)), run_id_of(run_dir)))
+    return run_async(delete_run(nats_url(load_config(config_path)), run_id_of(run)))
 
 
 def nats_url(cfg) -> str:
@@ -253,11 +252,11 @@ def nats_url(cfg) -> str:
     return cfg.transport.nats_url
 
 
-def latest_snapshot(run_dir: str) -> tuple[int, str]:
+def latest_snapshot(run: RunDir) -> tuple[int, str]:
     """``(version, path)`` of the snapshot the weight store's ``latest`` pointer names."""
     from tidal.weights import WeightStore
 
-    store = WeightStore(Path(run_dir) / "weights")
+    store = WeightStore(run.weights)
     version = store.latest_version()
     if version is None:
         raise FileNotFoundError(f"no weight snapshot published under {store.root}: did the trainer run?")
@@ -271,28 +270,28 @@ def verify_snapshot(path: str) -> None:
     load_verified(path)
 
 
-def point_latest(run_dir: str, version: int) -> None:
+def point_latest(run: RunDir, version: int) -> None:
     """Move the weight store's ``latest`` pointer to ``version`` (atomic rename, the store's format)."""
     from tidal.weights import WeightStore
 
-    store = WeightStore(Path(run_dir) / "weights")
+    store = WeightStore(run.weights)
     if not store.path(version).is_dir():
         raise FileNotFoundError(f"cannot point latest at missing snapshot {store.path(version)}")
     store.point_latest(version)
 
 
-def read_run_state(run_dir: str, config_path: str) -> str | None:
+def read_run_state(run: RunDir, config_path: str) -> str | None:
     """The KV bucket's run state, e.g. ``"round_done"``; None before anyone set it (or if malformed)."""
     from tidal.config import load_config
     from tidal.roles import run_async
 
-    return run_async(_get_run_state(load_config(config_path), run_dir))
+    return run_async(_get_run_state(load_config(config_path), run))
 
 
-async def _get_run_state(cfg, run_dir: str) -> dict | None:
+async def _get_run_state(cfg, run: RunDir) -> dict | None:
     from tidal.transport import Transport
 
-    transport = await Transport.connect(nats_url(cfg), run_id_of(run_dir), cfg.transport, create=False)
+    transport = await Transport.connect(nats_url(cfg), run_id_of(run), cfg.transport, create=False)
     try:
         status = await transport.run_status()
         return None if status is None else status.state.value

@@ -78,7 +78,7 @@ def separate_pods():
     """Every step runs with its own HOME, cache and working directory, removed when it ends (as a pod's
     file system is), so a step that leaves something outside the run directory for a later one fails
     here as it would on a cluster. ``TIDAL_KFP_LOCAL_SHARED_HOME=1`` turns this off."""
-    from tidal.kube.roles import POD_SANDBOX_ENV
+    from tidal.kube.pod_sandbox import POD_SANDBOX_ENV
 
     if os.environ.get("TIDAL_KFP_LOCAL_SHARED_HOME") == "1":
         yield
@@ -100,20 +100,23 @@ def run_pipeline_locally(config_path: str, run_dir: str, overrides: list[str]) -
     from kfp import local
 
     from tidal.kube.pipeline import build_pipeline
+    from tidal.rundir import RunDir
+    from tidal.tracking import local_store_uri
     from tidal.transport.server import EmbeddedNats
 
     loop = split_loop_overrides(list(overrides), lambda rest: load_checked_config(config_path, rest).trainer.iterations)
     config = load_checked_config(config_path, loop.overrides)
-    run_path = Path(run_dir).resolve()
-    run_path.mkdir(parents=True, exist_ok=True)
-    tracking_uri = config.tracking.uri or f"sqlite:///{run_path}/mlflow.db"
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(run_path / "kfp"), raise_on_error=True)
+    run = RunDir(Path(run_dir).resolve())
+    run.root.mkdir(parents=True, exist_ok=True)
+    tracking_uri = config.tracking.uri or local_store_uri(run.root)
+    # kfp.local's own record of the steps (their inputs and outputs), beside the run's files
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(run.root / "kfp"), raise_on_error=True)
     pipeline = build_pipeline(cluster.accelerator_profile("cpu"))
-    with EmbeddedNats(run_path / "nats", max_payload_mb=config.transport.max_payload_mb) as nats, separate_pods():
+    with EmbeddedNats(run.nats_store, max_payload_mb=config.transport.max_payload_mb) as nats, separate_pods():
         try:
             pipeline(
                 config_path=str(Path(config_path).resolve()),
-                run_dir=str(run_path),
+                run_dir=str(run.root),
                 rounds=loop.rounds,
                 iterations_per_round=loop.iterations_per_round,
                 rollout_workers=1,
@@ -122,8 +125,8 @@ def run_pipeline_locally(config_path: str, run_dir: str, overrides: list[str]) -
                 nats_url=nats.url,
                 tracking_uri=tracking_uri,
                 trainer_backend="local",
-                registered_model_name=f"tidal-{run_path.name}",
+                registered_model_name=f"tidal-{run.root.name}",
             )
         except RuntimeError as err:
             raise KfpLocalError(f"pipeline failed: {err}") from None
-    return run_path
+    return run.root

@@ -179,7 +179,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
                     in_queue(in_step, queue_name)
                 for task in (launcher, in_step):
                     task.after(opened)
-                    # the job's ownerReference and per-attempt name (tidal.kube.roles.launcher_pod)
+                    # the job's ownerReference and per-attempt name (tidal.kube.trainer_launch.launcher_pod)
                     kubernetes.use_field_path_as_env(task, env_name="TIDAL_POD_NAME", field_path="metadata.name")
                     kubernetes.use_field_path_as_env(task, env_name="TIDAL_POD_UID", field_path="metadata.uid")
             with dsl.Else(name="rollout-lane"):

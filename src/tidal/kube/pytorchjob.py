@@ -2,15 +2,16 @@
 
 Three layers, each usable alone:
 
-- :func:`build_pytorchjob` turns a :class:`TrainerJobSpec` into the SDK's typed
-  ``KubeflowOrgV1PyTorchJob`` (a misspelled field is a ``TypeError`` there);
+- :func:`build_pytorchjob` turns a :class:`~tidal.kube.trainer_job.TrainerJobSpec` into the SDK's
+  typed ``KubeflowOrgV1PyTorchJob`` (a misspelled field is a ``TypeError`` there), around the
+  trainer pod every job kind shares (:mod:`tidal.kube.trainer_job`);
 - :func:`check_webhook_rules` applies the operator's admission-webhook rules and
-  :func:`validate_pytorchjob_schema` checks the serialized object strictly
+  :func:`schema_violations` checks the serialized object strictly
   against a schema made from the SDK's models and Kubernetes' own pod schema,
   so a job that the API server would reject fails here, offline;
-- :class:`TrainerJobBackend` is the submission interface;
-  :class:`PyTorchJobBackend` implements it with ``TrainingClient``;
-  :class:`tidal.kube.trainjob.TrainJobBackend` (Kubeflow Trainer v2) with ``TrainerClient``.
+- :class:`PyTorchJobBackend` implements :class:`~tidal.kube.trainer_job.TrainerJobBackend`
+  with ``TrainingClient`` (:class:`tidal.kube.trainjob.TrainJobBackend`, Kubeflow Trainer v2,
+  with ``TrainerClient``).
 
 Training Operator v1 is deprecated: PyTorchJob stays for clusters that run it; new clusters use TrainJob.
 """
@@ -20,27 +21,35 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Any
 
 from kubeflow.training import models as kf
 from kubeflow.training.api_client import ApiClient
 from kubernetes import client as k8s
 
 from tidal.kube import cluster
-from tidal.kube.cluster import AcceleratorProfile
+from tidal.kube.trainer_job import (
+    POD_ANNOTATIONS,
+    JobOutcome,
+    TrainerJobSpec,
+    container_resources,
+    job_labels,
+    name_violations,
+    owner_references,
+    pod_ip_env,
+    secret_env,
+    trainer_command,
+    trainer_pod_security,
+    trainer_volumes,
+)
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
 CONTAINER_NAME = "pytorch"
 REPLICA_TYPES = ("Master", "Worker")
 CLEAN_POD_POLICIES = ("None", "Running", "All")
-POD_ANNOTATIONS = {"sidecar.istio.io/inject": "false"}
-"""In an Istio-injected namespace (Kubeflow profiles) a sidecar keeps the Master pod running after
-``torchrun`` exits, so the job never succeeds; trainer pods reach NATS and MLflow directly."""
 NPROC_KEYWORDS = ("auto", "cpu", "gpu")
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
 class PyTorchJobRejected(ValueError):
@@ -51,92 +60,7 @@ class PyTorchJobRejected(ValueError):
         super().__init__("PyTorchJob rejected:\n  - " + "\n  - ".join(problems))
 
 
-@dataclass(frozen=True)
-class TrainerJobSpec:
-    """Everything that varies between trainer jobs; the rest comes from :mod:`tidal.kube.cluster`."""
-
-    name: str
-    config_path: str
-    run_dir: str
-    profile: AcceleratorProfile
-    namespace: str = "tidal"
-    image: str | None = None
-    nodes: int = 1
-    accelerators_per_node: int = 1
-    procs_per_node: int | str | None = None
-    iterations: int | None = None
-    overrides: tuple[str, ...] = ()
-    nats_url: str = cluster.NATS_URL
-    cpu: str = "8"
-    memory: str = "64Gi"
-    backoff_limit: int = 2
-    ttl_seconds_after_finished: int = 3600
-    clean_pod_policy: str = "Running"
-    active_deadline_seconds: int | None = None
-    labels: dict[str, str] = field(default_factory=dict)
-    queue_name: str = ""
-    """Kueue LocalQueue: the job gets the ``kueue.x-k8s.io/queue-name`` label and waits (suspended) for admission."""
-    owner: tuple[str, str] | None = None
-    """``(name, uid)`` of the launcher pod: the job is garbage-collected with it (a deleted or cancelled run)."""
-
-    @property
-    def container_image(self) -> str:
-        return self.image or self.profile.image
-
-    @property
-    def nproc_per_node(self) -> str:
-        if self.procs_per_node is not None:
-            return str(self.procs_per_node)
-        if self.profile.has_accelerator and self.accelerators_per_node > 0:
-            return str(self.accelerators_per_node)
-        return "1"
-
-
 # ---------------------------------------------------------------- building
-
-
-def trainer_command(spec: TrainerJobSpec) -> list[str]:
-    """``torchrun`` reads nodes/rank/master from the PET_* variables the operator sets."""
-    command = ["torchrun", "--no-python", "tidal", "train", spec.config_path, "--run-dir", spec.run_dir, "--nats-url", spec.nats_url]
-    if spec.iterations is not None:
-        command += ["--iterations", str(spec.iterations)]
-    for override in spec.overrides:
-        command += ["--set", override]
-    return command
-
-
-def secret_env() -> list[k8s.V1EnvVar]:
-    """The trainer's NATS user and password, the run's snapshot-signing key and the MLflow endpoint (required),
-    MLflow basic-auth credentials (optional keys)."""
-    env = [
-        k8s.V1EnvVar(name=cluster.NATS_USER_ENV, value=cluster.nats_user("trainer")),
-        _secret_env_var(cluster.NATS_SECRET, cluster.nats_password_key("trainer"), cluster.NATS_PASSWORD_ENV, optional=False),
-    ]
-    env += [_secret_env_var(cluster.WEIGHTS_SECRET, key, name, optional=False) for key, name in cluster.WEIGHTS_SECRET_ENV.items()]
-    env += [_secret_env_var(cluster.MLFLOW_SECRET, key, name, optional=False) for key, name in cluster.MLFLOW_SECRET_REQUIRED_ENV.items()]
-    env += [_secret_env_var(cluster.MLFLOW_SECRET, key, name, optional=True) for key, name in cluster.MLFLOW_SECRET_OPTIONAL_ENV.items()]
-    return env
-
-
-def pod_ip_env() -> k8s.V1EnvVar:
-    """The pod's IP: where rollout engines reach trainer rank 0 for the NCCL weight transfer
-    (rollout.vllm.weight_sync: nccl)."""
-    return k8s.V1EnvVar(name="POD_IP", value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="status.podIP")))
-
-
-def _secret_env_var(secret: str, key: str, name: str, optional: bool) -> k8s.V1EnvVar:
-    selector = k8s.V1SecretKeySelector(name=secret, key=key, optional=optional)
-    return k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(secret_key_ref=selector))
-
-
-def container_resources(spec: TrainerJobSpec) -> k8s.V1ResourceRequirements:
-    requests = {"cpu": spec.cpu, "memory": spec.memory}
-    limits = {"memory": spec.memory}
-    if spec.profile.has_accelerator and spec.accelerators_per_node > 0:
-        count = str(spec.accelerators_per_node)
-        requests[spec.profile.resource] = count
-        limits[spec.profile.resource] = count
-    return k8s.V1ResourceRequirements(requests=requests, limits=limits)
 
 
 def trainer_container(spec: TrainerJobSpec) -> k8s.V1Container:
@@ -155,25 +79,6 @@ def trainer_container(spec: TrainerJobSpec) -> k8s.V1Container:
             capabilities=k8s.V1Capabilities(drop=["ALL"]),
         ),
     )
-
-
-def trainer_pod_security() -> k8s.V1PodSecurityContext:
-    """Every trainer pod, whichever job kind runs it: not root, the data volume's group, the default seccomp profile."""
-    return k8s.V1PodSecurityContext(
-        run_as_non_root=True,
-        run_as_user=cluster.RUN_AS_USER,
-        run_as_group=cluster.RUN_AS_GROUP,
-        fs_group=cluster.RUN_AS_GROUP,
-        seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
-    )
-
-
-def trainer_volumes(spec: TrainerJobSpec) -> list[k8s.V1Volume]:
-    """The run's data volume and a memory-backed /dev/shm (the process group's shared memory)."""
-    return [
-        k8s.V1Volume(name="data", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=cluster.DATA_PVC)),
-        k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=spec.profile.shm_size)),
-    ]
 
 
 def pod_template(spec: TrainerJobSpec) -> k8s.V1PodTemplateSpec:
@@ -198,23 +103,6 @@ def replica_specs(spec: TrainerJobSpec) -> dict[str, kf.KubeflowOrgV1ReplicaSpec
     if spec.nodes > 1:
         replicas["Worker"] = kf.KubeflowOrgV1ReplicaSpec(replicas=spec.nodes - 1, restart_policy="OnFailure", template=pod_template(spec))
     return replicas
-
-
-def owner_references(spec: TrainerJobSpec) -> list[k8s.V1OwnerReference] | None:
-    """The launcher pod as the job's owner. Not a controller, and ``blockOwnerDeletion`` off: setting
-    it would need ``update`` on ``pods/finalizers``, which the launcher's Role does not grant."""
-    if spec.owner is None:
-        return None
-    name, uid = spec.owner
-    return [k8s.V1OwnerReference(api_version="v1", kind="Pod", name=name, uid=uid, controller=False, block_owner_deletion=False)]
-
-
-def job_labels(spec: TrainerJobSpec) -> dict[str, str]:
-    """Kueue admits a job by the queue label on the job itself (it suspends the job until then)."""
-    labels = {**cluster.TIDAL_POD_LABEL, **spec.labels}
-    if spec.queue_name:
-        labels[cluster.QUEUE_LABEL] = spec.queue_name
-    return labels
 
 
 def build_pytorchjob(spec: TrainerJobSpec) -> kf.KubeflowOrgV1PyTorchJob:
@@ -267,7 +155,7 @@ def check_webhook_rules(job: Any) -> None:
 
 def webhook_rule_violations(manifest: dict) -> list[str]:
     """The Training Operator v1.9 PyTorchJob webhook's checks, as messages naming the field."""
-    problems = _name_violations(manifest.get("metadata") or {})
+    problems = name_violations(manifest.get("metadata") or {})
     spec = manifest.get("spec") or {}
     replicas = spec.get("pytorchReplicaSpecs") or {}
     if not replicas:
@@ -280,13 +168,6 @@ def webhook_rule_violations(manifest: dict) -> list[str]:
     if "Master" not in replicas:
         problems.append("spec.pytorchReplicaSpecs.Master: exactly one Master replica is required")
     return problems
-
-
-def _name_violations(metadata: dict) -> list[str]:
-    name = metadata.get("name") or ""
-    if len(name) > 63 or not _DNS1035.match(name):
-        return [f"metadata.name: {name!r} must be a DNS-1035 label (lower-case letters, digits, '-', starting with a letter, at most 63 characters)"]
-    return []
 
 
 def _elastic_policy_violations(spec: dict, replicas: dict) -> list[str]:
@@ -441,29 +322,6 @@ def _kubernetes_definition_key(type_name: str, defs: dict) -> str:
 # ---------------------------------------------------------------- submission
 
 
-@dataclass(frozen=True)
-class JobOutcome:
-    name: str
-    succeeded: bool
-    message: str = ""
-
-
-class TrainerJobBackend(Protocol):
-    """How a round's trainer runs on a cluster: a PyTorchJob or a Kubeflow Trainer v2 TrainJob."""
-
-    def submit(self, spec: TrainerJobSpec) -> str:
-        """Create the job; return its name."""
-
-    def stream_logs(self, name: str, namespace: str) -> None:
-        """Print the master's log until it ends."""
-
-    def wait(self, name: str, namespace: str, timeout_s: int) -> JobOutcome:
-        """Block until the job succeeded or failed."""
-
-    def delete(self, name: str, namespace: str) -> None:
-        """Remove the job and its pods."""
-
-
 class PyTorchJobBackend:
     """:class:`TrainerJobBackend` on the Training Operator v1, through ``TrainingClient``.
 
@@ -515,34 +373,3 @@ def _default_training_client() -> Any:
     from kubeflow.training import TrainingClient
 
     return TrainingClient(job_kind=KIND)
-
-
-class TrainerJobFailed(RuntimeError):
-    """The trainer job ended without success; the message carries the operator's."""
-
-
-def run_trainer_job(backend: TrainerJobBackend, spec: TrainerJobSpec, timeout_s: int = 7 * 24 * 3600) -> JobOutcome:
-    """Submit, stream the master's log, wait; raise with the operator's message if the job failed.
-
-    On any failure after the job was created — it never started, failed, outlived ``timeout_s``,
-    or this step was cancelled — the job is deleted, so its pods release their accelerators. A job
-    whose creation failed is not deleted: a name clash must not remove someone else's job.
-    """
-    name = backend.submit(spec)
-    try:
-        backend.stream_logs(name, spec.namespace)
-        outcome = backend.wait(name, spec.namespace, timeout_s)
-        if not outcome.succeeded:
-            raise TrainerJobFailed(f"trainer job {spec.namespace}/{name} failed: {outcome.message}")
-        return outcome
-    except BaseException:
-        delete_quietly(backend, name, spec.namespace)
-        raise
-
-
-def delete_quietly(backend: TrainerJobBackend, name: str, namespace: str) -> None:
-    try:
-        backend.delete(name, namespace)
-        print(f"deleted trainer job {namespace}/{name}", flush=True)
-    except Exception as err:  # the original failure matters more; the ownerReference and deadline still apply
-        print(f"could not delete trainer job {namespace}/{name}: {err}", flush=True)

@@ -6,8 +6,8 @@ command, nodes, processes per node, resources and env (``spec.trainer``) and pat
 template (``spec.runtimePatches``: volumes, mounts, security contexts, placement, the service
 account, the Istio opt-out and the NetworkPolicy label).
 
-Same layers as :mod:`tidal.kube.pytorchjob`, whose :class:`~tidal.kube.pytorchjob.TrainerJobSpec`
-and :class:`~tidal.kube.pytorchjob.TrainerJobBackend` it shares:
+Same layers as :mod:`tidal.kube.pytorchjob`, around the same trainer pod, from the same
+:class:`~tidal.kube.trainer_job.TrainerJobSpec` (:mod:`tidal.kube.trainer_job`):
 
 - :func:`build_trainjob` turns the spec into the manifest and checks it with :func:`check_trainjob`
   (the SDK's typed models must keep every field, plus the Trainer webhook's rules);
@@ -28,13 +28,13 @@ from typing import Any
 from kubernetes import client as k8s
 
 from tidal.kube import cluster
-from tidal.kube.pytorchjob import (
+from tidal.kube.trainer_job import (
     POD_ANNOTATIONS,
     JobOutcome,
     TrainerJobSpec,
-    _name_violations,
     container_resources,
     job_labels,
+    name_violations,
     owner_references,
     pod_ip_env,
     secret_env,
@@ -176,7 +176,7 @@ def _dropped_paths(sent: Any, kept: Any, path: str = "") -> list[str]:
 def webhook_rule_violations(manifest: dict) -> list[str]:
     """The Trainer's TrainJob rules that Tidal's jobs could break, as messages naming the field."""
     spec = manifest.get("spec") or {}
-    problems = _name_violations(manifest.get("metadata") or {})
+    problems = name_violations(manifest.get("metadata") or {})
     problems += _runtime_ref_violations(spec.get("runtimeRef") or {})
     problems += _trainer_violations(spec.get("trainer") or {})
     deadline = spec.get("activeDeadlineSeconds")
@@ -242,7 +242,7 @@ def _replicated_job_violations(path: str, job: dict) -> list[str]:
 
 
 class TrainJobBackend:
-    """:class:`~tidal.kube.pytorchjob.TrainerJobBackend` on Kubeflow Trainer v2, through ``TrainerClient``.
+    """:class:`~tidal.kube.trainer_job.TrainerJobBackend` on Kubeflow Trainer v2, through ``TrainerClient``.
 
     ``client_factory(namespace)`` defaults to a ``TrainerClient`` on the in-cluster service account
     (or ``~/.kube/config``) for that namespace; one client per namespace, made on first use.

@@ -13,8 +13,18 @@ from tidal.config import TidalConfig, flatten
 log = logging.getLogger(__name__)
 
 
+def configured_uri(configured: str | None) -> str | None:
+    """The store a run names: its tracking.uri, else $MLFLOW_TRACKING_URI; None when neither does."""
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or None
+
+
+def local_store_uri(run_dir: str | Path) -> str:
+    """The sqlite store in the run directory, where a run that names no store logs."""
+    return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+
+
 def tracking_uri(cfg: TidalConfig, run_dir: str | Path) -> str:
-    return cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+    return configured_uri(cfg.tracking.uri) or local_store_uri(run_dir)
 
 
 def _client(uri: str):
@@ -85,8 +95,27 @@ def _build_template(template: Path) -> None:
         building.unlink(missing_ok=True)
 
 
-# The UI's experiment type: metric charts and run comparison ("Model training"), not GenAI traces.
+# MLflow 3's UI shows an experiment either as GenAI (traces, evaluations, an "Evaluations" run page)
+# or as model training (runs, metric charts, the model registry). The experiment tag says which to
+# the UIs that read it (its kind selector, and the pages of MLflow 3 versions before the workflow
+# switch). The 3.17 UI takes the view from its sidebar's GenAI / Model training switch instead,
+# which a page's address sets (workflowType), so every link to a page names the view as well.
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+MODEL_TRAINING_VIEW = {"workflowType": "machine_learning"}
+
+
+def ui_page(experiment_id: str, run_id: str | None = None, tab: str = "", **query: str) -> str:
+    """The MLflow UI's page of a run (``tab``: e.g. "model-metrics"), or of an experiment's runs side by
+    side, in the model-training view: the part of the address after the server's root."""
+    from urllib.parse import urlencode
+
+    path = f"#/experiments/{experiment_id}/runs" + (f"/{run_id}" if run_id else "") + (f"/{tab}" if tab else "")
+    return f"{path}?{urlencode({**query, **MODEL_TRAINING_VIEW})}"
+
+
+def run_page_url(ui_base: str, experiment_id: str, run_id: str) -> str:
+    """The run's page on the MLflow UI at ``ui_base`` (a gateway's prefix kept: pages are fragments of it)."""
+    return f"{ui_base.rstrip('/')}/{ui_page(experiment_id, run_id)}"
 
 
 def git_commit() -> str | None:
@@ -116,17 +145,22 @@ def run_tags(cfg: TidalConfig, run_dir: str | Path) -> dict[str, str]:
     return tags
 
 
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment of the store ``uri`` keeps its artifacts: beside a sqlite store (not in
+    the working directory of whoever created it); None lets a server choose."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
+    return None
+
+
 def experiment_id(client, name: str, uri: str) -> str:
-    """The experiment's id, created when missing: artifacts beside a sqlite store (not in the working
-    directory), and typed for the UI's model-training views."""
+    """The experiment's id, created when missing: artifacts where :func:`artifact_location` says, and
+    typed for the UI's model-training views."""
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    artifacts = None
-    if uri.startswith("sqlite:///"):
-        artifacts = (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
     try:
-        return client.create_experiment(name, artifact_location=artifacts, tags=EXPERIMENT_KIND)
+        return client.create_experiment(name, artifact_location=artifact_location(uri), tags=EXPERIMENT_KIND)
     except Exception:  # created by another run sharing the store in the meantime
         exp = client.get_experiment_by_name(name)
         if exp is None:
@@ -134,26 +168,67 @@ def experiment_id(client, name: str, uri: str) -> str:
         return exp.experiment_id
 
 
+MAX_PARAM_LENGTH = 6000  # MLflow refuses longer param values
+PARAMS_PER_CALL = 100  # MLflow's limit on params in one log_batch
+
+
+def create_run(uri: str, experiment: str, run_name: str, tags: dict[str, str], params: dict[str, str]) -> tuple[str, str]:
+    """Creates a run in ``experiment`` (created when missing, see :func:`experiment_id`) with its tags
+    and params (batched). Returns ``(experiment id, run id)``."""
+    from mlflow.entities import Param
+
+    client = _client(uri)
+    exp_id = experiment_id(client, experiment, uri)
+    run = client.create_run(exp_id, run_name=run_name, tags=tags)
+    batch = [Param(k, str(v)[:MAX_PARAM_LENGTH]) for k, v in sorted(params.items())]
+    for i in range(0, len(batch), PARAMS_PER_CALL):
+        client.log_batch(run.info.run_id, params=batch[i : i + PARAMS_PER_CALL])
+    return exp_id, run.info.run_id
+
+
 def start_run(cfg: TidalConfig, run_dir: str | Path, tags: dict[str, str] | None = None) -> str:
     """Creates the run (tagged with mode, model, git commit and run directory) and logs the resolved
     config as params, flattened with dotted keys. Returns the run id."""
-    from mlflow.entities import Param
-
-    uri = tracking_uri(cfg, run_dir)
-    client = _client(uri)
-    exp_id = experiment_id(client, cfg.tracking.experiment, uri)
-    run = client.create_run(exp_id, run_name=cfg.tracking.run_name or Path(run_dir).name, tags={**run_tags(cfg, run_dir), **(tags or {})})
-    params = [Param(k, v[:6000]) for k, v in flatten(cfg).items()]
-    for i in range(0, len(params), 100):
-        client.log_batch(run.info.run_id, params=params[i : i + 100])
-    return run.info.run_id
+    run_name = cfg.tracking.run_name or Path(run_dir).name
+    _, run_id = create_run(tracking_uri(cfg, run_dir), cfg.tracking.experiment, run_name, {**run_tags(cfg, run_dir), **(tags or {})}, flatten(cfg))
+    return run_id
 
 
 def set_tags(uri: str, run_id: str, tags: dict[str, str]) -> None:
     """Adds tags to an existing run (e.g. `system` for a benchmark's runs, set by the benchmark)."""
-    from mlflow.entities import RunTag
+    log_batch(uri, run_id, tags=tags)
 
-    _client(uri).log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+def log_batch(uri: str, run_id: str, metrics: dict[str, float] | None = None, step: int = 0, tags: dict[str, str] | None = None) -> None:
+    """Metrics (at ``step``, under the names given) and tags of an existing run, in one call."""
+    from mlflow.entities import Metric, RunTag
+
+    now = int(time.time() * 1000)
+    _client(uri).log_batch(
+        run_id,
+        metrics=[Metric(k, float(v), now, step) for k, v in (metrics or {}).items()],
+        tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()],
+    )
+
+
+def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
+    """Ends a run with ``status`` (FINISHED, FAILED, KILLED)."""
+    _client(uri).set_terminated(run_id, status=status)
+
+
+def register_model(uri: str, run_id: str, name: str, folder: str | Path, artifact_path: str, tags: dict[str, str] | None = None) -> str:
+    """Logs ``folder`` as the run's artifacts under ``artifact_path`` and registers them as a new
+    version of the registered model ``name`` (created on first use). Returns the version."""
+    client = _client(uri)
+    client.log_artifacts(run_id, str(folder), artifact_path=artifact_path)
+    try:
+        client.create_registered_model(name)
+    except Exception as err:  # already registered: add a version to it
+        if "already exists" not in str(err).lower() and "RESOURCE_ALREADY_EXISTS" not in str(err):
+            raise
+    source = f"{client.get_run(run_id).info.artifact_uri}/{artifact_path}"
+    version = client.create_model_version(name, source=source, run_id=run_id, tags=tags or {})
+    return str(version.version)
 
 
 # MLflow's UI groups charts by the prefix before "/": what the rollouts were, what the update did,

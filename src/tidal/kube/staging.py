@@ -1,0 +1,126 @@
+"""What the prepare step stages: the config, with the run form's knobs applied, checked as ``tidal run``
+checks it before anything starts, and written into the run directory with its data files found.
+
+Every later step reads the staged ``RUN_DIR/config.yaml``; the config as submitted is kept beside the
+steps' other records (``RUN_DIR/kube/submitted-config.yaml``).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from tidal.kube import cluster
+from tidal.kube.step_records import PipelineStepError, StepRecords
+from tidal.rundir import RunDir
+
+
+def parse_override_lines(text: str) -> list[str]:
+    """``key=value`` per line (or separated by ``;``); blank lines and ``#`` comments ignored."""
+    items = [part.strip() for line in text.splitlines() for part in line.split(";")]
+    overrides = [item for item in items if item and not item.startswith("#")]
+    for item in overrides:
+        if "=" not in item:
+            raise PipelineStepError(f"override {item!r} must look like key=value")
+    return overrides
+
+
+@dataclass(frozen=True)
+class PipelineKnobs:
+    """The pipeline parameters that become config overrides (0 / "" keep the config's value)."""
+
+    rounds: int
+    iterations_per_round: int
+    rollout_workers: int
+    group_size: int = 0
+    prompts_per_iteration: int = 0
+    mode: str = ""
+    experiment: str = ""
+    nats_url: str = ""
+    tracking_uri: str = ""
+    overrides: str = ""
+
+    def config_overrides(self) -> list[str]:
+        if self.rounds < 1 or self.iterations_per_round < 1:
+            raise PipelineStepError(f"rounds ({self.rounds}) and iterations_per_round ({self.iterations_per_round}) must both be at least 1")
+        result = [f"trainer.iterations={self.rounds * self.iterations_per_round}", f"rollout.workers={self.rollout_workers}"]
+        optional = {
+            "rollout.group_size": self.group_size,
+            "trainer.prompts_per_iteration": self.prompts_per_iteration,
+            "mode": self.mode,
+            "tracking.experiment": self.experiment,
+            "transport.nats_url": self.nats_url,
+            "tracking.uri": self.tracking_uri,
+        }
+        result += [f"{key}={value}" for key, value in optional.items() if value not in (0, "", None)]
+        return result + parse_override_lines(self.overrides)
+
+
+def stage_config(run: RunDir, config_yaml: str, config_path: str, overrides: list[str]) -> str:
+    """Validate the config with the overrides applied and write the resolved one into the run directory.
+
+    Config text (``config_yaml``, what ``tidal submit`` sends) has no folder of its own, so its data
+    paths must be absolute: a path in the image or on the data volume (``tidal submit`` rewrites
+    the paths of files it can map into the image and refuses the others). A config file in the
+    image (``config_path``) may use paths relative to its folder. Either way, the data files must
+    exist in this pod, or the step fails here naming the key instead of in a later pod.
+    """
+    from tidal.config import ConfigError, dump_config, load_config
+
+    record = StepRecords(run).create().submitted_config
+    if config_yaml.strip():
+        record.write_text(config_yaml)
+        relative = relative_data_paths(config_yaml)
+        if relative:
+            listed = ", ".join(f"{key}: {value!r}" for key, value in relative.items())
+            raise PipelineStepError(
+                f"config_yaml has relative data paths ({listed}): config text has no folder to resolve them against. "
+                f"Give absolute paths in the image or on the data volume ({cluster.DATA_MOUNT_PATH}), or submit with `tidal submit`, "
+                "which maps files of the image's examples/ folder"
+            )
+        source, base_dir = record, None
+    elif config_path:
+        if not Path(config_path).is_file():
+            raise PipelineStepError(f"config_path {config_path!r} does not exist in the component image")
+        shutil.copyfile(config_path, record)
+        source, base_dir = Path(config_path), None  # relative data paths: the file's folder in the image
+    else:
+        raise PipelineStepError("give the config as config_yaml (its text) or config_path (a file in the image)")
+    try:
+        config = load_config(source, overrides, base_dir)
+    except ConfigError as err:
+        raise PipelineStepError(str(err)) from None
+    missing = {key: value for key, value in data_paths(config).items() if not Path(value).is_file()}
+    if missing:
+        listed = ", ".join(f"{key}={value}" for key, value in missing.items())
+        raise PipelineStepError(f"data files not found in the pipeline's pods: {listed} (put them in the image or on the data volume)")
+    from tidal.preflight import check_before_start
+
+    try:  # what `tidal run` checks before it starts anything: reward names, data rows, prompt lengths
+        check_before_start(config)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        raise PipelineStepError(str(err)) from None
+    run.config.write_text(dump_config(config))
+    return str(run.config)
+
+
+DATA_PATH_KEYS = ("path", "eval_path")
+
+
+def relative_data_paths(config_yaml: str) -> dict[str, str]:
+    """``data.path`` / ``data.eval_path`` values of config text that are relative paths."""
+    import yaml
+
+    try:
+        data = (yaml.safe_load(config_yaml) or {}).get("data") or {}
+    except (yaml.YAMLError, AttributeError):
+        return {}  # the config loader reports the problem
+    if not isinstance(data, dict):
+        return {}
+    return {f"data.{key}": data[key] for key in DATA_PATH_KEYS if isinstance(data.get(key), str) and not Path(data[key]).is_absolute()}
+
+
+def data_paths(config) -> dict[str, str]:
+    """The data files a resolved config reads, by dotted key."""
+    return {f"data.{key}": getattr(config.data, key) for key in DATA_PATH_KEYS if getattr(config.data, key, None)}
