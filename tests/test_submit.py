@@ -23,9 +23,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tidal.kube import gate, roles
+from tidal.kube import gate
 from tidal.kube.gate import Check, Outcome, Requirement, RequirementError, check_requirements, outcome_dict, outcome_markdown, parse_requirement
+from tidal.kube.parent_run import RunLinks, end_parent_run, log_to_parent_run, open_parent_run
+from tidal.kube.staging import PipelineKnobs, stage_config
+from tidal.kube.step_records import StepRecords
 from tidal.kube.submit import KfpApiError, api_status_error, follow_run, unreachable_reason
+from tidal.rundir import RunDir
 
 # ---------------------------------------------------------------- requirements (pure)
 
@@ -238,21 +242,21 @@ class StandInKfpApi:
         spec = body["pipeline_spec"]["pipeline_spec"]
         defaults = {k: p.get("defaultValue") for k, p in spec["root"]["inputDefinitions"]["parameters"].items()}
         params = {**defaults, **body["runtime_config"]["parameters"]}
-        run_dir = str(self.root / run_id)
-        roles.state_dir(run_dir)
-        knobs = roles.PipelineKnobs(
+        run = RunDir(self.root / run_id)
+        StepRecords(run).create()
+        knobs = PipelineKnobs(
             rounds=int(params["rounds"]),
             iterations_per_round=int(params["iterations_per_round"]),
             rollout_workers=int(params["rollout_workers"]),
             tracking_uri=params["tracking_uri"],
         )
-        staged = roles.stage_config(run_dir, params["config_yaml"], "", knobs.config_overrides())
-        links = roles.RunLinks(kfp_ui_url=params["kfp_ui_url"], mlflow_ui_url=params["mlflow_ui_url"])
-        roles.open_parent_run(run_dir, staged, run_id, links)
+        staged = stage_config(run, params["config_yaml"], "", knobs.config_overrides())
+        links = RunLinks(kfp_ui_url=params["kfp_ui_url"], mlflow_ui_url=params["mlflow_ui_url"])
+        open_parent_run(run, staged, run_id, links)
         for round_index, metrics in enumerate(self.rounds):
-            roles.log_to_parent_run(run_dir, metrics={"round/policy_version": float(round_index + 1)}, step=round_index)
-            roles.log_to_parent_run(run_dir, metrics={f"eval/{k}": v for k, v in metrics.items()}, step=round_index)
-        roles.end_parent_run(run_dir, succeeded=self.states[-1] == "SUCCEEDED")
+            log_to_parent_run(run, metrics={"round/policy_version": float(round_index + 1)}, step=round_index)
+            log_to_parent_run(run, metrics={f"eval/{k}": v for k, v in metrics.items()}, step=round_index)
+        end_parent_run(run, succeeded=self.states[-1] == "SUCCEEDED")
 
     def answer(self, method: str, path: str, body: dict | None) -> tuple[int, dict]:
         self.calls.append((method, path))
@@ -424,7 +428,9 @@ def test_wait_with_met_requirements_exits_0_and_writes_the_outcome_with_a_stand_
         ("eval/accuracy>=0.5", True), ("eval/sampled_accuracy > 0.6", True), ("round/policy_version==2", True)
     ]  # fmt: skip
     assert data["kfp_run_url"] == f"{host}/#/runs/details/{run_id}"
-    assert data["mlflow_run_url"].startswith("https://kf.example/mlflow/#/experiments/") and data["mlflow_run_url"].endswith(data["mlflow_run_id"])
+    assert data["mlflow_run_url"].startswith("https://kf.example/mlflow/#/experiments/") and data["mlflow_run_url"].endswith(
+        f"/runs/{data['mlflow_run_id']}?workflowType=machine_learning"
+    )
 
     summary = step_summary.read_text()  # appended to, not replaced
     assert summary.startswith("earlier step\n## Tidal run [") and ": SUCCEEDED\n\nGate: **passed**\n" in summary

@@ -59,9 +59,8 @@ def have_mlflow_server() -> bool:
 def resolve(run_dir: str | None, tracking_uri: str | None, experiment: str | None = None) -> Target:
     """The store and the page: RUN_DIR's run.json (its store and run), else --tracking-uri, else
     $MLFLOW_TRACKING_URI; --experiment NAME opens that experiment (the compare view of its runs)."""
-    from mlflow.tracking import MlflowClient
-
     from tidal.rundir import RunDir
+    from tidal.tracking import experiment_id_by_name, experiment_of_run
 
     run_id = None
     if run_dir is not None:
@@ -73,17 +72,15 @@ def resolve(run_dir: str | None, tracking_uri: str | None, experiment: str | Non
             raise ValueError("tidal ui needs a run directory (with run.json) or --tracking-uri URI (or $MLFLOW_TRACKING_URI)")
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         raise FileNotFoundError(f"{uri}: no such MLflow store")
-    client = MlflowClient(tracking_uri=uri)
     experiment_id = None
     if run_id:
-        experiment_id = client.get_run(run_id).info.experiment_id
+        experiment_id = experiment_of_run(uri, run_id)
         if experiment is not None:  # the experiment's page, where this run sits beside the others
             run_id = None
     if experiment is not None:
-        exp = client.get_experiment_by_name(experiment)
-        if exp is None:
+        experiment_id = experiment_id_by_name(uri, experiment)
+        if experiment_id is None:
             raise ValueError(f"no experiment named {experiment!r} in {uri}")
-        experiment_id = exp.experiment_id
     return Target(uri, experiment_id, run_id)
 
 

@@ -567,16 +567,17 @@ def trl_child(argv: list[str]) -> None:
     from transformers import TrainerCallback
 
     from tidal.config import flatten
-    from tidal.tracking import Tracker, _client, experiment_id
+    from tidal.tracking import Tracker, create_run, log_params
 
     tracking = json.loads(args.tracking)
-    client = _client(tracking["uri"])
-    run = client.create_run(
-        experiment_id(client, tracking["experiment"], tracking["uri"]),
-        run_name=f"trl-rep{tracking['rep']}",
-        tags={"system": "trl", "mode": "trl", "bench": "trl", "bench.invocation": tracking["invocation"], "trl.version": _trl_version()},
+    _, run_id = create_run(
+        tracking["uri"],
+        tracking["experiment"],
+        f"trl-rep{tracking['rep']}",
+        {"system": "trl", "mode": "trl", "bench": "trl", "bench.invocation": tracking["invocation"], "trl.version": _trl_version()},
+        {},
     )
-    tracker = Tracker(tracking["uri"], run.info.run_id)
+    tracker = Tracker(tracking["uri"], run_id)
     rows = prompt_rows(cfg, dataset, args.steps)
     P = cfg.trainer.prompts_per_iteration
     clock = {"last": None, "steps": [], "generate": [], "generating": 0.0, "rewards": [], "generations": []}
@@ -622,11 +623,7 @@ def trl_child(argv: list[str]) -> None:
 
         check_prompt_tokens(trainer, cfg, load_tokenizer(base), rows)
         params = {**flatten(cfg), **{f"trl.{k}": str(v) for k, v in trl_settings(cfg, args.micro_batches)[0].items()}}
-        from mlflow.entities import Param
-
-        batch = [Param(k, v[:6000]) for k, v in params.items()]
-        for i in range(0, len(batch), 100):
-            client.log_batch(run.info.run_id, params=batch[i : i + 100])
+        log_params(tracking["uri"], run_id, params)
         try:
             trainer.train()
         except BaseException:
@@ -647,7 +644,7 @@ def trl_child(argv: list[str]) -> None:
                 "generate_seconds": clock["generate"],
                 "reward_mean": clock["rewards"],
                 "samples": [float(samples)] * len(clock["steps"]),
-                "mlflow_run_id": run.info.run_id,
+                "mlflow_run_id": run_id,
             }
         )
     )

@@ -337,30 +337,19 @@ class MlflowRun:
 
 
 def pipeline_mlflow_run(tracking_uri: str, kfp_run_id: str, mlflow_ui_url: str = "") -> MlflowRun | None:
-    """The MLflow parent run that the pipeline's prepare step opened for this KFP run (``roles.open_parent_run``
+    """The MLflow parent run that the pipeline's prepare step opened for this KFP run (``parent_run.open_parent_run``
     tags it ``kfp.run_id`` and ``tidal.role=pipeline``); None when there is none."""
-    from mlflow.tracking import MlflowClient
-
-    from tidal.kube.roles import RunLinks, mlflow_run_url, mlflow_ui_base
+    from tidal.kube.parent_run import RunLinks, mlflow_ui_base
+    from tidal.tracking import find_run, run_page_url
 
     if not re.fullmatch(r"[\w.-]+", kfp_run_id):
         raise ValueError(f"KFP run id {kfp_run_id!r} cannot be searched for")
-    client = MlflowClient(tracking_uri=tracking_uri)
-    experiment_ids, token = [], None
-    while True:
-        page = client.search_experiments(page_token=token)
-        experiment_ids += [e.experiment_id for e in page]
-        token = page.token
-        if not token:
-            break
-    query = f"tags.`kfp.run_id` = '{kfp_run_id}' and tags.`tidal.role` = 'pipeline'"
-    runs = client.search_runs(experiment_ids, filter_string=query, max_results=1) if experiment_ids else []
-    if not runs:
+    found = find_run(tracking_uri, {"kfp.run_id": kfp_run_id, "tidal.role": "pipeline"})
+    if found is None:
         return None
-    run = runs[0]
     ui = mlflow_ui_base(RunLinks(mlflow_ui_url=mlflow_ui_url), tracking_uri)
-    url = mlflow_run_url(ui, run.info.experiment_id, run.info.run_id) if ui else ""
-    return MlflowRun(run.info.run_id, url, {k: float(v) for k, v in run.data.metrics.items()})
+    url = run_page_url(ui, found.experiment_id, found.run_id) if ui else ""
+    return MlflowRun(found.run_id, url, found.metrics)
 
 
 @dataclass(frozen=True)

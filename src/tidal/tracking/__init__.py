@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.config import TidalConfig, flatten
@@ -175,15 +176,55 @@ PARAMS_PER_CALL = 100  # MLflow's limit on params in one log_batch
 def create_run(uri: str, experiment: str, run_name: str, tags: dict[str, str], params: dict[str, str]) -> tuple[str, str]:
     """Creates a run in ``experiment`` (created when missing, see :func:`experiment_id`) with its tags
     and params (batched). Returns ``(experiment id, run id)``."""
-    from mlflow.entities import Param
-
     client = _client(uri)
     exp_id = experiment_id(client, experiment, uri)
     run = client.create_run(exp_id, run_name=run_name, tags=tags)
-    batch = [Param(k, str(v)[:MAX_PARAM_LENGTH]) for k, v in sorted(params.items())]
-    for i in range(0, len(batch), PARAMS_PER_CALL):
-        client.log_batch(run.info.run_id, params=batch[i : i + PARAMS_PER_CALL])
+    log_params(uri, run.info.run_id, params)
     return exp_id, run.info.run_id
+
+
+def log_params(uri: str, run_id: str, params: dict[str, str]) -> None:
+    """Params of an existing run, in batches (MLflow's limits on their number and length)."""
+    from mlflow.entities import Param
+
+    batch = [Param(k, str(v)[:MAX_PARAM_LENGTH]) for k, v in sorted(params.items())]
+    client = _client(uri)
+    for i in range(0, len(batch), PARAMS_PER_CALL):
+        client.log_batch(run_id, params=batch[i : i + PARAMS_PER_CALL])
+
+
+@dataclass(frozen=True)
+class FoundRun:
+    run_id: str
+    experiment_id: str
+    metrics: dict[str, float]  # the last value of each metric
+
+
+def find_run(uri: str, tags: dict[str, str]) -> FoundRun | None:
+    """The first run, in any experiment of the store, that carries every tag given; None if none does."""
+    client = _client(uri)
+    experiment_ids, token = [], None
+    while True:
+        page = client.search_experiments(page_token=token)
+        experiment_ids += [e.experiment_id for e in page]
+        token = page.token
+        if not token:
+            break
+    query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
+    runs = client.search_runs(experiment_ids, filter_string=query, max_results=1) if experiment_ids else []
+    if not runs:
+        return None
+    run = runs[0]
+    return FoundRun(run.info.run_id, run.info.experiment_id, {k: float(v) for k, v in run.data.metrics.items()})
+
+
+def experiment_of_run(uri: str, run_id: str) -> str:
+    return _client(uri).get_run(run_id).info.experiment_id
+
+
+def experiment_id_by_name(uri: str, name: str) -> str | None:
+    found = _client(uri).get_experiment_by_name(name)
+    return None if found is None else found.experiment_id
 
 
 def start_run(cfg: TidalConfig, run_dir: str | Path, tags: dict[str, str] | None = None) -> str:
