@@ -353,7 +353,7 @@ def test_forged_and_malformed_groups_are_rejected_and_counted_and_the_run_finish
     import numpy as np
 
     from tidal.protocol import Group, Sample, pack
-    from tidal.rundir import RunInfo
+    from tidal.rundir import RunDir
     from tidal.transport import stream_names
 
     config = write_config({"eval.enabled": False, "reward.functions": [{"name": "tests.rewards:slow_exact_match"}]})
@@ -387,7 +387,7 @@ def test_forged_and_malformed_groups_are_rejected_and_counted_and_the_run_finish
     ]
 
     async def inject():
-        info = RunInfo.load(run_dir)
+        info = RunDir(run_dir).info()
         nc = await nats.connect(embedded_nats_url(run_dir), token=(run_dir / "nats-token").read_text())  # the run's own credentials
         js = nc.jetstream()
         for i, payload in enumerate(bad):
