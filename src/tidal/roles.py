@@ -132,39 +132,39 @@ async def follower_trainer(cfg, run: RunDir, info: RunInfo, ctx: DistContext, st
 async def main_trainer(
     cfg, run: RunDir, nats_url: str, info: RunInfo, ctx: DistContext, strategy: Strategy, device: str, iterations: int | None
 ) -> list[dict]:
-    transport = await Transport.connect(nats_url, info.run_id, cfg.transport, create=True)
-    try:  # from here on, any failure (a model that does not load included) is written to the run state
-        dataset = load_dataset(cfg.data, cfg.seed)
-        learner, _ = build_learner(cfg, info.base_model, strategy, device)
-        store = WeightStore(run.weights, info.base_model)
-        tracker = run.tracker()
-        status = await transport.run_status()
-        if status is None or status.state is not RunState.RUNNING:
-            await transport.put_run_state(RunState.RUNNING, status.round if status else None)
-        push = await nccl_weight_push(cfg, transport)
-        if push is not None and ctx.distributed:
-            # the full weights are a collective of every rank; the push runs on rank 0 alone
-            await weight_handshake.turn_off(transport, f"the trainer has {ctx.world_size} ranks: weights go through the weight store")
-            push = None
-        weight_push = None if push is None else (lambda v: push.push(v, learner.model.state_dict()))
-        # one rank only: gathering the weights is a collective under several ranks
-        repair = (lambda v: on_compute_thread(lambda: store.repair(v, learner.full_state_dict()))) if ctx.world_size == 1 else None
-        source = QueueSource(transport, group_limits(cfg, learner, transport.max_message_bytes), lambda v: str(store.path(v)), weight_push, repair)
-        if ctx.distributed:
-            source = BroadcastSource(source, ctx)
-        history = await train(cfg, learner, source, dataset, store, run, tracker, iterations)
-        finished = (store.latest_version() or 0) >= cfg.trainer.iterations
-        await transport.put_run_state(RunState.DONE if finished else RunState.ROUND_DONE, status.round if status else None)
-        log.info("trainer finished %d iterations", len(history))
-        return history
-    except BaseException:
-        try:
-            await transport.put_run_state(RunState.FAILED)
-        except Exception as err:  # noqa: BLE001 - NATS may be what failed: the original error is the one to report
-            log.warning("could not record the failed run state: %s", err)
-        raise
-    finally:
-        await transport.close()
+    async with session(nats_url, info.run_id, cfg.transport, create=True) as transport:
+        try:  # from here on, any failure (a model that does not load included) is written to the run state
+            dataset = load_dataset(cfg.data, cfg.seed)
+            learner, _ = build_learner(cfg, info.base_model, strategy, device)
+            store = WeightStore(run.weights, info.base_model)
+            tracker = run.tracker()
+            status = await transport.run_status()
+            if status is None or status.state is not RunState.RUNNING:
+                await transport.put_run_state(RunState.RUNNING, status.round if status else None)
+            push = await nccl_weight_push(cfg, transport)
+            if push is not None and ctx.distributed:
+                # the full weights are a collective of every rank; the push runs on rank 0 alone
+                await weight_handshake.turn_off(transport, f"the trainer has {ctx.world_size} ranks: weights go through the weight store")
+                push = None
+            weight_push = None if push is None else (lambda v: push.push(v, learner.model.state_dict()))
+            # one rank only: gathering the weights is a collective under several ranks
+            repair = (lambda v: on_compute_thread(lambda: store.repair(v, learner.full_state_dict()))) if ctx.world_size == 1 else None
+            source = QueueSource(
+                transport, group_limits(cfg, learner, transport.max_message_bytes), lambda v: str(store.path(v)), weight_push, repair
+            )
+            if ctx.distributed:
+                source = BroadcastSource(source, ctx)
+            history = await train(cfg, learner, source, dataset, store, run, tracker, iterations)
+            finished = (store.latest_version() or 0) >= cfg.trainer.iterations
+            await transport.put_run_state(RunState.DONE if finished else RunState.ROUND_DONE, status.round if status else None)
+            log.info("trainer finished %d iterations", len(history))
+            return history
+        except BaseException:
+            try:
+                await transport.put_run_state(RunState.FAILED)
+            except Exception as err:  # noqa: BLE001 - NATS may be what failed: the original error is the one to report
+                log.warning("could not record the failed run state: %s", err)
+            raise
 
 
 def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: WeightStore, engine=None) -> InProcessSource:

@@ -76,10 +76,8 @@ def stage_base_model(base_model: str | Path, run: RunDir, shared_roots: tuple[st
 
 
 async def _create_transport(cfg, run: RunDir) -> None:
-    from tidal.transport import Transport
-
-    transport = await Transport.connect(nats_url(cfg), run_id_of(run), cfg.transport, create=True)
-    await transport.close()
+    async with _session(cfg, run):
+        pass  # a session with create=True sets up the run's streams and KV bucket
 
 
 def open_round(run: RunDir, config_path: str, round_index: int) -> None:
@@ -129,16 +127,13 @@ def end_round(run: RunDir, config_path: str, job_id: str, round_index: int) -> N
 async def _reset_rounds(cfg, run: RunDir, job_id: str) -> str | None:
     from tidal.protocol import pack
 
-    transport = await _transport(cfg, run)
-    try:
+    async with _session(cfg, run) as transport:
         current, _ = await _read_lease(transport)
         warning = None
         if current and current.get("job") != job_id and current.get("state") == "open":
             warning = f"pipeline run {current.get('job')} had round {current.get('round')} of this run directory open; it will stop at its next round"
         await transport.kv.put(ROUND_LEASE_KEY, pack({"job": job_id, "round": -1, "state": "closed", "time": time.time()}))
         return warning
-    finally:
-        await transport.close()
 
 
 async def _move_lease(cfg, run: RunDir, job_id: str, round_index: int, to_state: str) -> None:
@@ -146,8 +141,7 @@ async def _move_lease(cfg, run: RunDir, job_id: str, round_index: int, to_state:
 
     from tidal.protocol import pack
 
-    transport = await _transport(cfg, run)
-    try:
+    async with _session(cfg, run) as transport:
         current, revision = await _read_lease(transport)
         if current is None and to_state == "open" and round_index == 0:
             current = {"job": job_id, "round": -1, "state": "closed"}  # a run prepared before leases existed
@@ -166,8 +160,6 @@ async def _move_lease(cfg, run: RunDir, job_id: str, round_index: int, to_state:
                 f"round {round_index} of pipeline run {job_id}: another step changed the round lease at the same moment, "
                 f"so rounds of this run directory are running concurrently. {CONCURRENT_ROUNDS_ADVICE}"
             ) from None
-    finally:
-        await transport.close()
 
 
 CONCURRENT_ROUNDS_ADVICE = (
@@ -213,10 +205,11 @@ async def _read_lease(transport) -> tuple[dict | None, int | None]:
     return (value if isinstance(value, dict) else None), entry.revision
 
 
-async def _transport(cfg, run: RunDir):
-    from tidal.transport import Transport
+def _session(cfg, run: RunDir, create: bool = True):
+    """``async with _session(cfg, run) as transport``: the run's transport, closed at the block's end."""
+    from tidal.transport import session
 
-    return await Transport.connect(nats_url(cfg), run_id_of(run), cfg.transport, create=True)
+    return session(nats_url(cfg), run_id_of(run), cfg.transport, create=create)
 
 
 def mark_run_failed(run: RunDir, config_path: str, round_index: int | None = None) -> None:
@@ -228,13 +221,8 @@ def mark_run_failed(run: RunDir, config_path: str, round_index: int | None = Non
 
 
 async def _put_run_state(cfg, run: RunDir, state: RunState, round_index: int | None) -> None:
-    from tidal.transport import Transport
-
-    transport = await Transport.connect(nats_url(cfg), run_id_of(run), cfg.transport, create=True)
-    try:
+    async with _session(cfg, run) as transport:
         await transport.put_run_state(state, round_index)
-    finally:
-        await transport.close()
 
 
 def delete_run_transport(run: RunDir, config_path: str) -> list[str]:
@@ -289,11 +277,6 @@ def read_run_state(run: RunDir, config_path: str) -> str | None:
 
 
 async def _get_run_state(cfg, run: RunDir) -> dict | None:
-    from tidal.transport import Transport
-
-    transport = await Transport.connect(nats_url(cfg), run_id_of(run), cfg.transport, create=False)
-    try:
+    async with _session(cfg, run, create=False) as transport:
         status = await transport.run_status()
-        return None if status is None else status.state.value
-    finally:
-        await transport.close()
+    return None if status is None else status.state.value
