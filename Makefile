@@ -70,7 +70,7 @@ docs: install-test
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(DOCS_SITE)
 
 # Two pytest processes, whole files each (a file's fixtures, e.g. a shared run, stay in one process): the
-# suite is mostly waiting on subprocesses it starts, so two at a time cut it from ~40 to ~30 min on 2 cores.
+# suite is mostly waiting on subprocesses it starts, so two at a time finish it sooner even on 2 cores.
 TEST_PROCS ?= 2
 test-core: install-test
 	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_PROCS) --dist loadfile

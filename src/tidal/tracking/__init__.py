@@ -42,7 +42,7 @@ def schema_template_dir() -> Path:
 
 def seed_sqlite_store(db: Path) -> None:
     """A new sqlite store starts as a copy of an empty one already migrated by this MLflow version
-    (cached once per machine): MLflow's ~60 schema migrations take ~4 s on every new run otherwise.
+    (cached once per machine): MLflow's schema migrations would otherwise run again for every new run.
     The template has no Default experiment, so MLflow creates it with this store's artifact root.
     Files appear only whole (a temp file, then a link or rename); a store that exists, or that
     another process creates meanwhile, is never replaced."""

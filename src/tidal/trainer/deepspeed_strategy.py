@@ -54,7 +54,7 @@ def _missing() -> ImportError:
 def import_deepspeed(device_type: str):
     """DeepSpeed, with its accelerator matching Tidal's device (DS_ACCELERATOR, unless already set).
     On CPU the shared-memory all-reduce op is not built: only DeepSpeed's inference tensor
-    parallelism uses it (ZeRO's collectives are the process group's), and it is a ~1 min C++ JIT
+    parallelism uses it (ZeRO's collectives are the process group's), and it is a C++ JIT
     compile on a fresh environment. DeepSpeed keeps its op-compatibility table as a module dict
     whose edits persist (deepspeed/ops/__init__.py), so the op is marked unavailable there."""
     os.environ.setdefault("DS_ACCELERATOR", ACCELERATORS.get(device_type, device_type))
