@@ -14,7 +14,7 @@ from tidal.data import load_dataset
 from tidal.model.warm_start import prepare_base_model
 from tidal.protocol import Group, Sample, decode_work_item
 from tidal.roles import build_learner, group_limits
-from tidal.rundir import RunFiles
+from tidal.rundir import RunDir
 from tidal.trainer.loop import train
 from tidal.trainer.sources import QueueSource
 from tidal.transport import Transport
@@ -78,7 +78,7 @@ def test_groups_that_arrive_while_the_learner_trains_are_received_then_and_train
 
         source.receive = watched_receive
         try:
-            return await asyncio.wait_for(train(tiny_config, learner, source, dataset, store, RunFiles(tmp_path), None, iterations=1), 120)
+            return await asyncio.wait_for(train(tiny_config, learner, source, dataset, store, RunDir(tmp_path), None, iterations=1), 120)
         finally:
             worker.cancel()
             await transport.close()
