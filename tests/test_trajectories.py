@@ -173,3 +173,25 @@ def test_an_inserted_token_the_policy_finds_unlikely_cannot_poison_the_update():
     assert all(torch.isfinite(p.grad).all() for p in learner.model.parameters() if p.grad is not None)
     metrics = learner.step()
     assert metrics["steps_skipped"] == 0.0 and np.isfinite(metrics["policy_loss"]) and np.isfinite(metrics["kl"])
+
+
+def test_the_trainer_holds_a_trajectory_to_the_runs_turn_and_token_limits():
+    """What a group may contain follows rollout.*: single-turn limits without an environment, the
+    turn limits with one."""
+    from tidal.config import config_from_dict
+    from tidal.protocol import ProtocolError, decode_group, pack
+    from tidal.roles import group_limits
+
+    model, tok = tiny()
+    learner = Learner(TrainerConfig(), model, tok.pad_token_id)
+    rng = np.random.default_rng(2)
+    runs = [(1, 3), (0, 4), (1, 3)]  # 6 sampled tokens in two turns, 4 inserted
+    message = pack(Group(0, 0, 0, "t", np.array([5, 6], dtype=np.int32), [trajectory(rng, runs, 1.0), trajectory(rng, runs, 0.0)]))
+    single = config_from_dict({"rollout": {"group_size": 2, "max_new_tokens": 8}})
+    with pytest.raises(ProtocolError, match="10 tokens, more than max_new_tokens 8"):
+        decode_group(message, group_limits(single, learner, 10**6)(0))
+    agent = config_from_dict({"rollout": {"group_size": 2, "max_new_tokens": 3, "env": "tools", "max_turns": 2, "max_env_tokens_per_turn": 4}})
+    assert decode_group(message, group_limits(agent, learner, 10**6)(0)).samples[0].loss_mask.tolist() == [1, 1, 1, 0, 0, 0, 0, 1, 1, 1]
+    tight = agent.model_copy(update={"rollout": agent.rollout.model_copy(update={"max_env_tokens_per_turn": 3})})
+    with pytest.raises(ProtocolError, match="10 tokens, more than 2 turns"):
+        decode_group(message, group_limits(tight, learner, 10**6)(0))

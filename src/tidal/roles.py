@@ -80,6 +80,8 @@ def group_limits(cfg: TidalConfig, learner: Learner, max_bytes: int):
         return GroupLimits(
             vocab_size=vocab,
             max_new_tokens=cfg.rollout.max_new_tokens,
+            max_turns=cfg.rollout.max_turns if cfg.rollout.env else 1,
+            max_env_tokens_per_turn=cfg.rollout.max_env_tokens_per_turn if cfg.rollout.env else 0,
             group_size=cfg.rollout.group_size,
             newest_version=version,
             max_bytes=max_bytes,
