@@ -187,3 +187,17 @@ def test_single_turn_limits_apply_to_a_masked_sample_too():
     """With max_turns 1 (no environment), a masked sample is held to max_new_tokens like any other."""
     with pytest.raises(ProtocolError, match="7 tokens, more than max_new_tokens 6"):
         decode_group(pack(group(samples=[trajectory((1, 1, 1, 0, 1, 1, 1)), sample()])), LIMITS)
+
+
+def test_a_groups_environment_counts_roundtrip_and_are_checked():
+    g = decode_group(pack(group(env_stats={"trajectories": 2, "tool_calls": 3.0})), LIMITS)
+    assert g.env_stats == {"trajectories": 2.0, "tool_calls": 3.0}
+    assert "env_stats" not in wire(group()) and decode_group(pack(group()), LIMITS).env_stats is None
+    for stats, reason in [
+        ({"tool_calls": -1}, r"env_stats\['tool_calls'\]: -1 is not a finite count"),
+        ({"tool_calls": math.nan}, "is not a finite count"),
+        ({"tool_calls": "3"}, "expected name -> number, got 'tool_calls': str"),
+        ({f"k{i}": 1 for i in range(65)}, "expected a map of at most 64 named numbers"),
+    ]:
+        with pytest.raises(ProtocolError, match=reason):
+            decode_group(pack(group(env_stats=stats)), LIMITS)

@@ -121,6 +121,9 @@ class Group:
     reward_errors: int = 0
     weight_load_seconds: float = 0.0
     worker_idle_seconds: float = 0.0
+    # multi-turn rollouts: the environment's counts summed over the group's trajectories (turns,
+    # tool calls, tool errors, ...); None (left off the wire) for single-turn groups
+    env_stats: dict[str, float] | None = None
 
     @property
     def msg_id(self) -> str:
@@ -189,7 +192,8 @@ def _ext_hook(code: int, data: bytes):
 
 # Optional fields left off the wire when unset, so messages that do not use them keep their size and
 # older readers' view of them (a single-turn sample has no loss mask).
-_OMITTED_WHEN_NONE = frozenset({"loss_mask"})
+_OMITTED_WHEN_NONE = frozenset({"loss_mask", "env_stats"})
+_MAX_ENV_STATS = 64  # named counts a group may carry
 
 
 def _fields(pairs: list[tuple[str, Any]]) -> dict:
@@ -359,6 +363,19 @@ def _sample_from(data: Any, what: str, limits: GroupLimits) -> Sample:
     )
 
 
+def _env_stats(value: Any, what: str) -> dict[str, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > _MAX_ENV_STATS:
+        raise ProtocolError(f"{what}: expected a map of at most {_MAX_ENV_STATS} named numbers, got {_describe(value)}")
+    for name, number in value.items():
+        if not isinstance(name, str) or isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ProtocolError(f"{what}: expected name -> number, got {name!r}: {type(number).__name__}")
+        if not math.isfinite(number) or number < 0:
+            raise ProtocolError(f"{what}[{name!r}]: {number} is not a finite count")
+    return {k: float(v) for k, v in value.items()}
+
+
 def group_from(data: Any, limits: GroupLimits = GroupLimits()) -> Group:
     d = _mapping(data, "group")
     where = "group"
@@ -392,6 +409,7 @@ def group_from(data: Any, limits: GroupLimits = GroupLimits()) -> Group:
     )
     if not group.prompt_ids.size:
         raise ProtocolError(f"{where}.prompt_ids: empty prompt")
+    group.env_stats = _env_stats(d.get("env_stats"), f"{where}.env_stats")
     return group
 
 
