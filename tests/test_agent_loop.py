@@ -75,6 +75,7 @@ def agent_config(env: str, **rollout):
         {
             "rollout": {"group_size": G, "max_new_tokens": MAX_NEW_TOKENS, "env": env, "tools": ["calc"], "max_turns": 3, **rollout},
             "trainer": {"prompts_per_iteration": 2},
+            "eval": {"enabled": False},
         }
     )
 
@@ -176,7 +177,8 @@ def test_a_worker_pulls_for_whole_trajectories():
                 "env": "tools",
                 "max_turns": 3,
                 "max_env_tokens_per_turn": 20,
-            }
+            },
+            "eval": {"enabled": False},
         }
     )
     assert pull_size(single, 40) == 4000 // (4 * (40 + 10))
@@ -187,7 +189,7 @@ def test_a_named_model_without_a_chat_template_is_refused():
     from tidal.envs import EnvError
 
     tok = build_char_tokenizer()
-    cfg = config_from_dict({"model": {"name_or_path": "/some/model"}, "rollout": {"env": "tools"}})
+    cfg = config_from_dict({"model": {"name_or_path": "/some/model"}, "rollout": {"env": "tools"}, "eval": {"enabled": False}})
     with pytest.raises(EnvError, match="rollout.env needs a chat template"):
         AgentLoop.from_config(cfg, tok)
 

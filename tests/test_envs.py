@@ -291,10 +291,10 @@ def test_environment_names_resolve_or_fail_naming_what_is_wrong(env, tools, erro
 
 
 def test_the_launcher_checks_the_environment_before_anything_starts():
-    cfg = config_from_dict({"rollout": {"env": "tests.test_envs:Counter", "tools": ["tests.test_envs:nothing"]}})
+    cfg = config_from_dict({"rollout": {"env": "tests.test_envs:Counter", "tools": ["tests.test_envs:nothing"]}, "eval": {"enabled": False}})
     with pytest.raises(EnvError, match="module 'tests.test_envs' has no tool 'nothing'"):
         check_environment(cfg)
-    check_environment(config_from_dict({"rollout": {"env": "tools", "tools": ["calc"]}}))
+    check_environment(config_from_dict({"rollout": {"env": "tools", "tools": ["calc"]}, "eval": {"enabled": False}}))
     check_environment(config_from_dict({}))  # single-turn: nothing to check
 
 
@@ -309,7 +309,9 @@ def test_the_built_in_names_the_config_accepts_are_the_registered_ones():
 
 
 def test_the_agent_keys_load_and_are_checked():
-    cfg = config_from_dict({"rollout": {"env": "my.module:Env", "tools": ["calc", "my.tools:search"], "max_turns": 3, "max_tool_calls": 0}})
+    cfg = config_from_dict(
+        {"rollout": {"env": "my.module:Env", "tools": ["calc", "my.tools:search"], "max_turns": 3, "max_tool_calls": 0}, "eval": {"enabled": False}}
+    )
     r = cfg.rollout
     assert (r.env, r.tools, r.tool_parser, r.max_turns, r.max_tool_calls) == ("my.module:Env", ["calc", "my.tools:search"], "hermes", 3, 0)
     assert config_from_dict({}).rollout.env is None
@@ -328,8 +330,10 @@ def test_the_agent_keys_load_and_are_checked():
         ({"env": "tools", "trajectory_timeout_seconds": -1}, {}, "rollout.trajectory_timeout_seconds: Input should be greater than 0"),
         ({"env": "tools", "engine": "vllm"}, {}, "multi-turn rollouts run on rollout.engine 'hf' for now, not 'vllm'"),
         ({"env": "tools"}, {"reward": {"overlong_buffer": 4}}, "reward.overlong_buffer measures one response"),
+        ({"env": "tools"}, {"eval": {"enabled": True}}, "held-out evaluation through rollout.env is not built yet; set eval.enabled: false"),
     ],
 )
 def test_a_bad_agent_config_is_one_clear_error(rollout, extra, error):
+    extra = {"eval": {"enabled": False}, **extra}
     with pytest.raises(ConfigError, match=error.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
         config_from_dict({"rollout": rollout, **extra})

@@ -372,6 +372,10 @@ class TidalConfig(_Strict):
 
     @model_validator(mode="after")
     def _overlong_penalty_is_single_turn(self) -> TidalConfig:
+        if self.rollout.env is not None and self.eval.enabled:
+            # held-out accuracy is measured on single responses to the raw prompt: for an agent it would
+            # score a task the policy is not trained on
+            raise _error("eval.enabled: held-out evaluation through rollout.env is not built yet; set eval.enabled: false")
         if self.rollout.env is not None and self.reward.overlong_buffer:
             raise _error(
                 "reward.overlong_buffer measures one response against rollout.max_new_tokens: with rollout.env "
