@@ -18,6 +18,7 @@ from tidal.algo import (
     policy_token_loss,
     ppo_clip_token_loss,
     rloo_advantages,
+    sampled_only,
     sequence_log_ratio,
     token_logprobs_from_logits,
     truncated_importance_weights,
@@ -120,3 +121,22 @@ def test_token_logprobs_with_temperature():
     logits = torch.tensor([[[2.0, 0.0, -1.0]]])
     got, _ = token_logprobs_from_logits(logits, torch.tensor([[0]]), temperature=2.0)
     assert torch.allclose(got, torch.log_softmax(logits / 2.0, -1)[..., 0])
+
+
+def test_aggregations_over_a_multi_turn_loss_mask():
+    """Masks with holes (inserted tokens between sampled turns): each mode reads the sampled tokens only."""
+    loss = torch.tensor([[1.0, 50.0, 50.0, 3.0, 0.0], [2.0, 2.0, 70.0, 70.0, 4.0]])
+    mask = torch.tensor([[1, 0, 0, 1, 0], [1, 1, 0, 0, 1]]).float()
+    assert aggregate_numerator(loss, mask, "token_mean") == (torch.tensor(12.0), 5.0)
+    num, units = aggregate_numerator(loss, mask, "seq_mean_token_mean")
+    assert torch.allclose(num, torch.tensor((1 + 3) / 2 + (2 + 2 + 4) / 3)) and units == 2.0
+    num, units = aggregate_numerator(loss, mask, "seq_mean_token_sum_norm", 4.0)
+    assert torch.allclose(num, torch.tensor((4 + 8) / 4)) and units == 2.0
+
+
+def test_sampled_only_zeroes_inserted_tokens_and_their_gradient():
+    logp = torch.tensor([[-1.0, -900.0, -2.0]], requires_grad=True)
+    kept = sampled_only(logp, torch.tensor([[1, 0, 1]]))
+    assert kept.tolist() == [[-1.0, 0.0, -2.0]]
+    (torch.exp(-kept) * torch.tensor([[1.0, 0.0, 1.0]])).sum().backward()  # exp(900) would be inf: inf * 0 = nan
+    assert torch.isfinite(logp.grad).all() and logp.grad[0, 1] == 0.0

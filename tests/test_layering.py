@@ -1,5 +1,6 @@
 """The import graph of src/tidal (every import, including ones inside functions) keeps the
-layering: the trainer and the rollout package never import each other, and algo/ is pure tensor math."""
+layering: the trainer and the rollout package never import each other, environments are the rollout
+side's alone (the trainer sees trajectories, never an environment), and algo/ is pure tensor math."""
 
 import ast
 import sys
@@ -47,6 +48,10 @@ def forbidden_edges(graph: dict[str, set[str]]) -> list[str]:
                 bad.append(f"{module} -> {name} (trainer must not import rollout)")
             if inside(module, "tidal.rollout") and inside(name, "tidal.trainer"):
                 bad.append(f"{module} -> {name} (rollout must not import trainer)")
+            if inside(module, "tidal.trainer") and inside(name, "tidal.envs"):
+                bad.append(f"{module} -> {name} (trainer must not import envs)")
+            if inside(module, "tidal.envs") and (inside(name, "tidal.trainer") or inside(name, "tidal.rollout")):
+                bad.append(f"{module} -> {name} (envs are below the roles: no trainer or rollout import)")
             top = name.split(".")[0]
             if inside(module, "tidal.algo") and not (top in stdlib or top == "torch" or inside(name, "tidal.algo") or name == "__future__"):
                 bad.append(f"{module} -> {name} (algo may import only torch and the standard library)")
@@ -62,11 +67,15 @@ def test_the_import_graph_has_no_forbidden_edge():
 def test_the_check_catches_each_kind_of_forbidden_edge():
     graph = {
         "tidal.trainer.loop": {"tidal.rollout.worker"},
-        "tidal.rollout.worker": {"tidal.trainer"},
+        "tidal.rollout.worker": {"tidal.trainer", "tidal.envs"},
         "tidal.algo.losses": {"tidal.model.packing", "numpy", "torch", "math"},
+        "tidal.trainer.learner": {"tidal.envs.base"},
+        "tidal.envs.base": {"tidal.rollout.engine"},
     }
     bad = forbidden_edges(graph)
-    assert len(bad) == 4 and any("numpy" in b for b in bad) and any("tidal.model.packing" in b for b in bad)
+    assert len(bad) == 6 and any("numpy" in b for b in bad) and any("tidal.model.packing" in b for b in bad)
+    assert "tidal.trainer.learner -> tidal.envs.base (trainer must not import envs)" in bad
+    assert any(b.startswith("tidal.envs.base -> tidal.rollout.engine") for b in bad)
 
 
 def test_relative_and_function_level_imports_are_seen():

@@ -245,3 +245,66 @@ def test_split_puts_oversized_group_alone():
     assert split_into_microbatches([small, big, small, small], 10) == [[small], [big], [small, small]]
     with pytest.raises(ValueError):
         split_into_microbatches([small], 0)
+
+
+def multi_turn_groups(rng: random.Random):
+    """Trajectories of sampled turns with inserted (environment / template) tokens between them:
+    (prompt, responses, loss masks). Mask 0 runs sit between, before and after sampled runs."""
+
+    def trajectory(runs):
+        tokens, mask = [], []
+        for sampled, length in runs:
+            tokens += [rng.randrange(2, VOCAB) for _ in range(length)]
+            mask += [int(sampled)] * length
+        return tokens, mask
+
+    def group(prompt_len, shapes):
+        prompt = [rng.randrange(2, VOCAB) for _ in range(prompt_len)]
+        responses, masks = zip(*(trajectory(runs) for runs in shapes))
+        return prompt, list(responses), list(masks)
+
+    return [
+        group(5, [[(1, 3), (0, 4), (1, 2)], [(1, 1)], [(1, 2), (0, 3), (1, 4), (0, 2), (1, 1)]]),
+        group(2, [[(0, 2), (1, 3)], [(1, 4), (0, 5)]]),
+        group(9, [[(1, 6)], [(1, 2), (0, 1), (1, 2)], []]),
+    ]
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "segmented"])
+def test_packed_multi_turn_batch_matches_one_sample_at_a_time(model, kernel):
+    """A packed batch of multi-turn trajectories gives, on the sampled tokens, the log-probs and the
+    gradient of a masked loss that each trajectory gives alone (prompt + trajectory, one row)."""
+    groups = multi_turn_groups(random.Random("multi-turn"))
+    weights = fixed_weights([g[:2] for g in groups])
+    packed = packed_token_logprobs(model, pack_groups(groups), kernel=kernel)
+    for out, (_, _, masks) in zip(packed, groups, strict=True):
+        expected = torch.zeros_like(out.mask)
+        for i, m in enumerate(masks):
+            expected[i, : len(m)] = torch.tensor(m, dtype=torch.bool)
+        assert torch.equal(out.loss_mask, expected) and torch.equal(out.trained, expected)
+        assert (out.mask & ~out.loss_mask).any() or not any(0 in m for m in masks)
+    packed_loss = sum((out.logprobs * w * out.loss_mask).sum() for out, w in zip(packed, weights))
+    model.zero_grad(set_to_none=True)
+    packed_loss.backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    alone_loss = 0.0
+    for (prompt, responses, masks), out, w in zip(groups, packed, weights):
+        for i, (response, mask) in enumerate(zip(responses, masks)):
+            single = naive_token_logprobs(model, [(prompt, [response], [mask])])[0]
+            trained = single.loss_mask[0]
+            torch.testing.assert_close(out.logprobs[i, : len(response)][trained], single.logprobs[0][trained], atol=ATOL, rtol=RTOL)
+            alone_loss = alone_loss + (single.logprobs[0] * w[i, : len(response)] * trained).sum()
+    model.zero_grad(set_to_none=True)
+    alone_loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], p.grad, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_loss_mask_must_match_its_response():
+    with pytest.raises(ValueError, match="response 0: loss mask of 2 entries for 3 tokens"):
+        pack_groups([([1], [[2, 3, 4]], [[1, 0]])])
+    with pytest.raises(ValueError, match="1 loss masks for 2 responses"):
+        pack_groups([([1], [[2], [3]], [[1]])])
+    # without masks every response token is trained on
+    assert pack_groups([([1], [[2, 3], [4]])]).loss_mask.tolist() == [True, True, True]

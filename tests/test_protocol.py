@@ -115,3 +115,89 @@ def test_bad_work_items_and_run_states_are_protocol_errors():
 def test_nothing_is_pickled():
     with pytest.raises(TypeError, match="cannot encode"):
         pack({"obj": object()})
+
+
+# --- multi-turn trajectories: a loss mask over the response-side tokens -------------------------
+
+TURNS = GroupLimits(vocab_size=100, max_new_tokens=3, max_turns=2, max_env_tokens_per_turn=2, group_size=2, newest_version=3)
+
+
+def trajectory(mask=(1, 1, 0, 0, 1), logprobs=None, **kw) -> Sample:
+    """Two turns (sampled tokens) with two inserted tokens between them."""
+    mask = np.asarray(mask, dtype=np.uint8)
+    tokens = np.arange(5, 5 + mask.size, dtype=np.int32)
+    lp = np.where(mask == 1, -0.5, 0.0).astype(np.float32) if logprobs is None else np.asarray(logprobs, dtype=np.float32)
+    return Sample(tokens, lp, 1.0, loss_mask=mask, **kw)
+
+
+def test_a_trajectory_roundtrips_with_its_loss_mask():
+    g = decode_group(pack(group(samples=[trajectory(), sample()])), TURNS)
+    traj, single = g.samples
+    assert traj.loss_mask.dtype == np.uint8 and traj.loss_mask.tolist() == [1, 1, 0, 0, 1]
+    assert traj.trained_mask().tolist() == [True, True, False, False, True] and traj.sampled_tokens == 3
+    assert single.loss_mask is None and single.trained_mask().all() and single.sampled_tokens == 3
+
+
+def test_an_inserted_token_needs_no_log_prob():
+    """Whatever an inserted token carries (even nan) is dropped to 0; only sampled ones are checked."""
+    g = decode_group(pack(group(samples=[trajectory(logprobs=[-0.1, -0.2, np.nan, np.inf, -0.3]), sample()])), TURNS)
+    assert g.samples[0].logprobs.tolist() == pytest.approx([-0.1, -0.2, 0.0, 0.0, -0.3])
+    with pytest.raises(ProtocolError, match=r"samples\[0\].logprobs: not finite"):
+        decode_group(pack(group(samples=[trajectory(logprobs=[-0.1, np.nan, 0.0, 0.0, -0.3]), sample()])), TURNS)
+
+
+def test_a_single_turn_message_is_unchanged_on_the_wire():
+    """No loss mask: the field is left off, so single-turn groups keep their bytes, and a message
+    written without the field (every existing one) decodes as all ones."""
+    plain = group()
+    assert set(wire(plain)["samples"][0]) == {"token_ids", "logprobs", "reward", "finish_reason", "reward_parts", "correct"}
+    with_mask = group(samples=[sample(loss_mask=np.ones(3, dtype=np.uint8)), sample(loss_mask=np.ones(3, dtype=np.uint8))])
+    assert len(pack(with_mask)) > len(pack(plain))
+    assert decode_group(pack(plain), LIMITS).samples[0].loss_mask is None
+
+
+def forged_trajectory(change) -> bytes:
+    data = wire(group(samples=[trajectory(), trajectory()]))
+    change(data["samples"][0])
+    return msgpack.packb(data, default=lambda a: msgpack.ExtType(1, msgpack.packb([a.dtype.str, list(a.shape)]) + a.tobytes()), use_bin_type=True)
+
+
+BAD_TRAJECTORIES = {
+    "mask length": (forged_trajectory(lambda s: s.update(loss_mask=np.ones(4, dtype=np.uint8))), "loss_mask: 4 entries for 5 tokens"),
+    "mask values": (forged_trajectory(lambda s: s.update(loss_mask=np.array([1, 2, 0, 0, 1], dtype=np.uint8))), "values must be 0 or 1, found [2]"),
+    "float mask": (forged_trajectory(lambda s: s.update(loss_mask=np.ones(5, dtype=np.float32))), "loss_mask: expected a 1-D integer array"),
+    "list mask": (forged_trajectory(lambda s: s.update(loss_mask=[1, 1, 0, 0, 1])), "loss_mask: expected a 1-D integer array of 0/1, got list"),
+    "too many turns": (pack(group(samples=[trajectory((1, 0, 1, 0, 1)), trajectory()])), "3 turns, more than max_turns 2"),
+    "too many sampled": (
+        pack(group(samples=[trajectory((1, 1, 1, 1, 0, 1, 1, 1)), trajectory()])),
+        "7 sampled tokens, more than max_turns x max_new_tokens",
+    ),
+    "too many inserted": (pack(group(samples=[trajectory((1, 1, 1, 0, 0, 0, 1, 1, 1)), trajectory()])), "9 tokens, more than 2 turns"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TRAJECTORIES))
+def test_a_malformed_trajectory_is_a_protocol_error_naming_what_is_wrong(case):
+    payload, reason = BAD_TRAJECTORIES[case]
+    with pytest.raises(ProtocolError, match=reason.replace("[", r"\[").replace("]", r"\]")):
+        decode_group(payload, TURNS)
+
+
+def test_single_turn_limits_apply_to_a_masked_sample_too():
+    """With max_turns 1 (no environment), a masked sample is held to max_new_tokens like any other."""
+    with pytest.raises(ProtocolError, match="7 tokens, more than max_new_tokens 6"):
+        decode_group(pack(group(samples=[trajectory((1, 1, 1, 0, 1, 1, 1)), sample()])), LIMITS)
+
+
+def test_a_groups_environment_counts_roundtrip_and_are_checked():
+    g = decode_group(pack(group(env_stats={"trajectories": 2, "tool_calls": 3.0})), LIMITS)
+    assert g.env_stats == {"trajectories": 2.0, "tool_calls": 3.0}
+    assert "env_stats" not in wire(group()) and decode_group(pack(group()), LIMITS).env_stats is None
+    for stats, reason in [
+        ({"tool_calls": -1}, r"env_stats\['tool_calls'\]: -1 is not a finite count"),
+        ({"tool_calls": math.nan}, "is not a finite count"),
+        ({"tool_calls": "3"}, "expected name -> number, got 'tool_calls': str"),
+        ({f"k{i}": 1 for i in range(65)}, "expected a map of at most 64 named numbers"),
+    ]:
+        with pytest.raises(ProtocolError, match=reason):
+            decode_group(pack(group(env_stats=stats)), LIMITS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -127,6 +128,19 @@ class VLLMConfig(_Strict):
     nccl_timeout_seconds: float = Field(600.0, gt=0)
 
 
+# what tidal.envs registers itself (tests/test_envs.py keeps these equal): names that need no import
+BUILT_IN_ENVIRONMENTS = ("tools",)
+BUILT_IN_TOOLS = ("calc",)
+BUILT_IN_TOOL_PARSERS = ("hermes",)
+AGENT_KEYS = ("tools", "tool_parser", "max_turns", "max_tool_calls", "max_env_tokens_per_turn", "trajectory_timeout_seconds")
+_MODULE_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _error(reason: str) -> PydanticCustomError:
+    """A validation error whose text is `reason` alone (a plain ValueError gets pydantic's "Value error, " prefix)."""
+    return PydanticCustomError("tidal_config", "{reason}", {"reason": reason})
+
+
 class RolloutConfig(_Strict):
     engine: Literal["hf", "vllm"] = "hf"
     workers: PositiveInt | Literal["auto"] = 1  # auto: the capacity planner's split (tidal plan)
@@ -148,6 +162,45 @@ class RolloutConfig(_Strict):
     # may come from a policy up to k versions old; 0 is exactly periodic
     max_staleness: int = Field(1, ge=0)
     vllm: VLLMConfig = VLLMConfig()
+    # Multi-turn (agentic) rollouts: the environment that answers each assistant turn, `module:Class` (a
+    # subclass of tidal.envs.Environment) or the built-in `tools` (tool calls until a turn makes none);
+    # unset: one response per prompt. The keys below it apply only with an environment.
+    env: str | None = None
+    tools: list[str] = []  # tools every trajectory may call: built-in names (calc) or `module:function`
+    tool_parser: str = "hermes"  # reads a turn's tool calls: a registered parser's name or `module:function`
+    max_turns: int = Field(4, gt=0)  # assistant turns per trajectory (each at most max_new_tokens)
+    max_tool_calls: int = Field(8, ge=0)  # per trajectory; a call past it gets an error observation
+    max_env_tokens_per_turn: int = Field(256, gt=0)  # tokens the environment and template insert after a turn; more are cut
+    trajectory_timeout_seconds: float = Field(120.0, gt=0)  # a trajectory still running then ends (finish reason timeout)
+
+    @field_validator("env", "tool_parser")
+    @classmethod
+    def _named_object(cls, name: str | None, info: ValidationInfo) -> str | None:
+        built_in = BUILT_IN_ENVIRONMENTS if info.field_name == "env" else BUILT_IN_TOOL_PARSERS
+        if name is None or name in built_in or _MODULE_NAME.match(name):
+            return name
+        raise _error(f"{name!r} is neither a built-in ({', '.join(built_in)}) nor module:name")
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names(cls, names: list[str]) -> list[str]:
+        bad = [n for n in names if n not in BUILT_IN_TOOLS and not _MODULE_NAME.match(n)]
+        if bad:
+            raise _error(f"{bad}: neither built-in tools ({', '.join(BUILT_IN_TOOLS)}) nor module:function")
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise _error(f"{repeated} listed more than once")
+        return names
+
+    @model_validator(mode="after")
+    def _agent_keys_need_an_env(self) -> RolloutConfig:
+        if self.env is None:
+            stray = sorted(f"rollout.{k}" for k in self.model_fields_set & set(AGENT_KEYS) if getattr(self, k) != type(self).model_fields[k].default)
+            if stray:
+                raise _error(f"{', '.join(stray)}: only for multi-turn rollouts; set rollout.env (e.g. 'tools') or leave them out")
+        elif self.engine != "hf":
+            raise _error(f"rollout.env: multi-turn rollouts run on rollout.engine 'hf' for now, not {self.engine!r}")
+        return self
 
 
 # what tidal.algo registers itself (tests/test_algo_registry.py keeps the two equal)
@@ -314,6 +367,19 @@ class TidalConfig(_Strict):
         if auto and self.rollout.engine != "hf":
             raise ValueError(
                 f"{', '.join(auto)} 'auto': the capacity planner measures the HF engine on CPU threads; with rollout.engine 'vllm' set a number"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_penalty_is_single_turn(self) -> TidalConfig:
+        if self.rollout.env is not None and self.eval.enabled:
+            # held-out accuracy is measured on single responses to the raw prompt: for an agent it would
+            # score a task the policy is not trained on
+            raise _error("eval.enabled: held-out evaluation through rollout.env is not built yet; set eval.enabled: false")
+        if self.rollout.env is not None and self.reward.overlong_buffer:
+            raise _error(
+                "reward.overlong_buffer measures one response against rollout.max_new_tokens: with rollout.env "
+                "(a trajectory of several turns and observations) set it to 0"
             )
         return self
 

@@ -9,13 +9,25 @@ from tidal.rewards import check_reward_names
 
 
 def check_before_start(cfg: TidalConfig, dataset: Dataset | None = None) -> Dataset:
-    """Reward names (user modules imported), data files, row sizes, prompt lengths against the
-    context; the dataset, loaded once for the launcher (or the one it passed)."""
+    """Reward names (user modules imported), the environment and its tools, data files, row sizes,
+    prompt lengths against the context; the dataset, loaded once for the launcher (or the one it passed)."""
     check_reward_names(cfg.reward)
+    check_environment(cfg)
     dataset = dataset if dataset is not None else load_dataset(cfg.data, cfg.seed)
     check_row_sizes(dataset, cfg.transport.max_payload_mb)
     check_prompt_lengths(cfg, dataset)
     return dataset
+
+
+def check_environment(cfg: TidalConfig) -> None:
+    """rollout.env, rollout.tools and rollout.tool_parser resolve (user modules imported), every tool
+    has a schema, and one environment can be built: an EnvError naming the one that does not."""
+    r = cfg.rollout
+    if r.env is None:
+        return
+    from tidal.envs import EnvironmentFactory
+
+    EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, max_tool_calls=r.max_tool_calls)
 
 
 def where(problem: Problem) -> str:

@@ -2,9 +2,11 @@
 
 Everything that crosses a process boundary is msgpack (numpy arrays as a typed binary extension),
 never pickle. Every decode validates: a message with a missing field, a wrong type, a token id
-outside the vocabulary, more tokens than `max_new_tokens`, a non-finite log-prob or reward, a
-version from the future or an oversized payload raises `ProtocolError` naming what is wrong, and
-the caller rejects it (terminates it, counts it, logs it); it never reaches the loss.
+outside the vocabulary, more tokens than `max_new_tokens` (or, for a multi-turn trajectory, more
+turns or tokens than its limits allow), a loss mask that is not one 0/1 per token, a non-finite
+log-prob on a sampled token or a non-finite reward, a version from the future or an oversized
+payload raises `ProtocolError` naming what is wrong, and the caller rejects it (terminates it,
+counts it, logs it); it never reaches the loss.
 """
 
 from __future__ import annotations
@@ -77,14 +79,31 @@ class WorkItem:
 
 @dataclass
 class Sample:
-    """One response: its tokens, the engine's (behaviour) log-prob of each, and its reward."""
+    """One response: its tokens, the engine's (behaviour) log-prob of each, and its reward.
+
+    A multi-turn trajectory is one sample: `token_ids` holds every token after the prompt, across
+    turns, and `loss_mask` says which of them the policy sampled (1) and which the environment or
+    the chat template inserted (0). Only sampled tokens are trained on and need a log-prob (the
+    others carry 0). A single-turn response is the one-turn case: no mask, every token sampled;
+    the field is then left off the wire, so single-turn messages are as they always were."""
 
     token_ids: np.ndarray  # int32 [T]
-    logprobs: np.ndarray  # float32 [T]
+    logprobs: np.ndarray  # float32 [T]; 0 where loss_mask is 0
     reward: float
     finish_reason: str = ""
     reward_parts: dict[str, float] = field(default_factory=dict)
     correct: float = 0.0
+    loss_mask: np.ndarray | None = None  # uint8 [T], 1 = sampled by the policy; None: all ones
+
+    def trained_mask(self) -> np.ndarray:
+        """bool [T]: the tokens the policy sampled, the only ones trained on."""
+        if self.loss_mask is None:
+            return np.ones(self.token_ids.size, dtype=bool)
+        return self.loss_mask.astype(bool)
+
+    @property
+    def sampled_tokens(self) -> int:
+        return int(self.token_ids.size if self.loss_mask is None else np.count_nonzero(self.loss_mask))
 
 
 @dataclass
@@ -102,6 +121,9 @@ class Group:
     reward_errors: int = 0
     weight_load_seconds: float = 0.0
     worker_idle_seconds: float = 0.0
+    # multi-turn rollouts: the environment's counts summed over the group's trajectories (turns,
+    # tool calls, tool errors, ...); None (left off the wire) for single-turn groups
+    env_stats: dict[str, float] | None = None
 
     @property
     def msg_id(self) -> str:
@@ -133,7 +155,9 @@ class GroupLimits:
     """What a group may contain, from the trainer's model and config. None: not checked."""
 
     vocab_size: int | None = None
-    max_new_tokens: int | None = None
+    max_new_tokens: int | None = None  # sampled tokens per turn
+    max_turns: int = 1  # assistant turns per trajectory
+    max_env_tokens_per_turn: int = 0  # tokens the environment and template insert after a turn
     group_size: int | None = None
     newest_version: int | None = None  # a policy version above this is from the future
     max_bytes: int | None = None
@@ -166,10 +190,20 @@ def _ext_hook(code: int, data: bytes):
     return np.frombuffer(data, dtype=dtype, offset=offset).reshape(shape)
 
 
+# Optional fields left off the wire when unset, so messages that do not use them keep their size and
+# older readers' view of them (a single-turn sample has no loss mask).
+_OMITTED_WHEN_NONE = frozenset({"loss_mask", "env_stats"})
+_MAX_ENV_STATS = 64  # named counts a group may carry
+
+
+def _fields(pairs: list[tuple[str, Any]]) -> dict:
+    return {k: v for k, v in pairs if not (v is None and k in _OMITTED_WHEN_NONE)}
+
+
 def pack(obj: Any) -> bytes:
     """msgpack bytes of a message dataclass, or of plain msgpack data."""
     if hasattr(obj, "__dataclass_fields__"):
-        obj = asdict(obj)
+        obj = asdict(obj, dict_factory=_fields)
     return msgpack.packb(obj, default=_default, use_bin_type=True)
 
 
@@ -256,14 +290,61 @@ def decode_work_item(data: bytes, max_bytes: int | None = None) -> WorkItem:
     return work_item_from(unpack(data, max_bytes))
 
 
+def _loss_mask(value: Any, what: str, size: int) -> np.ndarray | None:
+    if value is None:
+        return None
+    if not isinstance(value, np.ndarray) or value.ndim != 1 or value.dtype.kind not in "iub":
+        raise ProtocolError(f"{what}: expected a 1-D integer array of 0/1, got {_describe(value)}")
+    if value.size != size:
+        raise ProtocolError(f"{what}: {value.size} entries for {size} tokens (one per token)")
+    if value.size and not np.isin(value, (0, 1)).all():
+        raise ProtocolError(f"{what}: values must be 0 or 1, found {sorted(set(value.tolist()) - {0, 1})[:3]}")
+    return value.astype(np.uint8, copy=False)
+
+
+def _turns(mask: np.ndarray) -> int:
+    """Runs of sampled tokens: each assistant turn is one (two turns are never adjacent: the
+    environment or the template inserts tokens between them)."""
+    if not mask.size:
+        return 0
+    starts = mask[1:].astype(bool) & ~mask[:-1].astype(bool)
+    return int(mask[0]) + int(np.count_nonzero(starts))
+
+
+def _check_lengths(tokens: np.ndarray, mask: np.ndarray | None, what: str, limits: GroupLimits) -> None:
+    """Single-turn: at most max_new_tokens. Multi-turn: at most max_turns turns, max_new_tokens
+    sampled tokens per turn, and max_env_tokens_per_turn inserted tokens between turns."""
+    if limits.max_new_tokens is None:
+        return
+    if mask is None or limits.max_turns == 1:
+        if tokens.size > limits.max_new_tokens:
+            raise ProtocolError(f"{what}.token_ids: {tokens.size} tokens, more than max_new_tokens {limits.max_new_tokens}")
+        return
+    turns, sampled = _turns(mask), int(np.count_nonzero(mask))
+    if turns > limits.max_turns:
+        raise ProtocolError(f"{what}.loss_mask: {turns} turns, more than max_turns {limits.max_turns}")
+    if sampled > limits.max_turns * limits.max_new_tokens:
+        raise ProtocolError(
+            f"{what}.loss_mask: {sampled} sampled tokens, more than max_turns x max_new_tokens ({limits.max_turns} x {limits.max_new_tokens})"
+        )
+    most = limits.max_turns * limits.max_new_tokens + (limits.max_turns - 1) * limits.max_env_tokens_per_turn
+    if tokens.size > most:
+        raise ProtocolError(
+            f"{what}.token_ids: {tokens.size} tokens, more than {limits.max_turns} turns of max_new_tokens {limits.max_new_tokens} "
+            f"and max_env_tokens_per_turn {limits.max_env_tokens_per_turn} between them allow ({most})"
+        )
+
+
 def _sample_from(data: Any, what: str, limits: GroupLimits) -> Sample:
     d = _mapping(data, what)
     tokens = _token_array(_get(d, "token_ids", np.ndarray, what), f"{what}.token_ids", limits.vocab_size)
-    if limits.max_new_tokens is not None and tokens.size > limits.max_new_tokens:
-        raise ProtocolError(f"{what}.token_ids: {tokens.size} tokens, more than max_new_tokens {limits.max_new_tokens}")
+    mask = _loss_mask(d.get("loss_mask"), f"{what}.loss_mask", tokens.size)
+    _check_lengths(tokens, mask, what, limits)
     logprobs = _get(d, "logprobs", np.ndarray, what)
     if logprobs.ndim != 1 or logprobs.dtype.kind != "f" or logprobs.size != tokens.size:
         raise ProtocolError(f"{what}.logprobs: expected {tokens.size} floats (one per token), got {_describe(logprobs)} of {logprobs.size}")
+    if mask is not None:  # an inserted token has no behaviour log-prob: whatever it carries is dropped
+        logprobs = np.where(mask.astype(bool), logprobs, 0.0).astype(logprobs.dtype)
     if not np.isfinite(logprobs).all():
         raise ProtocolError(f"{what}.logprobs: not finite")
     parts = _get(d, "reward_parts", dict, what, {})
@@ -278,7 +359,21 @@ def _sample_from(data: Any, what: str, limits: GroupLimits) -> Sample:
         finish_reason=_get(d, "finish_reason", str, what, ""),
         reward_parts={k: float(v) for k, v in parts.items()},
         correct=_finite(_get(d, "correct", (int, float), what, 0.0), f"{what}.correct"),
+        loss_mask=mask,
     )
+
+
+def _env_stats(value: Any, what: str) -> dict[str, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > _MAX_ENV_STATS:
+        raise ProtocolError(f"{what}: expected a map of at most {_MAX_ENV_STATS} named numbers, got {_describe(value)}")
+    for name, number in value.items():
+        if not isinstance(name, str) or isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ProtocolError(f"{what}: expected name -> number, got {name!r}: {type(number).__name__}")
+        if not math.isfinite(number) or number < 0:
+            raise ProtocolError(f"{what}[{name!r}]: {number} is not a finite count")
+    return {k: float(v) for k, v in value.items()}
 
 
 def group_from(data: Any, limits: GroupLimits = GroupLimits()) -> Group:
@@ -314,6 +409,7 @@ def group_from(data: Any, limits: GroupLimits = GroupLimits()) -> Group:
     )
     if not group.prompt_ids.size:
         raise ProtocolError(f"{where}.prompt_ids: empty prompt")
+    group.env_stats = _env_stats(d.get("env_stats"), f"{where}.env_stats")
     return group
 
 

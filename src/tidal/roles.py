@@ -21,8 +21,9 @@ from tidal.model.loading import load_model_and_tokenizer
 from tidal.model.warm_start import prepare_base_model
 from tidal.protocol import GroupLimits, RunState
 from tidal.rewards import RewardScorer
+from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import HFEngine
-from tidal.rollout.worker import RolloutWorker, generate_groups
+from tidal.rollout.worker import RolloutWorker, generate_groups, model_context
 from tidal.rundir import RunDir, RunInfo
 from tidal.threads import set_threads, split_cores, trainer_threads
 from tidal.trainer.compute import on_compute_thread
@@ -80,6 +81,8 @@ def group_limits(cfg: TidalConfig, learner: Learner, max_bytes: int):
         return GroupLimits(
             vocab_size=vocab,
             max_new_tokens=cfg.rollout.max_new_tokens,
+            max_turns=cfg.rollout.max_turns if cfg.rollout.env else 1,
+            max_env_tokens_per_turn=cfg.rollout.max_env_tokens_per_turn if cfg.rollout.env else 0,
             group_size=cfg.rollout.group_size,
             newest_version=version,
             max_bytes=max_bytes,
@@ -183,8 +186,10 @@ def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: Weig
                 engine.load_snapshot(store.path(version), version)
                 log.info("sync mode: the engine loaded weights v%d in %.3fs", version, time.perf_counter() - t0)
 
+    agent = AgentLoop.from_config(cfg, tokenizer, model_context(engine)) if cfg.rollout.env is not None else None
+
     def generate(items, version):
-        return generate_groups(engine, tokenizer, scorer, items, cfg, version, "sync", cfg.rollout.sync_groups_per_call)
+        return generate_groups(engine, tokenizer, scorer, items, cfg, version, "sync", cfg.rollout.sync_groups_per_call, agent)
 
     return InProcessSource(generate, load_weights)
 

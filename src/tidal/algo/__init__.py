@@ -23,4 +23,4 @@ from tidal.algo.losses import (  # noqa: F401
     register_policy_loss,
     sequence_log_ratio,
 )
-from tidal.algo.shaping import has_no_signal, logprob_mismatch, overlong_penalty, truncated_importance_weights  # noqa: F401
+from tidal.algo.shaping import has_no_signal, logprob_mismatch, overlong_penalty, sampled_only, truncated_importance_weights  # noqa: F401

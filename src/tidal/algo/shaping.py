@@ -19,6 +19,15 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor
     return -factor * torch.clamp(over / buffer, max=1.0)
 
 
+def sampled_only(values: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token `values` on the tokens the policy sampled (`loss_mask` True), exactly 0 on the
+    tokens the environment or the chat template inserted. Log-probs pass through this before any
+    per-token term is formed, so an inserted token adds neither loss nor gradient, and its log-prob
+    (a tool's output can sit far in the policy's tail) cannot overflow a ratio or a KL estimate and
+    turn a masked sum into inf * 0 = nan."""
+    return torch.where(loss_mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
 def truncated_importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token min(pi_old / pi_rollout, cap): corrects the engine-vs-trainer mismatch. Returns (weights, truncated)."""
     ratio = torch.exp(old_logp - rollout_logp).detach()

@@ -25,6 +25,12 @@ predict response tokens. Attention kernels (``kernel=``):
 * ``"sdpa"``: plain SDPA with a dense boolean ``[1, 1, T, T]`` mask passed as
   ``attention_mask``; simplest, quadratic in the packed length.
 
+A multi-turn trajectory is one response: the tokens the environment and the chat
+template inserted between turns sit in it like the sampled ones (each later token
+sees them), and a per-token loss mask (optional third element of a group, one
+0/1 sequence per response) says which tokens the policy sampled. Every output
+carries it as ``loss_mask``; the losses read only those tokens.
+
 Sliding-window layers are not supported (the custom mask replaces the window).
 """
 
@@ -39,8 +45,8 @@ import torch
 
 from tidal.algo.logprobs import token_logprobs_from_logits
 
-Group = tuple[Sequence[int], Sequence[Sequence[int]]]
-"""``(prompt_ids, [response_ids, ...])``."""
+Group = tuple[Sequence[int], Sequence[Sequence[int]]] | tuple[Sequence[int], Sequence[Sequence[int]], Sequence[Sequence[int] | None]]
+"""``(prompt_ids, [response_ids, ...])``, or with ``[loss_mask, ...]`` (None: every token sampled)."""
 
 KERNELS = ("auto", "sdpa", "flex", "segmented")
 _SEGMENTED_ATTENTION = "tidal_segmented_sdpa"
@@ -63,6 +69,7 @@ class PackedBatch:
     prompt_lengths: tuple[int, ...]  # P of each group
     group_sizes: tuple[int, ...]  # G of each group
     response_lengths: tuple[int, ...]  # length of each response, global order
+    loss_mask: torch.Tensor  # [N] bool: token n was sampled by the policy (trained on)
 
     @property
     def num_tokens(self) -> int:
@@ -80,10 +87,28 @@ class GroupTokenLogprobs:
     logprobs: torch.Tensor  # [G, R_max] float32, 0 where ``mask`` is False
     mask: torch.Tensor  # [G, R_max] bool, True on response tokens
     entropy: torch.Tensor | None = None  # [G, R_max] float32 when requested
+    loss_mask: torch.Tensor | None = None  # [G, R_max] bool, True on sampled response tokens; None: ``mask``
+
+    @property
+    def trained(self) -> torch.Tensor:
+        """The tokens the losses read: the sampled ones."""
+        return self.mask if self.loss_mask is None else self.loss_mask
+
+
+def group_parts(group: Group) -> tuple[Sequence[int], Sequence[Sequence[int]], list[Sequence[int] | None]]:
+    """``(prompt, responses, loss masks)`` of a group with or without masks; a mask must match its response."""
+    prompt, responses, *rest = group
+    masks = list(rest[0]) if rest else [None] * len(responses)
+    if len(masks) != len(responses):
+        raise ValueError(f"{len(masks)} loss masks for {len(responses)} responses")
+    for i, (response, mask) in enumerate(zip(responses, masks)):
+        if mask is not None and len(mask) != len(response):
+            raise ValueError(f"response {i}: loss mask of {len(mask)} entries for {len(response)} tokens")
+    return prompt, responses, masks
 
 
 def group_num_tokens(group: Group) -> int:
-    prompt, responses = group
+    prompt, responses = group[0], group[1]
     return len(prompt) + sum(len(r) for r in responses)
 
 
@@ -98,8 +123,10 @@ def pack_groups(groups: Sequence[Group], device: torch.device | str | None = Non
     response_row: list[int] = []
     response_col: list[int] = []
     response_lengths: list[int] = []
+    loss_mask: list[bool] = []
 
-    for g, (prompt, responses) in enumerate(groups):
+    for g, group in enumerate(groups):
+        prompt, responses, masks = group_parts(group)
         if not prompt:
             raise ValueError(f"group {g} has an empty prompt; the first response token needs a predictor")
         prompt_len = len(prompt)
@@ -108,7 +135,7 @@ def pack_groups(groups: Sequence[Group], device: torch.device | str | None = Non
         position_ids += range(prompt_len)
         group_ids += [g] * prompt_len
         response_ids += [-1] * prompt_len
-        for response in responses:
+        for response, mask in zip(responses, masks):
             row, start, length = len(response_lengths), len(input_ids), len(response)
             input_ids += response
             position_ids += range(prompt_len, prompt_len + length)
@@ -120,6 +147,7 @@ def pack_groups(groups: Sequence[Group], device: torch.device | str | None = Non
             response_row += [row] * length
             response_col += range(length)
             response_lengths.append(length)
+            loss_mask += [True] * length if mask is None else [bool(m) for m in mask]
 
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -133,9 +161,10 @@ def pack_groups(groups: Sequence[Group], device: torch.device | str | None = Non
         target_ids=tensor(target_ids),
         response_row=tensor(response_row),
         response_col=tensor(response_col),
-        prompt_lengths=tuple(len(prompt) for prompt, _ in groups),
-        group_sizes=tuple(len(responses) for _, responses in groups),
+        prompt_lengths=tuple(len(group[0]) for group in groups),
+        group_sizes=tuple(len(group[1]) for group in groups),
         response_lengths=tuple(response_lengths),
+        loss_mask=torch.tensor(loss_mask, dtype=torch.bool, device=device),
     )
 
 
@@ -398,7 +427,11 @@ def packed_token_logprobs(
     masks = response_masks(packed)
     per_group_logprobs = unpack_per_group(logprobs, packed)
     per_group_entropy = unpack_per_group(entropy, packed) if with_entropy else [None] * len(masks)
-    return [GroupTokenLogprobs(logprobs=lp, mask=m, entropy=ent) for lp, m, ent in zip(per_group_logprobs, masks, per_group_entropy, strict=True)]
+    loss_masks = unpack_per_group(packed.loss_mask, packed)
+    return [
+        GroupTokenLogprobs(logprobs=lp, mask=m, entropy=ent, loss_mask=lm)
+        for lp, m, ent, lm in zip(per_group_logprobs, masks, per_group_entropy, loss_masks, strict=True)
+    ]
 
 
 def naive_token_logprobs(
@@ -414,16 +447,19 @@ def naive_token_logprobs(
     """
     device = next(model.parameters()).device
     results = []
-    for prompt, responses in groups:
+    for group in groups:
+        prompt, responses, masks = group_parts(group)
         prompt_len, width = len(prompt), max((len(r) for r in responses), default=0)
         targets = torch.full((len(responses), width), _PAD_ID, dtype=torch.long, device=device)
         mask = torch.zeros(len(responses), width, dtype=torch.bool, device=device)
-        for i, response in enumerate(responses):
+        loss_mask = torch.zeros(len(responses), width, dtype=torch.bool, device=device)
+        for i, (response, sampled) in enumerate(zip(responses, masks)):
             targets[i, : len(response)] = torch.tensor(response, dtype=torch.long, device=device)
             mask[i, : len(response)] = True
+            loss_mask[i, : len(response)] = True if sampled is None else torch.tensor([bool(m) for m in sampled], dtype=torch.bool)
         if width == 0:
             zeros = torch.zeros(len(responses), 0, device=device)
-            results.append(GroupTokenLogprobs(zeros, mask, zeros if with_entropy else None))
+            results.append(GroupTokenLogprobs(zeros, mask, zeros if with_entropy else None, loss_mask))
             continue
         prompts = torch.tensor(prompt, dtype=torch.long, device=device).expand(len(responses), -1)
         logits = model(
@@ -437,6 +473,7 @@ def naive_token_logprobs(
                 logprobs=logprobs.masked_fill(~mask, 0.0),
                 mask=mask,
                 entropy=entropy.masked_fill(~mask, 0.0) if with_entropy else None,
+                loss_mask=loss_mask,
             )
         )
     return results

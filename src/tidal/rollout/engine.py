@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -96,56 +97,201 @@ class HFEngine:
         parts = [torch.rand(r.n, vocab, generator=r.generator) for r in requests]
         return torch.cat(parts)
 
+    def start(self, requests: list[GroupRequest]) -> HFTrajectories:
+        """Prefills the prompts; the rows (G per request, in request order) then take turns:
+        `sample_turn`, and `extend` with the tokens the environment inserts."""
+        return HFTrajectories(self, requests)
+
     @torch.no_grad()
     def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Completion]]:
-        """Each prompt is prefilled once and its KV cache copied to its G rows; a row that has emitted
-        EOS leaves the batch (every row still draws its noise each step, so a group's samples do not
-        depend on when the others finish)."""
-        device = next(self.model.parameters()).device  # the trainer's, when the model is shared with it
-        prompts = [r.prompt_ids for r in requests]
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        row_prompt = torch.repeat_interleave(torch.arange(len(requests), device=device), torch.tensor([r.n for r in requests], device=device))
-        cache = returned_cache(out)
-        cache.batch_select_indices(row_prompt)
-        logits, mask, next_pos = out.logits[row_prompt, -1, :], mask[row_prompt], positions[row_prompt, -1:] + 1
-        rows = len(row_prompt)
-        tokens = [[] for _ in range(rows)]
-        logps = [[] for _ in range(rows)]
-        reasons = ["length"] * rows
-        live = torch.arange(rows, device=device)  # the original row of each row still in the batch
-        limit = max_new_tokens or self.max_new_tokens
-        for step in range(limit):
-            lp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-            if greedy:
-                nxt = lp.argmax(-1)
-            else:
-                # noise from each group's seeded CPU generator: the same samples on any device
-                nxt = gumbel_sample(lp, self._noise(requests, lp.shape[-1]).to(device)[live])
-            chosen = lp.gather(-1, nxt[:, None])[:, 0]
-            step_tokens, step_logps = nxt.tolist(), chosen.tolist()  # one device sync per step, not per row
-            for i, row in enumerate(live.tolist()):
-                tokens[row].append(step_tokens[i])
-                logps[row].append(step_logps[i])
-                if step_tokens[i] == self.eos:
-                    reasons[row] = "stop"
-            going = nxt != self.eos
-            if not bool(going.any()) or step + 1 == limit:  # no forward whose logits nobody reads
-                break
-            if not bool(going.all()):
-                keep = torch.nonzero(going).flatten()
-                cache.batch_select_indices(keep)
-                live, nxt, mask, next_pos = live[keep], nxt[keep], mask[keep], next_pos[keep]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True, **{self.cache_kwarg: cache})
-            cache, logits = returned_cache(out), out.logits[:, -1, :]
-            next_pos = next_pos + 1
-        samples = [Completion(t, l, r) for t, l, r in zip(tokens, logps, reasons)]
+        """One response per row: a trajectory of one turn. Each prompt is prefilled once and its KV
+        cache copied to its G rows; a row that has emitted EOS leaves the batch (every row still draws
+        its noise each step, so a group's samples do not depend on when the others finish)."""
+        turns = self.start(requests).sample_turn(max_new_tokens or self.max_new_tokens, greedy, final=True)
+        samples = [Completion(t.token_ids, t.logprobs, t.finish_reason) for t in turns.values()]
         grouped, start = [], 0
         for r in requests:
             grouped.append(samples[start : start + r.n])
             start += r.n
         return grouped
+
+
+@dataclass
+class Turn:
+    """One assistant turn of one row: the tokens sampled and their behaviour log-probs."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # under the processed (temperature-scaled) distribution
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+class HFTrajectories:
+    """The rows of one engine call, generated turn by turn over one KV cache.
+
+    A turn decodes every live row until each has emitted EOS or `max_new_tokens`; `extend` then
+    appends, to the rows that go on, the tokens the environment and the chat template insert, and
+    ends the others. Nothing is computed twice: the inserted tokens are prefilled on top of the
+    cache (with the last sampled token, which no forward has seen yet), and the next turn samples
+    from there. The cache may hold slots of no token (a row waiting while others finish their turn,
+    right-padding of inserted tokens of unequal length): the attention mask hides them, and each
+    row's position ids count only its real tokens, so every sampled token's log-prob is the one a
+    forward pass over prompt + trajectory gives (the trainer's)."""
+
+    def __init__(self, engine: HFEngine, requests: list[GroupRequest]):
+        self.engine, self.requests = engine, requests
+        model = engine.model
+        self.device = device = next(model.parameters()).device  # the trainer's, when the model is shared with it
+        prompts = [r.prompt_ids for r in requests]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[engine.pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        row_prompt = torch.repeat_interleave(torch.arange(len(requests), device=device), torch.tensor([r.n for r in requests], device=device))
+        self.cache = returned_cache(out)
+        self.cache.batch_select_indices(row_prompt)
+        self.logits, self.mask, self.next_pos = out.logits[row_prompt, -1, :], mask[row_prompt], positions[row_prompt, -1:] + 1
+        self.live = torch.arange(len(row_prompt), device=device)  # the original row of each row still in the batch
+        self.pending: dict[int, int] = {}  # row -> its last sampled token, not yet through a forward pass
+
+    @property
+    def rows(self) -> list[int]:
+        """The original indices of the rows still going."""
+        return self.live.tolist()
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        engine = self.engine
+        out = engine.model(input_ids=input_ids, attention_mask=self.mask, position_ids=positions, use_cache=True, **{engine.cache_kwarg: self.cache})
+        self.cache = returned_cache(out)
+        return out.logits
+
+    def _keep(self, keep: torch.Tensor) -> None:
+        """Only the rows at batch indices `keep` stay in the batch."""
+        self.cache.batch_select_indices(keep)
+        self.live, self.logits, self.mask, self.next_pos = self.live[keep], self.logits[keep], self.mask[keep], self.next_pos[keep]
+
+    @torch.no_grad()
+    def sample_turn(self, max_new_tokens: int, greedy: bool = False, final: bool = False) -> dict[int, Turn]:
+        """One turn of every live row: row -> its turn, in row order. `final`: no row goes on after it, so a row that
+        has emitted EOS leaves the batch at once; otherwise it waits (masked) for the others."""
+        engine = self.engine
+        rows = self.live.tolist()
+        tokens: dict[int, list[int]] = {r: [] for r in rows}
+        logps: dict[int, list[float]] = {r: [] for r in rows}
+        reasons = dict.fromkeys(rows, "length")
+        going = torch.ones(len(rows), dtype=torch.bool, device=self.device)
+        for step in range(max_new_tokens):
+            lp = torch.log_softmax(self.logits.float() / engine.temperature, dim=-1)
+            if greedy:
+                nxt = lp.argmax(-1)
+            else:
+                # noise from each group's seeded CPU generator: the same samples on any device
+                nxt = gumbel_sample(lp, engine._noise(self.requests, lp.shape[-1]).to(self.device)[self.live])
+            chosen = lp.gather(-1, nxt[:, None])[:, 0]
+            step_tokens, step_logps, sampling = nxt.tolist(), chosen.tolist(), going.tolist()  # one device sync per step, not per row
+            for i, row in enumerate(self.live.tolist()):
+                if not sampling[i]:
+                    continue
+                tokens[row].append(step_tokens[i])
+                logps[row].append(step_logps[i])
+                if step_tokens[i] == engine.eos:
+                    reasons[row] = "stop"
+            still = going & (nxt != engine.eos)
+            if not bool(still.any()) or step + 1 == max_new_tokens:  # no forward whose logits nobody reads
+                self.pending.update((row, step_tokens[i]) for i, row in enumerate(self.live.tolist()) if sampling[i])
+                break
+            if final:
+                if not bool(still.all()):
+                    keep = torch.nonzero(still).flatten()
+                    self._keep(keep)
+                    nxt, still = nxt[keep], still[keep]
+                feed = torch.ones_like(still)
+            else:
+                feed = going  # a row whose turn is over waits: a hidden slot in its cache, its position unchanged
+            self.mask = torch.cat([self.mask, feed.long()[:, None]], dim=1)
+            logits = self._forward(torch.where(feed, nxt, torch.full_like(nxt, engine.pad))[:, None], self.next_pos)[:, -1, :]
+            # a row that fed its EOS keeps the logits after it: they predict what follows if nothing is inserted
+            self.logits = torch.where(feed[:, None], logits, self.logits)
+            self.next_pos = self.next_pos + feed.long()[:, None]
+            going = still
+        return {r: Turn(tokens[r], logps[r], reasons[r]) for r in rows}
+
+    @torch.no_grad()
+    def extend(self, inserted: dict[int, list[int]]) -> None:
+        """Appends `inserted[row]` (the environment's and the template's tokens, as token ids) to each
+        row that goes on; every other row's trajectory is over and leaves the batch. The next turn
+        samples after them."""
+        keep = [i for i, row in enumerate(self.live.tolist()) if row in inserted]
+        if len(keep) < len(self.live):
+            self._keep(torch.tensor(keep, dtype=torch.long, device=self.device))
+        if not keep:
+            return
+        rows = self.live.tolist()
+        # a turn's last token has not been through a forward pass when the turn ended at its length
+        # limit, or at the step that ended the whole turn: it goes first
+        chunks = [([self.pending.pop(row)] if row in self.pending else []) + list(inserted[row]) for row in rows]
+        width = max(len(c) for c in chunks)
+        if width == 0:
+            return
+        ids = torch.tensor([c + [self.engine.pad] * (width - len(c)) for c in chunks], device=self.device)
+        real = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in chunks], device=self.device)
+        self.mask = torch.cat([self.mask, real], dim=1)
+        # a padded slot gets any position: nothing ever attends to it
+        logits = self._forward(ids, self.next_pos + torch.arange(width, device=self.device)[None, :])
+        lengths = real.sum(-1)
+        last = logits[torch.arange(len(rows), device=self.device), (lengths - 1).clamp(min=0)]
+        self.logits = torch.where(lengths[:, None] > 0, last, self.logits)
+        self.next_pos = self.next_pos + lengths[:, None]
+
+
+@dataclass
+class TrajectoryTokens:
+    """A finished trajectory as a sample carries it: every token after the prompt, sampled or inserted."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # the engine's, on sampled tokens; 0 on inserted ones
+    loss_mask: list[int]  # 1 = sampled by the policy, 0 = inserted by the environment or the template
+    turns: int = 0
+    finish_reason: str = "stop"  # the last turn's (stop, length), or max_turns when the environment wanted more
+
+    def add(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
+        self.token_ids += tokens
+        self.logprobs += [0.0] * len(tokens) if logprobs is None else logprobs
+        self.loss_mask += [0 if logprobs is None else 1] * len(tokens)
+
+
+Respond = Callable[[int, Turn], "list[int] | None"]
+
+
+def run_trajectories(
+    engine: HFEngine, requests: list[GroupRequest], respond: Respond, max_turns: int, max_new_tokens: int | None = None, greedy: bool = False
+) -> list[TrajectoryTokens]:
+    """Generates one trajectory per row (G per request, in order), turn after turn.
+
+    After each turn, ``respond(row, turn)`` returns the token ids to insert before the row's next turn
+    (the environment's answer in the chat template), or None when the trajectory is over. The tokens
+    kept are the ones sampled and the ones `respond` gave, never a re-tokenisation of decoded text.
+    A trajectory that still wants a turn after `max_turns` ends there (finish reason max_turns)."""
+    batch = engine.start(requests)
+    out = {row: TrajectoryTokens([], [], []) for row in batch.rows}
+    for turn_index in range(max_turns):
+        last = turn_index + 1 == max_turns
+        inserted: dict[int, list[int]] = {}
+        for row, turn in batch.sample_turn(max_new_tokens or engine.max_new_tokens, greedy, final=last).items():
+            trajectory = out[row]
+            trajectory.add(turn.token_ids, turn.logprobs)
+            trajectory.turns += 1
+            trajectory.finish_reason = turn.finish_reason
+            tokens = respond(row, turn)
+            if tokens is None:
+                continue
+            if last:
+                trajectory.finish_reason = "max_turns"
+                continue
+            trajectory.add(list(tokens))
+            inserted[row] = list(tokens)
+        if not inserted:
+            break
+        batch.extend(inserted)
+    return [out[row] for row in sorted(out)]

@@ -18,6 +18,7 @@ from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
 from tidal.protocol import Group, ProtocolError, Sample, WorkItem, decode_work_item
 from tidal.rewards import RewardScorer, exact_match
+from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import Completion, GroupRequest, RolloutEngine, group_generator, group_seed
 from tidal.transport import Transport, keep_in_progress
 from tidal.transport.health import WorkerHealth, beat, report_refusal
@@ -96,12 +97,21 @@ def generation_chunks(
     return [range(start, min(start + size, len(per_group))) for start in range(0, len(per_group), size)]
 
 
+def response_tokens(cfg: TidalConfig) -> int:
+    """The most tokens one row may add after its prompt: one response, or with rollout.env every
+    turn and what the environment inserts between turns."""
+    r = cfg.rollout
+    if r.env is None:
+        return r.max_new_tokens
+    return r.max_turns * r.max_new_tokens + (r.max_turns - 1) * r.max_env_tokens_per_turn
+
+
 def pull_size(cfg: TidalConfig, prompt_tokens: int) -> int:
     """Work items a worker fetches at once: what one engine call holds at prompts of ``prompt_tokens``."""
     r = cfg.rollout
     if r.deterministic:
         return 1
-    fits = max(1, r.generation_token_budget // (r.group_size * (prompt_tokens + r.max_new_tokens)))
+    fits = max(1, r.generation_token_budget // (r.group_size * (prompt_tokens + response_tokens(cfg))))
     return min(fits, r.groups_per_batch) if r.groups_per_batch else fits
 
 
@@ -114,11 +124,12 @@ def generate_groups(
     policy_version: int,
     worker_id: str,
     max_groups_per_call: int | None = None,
+    agent: AgentLoop | None = None,
 ) -> list[Group]:
     """Generates and scores one group per work item, in engine calls of `generation_chunks`
     (rollout.generation_token_budget). Deterministic mode: one group per engine call, with the
     group's own RNG, so samples depend on (seed, iteration, prompt id) alone."""
-    calls = generate_group_calls(engine, tokenizer, scorer, items, cfg, policy_version, worker_id, max_groups_per_call)
+    calls = generate_group_calls(engine, tokenizer, scorer, items, cfg, policy_version, worker_id, max_groups_per_call, agent=agent)
     return [group for call in calls for group in call]
 
 
@@ -132,13 +143,20 @@ def generate_group_calls(
     worker_id: str,
     max_groups_per_call: int | None = None,
     first_call_groups: int | None = None,
+    agent: AgentLoop | None = None,
 ):
-    """`generate_groups`, one engine call at a time: yields each call's groups as soon as they are scored."""
-    encode = prompt_encoder(tokenizer, cfg.data)
-    prompts = [encode(it.prompt) for it in items]
+    """`generate_groups`, one engine call at a time: yields each call's groups as soon as they are
+    scored. With rollout.env each row is a multi-turn trajectory (`agent`: the environment loop, built
+    here when not given)."""
     r = cfg.rollout
+    if r.env is not None:
+        agent = agent or AgentLoop.from_config(cfg, tokenizer, model_context(engine))
+        prompts = [agent.first_prompt(it) for it in items]
+    else:
+        encode = prompt_encoder(tokenizer, cfg.data)
+        prompts = [encode(it.prompt) for it in items]
     cap = 1 if r.deterministic else max_groups_per_call
-    chunks = generation_chunks([len(p) for p in prompts], r.group_size, r.max_new_tokens, r.generation_token_budget, cap, first_call_groups)
+    chunks = generation_chunks([len(p) for p in prompts], r.group_size, response_tokens(cfg), r.generation_token_budget, cap, first_call_groups)
     for chunk in chunks:
         groups = []
         batch = [items[i] for i in chunk]
@@ -151,12 +169,21 @@ def generate_group_calls(
             )
             for i, it in zip(chunk, batch)
         ]
+        if agent is not None:
+            yield agent.generate(engine, batch, requests, scorer, policy_version, worker_id)
+            continue
         gen_start = time.time()
         outputs = engine.generate(requests)
         gen_end = time.time()
         for i, item, completions in zip(chunk, batch, outputs):
             groups.append(build_group(item, prompts[i], completions, tokenizer, scorer, policy_version, worker_id, gen_start, gen_end))
         yield groups
+
+
+def model_context(engine) -> int | None:
+    """The longest sequence the engine's model takes, when it says (the HF engine's model config)."""
+    model = getattr(engine, "model", None)
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 
 FETCH_LINGER_SECONDS = 0.02  # the trainer publishes an iteration's work items one after another
@@ -216,6 +243,7 @@ class RolloutWorker:
         self.transport = transport
         self.worker_id = worker_id
         self.scorer = scorer or RewardScorer.from_config(cfg.reward)
+        self.agent = AgentLoop.from_config(cfg, tokenizer, model_context(engine)) if cfg.rollout.env is not None else None
         self.health = WorkerHealth(worker_id)
         self.backoff = 0.0
         self.held: dict = {}  # id(message) -> (message, WorkItem): pulled, not yet acked (nats messages do not hash)
@@ -305,7 +333,9 @@ class RolloutWorker:
             idle = time.time() - idle_since - load_seconds
             # the first pull of an iteration starts with a small call: the trainer waits on its first groups
             first = self.cfg.rollout.first_call_groups if new_version else None
-            calls = generate_group_calls(self.engine, self.tokenizer, self.scorer, items, self.cfg, self.version, self.worker_id, None, first)
+            calls = generate_group_calls(
+                self.engine, self.tokenizer, self.scorer, items, self.cfg, self.version, self.worker_id, None, first, self.agent
+            )
             published = 0
             # each call's groups are published (and their items acked) while the engine runs the next call
             while (groups := await asyncio.to_thread(next, calls, None)) is not None:

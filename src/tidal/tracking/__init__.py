@@ -292,6 +292,8 @@ def mlflow_metric_name(key: str) -> str:
         return key
     if key in ROLLOUT_METRICS or key.startswith("staleness_fraction_"):
         return f"rollout/{key}"
+    if key.startswith("agent_"):  # multi-turn rollouts: turns, tool calls, environment time
+        return f"agent/{key.removeprefix('agent_')}"
     if key in TIME_METRICS or key.endswith("_seconds"):
         return f"time/{key}"
     if key.startswith(("accuracy_", "sampled_accuracy_", "total_", "pass_at_", "maj_at_")):

@@ -23,6 +23,7 @@ from tidal.algo import (
     logprob_mismatch,
     overlong_penalty,
     policy_token_loss,
+    sampled_only,
     truncated_importance_weights,
 )
 from tidal.config import RewardConfig, TrainerConfig
@@ -39,8 +40,9 @@ def warmup_then_constant(warmup_steps: int):
     return lambda step: min(1.0, (step + 1) / (warmup_steps + 1))
 
 
-def as_packing_group(group: Group) -> tuple[list[int], list[list[int]]]:
-    return group.prompt_ids.tolist(), [s.token_ids.tolist() for s in group.samples]
+def as_packing_group(group: Group) -> tuple[list[int], list[list[int]], list[list[int] | None]]:
+    masks = [None if s.loss_mask is None else s.loss_mask.tolist() for s in group.samples]
+    return group.prompt_ids.tolist(), [s.token_ids.tolist() for s in group.samples], masks
 
 
 def padded(rows: list, width: int) -> torch.Tensor:
@@ -125,7 +127,7 @@ class Learner:
         self.forwards[role] += 1
         with torch.no_grad():
             outs = token_logprobs(model, groups, self.temperature, self.cfg.attention, device)
-        return [o.logprobs.to(self.device) for o in outs]
+        return [sampled_only(o.logprobs, o.trained).to(self.device) for o in outs]
 
     def shaped_rewards(self, group: Group, lengths: torch.Tensor) -> torch.Tensor:
         rewards = torch.tensor(group.rewards, dtype=torch.float32, device=lengths.device)
@@ -173,15 +175,17 @@ class Learner:
         return bool((compute_advantages(self.cfg.advantage, rewards, self.cfg.std_normalize) == 0).all())
 
     def _count_only(self, group: Group) -> int:
-        lengths = [len(s.token_ids) for s in group.samples]
-        mask = torch.zeros(len(lengths), max(1, max(lengths)))
-        for i, n in enumerate(lengths):
-            mask[i, :n] = 1
+        """The units and trained tokens of a group whose gradient is zero, without a forward pass."""
+        trained = [s.trained_mask() for s in group.samples]
+        mask = torch.zeros(len(trained), max(1, max(m.size for m in trained)))
+        for i, m in enumerate(trained):
+            mask[i, : m.size] = torch.from_numpy(m)
         _, units = aggregate_numerator(torch.zeros_like(mask), mask, self.cfg.loss_aggregation, self.cfg.aggregation_constant or self.max_new_tokens)
+        tokens = int(mask.sum())
         self.units += units
-        self.tokens += sum(lengths)
+        self.tokens += tokens
         self.groups += 1
-        return sum(lengths)
+        return tokens
 
     def train_on_group(self, group: Group) -> int:
         return self.train_on_groups([group])
@@ -206,17 +210,20 @@ class Learner:
         numerator = None
         n_tokens = 0
         for i, (group, out) in enumerate(zip(groups, outs)):
-            mask = out.mask.float()
-            logp = out.logprobs
+            # only the tokens the policy sampled are trained on, counted and measured (mask 1); an
+            # advantage is per trajectory, the same for each of its sampled tokens
+            trained = out.trained
+            mask = trained.float()
+            logp = sampled_only(out.logprobs, trained)
             # One optimizer step per iteration: the old policy *is* the current one, ratio exactly 1.
             old_logp = old[i] if old is not None else logp.detach()
-            rewards = self.shaped_rewards(group, mask.sum(-1))
+            rewards = self.shaped_rewards(group, out.mask.sum(-1))
             kl = kl_estimate(logp, ref[i], cfg.kl_estimator) if ref is not None else None
             if kl is not None and cfg.kl_in_reward:
                 rewards = kl_reward_penalty(rewards, kl.detach(), mask, cfg.kl_coef)
             advantages = compute_advantages(cfg.advantage, rewards, cfg.std_normalize)[:, None]
             loss_tok, clipped = policy_token_loss(cfg.policy_loss, logp, old_logp, advantages, mask, cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps)
-            rollout_logp = padded([s.logprobs for s in group.samples], mask.shape[1]).to(logp.device)
+            rollout_logp = sampled_only(padded([s.logprobs for s in group.samples], mask.shape[1]).to(logp.device), trained)
             cap = self.behaviour_weight_cap(group)
             if cap is not None:
                 weights, truncated = truncated_importance_weights(old_logp, rollout_logp, cap)

@@ -58,6 +58,39 @@ def group_stats(groups: list[Group]) -> dict[str, float]:
         "samples": float(len(rewards)),
         "reward_errors": float(sum(g.reward_errors for g in groups)),
         **learning_diagnostics(groups),
+        **agent_stats(groups),
+    }
+
+
+def agent_stats(groups: list[Group]) -> dict[str, float]:
+    """Multi-turn rollouts (groups that carry environment counts): turns and tool calls per
+    trajectory, the share of tool calls that failed (ran and failed, unreadable, or over the limit),
+    the environment's seconds, the share of trajectory tokens the environment and template inserted
+    (not trained on), and trajectory length percentiles. Nothing for single-turn iterations."""
+    agent = [g for g in groups if g.env_stats]
+    if not agent:
+        return {}
+    totals: dict[str, float] = {}
+    for g in agent:
+        for k, v in g.env_stats.items():
+            totals[k] = totals.get(k, 0.0) + v
+    trajectories = max(1.0, totals.get("trajectories", 0.0))
+    attempted = totals.get("tool_calls", 0.0) + totals.get("malformed_calls", 0.0) + totals.get("refused_calls", 0.0)
+    failed = totals.get("tool_errors", 0.0) + totals.get("malformed_calls", 0.0) + totals.get("refused_calls", 0.0)
+    lengths = np.array([len(s.token_ids) for g in agent for s in g.samples], dtype=np.float64)
+    sampled = float(sum(s.sampled_tokens for g in agent for s in g.samples))
+    return {
+        "agent_turns_mean": totals.get("turns", 0.0) / trajectories,
+        "agent_tool_calls_mean": totals.get("tool_calls", 0.0) / trajectories,
+        "agent_tool_error_rate": failed / attempted if attempted else 0.0,
+        "agent_unparsable_turns": totals.get("unparsable_turns", 0.0),
+        "agent_env_errors": totals.get("env_errors", 0.0),
+        "agent_truncated_observations": totals.get("truncated_observations", 0.0),
+        "agent_env_seconds": totals.get("env_seconds", 0.0),
+        "agent_masked_token_fraction": 1.0 - sampled / lengths.sum() if lengths.sum() else 0.0,
+        "agent_trajectory_length_p50": float(np.percentile(lengths, 50)),
+        "agent_trajectory_length_p90": float(np.percentile(lengths, 90)),
+        "agent_trajectory_length_max": float(lengths.max()),
     }
 
 

@@ -1,0 +1,187 @@
+"""The environment of a multi-turn trajectory.
+
+An environment is a small class, one instance per trajectory (its state is that trajectory's):
+
+* ``reset(problem) -> messages``: the chat the policy starts from (by default, the problem's
+  prompt as one user message);
+* ``step(assistant_text) -> (observation messages, done)``: what the environment answers to one
+  assistant turn (by default: run the turn's tool calls and return their results as `tool`
+  messages; a turn without a tool call is the final answer, ``done``);
+* ``reward(trajectory) -> float | dict | None``: the trajectory's reward (a dict is named parts,
+  summed); None, the default, scores the final answer with the run's ``reward.functions``.
+
+Tools are the class's methods marked with ``@tool``, the functions in its ``tools`` attribute, and
+the run's ``rollout.tools``. Users name an environment ``module:Class`` (a subclass of
+`Environment`), as reward functions are named. Nothing here runs a model: the engine and the
+worker drive the loop, tokenise the observations and enforce the turn, token and time limits.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidal.envs.parsing import ParsedTurn, ToolCall, resolve_tool_call_parser
+from tidal.envs.tools import EnvError, Tool, import_object, is_marked_tool, resolve_tool
+
+
+@dataclass
+class EnvStats:
+    """What happened in one trajectory's environment, for the run's metrics."""
+
+    turns: int = 0  # assistant turns the environment answered
+    tool_calls: int = 0  # calls that ran (their result or their error was shown)
+    tool_errors: int = 0  # calls that ran and failed: unknown tool, bad arguments, the tool raised
+    malformed_calls: int = 0  # calls that could not be read at all (error observations)
+    unparsable_turns: int = 0  # turns whose tool-call markup the tokenizer's response template dropped
+    refused_calls: int = 0  # calls past max_tool_calls (error observations)
+    env_seconds: float = 0.0  # time spent in step()
+
+
+@dataclass
+class Trajectory:
+    """One finished trajectory, as `reward` sees it."""
+
+    problem: Any  # what reset() was given: .prompt and .answer
+    messages: list[dict]  # the whole chat: reset's messages, assistant turns and observations
+    stats: EnvStats = field(default_factory=EnvStats)
+    finish_reason: str = "done"  # done, max_turns, length (a turn hit max_new_tokens), timeout
+
+    @property
+    def final_text(self) -> str:
+        """The last assistant turn's text (the answer a reward function reads)."""
+        for message in reversed(self.messages):
+            if message.get("role") == "assistant":
+                return str(message.get("content") or "")
+        return ""
+
+
+def tool_message(text: str, name: str | None = None) -> dict:
+    return {"role": "tool", "content": text} if name is None else {"role": "tool", "name": name, "content": text}
+
+
+class Environment:
+    """The base environment: a user message, then tool calls until a turn makes none.
+
+    Subclass it to change the first messages (`reset`), what a turn gets back (`step`) or the reward
+    (`reward`), and add tools as ``@tool`` methods or in the class attribute ``tools``. A subclass's
+    ``__init__`` takes no arguments (the worker builds one instance per trajectory)."""
+
+    tools: Sequence[Callable] = ()
+
+    # set by bind(): the run's tools, parser and limits
+    _tools: dict[str, Tool]
+    _parser: Callable[..., ParsedTurn]
+    _tokenizer: Any = None
+    max_tool_calls: int = 8
+    stats: EnvStats
+
+    def bind(self, tools: Sequence[Tool] = (), parser: str = "hermes", tokenizer=None, max_tool_calls: int = 8) -> Environment:
+        """Gives the instance the run's tools, tool-call parser and limits; returns it."""
+        found: dict[str, Tool] = {}
+        for t in [*(Tool.from_function(fn) for fn in self._own_tool_functions()), *tools]:
+            if t.name in found:
+                raise EnvError(f"environment {type(self).__name__}: two tools are named {t.name!r}")
+            found[t.name] = t
+        self._tools = found
+        self._parser = resolve_tool_call_parser(parser)
+        self._tokenizer = tokenizer
+        self.max_tool_calls = max_tool_calls
+        self.stats = EnvStats()
+        return self
+
+    def _own_tool_functions(self) -> list[Callable]:
+        functions = list(type(self).tools)
+        for name, _ in inspect.getmembers(type(self), is_marked_tool):
+            functions.append(getattr(self, name))  # bound: the schema has no `self`
+        return functions
+
+    @property
+    def tool_schemas(self) -> list[dict]:
+        """The tools as the chat template's `tools=` takes them."""
+        return [t.schema for t in self._tools.values()]
+
+    def reset(self, problem) -> list[dict]:
+        return [{"role": "user", "content": problem.prompt}]
+
+    def parse(self, assistant_text: str) -> ParsedTurn:
+        return self._parser(assistant_text, tokenizer=self._tokenizer, tools=self.tool_schemas or None)
+
+    def step(self, assistant_text: str) -> tuple[list[dict], bool]:
+        started = time.perf_counter()
+        try:
+            return self._step(assistant_text)
+        finally:
+            self.stats.env_seconds += time.perf_counter() - started
+
+    def _step(self, assistant_text: str) -> tuple[list[dict], bool]:
+        turn = self.parse(assistant_text)
+        self.stats.turns += 1
+        self.stats.unparsable_turns += int(turn.unparsable)
+        if not turn.calls and not turn.errors:
+            return [], True
+        observations = []
+        for error in turn.errors:
+            self.stats.malformed_calls += 1
+            observations.append(tool_message(f"error: {error}"))
+        for call in turn.calls:
+            if self.stats.tool_calls >= self.max_tool_calls:
+                self.stats.refused_calls += 1
+                observations.append(tool_message(f"error: the limit of {self.max_tool_calls} tool calls is reached; answer now", call.name))
+                continue
+            observations.append(self.call(call))
+        return observations, False
+
+    def call(self, call: ToolCall) -> dict:
+        """Runs one call; its result, or its error, as a `tool` message."""
+        self.stats.tool_calls += 1
+        found = self._tools.get(call.name)
+        if found is None:
+            self.stats.tool_errors += 1
+            return tool_message(f"error: unknown tool {call.name!r}; the tools are {sorted(self._tools)}", call.name)
+        result = found(call.arguments)
+        self.stats.tool_errors += int(result.error)
+        return tool_message(result.text, call.name)
+
+    def reward(self, trajectory: Trajectory) -> float | dict[str, float] | None:
+        return None
+
+
+BUILT_IN_ENVIRONMENTS: dict[str, type[Environment]] = {"tools": Environment}
+
+
+def resolve_environment(name: str) -> type[Environment]:
+    """A built-in environment's name or `module:Class` (a subclass of Environment)."""
+    if name in BUILT_IN_ENVIRONMENTS:
+        return BUILT_IN_ENVIRONMENTS[name]
+    cls = import_object("environment", name, inspect.isclass)
+    if not issubclass(cls, Environment):
+        raise EnvError(f"environment {name!r}: {cls.__qualname__} must subclass tidal.envs.Environment")
+    return cls
+
+
+@dataclass
+class EnvironmentFactory:
+    """Builds one bound environment per trajectory; the classes and tools are resolved once."""
+
+    cls: type[Environment]
+    tools: list[Tool]
+    parser: str = "hermes"
+    tokenizer: Any = None
+    max_tool_calls: int = 8
+
+    @classmethod
+    def from_names(cls, env: str, tools: Sequence[str] = (), parser: str = "hermes", tokenizer=None, max_tool_calls: int = 8) -> EnvironmentFactory:
+        factory = cls(resolve_environment(env), [resolve_tool(t) for t in tools], parser, tokenizer, max_tool_calls)
+        factory()  # a class that cannot be built, or tools that clash, fail here and not in the first trajectory
+        return factory
+
+    def __call__(self) -> Environment:
+        try:
+            env = self.cls()
+        except Exception as err:  # noqa: BLE001 - user code: name the class
+            raise EnvError(f"environment {self.cls.__qualname__}(): {type(err).__name__}: {err}") from None
+        return env.bind(self.tools, self.parser, self.tokenizer, self.max_tool_calls)

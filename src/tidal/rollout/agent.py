@@ -1,0 +1,271 @@
+"""Multi-turn rollouts: the environment loop of one engine call's groups (rollout.env).
+
+Every row (one trajectory) gets its own environment instance. The prompt is the environment's
+first messages in the chat template (with the tools); after each assistant turn the environment
+answers, and the tokens the template renders for that answer (up to and including the next
+assistant header) are inserted into the trajectory as token ids, loss mask 0. The sampled tokens
+are kept exactly as sampled: the decoded text goes to the environment, never back into the
+trajectory. A trajectory ends when the environment says done, at rollout.max_turns, when a turn
+hits max_new_tokens (it was cut mid-turn), past rollout.trajectory_timeout_seconds (checked between
+turns), when it would outgrow the model's context, or when the environment raises (counted, the
+worker goes on).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tidal.config import TidalConfig
+from tidal.envs import EnvError, Environment, EnvironmentFactory, Trajectory
+from tidal.protocol import Group, Sample, WorkItem
+from tidal.rewards import RewardScorer, checked_reward, exact_match
+from tidal.rollout.engine import GroupRequest, HFEngine, Turn, run_trajectories
+
+log = logging.getLogger(__name__)
+
+# a fixed conversation the template renders once: what follows its assistant turn's end-of-turn
+# token, when observations are added, is what the template inserts after a sampled turn
+_BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+
+@dataclass
+class Problem:
+    """What an environment's reset() is given."""
+
+    id: int
+    prompt: str
+    answer: str
+
+
+@dataclass
+class _Row:
+    env: Environment
+    messages: list[dict]
+    length: int = 0  # tokens of the trajectory so far
+    finish_reason: str | None = None  # set when the loop ends the trajectory for a reason of its own
+    env_error: str | None = None
+    truncated_observations: int = 0
+
+
+class AgentLoop:
+    """Runs rollout.env over the HF engine and builds the trajectory groups."""
+
+    def __init__(self, cfg: TidalConfig, tokenizer, factory: EnvironmentFactory, chat_template: str | None, context: int | None = None):
+        self.cfg, self.tokenizer, self.factory, self.chat_template, self.context = cfg, tokenizer, factory, chat_template, context
+        if not (chat_template or getattr(tokenizer, "chat_template", None)):
+            raise EnvError("rollout.env needs a chat template: the tokenizer of model.name_or_path has none")
+        self.eos = tokenizer.eos_token_id
+
+    @classmethod
+    def from_config(cls, cfg: TidalConfig, tokenizer, context: int | None = None) -> AgentLoop:
+        """The built-in tiny model renders with tidal.model.tiny.TOOL_CHAT_TEMPLATE unless its
+        tokenizer has a template of its own; any other model with its tokenizer's."""
+        from tidal.model.tiny import TOOL_CHAT_TEMPLATE
+
+        r = cfg.rollout
+        factory = EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, tokenizer, r.max_tool_calls)
+        own = getattr(tokenizer, "chat_template", None)
+        return cls(cfg, tokenizer, factory, None if own or cfg.model.name_or_path is not None else TOOL_CHAT_TEMPLATE, context)
+
+    # --- the chat template -------------------------------------------------------------------
+
+    def render(self, messages: list[dict], tools: list[dict], generation_prompt: bool) -> list[int]:
+        kwargs = {"chat_template": self.chat_template} if self.chat_template else {}
+        ids = self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False, **kwargs
+        )
+        return list(ids)
+
+    def inserted_tokens(self, observations: list[dict], tools: list[dict]) -> list[int]:
+        """The tokens the template puts after an assistant turn's end-of-turn token (EOS, sampled)
+        when `observations` follow, through the next assistant header."""
+        base = self.render(_BASE, tools, False)
+        full = self.render([*_BASE, *observations], tools, True)
+        ends = [i for i, t in enumerate(base) if t == self.eos]
+        if not ends:
+            raise EnvError("the chat template does not end an assistant turn with the tokenizer's EOS token; the engine could not tell a turn's end")
+        cut = ends[-1] + 1
+        if full[:cut] != base[:cut]:
+            raise EnvError("the chat template renders an assistant turn differently when messages follow it: inserted tokens cannot be told apart")
+        return full[cut:]
+
+    def fit_observations(self, observations: list[dict], tools: list[dict], row: _Row) -> list[int] | None:
+        """The inserted tokens, at most rollout.max_env_tokens_per_turn: the longest observations are
+        cut (counted) until they fit; None when the template's own tokens alone do not."""
+        limit = self.cfg.rollout.max_env_tokens_per_turn
+        observations = [dict(o) for o in observations]
+        for _ in range(len(observations) + 2):
+            tokens = self.inserted_tokens(observations, tools)
+            over = len(tokens) - limit
+            if over <= 0:
+                return tokens
+            longest = max(range(len(observations)), key=lambda i: len(str(observations[i].get("content", ""))), default=None)
+            content = self.tokenizer(str(observations[longest].get("content", "")), add_special_tokens=False).input_ids if longest is not None else []
+            if not content:
+                return None
+            observations[longest]["content"] = self.tokenizer.decode(content[: max(0, len(content) - over - 1)]) + "…"
+            row.truncated_observations += 1
+        return None
+
+    # --- one engine call ---------------------------------------------------------------------
+
+    def generate(
+        self, engine: HFEngine, items: list[WorkItem], requests: list[GroupRequest], scorer: RewardScorer, policy_version: int, worker_id: str
+    ) -> list[Group]:
+        """One group per item (`requests` give the RNGs; their prompts are set here)."""
+        r = self.cfg.rollout
+        started = time.monotonic()
+        rows: list[_Row] = []
+        prompts: list[list[int]] = []
+        for item, request in zip(items, requests):
+            problem = self.problem(item)
+            group_rows = [self.start_row(problem) for _ in range(request.n)]
+            encoded = [self.render(row.messages, row.env.tool_schemas, True) for row in group_rows]
+            if any(e != encoded[0] for e in encoded[1:]):
+                raise EnvError(
+                    f"environment {self.factory.cls.__qualname__}: reset() gave different first messages for one problem; a group shares its prompt"
+                )
+            request.prompt_ids = encoded[0]
+            prompts.append(encoded[0])
+            rows += group_rows
+        row_prompt_lengths = [len(p) for p, request in zip(prompts, requests) for _ in range(request.n)]
+
+        def respond(index: int, turn: Turn) -> list[int] | None:
+            row = rows[index]
+            row.length += len(turn.token_ids)
+            text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
+            row.messages.append({"role": "assistant", "content": text})
+            if turn.finish_reason != "stop":
+                return None  # cut off mid-turn: what it meant to call is unknown
+            if time.monotonic() - started > r.trajectory_timeout_seconds:
+                row.finish_reason = "timeout"
+                return None
+            try:
+                observations, done = row.env.step(text)
+            except Exception as err:  # noqa: BLE001 - user code: the trajectory ends, the worker goes on
+                row.finish_reason, row.env_error = "env_error", f"{type(err).__name__}: {err}"
+                log.warning("environment %s raised in step(): %s", self.factory.cls.__qualname__, row.env_error)
+                return None
+            if done:
+                return None
+            row.messages += observations
+            tokens = self.fit_observations(observations, row.env.tool_schemas, row)
+            if tokens is None:
+                row.finish_reason = "env_tokens"
+                return None
+            if self.context is not None and row_prompt_lengths[index] + row.length + len(tokens) + r.max_new_tokens > self.context:
+                row.finish_reason = "context"
+                return None
+            row.length += len(tokens)
+            return tokens
+
+        gen_start = time.time()
+        trajectories = run_trajectories(engine, requests, respond, r.max_turns, r.max_new_tokens)
+        gen_end = time.time()
+        groups, at = [], 0
+        for item, request, prompt in zip(items, requests, prompts):
+            errors_before = scorer.errors
+            samples, stats = [], {}
+            for row, tokens in zip(rows[at : at + request.n], trajectories[at : at + request.n]):
+                finish = row.finish_reason or tokens.finish_reason
+                trajectory = Trajectory(self.problem(item), row.messages, row.env.stats, finish)
+                reward, parts = self.reward(row.env, trajectory, item, scorer)
+                samples.append(
+                    Sample(
+                        token_ids=np.asarray(tokens.token_ids, dtype=np.int32),
+                        logprobs=np.asarray(tokens.logprobs, dtype=np.float32),
+                        reward=reward,
+                        finish_reason=finish,
+                        reward_parts=parts,
+                        correct=exact_match(trajectory.final_text, item.answer),
+                        loss_mask=np.asarray(tokens.loss_mask, dtype=np.uint8),
+                    )
+                )
+                add_stats(stats, row, tokens.turns)
+            at += request.n
+            groups.append(
+                Group(
+                    iteration=item.iteration,
+                    prompt_id=item.prompt_id,
+                    policy_version=policy_version,
+                    worker_id=worker_id,
+                    prompt_ids=np.asarray(prompt, dtype=np.int32),
+                    samples=samples,
+                    gen_start=gen_start,
+                    gen_end=gen_end,
+                    reward_errors=scorer.errors - errors_before,
+                    env_stats=stats,
+                )
+            )
+        return groups
+
+    def first_prompt(self, item: WorkItem) -> list[int]:
+        """The prompt tokens of `item`'s trajectories (one environment's first messages, rendered)."""
+        row = self.start_row(self.problem(item))
+        return self.render(row.messages, row.env.tool_schemas, True)
+
+    def problem(self, item: WorkItem) -> Problem:
+        return Problem(item.prompt_id, self.cfg.data.prompt_template.format(prompt=item.prompt), item.answer)
+
+    def start_row(self, problem: Problem) -> _Row:
+        env = self.factory()
+        messages = list(env.reset(problem))
+        system = self.cfg.data.system_prompt
+        if system is not None and not (messages and messages[0].get("role") == "system"):
+            messages.insert(0, {"role": "system", "content": system})
+        return _Row(env, messages)
+
+    def reward(self, env: Environment, trajectory: Trajectory, item: WorkItem, scorer: RewardScorer) -> tuple[float, dict[str, float]]:
+        """The environment's reward (a dict: named parts, summed), or else reward.functions on the
+        final answer. An environment whose reward raises or is not a number scores 0, counted."""
+        try:
+            value: Any = env.reward(trajectory)
+            if value is None:
+                return scorer.score(trajectory.final_text, item.answer, item.prompt_id)
+            if isinstance(value, dict):
+                parts = {str(k): checked_reward(v) for k, v in value.items()}
+                return sum(parts.values()), parts
+            return checked_reward(value), {"env": checked_reward(value)}
+        except Exception as err:  # noqa: BLE001 - user code: never let it take the worker down
+            scorer.errors += 1
+            scorer.last_error = f"environment reward: {type(err).__name__}: {err}"
+            log.warning("environment %s reward() failed: %s (prompt %s; scored 0)", type(env).__qualname__, scorer.last_error, item.prompt_id)
+            return 0.0, {}
+
+
+STAT_KEYS = (
+    "trajectories",
+    "turns",
+    "tool_calls",
+    "tool_errors",
+    "malformed_calls",
+    "unparsable_turns",
+    "refused_calls",
+    "env_errors",
+    "truncated_observations",
+    "env_seconds",
+)
+
+
+def add_stats(stats: dict[str, float], row: _Row, turns: int) -> None:
+    """A group's environment counts, summed over its trajectories (the trainer's metrics divide)."""
+    s = row.env.stats
+    values = {
+        "trajectories": 1,
+        "turns": turns,
+        "tool_calls": s.tool_calls,
+        "tool_errors": s.tool_errors,
+        "malformed_calls": s.malformed_calls,
+        "unparsable_turns": s.unparsable_turns,
+        "refused_calls": s.refused_calls,
+        "env_errors": int(row.env_error is not None),
+        "truncated_observations": row.truncated_observations,
+        "env_seconds": s.env_seconds,
+    }
+    for k in STAT_KEYS:
+        stats[k] = stats.get(k, 0.0) + float(values[k])

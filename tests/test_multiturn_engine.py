@@ -1,0 +1,159 @@
+"""The HF engine continues a trajectory after inserted tokens on its KV cache: the behaviour
+log-probs of the sampled tokens equal the trainer's forward over the assembled trajectory, nothing
+before the inserted tokens is computed again, and the tokens kept are the tokens sampled."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from tidal.algo import token_logprobs_from_logits
+from tidal.config import TinyModelConfig, TrainerConfig
+from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+from tidal.protocol import Group, GroupLimits, Sample, decode_group, pack
+from tidal.rollout.engine import GroupRequest, HFEngine, Turn, group_generator, run_trajectories
+from tidal.trainer.learner import Learner, as_packing_group, token_logprobs
+
+MAX_NEW_TOKENS = 7
+
+
+def tiny(eos_logit: float = 2.5):
+    """The tiny model with an untied output layer whose EOS bias ends turns at different steps."""
+    torch.manual_seed(0)
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1), tok).eval()
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.get_output_embeddings().weight)
+        head.bias.zero_()
+        head.bias[tok.eos_token_id] = eos_logit
+    model.lm_head = head
+    return model, tok
+
+
+class ScriptedEnvironment:
+    """Answers turn t of row r with a token string of its own length (unequal across rows), or with
+    nothing for `silent` rows (the next turn follows the last at once), ends some rows early, and
+    records what it saw."""
+
+    def __init__(self, tok, ends_after: dict[int, int], silent: frozenset[int] = frozenset()):
+        self.tok, self.ends_after, self.silent, self.seen = tok, ends_after, silent, {}
+
+    def inserted(self, row: int, t: int) -> list[int]:
+        return [] if row in self.silent else self.tok(f"<r{row}t{t}>" + "=" * (row % 3), add_special_tokens=False).input_ids
+
+    def __call__(self, row: int, turn: Turn) -> list[int] | None:
+        self.seen.setdefault(row, []).append(turn)
+        t = len(self.seen[row])
+        if t >= self.ends_after.get(row, 99):
+            return None
+        return self.inserted(row, t)
+
+
+def requests(tok, seed: int = 0):
+    prompts = [tok(t).input_ids for t in ("12+3=", "45+678=", "9-1000+20=")]
+    return [GroupRequest(p, n, group_generator(seed, 1, i)) for i, (p, n) in enumerate(zip(prompts, (3, 2, 4)))]
+
+
+def trained_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1]
+    return token_logprobs_from_logits(logits, ids[:, len(prompt) :], temperature)[0][0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logprobs_equal_the_trainers_forward_over_the_assembled_trajectory(temperature):
+    model, tok = tiny()
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS, temperature)
+    reqs = requests(tok)
+    env = ScriptedEnvironment(tok, ends_after={0: 1, 3: 2, 6: 2}, silent=frozenset({1, 4, 7, 8}))
+    trajectories = run_trajectories(engine, reqs, env, max_turns=3)
+    prompts = [r.prompt_ids for r in reqs for _ in range(r.n)]
+    assert len(trajectories) == len(prompts) == 9
+    assert {t.turns for t in trajectories} == {1, 2, 3} and {t.finish_reason for t in trajectories} >= {"stop", "max_turns"}
+    lengths = [len(turn.token_ids) for turns in env.seen.values() for turn in turns]
+    assert min(lengths) < MAX_NEW_TOKENS and max(lengths) == MAX_NEW_TOKENS  # turns ended at different steps: rows waited
+    for row, (prompt, t) in enumerate(zip(prompts, trajectories)):
+        mask = np.array(t.loss_mask, dtype=bool)
+        assert len(t.token_ids) == len(t.logprobs) == mask.size and (~mask).any() == (t.turns > 1 and row not in env.silent)
+        # the tokens kept are the ones sampled and the ones the environment gave, as given
+        expected = []
+        for k, turn in enumerate(env.seen[row]):
+            expected += turn.token_ids
+            if k + 1 < t.turns:
+                expected += env.inserted(row, k + 1)
+        assert t.token_ids == expected
+        ref = trained_logprobs(model, prompt, t.token_ids, temperature)
+        torch.testing.assert_close(torch.tensor(t.logprobs)[mask], ref[torch.from_numpy(mask)], atol=1e-4, rtol=0)
+        assert all(lp == 0.0 for lp, m in zip(t.logprobs, mask) if not m)
+
+
+def test_the_trainer_sees_the_engines_logprobs_on_every_sampled_token():
+    """Through the wire and the shared-prompt packed layout: the learner's log-probs of a group of
+    trajectories match the engine's (its engine-vs-trainer mismatch metric is ~0)."""
+    model, tok = tiny()
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
+    req = requests(tok)[2]
+    trajectories = run_trajectories(engine, [req], ScriptedEnvironment(tok, ends_after={1: 2}), max_turns=3)
+    samples = [
+        Sample(np.asarray(t.token_ids, np.int32), np.asarray(t.logprobs, np.float32), float(i % 2), loss_mask=np.asarray(t.loss_mask, np.uint8))
+        for i, t in enumerate(trajectories)
+    ]
+    limits = GroupLimits(vocab_size=len(tok), max_new_tokens=MAX_NEW_TOKENS, max_turns=3, max_env_tokens_per_turn=16)
+    group = decode_group(pack(Group(0, 0, 0, "w", np.asarray(req.prompt_ids, np.int32), samples)), limits)
+    with torch.no_grad():
+        out = token_logprobs(model, [as_packing_group(group)], 1.0, "segmented", "cpu")[0]
+    for i, t in enumerate(trajectories):
+        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+        assert torch.equal(out.loss_mask[i, : mask.numel()], mask)
+        torch.testing.assert_close(out.logprobs[i, : mask.numel()][mask], torch.tensor(t.logprobs)[mask], atol=1e-4, rtol=0)
+    learner = Learner(TrainerConfig(), copy.deepcopy(model), tok.pad_token_id, max_new_tokens=MAX_NEW_TOKENS)
+    learner.train_on_groups([group])
+    assert learner.step()["logprob_mismatch"] < 1e-5
+
+
+def test_inserted_tokens_extend_the_cache_without_recomputing_the_prefix():
+    """After the prefill, every forward pass takes one token per row (a decode step) or one row's
+    last sampled token and its inserted tokens: never the prompt or an earlier turn again."""
+    model, tok = tiny()
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
+    reqs = requests(tok)
+    widths = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        env = ScriptedEnvironment(tok, ends_after={})
+        trajectories = run_trajectories(engine, reqs, env, max_turns=3)
+    finally:
+        hook.remove()
+    longest_insert = max(len(tok(f"<r{r}t2>" + "=" * (r % 3), add_special_tokens=False).input_ids) for r in range(9))
+    assert widths[0] == (3, max(len(r.prompt_ids) for r in reqs))  # the prompts, once
+    later = [w for _, w in widths[1:]]
+    assert set(later) <= {1, *range(2, longest_insert + 2)} and max(later) == longest_insert + 1
+    assert max(later) < min(len(r.prompt_ids) for r in reqs) + MAX_NEW_TOKENS  # no forward over a prefix
+    assert sum(1 for w in later if w > 1) == 2  # one extension per turn boundary
+    assert all(t.turns == 3 for t in trajectories)
+
+
+def test_one_turn_is_the_single_turn_engine():
+    """A trajectory the environment ends after its first turn is exactly `generate`'s sample."""
+    model, tok = tiny()
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
+    single = [s for group in engine.generate(requests(tok, seed=4)) for s in group]
+    trajectories = run_trajectories(engine, requests(tok, seed=4), lambda row, turn: None, max_turns=3)
+    assert [t.token_ids for t in trajectories] == [s.token_ids for s in single]
+    assert [t.logprobs for t in trajectories] == [s.logprobs for s in single]
+    assert all(t.loss_mask == [1] * len(t.token_ids) and t.turns == 1 for t in trajectories)
+    assert [t.finish_reason for t in trajectories] == [s.finish_reason for s in single]
+
+
+def test_trajectories_are_a_function_of_the_seed():
+    model, tok = tiny()
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
+    runs = [run_trajectories(engine, requests(tok, seed=9), ScriptedEnvironment(tok, ends_after={2: 2}), max_turns=3) for _ in range(2)]
+    assert [t.token_ids for t in runs[0]] == [t.token_ids for t in runs[1]]
+    other = run_trajectories(engine, requests(tok, seed=10), ScriptedEnvironment(tok, ends_after={2: 2}), max_turns=3)
+    assert [t.token_ids for t in other] != [t.token_ids for t in runs[0]]
