@@ -63,7 +63,7 @@ format: install-test
 
 # The user's manual (docs/, mkdocs.yml), built in strict mode into an ignored folder: a broken link or
 # anchor, or a page missing from the nav, fails here; so does a configuration reference that no longer
-# matches src/tidal/config.py (regenerate: python -m tidal.config_reference docs/configuration.md).
+# matches src/tidal/config/schema.py (regenerate: python -m tidal.config_reference docs/configuration.md).
 DOCS_SITE ?= site
 docs: install-test
 	$(BIN)/python -m tidal.config_reference --check docs/configuration.md

@@ -19,7 +19,7 @@ REGENERATE = "python -m tidal.config_reference docs/configuration.md"
 
 def test_the_configuration_reference_matches_the_schema():
     diff = stale_diff(REFERENCE, current())
-    assert not diff, f"docs/configuration.md is out of date with src/tidal/config.py: run `{REGENERATE}`\n{diff}"
+    assert not diff, f"docs/configuration.md is out of date with src/tidal/config/schema.py: run `{REGENERATE}`\n{diff}"
 
 
 class _ChangedTrainer(TrainerConfig):

@@ -39,7 +39,7 @@ COMMAND = "python -m tidal.config_reference docs/configuration.md"
 
 INTRO = """\
 Every role reads one typed config: a YAML file, validated against the schema in
-`src/tidal/config.py` before anything starts. An unknown key or a bad value is an error that names
+`src/tidal/config/schema.py` before anything starts. An unknown key or a bad value is an error that names
 the key. On the command line, `--set key=value` overrides one key (the value is parsed as YAML), e.g.
 `tidal run examples/arithmetic.yaml --set trainer.iterations=20 --set rollout.engine=vllm`.
 Relative paths in a config file are relative to the file; in `--set` overrides, to the working
@@ -287,7 +287,7 @@ def render(schema: type[BaseModel], non_training_keys: Iterable[str] = (), notes
     out = [
         "# Configuration reference",
         "",
-        f"<!-- Generated from the schema in src/tidal/config.py by `{COMMAND}`; do not edit by hand. -->",
+        f"<!-- Generated from the schema in src/tidal/config/schema.py by `{COMMAND}`; do not edit by hand. -->",
         "",
         INTRO,
         "",
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         diff = stale_diff(args.path, text, lines=40)
         if diff:
             print(
-                f"{args.path} is out of date with src/tidal/config.py; regenerate it: python -m tidal.config_reference {args.path}", file=sys.stderr
+                f"{args.path} is out of date with src/tidal/config/schema.py; regenerate it: python -m tidal.config_reference {args.path}", file=sys.stderr
             )
             print(diff, file=sys.stderr)
             return 1

@@ -1,0 +1,148 @@
+"""Config files: YAML (and --set overrides) in, a validated TidalConfig out; the resolved config
+written back; what a resumed run may change."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from tidal.config.schema import ConfigError, TidalConfig
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    if len(lines) == 2:  # one error: one line
+        return f"{lines[0]} {lines[1].strip()}"
+    return "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`trainer.iterations=3` -> (["trainer", "iterations"], 3); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key=value")
+    key, raw = text.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"override {text!r} has an empty key")
+    return key.strip().split("."), yaml.safe_load(raw) if raw != "" else ""
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def config_from_dict(data: dict, source: str = "<dict>") -> TidalConfig:
+    try:
+        return TidalConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = (), base_dir: str | os.PathLike | None = None) -> TidalConfig:
+    """The config in `path` (defaults when None) with `key=value` overrides applied. Relative data
+    paths in the file are relative to `base_dir` (default: the file's folder); in overrides, to the
+    working directory. The result holds absolute data paths, so it can be dumped and reloaded anywhere."""
+    data: dict = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {p} is not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        source = str(p)
+        data = _data_paths_from(Path(base_dir) if base_dir is not None else p.parent, data)
+    data = _data_paths_from(Path.cwd(), apply_overrides(data, list(overrides)))
+    return config_from_dict(data, source)
+
+
+def _data_paths_from(base: Path, data: dict) -> dict:
+    """Relative `data.path` / `data.eval_path` made absolute against `base`."""
+    section = data.get("data")
+    if not isinstance(section, dict):
+        return data
+    resolved = {
+        k: str((base / v).resolve()) if k in ("path", "eval_path") and isinstance(v, str) and not Path(v).is_absolute() else v
+        for k, v in section.items()
+    }
+    return {**data, "data": resolved}
+
+
+def dump_config(cfg: TidalConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def flatten(cfg: TidalConfig) -> dict[str, str]:
+    """Dotted key -> string value, for MLflow params."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = str(node)
+
+    walk("", cfg.model_dump(mode="json"))
+    return out
+
+
+# Keys that do not change what is trained, so a run directory may be resumed with other values:
+# how long and where it runs, how it is observed, how work is spread over processes. Everything else
+# (model, data, seed, rewards, rollout sampling, the algorithm and its optimizer) must match.
+NON_TRAINING_KEYS = (
+    "trainer.iterations",
+    "trainer.threads",
+    "trainer.tail_threads",
+    "trainer.group_timeout_seconds",
+    "trainer.max_skipped_steps",  # raised to resume a run that failed on it
+    "reward.timeout_seconds",
+    "rollout.workers",
+    "rollout.threads",
+    "rollout.groups_per_batch",
+    "rollout.sync_groups_per_call",
+    "rollout.generation_token_budget",
+    "rollout.first_call_groups",
+    "rollout.max_inflight_groups",
+    "model.warm_start.cache_dir",
+    "eval.",
+    "tracking.",
+    "transport.",
+    "weights.",  # retention: which old snapshots are kept
+)
+
+
+def training_changes(old: TidalConfig, new: TidalConfig) -> list[str]:
+    """`key (old -> new)` for every key whose change would change training (NON_TRAINING_KEYS aside)."""
+    a, b = flatten(old), flatten(new)
+
+    def short(value: str | None) -> str:
+        text = "unset" if value is None else value
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    def counts(key: str) -> bool:
+        return not any(key == k or (k.endswith(".") and key.startswith(k)) for k in NON_TRAINING_KEYS)
+
+    return [f"{k} ({short(a.get(k))} -> {short(b.get(k))})" for k in [*a, *(k for k in b if k not in a)] if counts(k) and a.get(k) != b.get(k)]
