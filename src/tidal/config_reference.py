@@ -347,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         diff = stale_diff(args.path, text, lines=40)
         if diff:
             print(
-                f"{args.path} is out of date with src/tidal/config/schema.py; regenerate it: python -m tidal.config_reference {args.path}", file=sys.stderr
+                f"{args.path} is out of date with src/tidal/config/schema.py; regenerate it: python -m tidal.config_reference {args.path}",
+                file=sys.stderr,
             )
             print(diff, file=sys.stderr)
             return 1
