@@ -166,3 +166,17 @@ def max_diff(a: Path, b: Path) -> float:
     x, y = load_file(str(a)), load_file(str(b))
     assert x.keys() == y.keys()
     return max((x[k] - y[k]).abs().max().item() for k in x)
+
+
+def eos_prone(model, tok, eos_logit: float):
+    """The tiny model with an untied output layer whose EOS bias makes rows (and turns) finish at
+    different steps: an untrained model rarely samples EOS."""
+    import torch
+
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.get_output_embeddings().weight)
+        head.bias.zero_()
+        head.bias[tok.eos_token_id] = eos_logit
+    model.lm_head = head
+    return model

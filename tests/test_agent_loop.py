@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import eos_prone
 from tidal.config import TrainerConfig, config_from_dict
 from tidal.envs import Environment, Trajectory
 from tidal.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
@@ -61,12 +62,7 @@ def tiny_engine(eos_logit: float = 2.0):
     model = build_tiny_model(
         TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, max_position_embeddings=256), tok
     )
-    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.get_output_embeddings().weight)
-        head.bias.zero_()
-        head.bias[tok.eos_token_id] = eos_logit
-    model.lm_head = head
+    model = eos_prone(model, tok, eos_logit)
     return HFEngine(model.eval(), tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS), tok
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import eos_prone
 from tidal.algo import token_logprobs_from_logits
 from tidal.config import TinyModelConfig, TrainerConfig
 from tidal.model.tiny import build_char_tokenizer, build_tiny_model
@@ -55,17 +56,6 @@ def test_engine_logprobs_match_a_trainer_forward():
             assert torch.allclose(ref, torch.tensor(s.logprobs), atol=1e-4)
             assert s.finish_reason in ("stop", "length")
             assert (s.finish_reason == "stop") == (s.token_ids[-1] == tok.eos_token_id)
-
-
-def eos_prone(model, tok, eos_logit: float):
-    """The tiny model with an untied output layer whose EOS bias makes rows finish at different steps."""
-    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.get_output_embeddings().weight)
-        head.bias.zero_()
-        head.bias[tok.eos_token_id] = eos_logit
-    model.lm_head = head
-    return model
 
 
 def test_rows_that_finish_early_leave_the_batch_without_changing_any_sample():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import eos_prone
 from tidal.algo import token_logprobs_from_logits
 from tidal.config import TinyModelConfig, TrainerConfig
 from tidal.model.tiny import build_char_tokenizer, build_tiny_model
@@ -25,13 +26,7 @@ def tiny(eos_logit: float = 2.5):
     torch.manual_seed(0)
     tok = build_char_tokenizer()
     model = build_tiny_model(TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1), tok).eval()
-    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.get_output_embeddings().weight)
-        head.bias.zero_()
-        head.bias[tok.eos_token_id] = eos_logit
-    model.lm_head = head
-    return model, tok
+    return eos_prone(model, tok, eos_logit), tok
 
 
 class ScriptedEnvironment:

@@ -293,14 +293,6 @@ class RunNats:
 
         return self._call(count)
 
-    def delete(self) -> list[str]:
-        """Deletes the run's streams and KV bucket; what was deleted."""
-        import asyncio
-
-        from tidal.transport import delete_run
-
-        return asyncio.run(delete_run(self.url, self.run.run_id))
-
 
 CHECKPOINT_STATE = "state.json"
 CHECKPOINT_FOLDER = re.compile(r"v(\d{6,})")
