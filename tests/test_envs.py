@@ -330,7 +330,8 @@ def test_the_agent_keys_load_and_are_checked():
         ({"env": "tools", "trajectory_timeout_seconds": -1}, {}, "rollout.trajectory_timeout_seconds: Input should be greater than 0"),
         ({"env": "tools", "engine": "vllm"}, {}, "multi-turn rollouts run on rollout.engine 'hf' for now, not 'vllm'"),
         ({"env": "tools"}, {"reward": {"overlong_buffer": 4}}, "reward.overlong_buffer measures one response"),
-        ({"env": "tools"}, {"eval": {"enabled": True}}, "held-out evaluation through rollout.env is not built yet; set eval.enabled: false"),
+        ({"env": "tools"}, {"eval": {"enabled": True, "engine": "vllm"}}, "held-out evaluation through rollout.env runs on the HF engine"),
+        ({"env": "tools"}, {"model": {"warm_start": {"stop_at_accuracy": 0.5}}}, "model.warm_start.stop_at_accuracy probes single answers"),
     ],
 )
 def test_a_bad_agent_config_is_one_clear_error(rollout, extra, error):

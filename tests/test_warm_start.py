@@ -9,7 +9,7 @@ import torch
 from tidal.config import TinyModelConfig, config_from_dict
 from tidal.data import load_dataset
 from tidal.model.tiny import build_char_tokenizer, build_tiny_model
-from tidal.model.warm_start import prepare_base_model, supervised_warm_start
+from tidal.model.warm_start import answer_batcher, prepare_base_model, supervised_warm_start
 
 
 def tiny_model():
@@ -28,7 +28,9 @@ def test_the_warm_start_stops_at_the_first_probe_that_reaches_the_accuracy(tiny_
         return next(readings)
 
     problems = load_dataset(tiny_config.data, 0).train
-    result = supervised_warm_start(model, tok, problems, 100, 8, 3e-3, 0, probe=probe, probe_every=5, stop_at_accuracy=0.3)
+    result = supervised_warm_start(
+        model, answer_batcher(tok, problems), len(problems), 100, 8, 3e-3, 0, probe=probe, probe_every=5, stop_at_accuracy=0.3
+    )
     assert (result.steps, result.probe_accuracy) == (15, 0.35)
     assert probed_in_eval_mode == [True, True, True] and not model.training
 
@@ -36,7 +38,7 @@ def test_the_warm_start_stops_at_the_first_probe_that_reaches_the_accuracy(tiny_
 def test_without_a_target_the_warm_start_runs_every_step(tiny_config):
     model, tok = tiny_model()
     problems = load_dataset(tiny_config.data, 0).train
-    result = supervised_warm_start(model, tok, problems, 12, 8, 3e-3, 0, probe=lambda: 1.0, probe_every=5)
+    result = supervised_warm_start(model, answer_batcher(tok, problems), len(problems), 12, 8, 3e-3, 0, probe=lambda: 1.0, probe_every=5)
     assert result.steps == 12 and result.probe_accuracy is None
 
 

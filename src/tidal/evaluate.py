@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from tidal.config import TidalConfig
 from tidal.data import Problem, prompt_encoder
 from tidal.model.loading import load_model_and_tokenizer, load_tokenizer
+from tidal.protocol import tool_use_rates
 from tidal.rewards import exact_match, extract_final_answer
 from tidal.rollout.engine import GroupRequest, HFEngine, RolloutEngine, group_generator, group_seed
 from tidal.rundir import RunDir
@@ -58,25 +59,71 @@ def held_out_scores(
     `encode` turns a problem's text into prompt ids (data.prompt_template / chat_template); default plain."""
     encode = encode or prompt_encoder(tokenizer)
     n = max(1, samples)
+
+    def answers() -> Iterator[tuple[Problem, list[str]]]:
+        for chunk, requests in eval_requests(problems, batch_size, n, seed, encode):
+            for p, group in zip(chunk, engine.generate(requests, greedy=samples == 0, max_new_tokens=max_new_tokens)):
+                yield p, [tokenizer.decode(sample.token_ids, skip_special_tokens=True) for sample in group]
+
+    return answer_scores(answers(), len(problems), n, ks)
+
+
+def held_out_agent_scores(
+    loop, engine: HFEngine, problems: list[Problem], batch_size: int = 64, samples: int = 0, seed: int = 0, ks: tuple[int, ...] = ()
+) -> dict[str, float]:
+    """`held_out_scores` through the run's environment (`loop`: an AgentLoop): each problem's
+    trajectories, scored on their final answers, plus how the policy used its tools
+    (tidal.protocol.tool_use_rates)."""
+    from tidal.rollout.agent import add_stats
+
+    n = max(1, samples)
+    totals: dict[str, float] = {}
+
+    def answers() -> Iterator[tuple[Problem, list[str]]]:
+        for chunk, requests in eval_requests(problems, batch_size, n, seed, None):
+            played = loop.play(engine, [loop.framed(p.id, p.prompt, p.answer) for p in chunk], requests, greedy=samples == 0)
+            for i, p in enumerate(chunk):
+                rows = played[i * n : (i + 1) * n]
+                for row, tokens in rows:
+                    add_stats(totals, row, tokens.turns)
+                yield p, [row.final_text for row, _ in rows]
+
+    return {**answer_scores(answers(), len(problems), n, ks), **tool_use_rates(totals)}
+
+
+def eval_requests(
+    problems: list[Problem], batch_size: int, n: int, seed: int, encode: Callable[[str], list[int]] | None
+) -> Iterator[tuple[list[Problem], list[GroupRequest]]]:
+    """The problems in chunks, each with its requests: n rows per problem, seeded per prompt so that
+    two snapshots are compared on the same noise (`encode` None: the prompt is set by the caller)."""
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        yield (
+            chunk,
+            [
+                GroupRequest(
+                    encode(p.prompt) if encode else [], n, group_generator(seed, EVAL_ITERATION, p.id), group_seed(seed, EVAL_ITERATION, p.id)
+                )
+                for p in chunk
+            ],
+        )
+
+
+def answer_scores(answers: Iterable[tuple[Problem, list[str]]], count: int, n: int, ks: tuple[int, ...]) -> dict[str, float]:
+    """accuracy over every answer; pass@k and maj@k per problem, averaged."""
     correct = 0
     passes = {k: 0.0 for k in ks}
     majorities = {k: 0 for k in ks}
-    for start in range(0, len(problems), batch_size):
-        chunk = problems[start : start + batch_size]
-        requests = [
-            GroupRequest(encode(p.prompt), n, group_generator(seed, EVAL_ITERATION, p.id), group_seed(seed, EVAL_ITERATION, p.id)) for p in chunk
-        ]
-        for p, group in zip(chunk, engine.generate(requests, greedy=samples == 0, max_new_tokens=max_new_tokens)):
-            texts = [tokenizer.decode(sample.token_ids, skip_special_tokens=True) for sample in group]
-            right = sum(exact_match(t, p.answer) > 0 for t in texts)
-            correct += right
-            for k in ks:
-                passes[k] += pass_at_k(len(texts), right, k)
-                majorities[k] += majority_correct([extract_final_answer(t) for t in texts[:k]], p.answer)
-    scores = {"accuracy": correct / max(1, n * len(problems))}
+    for p, texts in answers:
+        right = sum(exact_match(t, p.answer) > 0 for t in texts)
+        correct += right
+        for k in ks:
+            passes[k] += pass_at_k(len(texts), right, k)
+            majorities[k] += majority_correct([extract_final_answer(t) for t in texts[:k]], p.answer)
+    scores = {"accuracy": correct / max(1, n * count)}
     for k in ks:
-        scores[f"pass_at_{k}"] = passes[k] / max(1, len(problems))
-        scores[f"maj_at_{k}"] = majorities[k] / max(1, len(problems))
+        scores[f"pass_at_{k}"] = passes[k] / max(1, count)
+        scores[f"maj_at_{k}"] = majorities[k] / max(1, count)
     return scores
 
 
@@ -113,6 +160,8 @@ def evaluate_snapshot(
         if snapshot is not None:
             engine.load_snapshot(snapshot)
         tokenizer, max_tokens = load_tokenizer(model_dir), cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+        if cfg.rollout.env is not None:
+            return agent_snapshot_scores(cfg, engine, tokenizer, problems)
         k, encode = cfg.eval.samples_per_prompt, prompt_encoder(tokenizer, cfg.data)
         scores = {
             "accuracy": held_out_accuracy(engine, tokenizer, problems, cfg.eval.batch_size, max_tokens, encode=encode),
@@ -128,6 +177,24 @@ def evaluate_snapshot(
     finally:
         if own:
             engine.shutdown()
+
+
+def agent_snapshot_scores(cfg: TidalConfig, engine: HFEngine, tokenizer, problems: list[Problem]) -> dict:
+    """evaluate_snapshot's scores through rollout.env (turns of rollout.max_new_tokens each), with
+    the greedy and the sampled trajectories' tool use (tool_use_rate, tool_success_rate, turns_mean;
+    `sampled_` in front for the sampled ones)."""
+    from tidal.rollout.agent import AgentLoop
+    from tidal.rollout.worker import model_context
+
+    loop = AgentLoop.from_config(cfg, tokenizer, model_context(engine))
+    k = cfg.eval.samples_per_prompt
+    scores: dict = held_out_agent_scores(loop, engine, problems, cfg.eval.batch_size)
+    scores["sampled_accuracy"] = None
+    if k:
+        sampled = held_out_agent_scores(loop, engine, problems, max(1, cfg.eval.batch_size // k), k, cfg.seed, tuple(cfg.eval.k))
+        scores["sampled_accuracy"] = sampled.pop("accuracy")
+        scores.update({(f"sampled_{key}" if key.startswith(("tool_", "turns_")) else key): v for key, v in sampled.items()})
+    return scores
 
 
 def curve_targets(latest: int, every: int, final: int, done: set[int]) -> list[int]:

@@ -21,7 +21,7 @@ from tidal.logs import setup_logging
 from tidal.plan import apply_plan, cached_profile, wants_plan
 from tidal.preflight import check_before_start
 from tidal.rundir import RunDir, RunDirError, RunDirLock, RunInfo, new_nats_token, new_run_id, run_signing_key
-from tidal.summary import at_k_before_after, result_table, summarize
+from tidal.summary import agent_before_after, at_k_before_after, result_table, summarize
 from tidal.supervise import NatsSupervisor, RoleFailed, RoleProcesses, Stopped, child_options, stop_on_signals, tail
 from tidal.threads import resolve_threads, set_threads
 from tidal.tracking import start_run, tracking_uri
@@ -284,6 +284,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
     summary = summarize(cfg, history, before, after, final, info, extra)
     summary["eval_curve"] = run.evals.read()
     summary.update(at_k_before_after(before, after))
+    summary.update(agent_before_after(before, after))
     summary["wall_seconds"] = time.time() - t_start
     run.summary.write_text(json.dumps(summary, indent=1))
     final_metrics = {

@@ -98,6 +98,34 @@ def at_k_lines(summary: dict) -> list[str]:
     return [f"                       {', '.join(parts)}"] if parts else []
 
 
+AGENT_EVAL_KEYS = ("tool_use_rate", "tool_success_rate", "turns_mean")
+
+
+def agent_before_after(before: dict | None, after: dict | None) -> dict:
+    """The held-out tool use before and after (rollout.env runs), greedy and `sampled_`."""
+    if not (before and after):
+        return {}
+    keys = [f"{prefix}{k}" for prefix in ("", "sampled_") for k in AGENT_EVAL_KEYS]
+    return {f"{k}_{when}": scores[k] for k in keys if k in before and k in after for when, scores in (("before", before), ("after", after))}
+
+
+def agent_lines(summary: dict) -> list[str]:
+    if "tool_use_rate_before" not in summary:
+        return []
+
+    def pair(key: str) -> str:
+        return f"{pct(summary.get(key + '_before'))} -> {pct(summary.get(key + '_after'))}"
+
+    lines = [
+        f"  tool use             calls the tool {pair('tool_use_rate')}, calls that work {pair('tool_success_rate')}  (greedy)",
+    ]
+    if "sampled_tool_use_rate_before" in summary:
+        lines.append(
+            f"                       calls the tool {pair('sampled_tool_use_rate')}, calls that work {pair('sampled_tool_success_rate')}  (sampled)"
+        )
+    return lines
+
+
 def curve_lines(summary: dict) -> list[str]:
     curve = summary.get("eval_curve") or []
     key = "sampled_accuracy" if curve and curve[0].get("sampled_accuracy") is not None else "accuracy"
@@ -116,6 +144,7 @@ def result_table(summary: dict, run_dir: Path, wall: float) -> str:
             f"                       before {pct(summary['sampled_accuracy_before'])}  ->  after {pct(summary['sampled_accuracy_after'])}  "
             f"(sampled at the rollout temperature, {summary['eval_samples_per_prompt']} per prompt: what RL optimises)",
             *at_k_lines(summary),
+            *agent_lines(summary),
             *curve_lines(summary),
             f"  seconds / iteration  {summary['iteration_seconds_mean']:.2f}  =  "
             + " | ".join(f"{label} {summary[key]:.2f}" for label, key, _ in TIME_SPLIT[1:])

@@ -44,6 +44,10 @@ class WarmStartConfig(_Strict):
     stop_at_accuracy: float | None = Field(None, gt=0, le=1)
     probe_every: int = Field(50, gt=0)
     probe_prompts: int = Field(256, gt=0)
+    # with rollout.env: the share of synthetic traces that call the built-in calc tool (when
+    # rollout.tools has it), and the share of those calls made wrongly (a mistyped operand or a bad argument)
+    tool_use: float = Field(0.4, ge=0, le=1)
+    tool_mistakes: float = Field(0.3, ge=0, le=1)
     cache_dir: str | None = None  # default: $TIDAL_CACHE or ~/.cache/tidal
 
 
@@ -61,7 +65,7 @@ class DataConfig(_Strict):
     num_train: int = Field(5000, gt=0)
     num_eval: int = Field(200, gt=0)
     max_digits: int = Field(2, gt=0, le=9)
-    operations: list[Literal["+", "-"]] = ["+", "-"]
+    operations: list[Literal["+", "-", "*"]] = ["+", "-"]
     # What the model sees: `prompt_template` around each problem's text (`{prompt}`; write literal
     # braces as {{ }}), then, with `chat_template`, the tokenizer's chat template as one user turn
     # (instruct models), after `system_prompt` if set.
@@ -368,11 +372,14 @@ class TidalConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _overlong_penalty_is_single_turn(self) -> TidalConfig:
-        if self.rollout.env is not None and self.eval.enabled:
-            # held-out accuracy is measured on single responses to the raw prompt: for an agent it would
-            # score a task the policy is not trained on
-            raise _error("eval.enabled: held-out evaluation through rollout.env is not built yet; set eval.enabled: false")
+    def _agent_runs_fit_their_parts(self) -> TidalConfig:
+        ws = self.model.warm_start
+        if self.rollout.env is not None and self.model.name_or_path is None and ws.enabled and ws.steps:
+            if ws.stop_at_accuracy is not None:
+                raise _error("model.warm_start.stop_at_accuracy probes single answers; with rollout.env leave it out (the traces run ws.steps)")
+        eval_engine = self.rollout.engine if self.eval.engine == "rollout" else self.eval.engine
+        if self.rollout.env is not None and self.eval.enabled and eval_engine != "hf":
+            raise _error("eval.engine: held-out evaluation through rollout.env runs on the HF engine; set eval.engine: hf")
         if self.rollout.env is not None and self.reward.overlong_buffer:
             raise _error(
                 "reward.overlong_buffer measures one response against rollout.max_new_tokens: with rollout.env "

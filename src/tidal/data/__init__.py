@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 import random
 import re
 from collections.abc import Callable
@@ -30,6 +31,9 @@ class Dataset:
     eval: list[Problem]
 
 
+ARITHMETIC_OPERATIONS: dict[str, Callable[[int, int], int]] = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+
 def arithmetic_prompt(a: int, op: str, b: int) -> str:
     return f"{a}{op}{b}="
 
@@ -53,7 +57,7 @@ def make_arithmetic(seed: int, num_train: int, num_eval: int, max_digits: int, o
         if (a, op, b) in seen:
             continue
         seen.add((a, op, b))
-        value = a + b if op == "+" else a - b
+        value = ARITHMETIC_OPERATIONS[op](a, b)
         problems.append(Problem(len(problems), arithmetic_prompt(a, op, b), str(value)))
     return Dataset(train=problems[:num_train], eval=[Problem(i, p.prompt, p.answer) for i, p in enumerate(problems[num_train:])])
 

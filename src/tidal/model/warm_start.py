@@ -35,6 +35,8 @@ def warm_start_key(cfg: TidalConfig) -> str:
         "data": cfg.data.model_dump(mode="json", exclude={"num_eval", "eval_path"}),
         "seed": cfg.seed,
     }
+    if cfg.rollout.env is not None:  # the traces are played through the environment and its template
+        spec["agent"] = cfg.rollout.model_dump(mode="json", include={"env", "tools", "tool_parser", "max_turns", "max_env_tokens_per_turn"})
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -58,6 +60,9 @@ def sft_batch(
     return ids, mask, lab
 
 
+Batcher = Callable[[list[int]], "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
+
+
 @dataclass(frozen=True)
 class WarmStartResult:
     steps: int  # steps run: fewer than asked when the probe stopped it early
@@ -65,21 +70,26 @@ class WarmStartResult:
     probe_accuracy: float | None  # greedy accuracy on the probe prompts at the last check
 
 
+def answer_batcher(tokenizer, problems: list[Problem], encode: Callable[[str], list[int]] | None = None) -> Batcher:
+    """The single-turn SFT batches: prompt + final-answer line + EOS, labels on the answer."""
+    return lambda indices: sft_batch(tokenizer, [problems[i] for i in indices], encode)
+
+
 def supervised_warm_start(
     model,
-    tokenizer,
-    problems: list[Problem],
+    batch: Batcher,
+    examples: int,
     steps: int,
     batch_size: int,
     lr: float,
     seed: int,
     progress=None,
-    encode: Callable[[str], list[int]] | None = None,
     probe: Callable[[], float] | None = None,
     probe_every: int = 50,
     stop_at_accuracy: float | None = None,
 ) -> WarmStartResult:
-    """A short SFT so RL starts with signal. With `probe` (greedy accuracy of the model as it is)
+    """A short SFT so RL starts with signal: `batch(indices)` gives the ids, attention mask and
+    labels of those of the `examples`. With `probe` (greedy accuracy of the model as it is)
     and `stop_at_accuracy`, it stops at the first check that reaches that accuracy."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -87,8 +97,7 @@ def supervised_warm_start(
     model.train()
     loss_value, accuracy, step = float("nan"), None, 0
     for step in range(1, steps + 1):
-        idx = torch.randint(len(problems), (batch_size,), generator=gen).tolist()
-        ids, mask, lab = sft_batch(tokenizer, [problems[i] for i in idx], encode)
+        ids, mask, lab = batch(torch.randint(examples, (batch_size,), generator=gen).tolist())
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -122,6 +131,34 @@ def greedy_probe(model, tokenizer, problems: list[Problem], max_new_tokens: int,
     return accuracy
 
 
+def answer_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem], progress=None) -> WarmStartResult:
+    """Prompt -> final-answer line, stopped early at ws.stop_at_accuracy greedy accuracy if set."""
+    ws = cfg.model.warm_start
+    encode = prompt_encoder(tokenizer, cfg.data)
+    probe = greedy_probe(model, tokenizer, pool[: ws.probe_prompts], cfg.rollout.max_new_tokens, encode) if ws.stop_at_accuracy else None
+    batch = answer_batcher(tokenizer, pool, encode)
+    return supervised_warm_start(
+        model, batch, len(pool), ws.steps, ws.batch_size, ws.lr, cfg.seed, progress, probe, ws.probe_every, ws.stop_at_accuracy
+    )
+
+
+def tool_use_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem], progress=None) -> WarmStartResult:
+    """Synthetic trajectories through the run's environment (tidal.model.tool_traces): answers in the
+    head, calls to the tool, and wrong calls, in the proportions ws.tool_use / ws.tool_mistakes."""
+    from tidal.model.tool_traces import make_traces, trace_batcher
+    from tidal.rollout.agent import AgentLoop
+
+    ws = cfg.model.warm_start
+    loop = AgentLoop.from_config(cfg, tokenizer)
+    tool_use = ws.tool_use if "calc" in cfg.rollout.tools else 0.0  # the traces call calc; without it they teach the format
+    traces = make_traces(loop, pool, tool_use, ws.tool_mistakes, cfg.seed)
+    kinds = {k: sum(t.kind == k for t in traces) for k in sorted({t.kind for t in traces})}
+    log.info("warm start on %d tool-use traces: %s", len(traces), kinds)
+    return supervised_warm_start(
+        model, trace_batcher(traces, tokenizer.pad_token_id), len(traces), ws.steps, ws.batch_size, ws.lr, cfg.seed, progress
+    )
+
+
 def prepare_base_model(cfg: TidalConfig, dataset: Dataset, progress=None) -> Path | str:
     """The weights RL starts from: the user's model, or the cached tiny warm start (built once)."""
     if cfg.model.name_or_path:
@@ -137,14 +174,9 @@ def prepare_base_model(cfg: TidalConfig, dataset: Dataset, progress=None) -> Pat
     if cfg.model.warm_start.enabled and cfg.model.warm_start.steps:
         if cfg.data.task != "arithmetic":
             raise ValueError("model.warm_start for the tiny model needs data.task 'arithmetic'; set model.name_or_path for other tasks")
-        ws = cfg.model.warm_start
-        pool = dataset.train[: ws.examples]
         t0 = time.time()
-        encode = prompt_encoder(tokenizer, cfg.data)
-        probe = greedy_probe(model, tokenizer, pool[: ws.probe_prompts], cfg.rollout.max_new_tokens, encode) if ws.stop_at_accuracy else None
-        result = supervised_warm_start(
-            model, tokenizer, pool, ws.steps, ws.batch_size, ws.lr, cfg.seed, progress, encode, probe, ws.probe_every, ws.stop_at_accuracy
-        )
+        warm = tool_use_warm_start if cfg.rollout.env is not None else answer_warm_start
+        result = warm(cfg, model, tokenizer, dataset.train[: cfg.model.warm_start.examples], progress)
         log.info(
             "warm start: %d steps in %.1fs, final loss %.3f, probe accuracy %s", result.steps, time.time() - t0, result.loss, result.probe_accuracy
         )

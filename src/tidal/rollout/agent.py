@@ -24,7 +24,7 @@ from tidal.config import TidalConfig
 from tidal.envs import EnvError, Environment, EnvironmentFactory, Trajectory
 from tidal.protocol import Group, Sample, WorkItem
 from tidal.rewards import RewardScorer, checked_reward, exact_match
-from tidal.rollout.engine import GroupRequest, HFEngine, Turn, run_trajectories
+from tidal.rollout.engine import GroupRequest, HFEngine, TrajectoryTokens, Turn, run_trajectories
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,10 @@ class _Row:
     finish_reason: str | None = None  # set when the loop ends the trajectory for a reason of its own
     env_error: str | None = None
     truncated_observations: int = 0
+
+    @property
+    def final_text(self) -> str:
+        return Trajectory(None, self.messages).final_text
 
 
 class AgentLoop:
@@ -114,16 +118,15 @@ class AgentLoop:
 
     # --- one engine call ---------------------------------------------------------------------
 
-    def generate(
-        self, engine: HFEngine, items: list[WorkItem], requests: list[GroupRequest], scorer: RewardScorer, policy_version: int, worker_id: str
-    ) -> list[Group]:
-        """One group per item (`requests` give the RNGs; their prompts are set here)."""
+    def play(
+        self, engine: HFEngine, problems: list[Problem], requests: list[GroupRequest], greedy: bool = False
+    ) -> list[tuple[_Row, TrajectoryTokens]]:
+        """The trajectories of `problems` (request i gives problem i's G rows their RNG; its prompt is
+        set here): each row's environment, messages and tokens, in row order."""
         r = self.cfg.rollout
         started = time.monotonic()
         rows: list[_Row] = []
-        prompts: list[list[int]] = []
-        for item, request in zip(items, requests):
-            problem = self.problem(item)
+        for problem, request in zip(problems, requests):
             group_rows = [self.start_row(problem) for _ in range(request.n)]
             encoded = [self.render(row.messages, row.env.tool_schemas, True) for row in group_rows]
             if any(e != encoded[0] for e in encoded[1:]):
@@ -131,9 +134,8 @@ class AgentLoop:
                     f"environment {self.factory.cls.__qualname__}: reset() gave different first messages for one problem; a group shares its prompt"
                 )
             request.prompt_ids = encoded[0]
-            prompts.append(encoded[0])
             rows += group_rows
-        row_prompt_lengths = [len(p) for p, request in zip(prompts, requests) for _ in range(request.n)]
+        row_prompt_lengths = [len(request.prompt_ids) for request in requests for _ in range(request.n)]
 
         def respond(index: int, turn: Turn) -> list[int] | None:
             row = rows[index]
@@ -164,14 +166,21 @@ class AgentLoop:
             row.length += len(tokens)
             return tokens
 
+        trajectories = run_trajectories(engine, requests, respond, r.max_turns, r.max_new_tokens, greedy)
+        return list(zip(rows, trajectories))
+
+    def generate(
+        self, engine: HFEngine, items: list[WorkItem], requests: list[GroupRequest], scorer: RewardScorer, policy_version: int, worker_id: str
+    ) -> list[Group]:
+        """One group per item (`requests` give the RNGs; their prompts are set here)."""
         gen_start = time.time()
-        trajectories = run_trajectories(engine, requests, respond, r.max_turns, r.max_new_tokens)
+        played = self.play(engine, [self.problem(item) for item in items], requests)
         gen_end = time.time()
         groups, at = [], 0
-        for item, request, prompt in zip(items, requests, prompts):
+        for item, request in zip(items, requests):
             errors_before = scorer.errors
             samples, stats = [], {}
-            for row, tokens in zip(rows[at : at + request.n], trajectories[at : at + request.n]):
+            for row, tokens in played[at : at + request.n]:
                 finish = row.finish_reason or tokens.finish_reason
                 trajectory = Trajectory(self.problem(item), row.messages, row.env.stats, finish)
                 reward, parts = self.reward(row.env, trajectory, item, scorer)
@@ -194,7 +203,7 @@ class AgentLoop:
                     prompt_id=item.prompt_id,
                     policy_version=policy_version,
                     worker_id=worker_id,
-                    prompt_ids=np.asarray(prompt, dtype=np.int32),
+                    prompt_ids=np.asarray(request.prompt_ids, dtype=np.int32),
                     samples=samples,
                     gen_start=gen_start,
                     gen_end=gen_end,
@@ -210,7 +219,11 @@ class AgentLoop:
         return self.render(row.messages, row.env.tool_schemas, True)
 
     def problem(self, item: WorkItem) -> Problem:
-        return Problem(item.prompt_id, self.cfg.data.prompt_template.format(prompt=item.prompt), item.answer)
+        return self.framed(item.prompt_id, item.prompt, item.answer)
+
+    def framed(self, prompt_id: int, prompt: str, answer: str) -> Problem:
+        """A dataset problem as reset() gets it: the prompt through data.prompt_template."""
+        return Problem(prompt_id, self.cfg.data.prompt_template.format(prompt=prompt), answer)
 
     def start_row(self, problem: Problem) -> _Row:
         env = self.factory()
@@ -246,6 +259,7 @@ STAT_KEYS = (
     "malformed_calls",
     "unparsable_turns",
     "refused_calls",
+    "tool_using",
     "env_errors",
     "truncated_observations",
     "env_seconds",
@@ -263,6 +277,7 @@ def add_stats(stats: dict[str, float], row: _Row, turns: int) -> None:
         "malformed_calls": s.malformed_calls,
         "unparsable_turns": s.unparsable_turns,
         "refused_calls": s.refused_calls,
+        "tool_using": int(s.tool_calls + s.malformed_calls + s.refused_calls > 0),
         "env_errors": int(row.env_error is not None),
         "truncated_observations": row.truncated_observations,
         "env_seconds": s.env_seconds,

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from tidal.protocol import Group
+from tidal.protocol import Group, tool_use_rates
 
 
 class Timer:
@@ -75,14 +75,14 @@ def agent_stats(groups: list[Group]) -> dict[str, float]:
         for k, v in g.env_stats.items():
             totals[k] = totals.get(k, 0.0) + v
     trajectories = max(1.0, totals.get("trajectories", 0.0))
-    attempted = totals.get("tool_calls", 0.0) + totals.get("malformed_calls", 0.0) + totals.get("refused_calls", 0.0)
-    failed = totals.get("tool_errors", 0.0) + totals.get("malformed_calls", 0.0) + totals.get("refused_calls", 0.0)
+    rates = tool_use_rates(totals)
     lengths = np.array([len(s.token_ids) for g in agent for s in g.samples], dtype=np.float64)
     sampled = float(sum(s.sampled_tokens for g in agent for s in g.samples))
     return {
-        "agent_turns_mean": totals.get("turns", 0.0) / trajectories,
+        "agent_turns_mean": rates["turns_mean"],
         "agent_tool_calls_mean": totals.get("tool_calls", 0.0) / trajectories,
-        "agent_tool_error_rate": failed / attempted if attempted else 0.0,
+        "agent_tool_use_rate": rates["tool_use_rate"],
+        "agent_tool_error_rate": rates["tool_error_rate"],
         "agent_unparsable_turns": totals.get("unparsable_turns", 0.0),
         "agent_env_errors": totals.get("env_errors", 0.0),
         "agent_truncated_observations": totals.get("truncated_observations", 0.0),

@@ -1,0 +1,116 @@
+"""Synthetic tool-use traces for the tiny model's warm start (rollout.env with the `calc` tool on
+the arithmetic task).
+
+RL on an agent needs a policy that already speaks the chat and tool-call format and sometimes uses
+the tool well: then a group's trajectories differ in whether they called the tool and how, and
+the advantage says which was better. The traces are a mix: most answer in the head (the tiny
+model cannot multiply, so those answers are mostly wrong), some call `calc` correctly and copy its
+result, and some call it wrongly (a mistyped operand, or an argument the tool does not take, which
+the environment answers with an error). Each trace is played through the run's own environment,
+chat template and token layout (tidal.rollout.agent), so the SFT sees exactly the tokens RL will:
+the assistant turns are labelled, the prompt and every inserted token are not.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tidal.data import Problem
+
+TRACE_KINDS = ("direct", "tool", "typo", "malformed")
+
+
+def tool_call_text(name: str, arguments: dict) -> str:
+    """One Hermes-format tool call, compact (every character is a token for the tiny model)."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}, separators=(",", ":")) + "</tool_call>"
+
+
+def expression_of(prompt: str) -> str:
+    """The arithmetic expression of an arithmetic prompt ("931*140=" -> "931*140")."""
+    return prompt.strip().rstrip("=").strip()
+
+
+def mistype(expression: str, rng: random.Random) -> str:
+    """The expression with one digit changed: a call that runs but answers another question."""
+    positions = [i for i, c in enumerate(expression) if c.isdigit()]
+    i = rng.choice(positions)
+    digit = rng.choice([d for d in "0123456789" if d != expression[i]])
+    return expression[:i] + digit + expression[i + 1 :]
+
+
+def trace_kind(rng: random.Random, tool_use: float, tool_mistakes: float) -> str:
+    if rng.random() >= tool_use:
+        return "direct"
+    if rng.random() >= tool_mistakes:
+        return "tool"
+    return rng.choice(("typo", "malformed"))
+
+
+def first_turn(kind: str, problem: Problem, rng: random.Random) -> str:
+    expression = expression_of(problem.prompt)
+    if kind == "direct":
+        return f"A: {problem.answer}"
+    if kind == "tool":
+        return tool_call_text("calc", {"expression": expression})
+    if kind == "typo":
+        return tool_call_text("calc", {"expression": mistype(expression, rng)})
+    return tool_call_text("calc", {"expr": expression})  # malformed: calc takes `expression`
+
+
+def answer_after(observations: list[dict], problem: Problem) -> str:
+    """The final turn after the tool answered: its result copied, or, after an error, a guess."""
+    result = str(observations[-1].get("content", "")) if observations else ""
+    return f"A: {problem.answer}" if result.startswith("error") else f"A: {result}"
+
+
+@dataclass
+class Trace:
+    token_ids: list[int]  # prompt + trajectory, as the rollout lays it out
+    labels: list[int]  # the token where the policy sampled it, -100 elsewhere
+    kind: str
+
+
+def play_trace(loop, problem: Problem, kind: str, rng: random.Random) -> Trace:
+    """Plays one scripted trajectory through the run's environment and template (`loop`: an AgentLoop)."""
+    row = loop.start_row(problem)
+    tools = row.env.tool_schemas
+    ids = loop.render(row.messages, tools, True)
+    labels = [-100] * len(ids)
+    text = first_turn(kind, problem, rng)
+    for _ in range(loop.cfg.rollout.max_turns):
+        sampled = loop.tokenizer(text, add_special_tokens=False).input_ids + [loop.eos]
+        ids += sampled
+        labels += sampled
+        observations, done = row.env.step(text)
+        if done:
+            break
+        inserted = loop.fit_observations(observations, tools, row)
+        if inserted is None:
+            break
+        ids += inserted
+        labels += [-100] * len(inserted)
+        text = answer_after(observations, problem)
+    return Trace(ids, labels, kind)
+
+
+def make_traces(loop, problems: list[Problem], tool_use: float, tool_mistakes: float, seed: int) -> list[Trace]:
+    rng = random.Random(f"tidal-tool-traces-{seed}")
+    return [play_trace(loop, p, trace_kind(rng, tool_use, tool_mistakes), rng) for p in problems]
+
+
+def trace_batch(traces: list[Trace], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids, attention mask and labels."""
+    width = max(len(t.token_ids) for t in traces)
+    ids = torch.tensor([t.token_ids + [pad] * (width - len(t.token_ids)) for t in traces])
+    labels = torch.tensor([t.labels + [-100] * (width - len(t.labels)) for t in traces])
+    mask = torch.tensor([[1] * len(t.token_ids) + [0] * (width - len(t.token_ids)) for t in traces])
+    return ids, mask, labels
+
+
+def trace_batcher(traces: list[Trace], pad: int) -> Callable[[list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    return lambda indices: trace_batch([traces[i] for i in indices], pad)
