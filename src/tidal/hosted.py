@@ -9,14 +9,15 @@ starts a new one.
 
 Host side, `serve`: the protocol has the process's real stdout to itself (user code that prints
 writes to stderr, the worker's log, at most `PRINT_CHARS` a call), the process exits when its parent
-is gone, and optional rlimits bound its memory (RLIMIT_AS, from the start) and each call's CPU time
-(RLIMIT_CPU, re-armed before every call: SIGXCPU ends the process)."""
+is gone, it leaves no core file, and optional rlimits bound its memory (RLIMIT_AS, from the start)
+and each call's CPU time (RLIMIT_CPU, re-armed before every call: SIGXCPU ends the process)."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -200,17 +201,14 @@ class CappedPrints(io.TextIOBase):
 
 
 def limit_memory(megabytes: int | None) -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash or SIGXCPU in user code leaves no core file in the run's directory
     if megabytes:
-        import resource
-
         resource.setrlimit(resource.RLIMIT_AS, (megabytes << 20, megabytes << 20))
 
 
 def limit_next_call_cpu(seconds: int | None) -> None:
     """RLIMIT_CPU counts the process's whole life: the next call gets `seconds` more than used so far."""
     if seconds:
-        import resource
-
         usage = resource.getrusage(resource.RUSAGE_SELF)
         soft = int(usage.ru_utime + usage.ru_stime) + 1 + seconds
         resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.getrlimit(resource.RLIMIT_CPU)[1]))

@@ -11,10 +11,11 @@ An environment is a small class, one instance per trajectory (its state is that 
   summed); None, the default, scores the final answer with the run's ``reward.functions``.
 
 Tools are the class's methods marked with ``@tool``, the functions in its ``tools`` attribute, and
-the run's ``rollout.tools``; the worker runs the last in a process of their own (tidal.envs.isolation),
-the environment's own in its process (they hold the trajectory's state). Users name an environment ``module:Class`` (a subclass of
-`Environment`), as reward functions are named. Nothing here runs a model: the engine and the
-worker drive the loop, tokenise the observations and enforce the turn, token and time limits.
+the run's ``rollout.tools``; the worker runs the last in a process of their own
+(tidal.envs.isolation), the environment's own in its process (they hold the trajectory's state).
+Users name an environment ``module:Class`` (a subclass of `Environment`), as reward functions are
+named. Nothing here runs a model: the engine and the worker drive the loop, tokenise the
+observations and enforce the turn, token and time limits.
 """
 
 from __future__ import annotations
