@@ -79,6 +79,16 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 900) -> subpro
     )
 
 
+def run_misbehaving_once(config: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path, list[str]]:
+    """`tidal run` of a config whose user code misbehaves the first time in a run (a marker file in
+    $TIDAL_TEST_MARKERS each, tests.rewards._first_call): the process, the run directory and the markers."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    run_dir = tmp_path / "run"
+    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress", env={"TIDAL_TEST_MARKERS": str(markers)})
+    return proc, run_dir, sorted(p.name for p in markers.iterdir())
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 

@@ -199,11 +199,13 @@ def test_agent_metrics_from_the_groups():
         return Sample(np.arange(4, 4 + mask.size, dtype=np.int32), np.zeros(mask.size, np.float32), 0.0, loss_mask=mask)
 
     stats = {"trajectories": 2, "turns": 5, "tool_calls": 4, "tool_errors": 1, "malformed_calls": 1, "refused_calls": 0, "env_seconds": 0.5}
+    stats |= {"tool_timeouts": 1, "tool_crashes": 0, "tool_outputs_cut": 2}
     g = Group(0, 0, 0, "w", np.array([1], dtype=np.int32), [sample([1, 0, 0, 1]), sample([1, 1, 0, 0, 0, 0, 1, 1])], env_stats=stats)
     m = agent_stats([g])
     assert m["agent_turns_mean"] == 2.5 and m["agent_tool_calls_mean"] == 2.0
     assert m["agent_tool_error_rate"] == pytest.approx(2 / 5)  # a failed and an unreadable call of five attempted
     assert m["agent_masked_token_fraction"] == pytest.approx(6 / 12) and m["agent_trajectory_length_max"] == 8.0
     assert m["agent_env_seconds"] == 0.5 and m["agent_trajectory_length_p50"] == 6.0
+    assert (m["agent_tool_timeouts"], m["agent_tool_crashes"], m["agent_tool_outputs_cut"]) == (1.0, 0.0, 2.0)
     single = Group(0, 1, 0, "w", np.array([1], dtype=np.int32), [Sample(np.array([5], dtype=np.int32), np.zeros(1, np.float32), 1.0)])
     assert agent_stats([single]) == {} and not any(k.startswith("agent_") for k in group_stats([single]))

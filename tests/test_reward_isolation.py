@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from tests.conftest import read_jsonl, run_cli
+from tests.conftest import read_jsonl, run_misbehaving_once
 from tidal.config import RewardConfig
 from tidal.rewards import RewardError, RewardScorer, check_reward_names
 
@@ -79,12 +79,9 @@ def test_a_run_survives_a_hanging_a_crashing_and_an_exiting_reward(tmp_path, wri
     config = write_config(
         {"reward.functions": [{"name": n} for n in rewards], "reward.timeout_seconds": 1.0, "trainer.iterations": 2, "eval.enabled": False}
     )
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    run_dir = tmp_path / "run"
-    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress", env={"TIDAL_TEST_MARKERS": str(markers)})
+    proc, run_dir, misbehaved = run_misbehaving_once(config, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in markers.iterdir()) == ["crashes", "exits", "hangs"]  # each misbehaved, once
+    assert misbehaved == ["crashes", "exits", "hangs"]  # each misbehaved, once
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["reward_errors"] == 3 and summary["groups_trained"] == 2 * 6
     assert sum(m["reward_errors"] for m in read_jsonl(run_dir / "metrics.jsonl")) == 3

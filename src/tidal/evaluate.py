@@ -188,13 +188,16 @@ def agent_snapshot_scores(cfg: TidalConfig, engine: HFEngine, tokenizer, problem
 
     loop = AgentLoop.from_config(cfg, tokenizer, model_context(engine))
     k = cfg.eval.samples_per_prompt
-    scores: dict = held_out_agent_scores(loop, engine, problems, cfg.eval.batch_size)
-    scores["sampled_accuracy"] = None
-    if k:
-        sampled = held_out_agent_scores(loop, engine, problems, max(1, cfg.eval.batch_size // k), k, cfg.seed, tuple(cfg.eval.k))
-        scores["sampled_accuracy"] = sampled.pop("accuracy")
-        scores.update({(f"sampled_{key}" if key.startswith(("tool_", "turns_")) else key): v for key, v in sampled.items()})
-    return scores
+    try:
+        scores: dict = held_out_agent_scores(loop, engine, problems, cfg.eval.batch_size)
+        scores["sampled_accuracy"] = None
+        if k:
+            sampled = held_out_agent_scores(loop, engine, problems, max(1, cfg.eval.batch_size // k), k, cfg.seed, tuple(cfg.eval.k))
+            scores["sampled_accuracy"] = sampled.pop("accuracy")
+            scores.update({(f"sampled_{key}" if key.startswith(("tool_", "turns_")) else key): v for key, v in sampled.items()})
+        return scores
+    finally:
+        loop.close()
 
 
 def curve_targets(latest: int, every: int, final: int, done: set[int]) -> list[int]:

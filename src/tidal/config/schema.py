@@ -133,7 +133,18 @@ class VLLMConfig(_Strict):
 BUILT_IN_ENVIRONMENTS = ("tools",)
 BUILT_IN_TOOLS = ("calc",)
 BUILT_IN_TOOL_PARSERS = ("hermes",)
-AGENT_KEYS = ("tools", "tool_parser", "max_turns", "max_tool_calls", "max_env_tokens_per_turn", "trajectory_timeout_seconds")
+AGENT_KEYS = (
+    "tools",
+    "tool_parser",
+    "max_turns",
+    "max_tool_calls",
+    "max_env_tokens_per_turn",
+    "trajectory_timeout_seconds",
+    "tool_timeout_seconds",
+    "tool_cpu_seconds",
+    "tool_memory_mb",
+    "tool_output_bytes",
+)
 _MODULE_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -173,6 +184,14 @@ class RolloutConfig(_Strict):
     max_tool_calls: int = Field(8, ge=0)  # per trajectory; a call past it gets an error observation
     max_env_tokens_per_turn: int = Field(256, gt=0)  # tokens the environment and template insert after a turn; more are cut
     trajectory_timeout_seconds: float = Field(120.0, gt=0)  # a trajectory still running then ends (finish reason timeout)
+    # rollout.tools run in a process of the worker's own (docs/agents.md): a call past this wall-clock
+    # time, or past the limits below, is an error the model reads, counted, and the process is replaced
+    tool_timeout_seconds: float = Field(30.0, gt=0)
+    tool_cpu_seconds: int | None = Field(60, gt=0)  # one tool call's CPU time (RLIMIT_CPU, all its threads); None: no limit
+    # the tool process's address space (RLIMIT_AS), its imports included; a tool that loads torch or
+    # CUDA maps far more than it uses and needs more, or None (no limit)
+    tool_memory_mb: int | None = Field(4096, gt=0)
+    tool_output_bytes: int = Field(65536, gt=0)  # a tool's text past this many bytes (UTF-8) is cut, counted
 
     @field_validator("env", "tool_parser")
     @classmethod

@@ -10,6 +10,7 @@ from tidal.envs.base import (  # noqa: F401
     resolve_environment,
     tool_message,
 )
+from tidal.envs.isolation import ToolHost, ToolLimits  # noqa: F401
 from tidal.envs.parsing import (  # noqa: F401
     TOOL_CALL_PARSERS,
     ParsedTurn,

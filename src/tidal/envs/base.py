@@ -11,9 +11,11 @@ An environment is a small class, one instance per trajectory (its state is that 
   summed); None, the default, scores the final answer with the run's ``reward.functions``.
 
 Tools are the class's methods marked with ``@tool``, the functions in its ``tools`` attribute, and
-the run's ``rollout.tools``. Users name an environment ``module:Class`` (a subclass of
-`Environment`), as reward functions are named. Nothing here runs a model: the engine and the
-worker drive the loop, tokenise the observations and enforce the turn, token and time limits.
+the run's ``rollout.tools``; the worker runs the last in a process of their own
+(tidal.envs.isolation), the environment's own in its process (they hold the trajectory's state).
+Users name an environment ``module:Class`` (a subclass of `Environment`), as reward functions are
+named. Nothing here runs a model: the engine and the worker drive the loop, tokenise the
+observations and enforce the turn, token and time limits.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidal.envs.isolation import ToolHost, ToolLimits
 from tidal.envs.parsing import ParsedTurn, ToolCall, resolve_tool_call_parser
 from tidal.envs.tools import EnvError, Tool, import_object, is_marked_tool, resolve_tool
 
@@ -34,7 +37,10 @@ class EnvStats:
 
     turns: int = 0  # assistant turns the environment answered
     tool_calls: int = 0  # calls that ran (their result or their error was shown)
-    tool_errors: int = 0  # calls that ran and failed: unknown tool, bad arguments, the tool raised
+    tool_errors: int = 0  # calls that ran and failed: unknown tool, bad arguments, the tool raised, timed out or crashed
+    tool_timeouts: int = 0  # of those, isolated calls past rollout.tool_timeout_seconds (their process was replaced)
+    tool_crashes: int = 0  # of those, isolated calls whose process died: a crash, an exit, the CPU limit
+    tool_outputs_cut: int = 0  # results cut at rollout.tool_output_bytes
     malformed_calls: int = 0  # calls that could not be read at all (error observations)
     unparsable_turns: int = 0  # turns whose tool-call markup the tokenizer's response template dropped
     refused_calls: int = 0  # calls past max_tool_calls (error observations)
@@ -144,6 +150,9 @@ class Environment:
             return tool_message(f"error: unknown tool {call.name!r}; the tools are {sorted(self._tools)}", call.name)
         result = found(call.arguments)
         self.stats.tool_errors += int(result.error)
+        self.stats.tool_timeouts += int(result.failure == "timeout")
+        self.stats.tool_crashes += int(result.failure == "crash")
+        self.stats.tool_outputs_cut += int(result.cut)
         return tool_message(result.text, call.name)
 
     def reward(self, trajectory: Trajectory) -> float | dict[str, float] | None:
@@ -165,19 +174,32 @@ def resolve_environment(name: str) -> type[Environment]:
 
 @dataclass
 class EnvironmentFactory:
-    """Builds one bound environment per trajectory; the classes and tools are resolved once."""
+    """Builds one bound environment per trajectory; the classes and tools are resolved once. With a
+    `host`, the run's tools run in its process (close() stops it)."""
 
     cls: type[Environment]
     tools: list[Tool]
     parser: str = "hermes"
     tokenizer: Any = None
     max_tool_calls: int = 8
+    host: ToolHost | None = None
 
     @classmethod
-    def from_names(cls, env: str, tools: Sequence[str] = (), parser: str = "hermes", tokenizer=None, max_tool_calls: int = 8) -> EnvironmentFactory:
-        factory = cls(resolve_environment(env), [resolve_tool(t) for t in tools], parser, tokenizer, max_tool_calls)
+    def from_names(
+        cls, env: str, tools: Sequence[str] = (), parser: str = "hermes", tokenizer=None, max_tool_calls: int = 8, isolation: ToolLimits | None = None
+    ) -> EnvironmentFactory:
+        """`isolation`: the tools run in a process of their own with these limits; None: in this one."""
+        resolved = [resolve_tool(t) for t in tools]
+        factory = cls(resolve_environment(env), resolved, parser, tokenizer, max_tool_calls)
         factory()  # a class that cannot be built, or tools that clash, fail here and not in the first trajectory
+        if isolation is not None and resolved:
+            factory.host = ToolHost(list(tools), isolation)
+            factory.tools = [factory.host.isolate(t) for t in resolved]
         return factory
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
 
     def __call__(self) -> Environment:
         try:

@@ -4,7 +4,8 @@ A tool's JSON schema comes from its signature and docstring by `transformers.uti
 (the OpenAI / transformers `tools=` convention), so the schema the chat template shows the model
 and the function that runs are one object. A call's arguments are checked against that schema
 before the function runs; a call that fails for any reason becomes an error text the model reads,
-never an exception in the worker.
+never an exception in the worker. The run's tools (rollout.tools) run in a process of the worker's
+own (tidal.envs.isolation); an environment's own tools run in the worker.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import math
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -43,6 +44,8 @@ _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean":
 class ToolResult:
     text: str  # what the model reads
     error: bool  # the call did not run, or raised
+    failure: str | None = None  # an isolated tool's process failed the call: "timeout" or "crash" (it was replaced)
+    cut: bool = False  # the text was cut at rollout.tool_output_bytes
 
 
 @dataclass(frozen=True)
@@ -50,16 +53,18 @@ class Tool:
     name: str
     fn: Callable
     schema: dict  # {"type": "function", "function": {"name", "description", "parameters", ...}}
+    reference: str | None = None  # the name in rollout.tools (built-in or module:function), when it has one
+    host: Any = field(default=None, compare=False, repr=False)  # the ToolHost that runs it, when isolated
 
     @classmethod
-    def from_function(cls, fn: Callable) -> Tool:
+    def from_function(cls, fn: Callable, reference: str | None = None) -> Tool:
         from transformers.utils import get_json_schema  # here: reading a config should not import transformers
 
         try:
             schema = get_json_schema(fn)
         except Exception as err:  # noqa: BLE001 - transformers raises its own exception types for a missing hint or docstring
             raise EnvError(f"tool {_qualified(fn)}: no JSON schema from its signature and docstring ({err})") from None
-        return cls(schema["function"]["name"], fn, schema)
+        return cls(schema["function"]["name"], fn, schema, reference)
 
     @property
     def parameters(self) -> dict:
@@ -90,6 +95,8 @@ class Tool:
         problem = self.argument_error(arguments)
         if problem is not None:
             return ToolResult(f"error: {self.name}: {problem}", True)
+        if self.host is not None:
+            return self.host.run(self, arguments)
         try:
             value = self.fn(**arguments)
         except Exception as err:  # noqa: BLE001 - user code: the model reads the error, the worker goes on
@@ -163,11 +170,14 @@ def calc(expression: str) -> str:
 BUILT_IN_TOOLS: dict[str, Callable] = {"calc": calc}
 
 
+def tool_function(name: str) -> Callable:
+    """A built-in tool's name or `module:function`, as the function."""
+    return BUILT_IN_TOOLS[name] if name in BUILT_IN_TOOLS else import_object("tool", name, callable)
+
+
 def resolve_tool(name: str) -> Tool:
     """A built-in tool's name or `module:function`, as a Tool."""
-    if name in BUILT_IN_TOOLS:
-        return Tool.from_function(BUILT_IN_TOOLS[name])
-    return Tool.from_function(import_object("tool", name, callable))
+    return Tool.from_function(tool_function(name), name)
 
 
 def import_object(kind: str, reference: str, check: Callable[[Any], bool]):

@@ -151,7 +151,10 @@ def tool_use_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem],
     ws = cfg.model.warm_start
     loop = AgentLoop.from_config(cfg, tokenizer)
     tool_use = ws.tool_use if "calc" in cfg.rollout.tools else 0.0  # the traces call calc; without it they teach the format
-    traces = make_traces(loop, pool, tool_use, ws.tool_mistakes, cfg.seed)
+    try:
+        traces = make_traces(loop, pool, tool_use, ws.tool_mistakes, cfg.seed)
+    finally:
+        loop.close()
     kinds = {k: sum(t.kind == k for t in traces) for k in sorted({t.kind for t in traces})}
     log.info("warm start on %d tool-use traces: %s", len(traces), kinds)
     return supervised_warm_start(

@@ -114,18 +114,18 @@ class RewardScorer:
     functions: list[tuple[str, RewardFn, float]]
     errors: int = 0
     last_error: str | None = field(default=None, repr=False)
-    process: object = field(default=None, repr=False)  # the user functions' RewardProcess, if any
+    process: object = field(default=None, repr=False)  # the user functions' HostProcess, if any
 
     @classmethod
     def from_config(cls, cfg: RewardConfig, prestart: bool = False) -> RewardScorer:
         """`prestart`: the user functions' process starts now, not at the first score."""
-        from tidal.rewards.pool import RewardProcess
+        from tidal.rewards.pool import remote_reward, reward_process
 
         user = [f.name for f in cfg.functions if is_user_function(f.name)]
-        process = RewardProcess(user, cfg.timeout_seconds) if user else None
+        process = reward_process(user, cfg.timeout_seconds) if user else None
         if process is not None and prestart:
             process.prestart()
-        fns = [(f.name, process.function(f.name) if is_user_function(f.name) else resolve(f.name), f.weight) for f in cfg.functions]
+        fns = [(f.name, remote_reward(process, f.name) if is_user_function(f.name) else resolve(f.name), f.weight) for f in cfg.functions]
         return cls(fns, process=process)
 
     def score(self, completion: str, answer: str, prompt_id: int | None = None) -> tuple[float, dict[str, float]]:

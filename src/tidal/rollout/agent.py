@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from tidal.config import TidalConfig
-from tidal.envs import EnvError, Environment, EnvironmentFactory, Trajectory
+from tidal.envs import EnvError, Environment, EnvironmentFactory, ToolLimits, Trajectory
 from tidal.protocol import Group, Sample, WorkItem
 from tidal.rewards import RewardScorer, checked_reward, exact_match
 from tidal.rollout.engine import GroupRequest, HFEngine, TrajectoryTokens, Turn, run_trajectories
@@ -72,9 +72,13 @@ class AgentLoop:
         from tidal.model.tiny import TOOL_CHAT_TEMPLATE
 
         r = cfg.rollout
-        factory = EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, tokenizer, r.max_tool_calls)
+        factory = EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, tokenizer, r.max_tool_calls, ToolLimits.from_config(r))
         own = getattr(tokenizer, "chat_template", None)
         return cls(cfg, tokenizer, factory, None if own or cfg.model.name_or_path is not None else TOOL_CHAT_TEMPLATE, context)
+
+    def close(self) -> None:
+        """Stops the tools' process (it would also exit when this process does)."""
+        self.factory.close()
 
     # --- the chat template -------------------------------------------------------------------
 
@@ -256,6 +260,9 @@ STAT_KEYS = (
     "turns",
     "tool_calls",
     "tool_errors",
+    "tool_timeouts",
+    "tool_crashes",
+    "tool_outputs_cut",
     "malformed_calls",
     "unparsable_turns",
     "refused_calls",
@@ -274,6 +281,9 @@ def add_stats(stats: dict[str, float], row: _Row, turns: int) -> None:
         "turns": turns,
         "tool_calls": s.tool_calls,
         "tool_errors": s.tool_errors,
+        "tool_timeouts": s.tool_timeouts,
+        "tool_crashes": s.tool_crashes,
+        "tool_outputs_cut": s.tool_outputs_cut,
         "malformed_calls": s.malformed_calls,
         "unparsable_turns": s.unparsable_turns,
         "refused_calls": s.refused_calls,

@@ -146,11 +146,19 @@ def generate_group_calls(
     agent: AgentLoop | None = None,
 ):
     """`generate_groups`, one engine call at a time: yields each call's groups as soon as they are
-    scored. With rollout.env each row is a multi-turn trajectory (`agent`: the environment loop, built
-    here when not given)."""
+    scored. With rollout.env each row is a multi-turn trajectory (`agent`: the environment loop; when
+    not given, one is built here and closed after)."""
+    if cfg.rollout.env is not None and agent is None:
+        agent = AgentLoop.from_config(cfg, tokenizer, model_context(engine))
+        try:
+            yield from generate_group_calls(
+                engine, tokenizer, scorer, items, cfg, policy_version, worker_id, max_groups_per_call, first_call_groups, agent
+            )
+        finally:
+            agent.close()  # its tools' process
+        return
     r = cfg.rollout
     if r.env is not None:
-        agent = agent or AgentLoop.from_config(cfg, tokenizer, model_context(engine))
         prompts = [agent.first_prompt(it) for it in items]
     else:
         encode = prompt_encoder(tokenizer, cfg.data)
@@ -289,6 +297,8 @@ class RolloutWorker:
             keep_alive.cancel()
             heartbeat.cancel()
             publisher.discard()
+            if self.agent is not None:
+                self.agent.close()  # its tools' process
 
     async def _serve(self, publisher: GroupPublisher) -> None:
         sub = await self.transport.work_subscription()

@@ -65,6 +65,7 @@ def group_stats(groups: list[Group]) -> dict[str, float]:
 def agent_stats(groups: list[Group]) -> dict[str, float]:
     """Multi-turn rollouts (groups that carry environment counts): turns and tool calls per
     trajectory, the share of tool calls that failed (ran and failed, unreadable, or over the limit),
+    the isolated tool calls that timed out or crashed their process and the results cut to size,
     the environment's seconds, the share of trajectory tokens the environment and template inserted
     (not trained on), and trajectory length percentiles. Nothing for single-turn iterations."""
     agent = [g for g in groups if g.env_stats]
@@ -83,6 +84,9 @@ def agent_stats(groups: list[Group]) -> dict[str, float]:
         "agent_tool_calls_mean": totals.get("tool_calls", 0.0) / trajectories,
         "agent_tool_use_rate": rates["tool_use_rate"],
         "agent_tool_error_rate": rates["tool_error_rate"],
+        "agent_tool_timeouts": totals.get("tool_timeouts", 0.0),
+        "agent_tool_crashes": totals.get("tool_crashes", 0.0),
+        "agent_tool_outputs_cut": totals.get("tool_outputs_cut", 0.0),
         "agent_unparsable_turns": totals.get("unparsable_turns", 0.0),
         "agent_env_errors": totals.get("env_errors", 0.0),
         "agent_truncated_observations": totals.get("truncated_observations", 0.0),

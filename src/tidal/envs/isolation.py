@@ -1,0 +1,66 @@
+"""The run's tools (rollout.tools) in a process of the worker's own (`python -m tidal.envs.host`,
+tidal.hosted): a tool that hangs past rollout.tool_timeout_seconds, crashes, exits, or goes over its
+CPU-time or memory limit fails that one call, with an error text the model reads; the process is
+replaced and the worker, its other trajectories and the run go on. Arguments cross as JSON, results
+as text; nothing is pickled. An environment's own tools (`@tool` methods, its `tools` attribute)
+hold the trajectory's state and run in the worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tidal.envs.tools import Tool, ToolResult
+from tidal.hosted import HostCallError, HostProcess, HostStartError
+
+
+@dataclass(frozen=True)
+class ToolLimits:
+    """rollout.tool_timeout_seconds, tool_cpu_seconds, tool_memory_mb and tool_output_bytes."""
+
+    timeout_seconds: float = 30.0
+    cpu_seconds: int | None = 60
+    memory_mb: int | None = 4096
+    output_bytes: int = 65536
+
+    @classmethod
+    def from_config(cls, rollout) -> ToolLimits:
+        return cls(rollout.tool_timeout_seconds, rollout.tool_cpu_seconds, rollout.tool_memory_mb, rollout.tool_output_bytes)
+
+    def host_args(self) -> list[str]:
+        args = [f"--output-bytes={self.output_bytes}"]
+        if self.memory_mb:
+            args.append(f"--memory-mb={self.memory_mb}")
+        if self.cpu_seconds:
+            args.append(f"--cpu-seconds={self.cpu_seconds}")
+        return args
+
+
+class ToolHost:
+    """One process for the named tools, started at the first call and replaced after a failure."""
+
+    def __init__(self, names: list[str], limits: ToolLimits):
+        self.limits = limits
+        self.process = HostProcess("tidal.envs.host", [*limits.host_args(), *names], limits.timeout_seconds, "rollout.tool_timeout_seconds")
+
+    def run(self, tool: Tool, arguments: dict) -> ToolResult:
+        """`tool` (arguments checked) in the process; every failure is an error text."""
+        try:
+            reply = self.process.request({"fn": tool.reference, "arguments": arguments})
+        except HostCallError as err:
+            failure = "timeout" if err.kind == "Timeout" else "crash"
+            return ToolResult(f"error: {tool.name} failed: {err}", True, failure)
+        except HostStartError as err:
+            return ToolResult(f"error: {tool.name} failed: its process did not start: {err}", True, "crash")
+        if "error" in reply:
+            if reply["error"].startswith("MemoryError"):
+                self.process.stop()  # what the tool left allocated would fail the next call too
+            return ToolResult(f"error: {tool.name} raised {reply['error']}", True)
+        if "cut" in reply:
+            return ToolResult(f"{reply['text']}… [cut: {reply['cut']} bytes, over rollout.tool_output_bytes]", False, cut=True)
+        return ToolResult(reply["text"], False)
+
+    def isolate(self, tool: Tool) -> Tool:
+        return replace(tool, host=self)
+
+    def close(self) -> None:
+        self.process.stop()

@@ -1,0 +1,238 @@
+"""User code in a process of the worker's own: a hang, a crash, `sys.exit` or a flood in it costs one
+call, never the worker. The reward host (`tidal.rewards.host`) and the tool host (`tidal.envs.host`)
+are both built from the two halves here.
+
+Parent side, `HostProcess`: starts `python -m MODULE ARG...` (a fresh interpreter) and feeds it JSON
+lines over stdin; nothing is pickled. A call that outlives its timeout, a process that dies, or a
+reply over the byte cap fails that call (`HostCallError`) and the process is killed; the next call
+starts a new one.
+
+Host side, `serve`: the protocol has the process's real stdout to itself (user code that prints
+writes to stderr, the worker's log, at most `PRINT_CHARS` a call), the process exits when its parent
+is gone, it leaves no core file, and optional rlimits bound its memory (RLIMIT_AS, from the start)
+and each call's CPU time (RLIMIT_CPU, re-armed before every call: SIGXCPU ends the process)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import resource
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+STARTUP_SECONDS = 120.0  # importing a user's module may load a model of its own
+MAX_REPLY_BYTES = 8 << 20  # one reply line; a longer one is a broken host, replaced
+PRINT_CHARS = 64 << 10  # what user code may print per call; the rest is dropped, with a line saying how much
+
+
+class HostStartError(ValueError):
+    """The host process could not load its functions, or did not start in time."""
+
+
+class HostCallError(Exception):
+    """One call failed in the host's process: `kind` is Timeout, ProcessDied or ReplyTooLarge (the
+    process was replaced), or the exception type user code raised (it was not)."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+
+
+class LineTooLong(Exception):
+    pass
+
+
+class LineReader:
+    """Lines from a pipe with a deadline (select + os.read: a hung writer never blocks the reader)."""
+
+    def __init__(self, fd: int, max_bytes: int = MAX_REPLY_BYTES):
+        self.fd, self.buffer, self.max_bytes = fd, b"", max_bytes
+
+    def line(self, deadline: float) -> bytes | None:
+        """The next line; None at EOF; TimeoutError past `deadline` (time.monotonic()); LineTooLong
+        past `max_bytes`."""
+        while b"\n" not in self.buffer:
+            if len(self.buffer) > self.max_bytes:
+                raise LineTooLong
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self.fd], [], [], remaining)[0]:
+                raise TimeoutError
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        if len(line) > self.max_bytes:
+            raise LineTooLong
+        return line
+
+
+def exit_cause(code: int) -> str:
+    if code == -signal.SIGXCPU:
+        return "over its CPU-time limit"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return "a crash, sys.exit or os._exit"
+
+
+class HostProcess:
+    """One host process (`python -m module *args`); started at the first call, replaced after a failure.
+    `timeout_key` names the config key of `timeout` in the error a timeout gives."""
+
+    def __init__(self, module: str, args: list[str], timeout: float, timeout_key: str, max_reply_bytes: int = MAX_REPLY_BYTES):
+        self.command = [sys.executable, "-m", module, *args]
+        self.timeout, self.timeout_key, self.max_reply_bytes = timeout, timeout_key, max_reply_bytes
+        self.proc: subprocess.Popen | None = None
+        self.reader: LineReader | None = None
+        self.started = 0  # processes started so far (a replacement is the second one on)
+        self.ready = False  # the running process has said it loaded its functions
+        self.lock = threading.Lock()
+
+    def prestart(self) -> None:
+        """Starts the process now, without waiting for it: its interpreter and the user's imports
+        then overlap with the caller's own start-up (a worker's model load); the first call waits."""
+        with self.lock:
+            if self.proc is None:
+                self._spawn()
+
+    def _spawn(self) -> None:
+        self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.reader = LineReader(self.proc.stdout.fileno(), self.max_reply_bytes)
+        self.ready = False
+        self.started += 1
+
+    def _start(self) -> None:
+        """Spawns the process unless `prestart` did, and waits for its ready line."""
+        if self.proc is None:
+            self._spawn()
+        try:
+            first = self.reader.line(time.monotonic() + max(STARTUP_SECONDS, self.timeout))
+        except (TimeoutError, LineTooLong):
+            self.stop()
+            raise HostStartError(f"{self.command[2]}: its process did not start within {STARTUP_SECONDS:.0f}s") from None
+        reply = json.loads(first) if first else {"fatal": f"its process exited with code {self.proc.wait()} while starting"}
+        if "fatal" in reply:
+            self.stop()
+            raise HostStartError(reply["fatal"])
+        self.ready = True
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                pipe.close()
+        self.proc = self.reader = None
+        self.ready = False
+
+    def request(self, message: dict) -> dict:
+        """Sends one call and returns the host's reply; HostCallError when the process failed it (the
+        process is then replaced at the next call)."""
+        with self.lock:
+            if self.proc is None or not self.ready:
+                self._start()
+            try:
+                self.proc.stdin.write((json.dumps(message) + "\n").encode())
+                self.proc.stdin.flush()
+                line = self.reader.line(time.monotonic() + self.timeout)
+            except TimeoutError:
+                self.stop()
+                raise HostCallError("Timeout", f"no answer within {self.timeout:g}s ({self.timeout_key}); its process was replaced") from None
+            except LineTooLong:
+                self.stop()
+                raise HostCallError("ReplyTooLarge", f"its answer was over {self.max_reply_bytes} bytes; its process was replaced") from None
+            except BrokenPipeError:
+                line = None
+            if line is None:
+                code = self.proc.wait()
+                self.stop()
+                raise HostCallError("ProcessDied", f"its process exited with code {code} ({exit_cause(code)}); it was replaced")
+        return json.loads(line)
+
+
+# --- the host's side ---------------------------------------------------------------------------
+
+
+def die_with_parent(parent: int) -> None:
+    """Exits when the worker is gone, even while a user function hangs (the closed stdin is seen only
+    between calls). A polling thread, not PR_SET_PDEATHSIG: that fires when the *thread* that started
+    the host ends, and workers score on pool threads."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+class CappedPrints(io.TextIOBase):
+    """sys.stdout and sys.stderr of user code: written to the real stderr up to `limit` characters a
+    call; the rest is dropped and `end_call` writes one line that says how much."""
+
+    def __init__(self, stream, limit: int):
+        self.stream, self.limit, self.written, self.dropped = stream, limit, 0, 0
+
+    def write(self, text: str) -> int:
+        kept = text[: max(0, self.limit - self.written)]
+        if kept:
+            self.stream.write(kept)
+        self.written += len(kept)
+        self.dropped += len(text) - len(kept)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def end_call(self) -> None:
+        if self.dropped:
+            self.stream.write(f"\n[{self.dropped} more characters printed by one call were dropped: over {self.limit} a call]\n")
+            self.stream.flush()
+        self.written = self.dropped = 0
+
+
+def limit_memory(megabytes: int | None) -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash or SIGXCPU in user code leaves no core file in the run's directory
+    if megabytes:
+        resource.setrlimit(resource.RLIMIT_AS, (megabytes << 20, megabytes << 20))
+
+
+def limit_next_call_cpu(seconds: int | None) -> None:
+    """RLIMIT_CPU counts the process's whole life: the next call gets `seconds` more than used so far."""
+    if seconds:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        soft = int(usage.ru_utime + usage.ru_stime) + 1 + seconds
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.getrlimit(resource.RLIMIT_CPU)[1]))
+
+
+def serve(load: Callable[[], Callable[[dict], dict]], memory_mb: int | None = None, cpu_seconds: int | None = None) -> int:
+    """The host's main loop. `load()` imports the user's functions and returns the function that
+    answers one call (a dict in, a JSON-able dict out); after it the host says `{"ready": true}`, or
+    `{"fatal": message}` when it raised, and exits."""
+    protocol = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
+    os.dup2(2, 1)
+    prints = CappedPrints(sys.__stderr__, PRINT_CHARS)
+    sys.stdout = sys.stderr = prints
+    die_with_parent(os.getppid())
+    limit_memory(memory_mb)
+    try:
+        answer = load()
+    except Exception as err:  # noqa: BLE001 - user imports: the parent reports it
+        protocol.write(json.dumps({"fatal": str(err) or type(err).__name__}) + "\n")
+        return 1
+    protocol.write(json.dumps({"ready": True}) + "\n")
+    for line in iter(sys.stdin.readline, ""):
+        limit_next_call_cpu(cpu_seconds)
+        reply = answer(json.loads(line))
+        prints.end_call()
+        protocol.write(json.dumps(reply, ensure_ascii=False) + "\n")
+    return 0
