@@ -195,8 +195,6 @@ class RolloutConfig(_Strict):
             stray = sorted(f"rollout.{k}" for k in self.model_fields_set & set(AGENT_KEYS) if getattr(self, k) != type(self).model_fields[k].default)
             if stray:
                 raise _error(f"{', '.join(stray)}: only for multi-turn rollouts; set rollout.env (e.g. 'tools') or leave them out")
-        elif self.engine != "hf":
-            raise _error(f"rollout.env: multi-turn rollouts run on rollout.engine 'hf' for now, not {self.engine!r}")
         return self
 
 

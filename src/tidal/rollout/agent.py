@@ -9,12 +9,19 @@ trajectory. A trajectory ends when the environment says done, at rollout.max_tur
 hits max_new_tokens (it was cut mid-turn), past rollout.trajectory_timeout_seconds (checked between
 turns), when it would outgrow the model's context, or when the environment raises (counted, the
 worker goes on).
+
+The environment logic (`_Call`) is the same for both engines. The HF engine runs a call's rows as
+one batch over its KV cache (engine.run_trajectories); the vLLM engine runs each trajectory as a
+request per turn, every trajectory at once, and the environment's steps on threads so that the
+others keep decoding meanwhile (vllm_adapter).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +31,7 @@ from tidal.config import TidalConfig
 from tidal.envs import EnvError, Environment, EnvironmentFactory, Trajectory
 from tidal.protocol import Group, Sample, WorkItem
 from tidal.rewards import RewardScorer, checked_reward, exact_match
-from tidal.rollout.engine import GroupRequest, HFEngine, Turn, run_trajectories
+from tidal.rollout.engine import GroupRequest, HFEngine, TrajectoryTokens, Turn, run_trajectories
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +60,22 @@ class _Row:
 
 
 class AgentLoop:
-    """Runs rollout.env over the HF engine and builds the trajectory groups."""
+    """Runs rollout.env over a rollout engine and builds the trajectory groups."""
 
     def __init__(self, cfg: TidalConfig, tokenizer, factory: EnvironmentFactory, chat_template: str | None, context: int | None = None):
         self.cfg, self.tokenizer, self.factory, self.chat_template, self.context = cfg, tokenizer, factory, chat_template, context
         if not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise EnvError("rollout.env needs a chat template: the tokenizer of model.name_or_path has none")
         self.eos = tokenizer.eos_token_id
+        self._env_pool: ThreadPoolExecutor | None = None
+
+    def env_pool(self) -> ThreadPoolExecutor:
+        """The threads environment steps run on (async engines): one per trajectory in flight, so a
+        slow tool holds only its own trajectory."""
+        if self._env_pool is None:
+            r = self.cfg.rollout
+            self._env_pool = ThreadPoolExecutor(max_workers=r.max_inflight_groups * r.group_size, thread_name_prefix="tidal-env")
+        return self._env_pool
 
     @classmethod
     def from_config(cls, cfg: TidalConfig, tokenizer, context: int | None = None) -> AgentLoop:
@@ -115,13 +131,46 @@ class AgentLoop:
     # --- one engine call ---------------------------------------------------------------------
 
     def generate(
-        self, engine: HFEngine, items: list[WorkItem], requests: list[GroupRequest], scorer: RewardScorer, policy_version: int, worker_id: str
+        self, engine, items: list[WorkItem], requests: list[GroupRequest], scorer: RewardScorer, policy_version: int, worker_id: str
     ) -> list[Group]:
-        """One group per item (`requests` give the RNGs; their prompts are set here)."""
+        """One group per item (`requests` give the RNGs; their prompts are set here). The HF engine
+        runs the rows as one batch over its KV cache; a blocking vLLM engine (sync mode) runs each
+        trajectory as its own requests, with the environment's steps on threads."""
         r = self.cfg.rollout
-        started = time.monotonic()
+        call = self.begin(items, requests)
+        gen_start = time.time()
+        if isinstance(engine, HFEngine):
+            trajectories = run_trajectories(engine, requests, call.respond, r.max_turns, r.max_new_tokens)
+        else:
+            trajectories = engine.run_trajectories(requests, call.respond_async, r.max_turns, r.max_new_tokens)
+        return self.groups(call, items, requests, trajectories, scorer, policy_version, worker_id, gen_start, time.time())
+
+    async def generate_async(
+        self,
+        engine,
+        items: list[WorkItem],
+        requests: list[GroupRequest],
+        scorer: RewardScorer,
+        policy_version: int,
+        worker_id: str,
+        score_pool: Executor | None = None,
+    ) -> list[Group]:
+        """`generate` on an async engine (vLLM's): every trajectory of every group in flight at once,
+        each environment step on a thread while the others decode; the groups are scored on
+        `score_pool` (rewards may be slow user code)."""
+        r = self.cfg.rollout
+        call = self.begin(items, requests)
+        gen_start = time.time()
+        trajectories = await engine.run_trajectories(requests, call.respond_async, r.max_turns, r.max_new_tokens)
+        gen_end = time.time()
+        return await asyncio.get_running_loop().run_in_executor(
+            score_pool, self.groups, call, items, requests, trajectories, scorer, policy_version, worker_id, gen_start, gen_end
+        )
+
+    def begin(self, items: list[WorkItem], requests: list[GroupRequest]) -> _Call:
+        """One environment per row (G per item, in order), and each request's prompt: the first messages, rendered."""
         rows: list[_Row] = []
-        prompts: list[list[int]] = []
+        prompt_lengths: list[int] = []
         for item, request in zip(items, requests):
             problem = self.problem(item)
             group_rows = [self.start_row(problem) for _ in range(request.n)]
@@ -131,47 +180,28 @@ class AgentLoop:
                     f"environment {self.factory.cls.__qualname__}: reset() gave different first messages for one problem; a group shares its prompt"
                 )
             request.prompt_ids = encoded[0]
-            prompts.append(encoded[0])
             rows += group_rows
-        row_prompt_lengths = [len(p) for p, request in zip(prompts, requests) for _ in range(request.n)]
+            prompt_lengths += [len(encoded[0])] * request.n
+        return _Call(self, rows, prompt_lengths, time.monotonic())
 
-        def respond(index: int, turn: Turn) -> list[int] | None:
-            row = rows[index]
-            row.length += len(turn.token_ids)
-            text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
-            row.messages.append({"role": "assistant", "content": text})
-            if turn.finish_reason != "stop":
-                return None  # cut off mid-turn: what it meant to call is unknown
-            if time.monotonic() - started > r.trajectory_timeout_seconds:
-                row.finish_reason = "timeout"
-                return None
-            try:
-                observations, done = row.env.step(text)
-            except Exception as err:  # noqa: BLE001 - user code: the trajectory ends, the worker goes on
-                row.finish_reason, row.env_error = "env_error", f"{type(err).__name__}: {err}"
-                log.warning("environment %s raised in step(): %s", self.factory.cls.__qualname__, row.env_error)
-                return None
-            if done:
-                return None
-            row.messages += observations
-            tokens = self.fit_observations(observations, row.env.tool_schemas, row)
-            if tokens is None:
-                row.finish_reason = "env_tokens"
-                return None
-            if self.context is not None and row_prompt_lengths[index] + row.length + len(tokens) + r.max_new_tokens > self.context:
-                row.finish_reason = "context"
-                return None
-            row.length += len(tokens)
-            return tokens
-
-        gen_start = time.time()
-        trajectories = run_trajectories(engine, requests, respond, r.max_turns, r.max_new_tokens)
-        gen_end = time.time()
+    def groups(
+        self,
+        call: _Call,
+        items: list[WorkItem],
+        requests: list[GroupRequest],
+        trajectories: list[TrajectoryTokens],
+        scorer: RewardScorer,
+        policy_version: int,
+        worker_id: str,
+        gen_start: float,
+        gen_end: float,
+    ) -> list[Group]:
+        """The finished trajectories as scored groups, one per item."""
         groups, at = [], 0
-        for item, request, prompt in zip(items, requests, prompts):
+        for item, request in zip(items, requests):
             errors_before = scorer.errors
             samples, stats = [], {}
-            for row, tokens in zip(rows[at : at + request.n], trajectories[at : at + request.n]):
+            for row, tokens in zip(call.rows[at : at + request.n], trajectories[at : at + request.n]):
                 finish = row.finish_reason or tokens.finish_reason
                 trajectory = Trajectory(self.problem(item), row.messages, row.env.stats, finish)
                 reward, parts = self.reward(row.env, trajectory, item, scorer)
@@ -194,7 +224,7 @@ class AgentLoop:
                     prompt_id=item.prompt_id,
                     policy_version=policy_version,
                     worker_id=worker_id,
-                    prompt_ids=np.asarray(prompt, dtype=np.int32),
+                    prompt_ids=np.asarray(request.prompt_ids, dtype=np.int32),
                     samples=samples,
                     gen_start=gen_start,
                     gen_end=gen_end,
@@ -236,6 +266,69 @@ class AgentLoop:
             scorer.last_error = f"environment reward: {type(err).__name__}: {err}"
             log.warning("environment %s reward() failed: %s (prompt %s; scored 0)", type(env).__qualname__, scorer.last_error, item.prompt_id)
             return 0.0, {}
+
+
+class _Call:
+    """The rows of one engine call and what answers their turns: `respond(row, turn)` gives the
+    token ids to insert before the row's next turn, or None when its trajectory is over. Both
+    engines use it; `respond_async` runs the environment's step on a thread, so other trajectories
+    decode meanwhile."""
+
+    def __init__(self, agent: AgentLoop, rows: list[_Row], prompt_lengths: list[int], started: float):
+        self.agent, self.rows, self.prompt_lengths, self.started = agent, rows, prompt_lengths, started
+
+    def respond(self, index: int, turn: Turn) -> list[int] | None:
+        text = self.read(index, turn)
+        return None if text is None else self.answer(index, self.step(index, text))
+
+    async def respond_async(self, index: int, turn: Turn) -> list[int] | None:
+        text = self.read(index, turn)
+        if text is None:
+            return None
+        outcome = await asyncio.get_running_loop().run_in_executor(self.agent.env_pool(), self.step, index, text)
+        return self.answer(index, outcome)
+
+    def read(self, index: int, turn: Turn) -> str | None:
+        """The turn as text, added to the row's messages; None when the trajectory ends before its step."""
+        row = self.rows[index]
+        row.length += len(turn.token_ids)
+        text = self.agent.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
+        row.messages.append({"role": "assistant", "content": text})
+        if turn.finish_reason != "stop":
+            return None  # cut off mid-turn: what it meant to call is unknown
+        if time.monotonic() - self.started > self.agent.cfg.rollout.trajectory_timeout_seconds:
+            row.finish_reason = "timeout"
+            return None
+        return text
+
+    def step(self, index: int, text: str) -> tuple[list[dict], bool] | None:
+        """The environment's answer to the turn; None when it raised."""
+        row = self.rows[index]
+        try:
+            return row.env.step(text)
+        except Exception as err:  # noqa: BLE001 - user code: the trajectory ends, the worker goes on
+            row.finish_reason, row.env_error = "env_error", f"{type(err).__name__}: {err}"
+            log.warning("environment %s raised in step(): %s", self.agent.factory.cls.__qualname__, row.env_error)
+            return None
+
+    def answer(self, index: int, outcome: tuple[list[dict], bool] | None) -> list[int] | None:
+        """The tokens that insert the environment's observations, if the trajectory goes on."""
+        if outcome is None:
+            return None
+        observations, done = outcome
+        if done:
+            return None
+        row, agent = self.rows[index], self.agent
+        row.messages += observations
+        tokens = agent.fit_observations(observations, row.env.tool_schemas, row)
+        if tokens is None:
+            row.finish_reason = "env_tokens"
+            return None
+        if agent.context is not None and self.prompt_lengths[index] + row.length + len(tokens) + agent.cfg.rollout.max_new_tokens > agent.context:
+            row.finish_reason = "context"
+            return None
+        row.length += len(tokens)
+        return tokens
 
 
 STAT_KEYS = (
