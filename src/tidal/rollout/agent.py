@@ -296,6 +296,11 @@ class _Call:
         row.messages.append({"role": "assistant", "content": text})
         if turn.finish_reason != "stop":
             return None  # cut off mid-turn: what it meant to call is unknown
+        if turn.token_ids[-1] != self.agent.eos:
+            # vLLM also stops on the generation config's other end tokens; the template's rendering of
+            # what follows (inserted_tokens) starts after the tokenizer's EOS only
+            row.finish_reason = "stop_token"
+            return None
         if time.monotonic() - self.started > self.agent.cfg.rollout.trajectory_timeout_seconds:
             row.finish_reason = "timeout"
             return None
