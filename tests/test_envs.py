@@ -315,6 +315,7 @@ def test_the_agent_keys_load_and_are_checked():
     r = cfg.rollout
     assert (r.env, r.tools, r.tool_parser, r.max_turns, r.max_tool_calls) == ("my.module:Env", ["calc", "my.tools:search"], "hermes", 3, 0)
     assert config_from_dict({}).rollout.env is None
+    assert config_from_dict({"rollout": {"env": "tools", "engine": "vllm"}, "eval": {"enabled": False}}).rollout.engine == "vllm"
 
 
 @pytest.mark.parametrize(
@@ -328,7 +329,6 @@ def test_the_agent_keys_load_and_are_checked():
         ({"env": "tools", "max_turns": 0}, {}, "rollout.max_turns: Input should be greater than 0"),
         ({"env": "tools", "max_env_tokens_per_turn": 0}, {}, "rollout.max_env_tokens_per_turn: Input should be greater than 0"),
         ({"env": "tools", "trajectory_timeout_seconds": -1}, {}, "rollout.trajectory_timeout_seconds: Input should be greater than 0"),
-        ({"env": "tools", "engine": "vllm"}, {}, "multi-turn rollouts run on rollout.engine 'hf' for now, not 'vllm'"),
         ({"env": "tools"}, {"reward": {"overlong_buffer": 4}}, "reward.overlong_buffer measures one response"),
         ({"env": "tools"}, {"eval": {"enabled": True, "engine": "vllm"}}, "held-out evaluation through rollout.env runs on the HF engine"),
         ({"env": "tools"}, {"model": {"warm_start": {"stop_at_accuracy": 0.5}}}, "model.warm_start.stop_at_accuracy probes single answers"),

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def test_a_hanging_tool_is_an_error_after_its_timeout_and_its_process_is_replace
         assert result.text == "error: hang failed: no answer within 1s (rollout.tool_timeout_seconds); its process was replaced"
         assert 1.0 <= waited < 30  # the timeout, not the tool's hour
         second = tools["pid"]({})
-        assert not second.error and second.text != first and host.process.started == 2
+        assert not second.error and second.text != first and host.processes[0].started == 2
 
 
 @pytest.mark.parametrize(
@@ -70,17 +71,16 @@ def test_a_tool_that_kills_its_process_is_an_error_and_the_process_is_replaced(n
         result = tools[name]({})
         assert result.error and result.failure == "crash"
         assert result.text.startswith(f"error: {name} failed: its process ") and said in result.text
-        assert not tools["pid"]({}).error and host.process.started == 2
+        assert not tools["pid"]({}).error and host.processes[0].started == 2
 
 
 def test_the_cpu_limit_is_per_call_not_per_process_lifetime():
     """RLIMIT_CPU counts a process's whole life: the host re-arms it before each call, so cheap calls
     never add up to the limit."""
     with isolated("pid", cpu_seconds=1) as (host, tools):
-        pid = host.process
         for _ in range(3):
             assert not tools["pid"]({}).error
-        assert pid.started == 1
+        assert len(host.processes) == 1 and host.processes[0].started == 1
 
 
 def test_a_tool_over_its_memory_limit_is_an_error_and_the_process_is_replaced():
@@ -88,7 +88,7 @@ def test_a_tool_over_its_memory_limit_is_an_error_and_the_process_is_replaced():
         result = tools["hog"]({})
         assert result.error and result.failure is None
         assert result.text == "error: hog raised MemoryError: over its memory limit (512 MB, rollout.tool_memory_mb)"
-        assert not tools["pid"]({}).error and host.process.started == 2
+        assert not tools["pid"]({}).error and host.processes[0].started == 2
 
 
 def test_a_tool_that_raises_is_an_error_in_the_same_process():
@@ -96,7 +96,7 @@ def test_a_tool_that_raises_is_an_error_in_the_same_process():
         pid = tools["pid"]({}).text
         result = tools["boom"]({"reason": "no luck"})
         assert result.text == "error: boom raised RuntimeError: no luck" and result.error and result.failure is None
-        assert tools["pid"]({}).text == pid and host.process.started == 1
+        assert tools["pid"]({}).text == pid and host.processes[0].started == 1
         bad = tools["boom"]({"reason": 3})  # checked against the schema in the worker: never sent
         assert bad.text == "error: boom: argument 'reason' must be string, got int"
 
@@ -107,7 +107,7 @@ def test_a_flooding_tool_is_cut_at_the_byte_cap_and_its_prints_are_capped(capfd)
         assert not result.error and result.cut
         assert result.text == "x" * 1000 + "… [cut: 10000000 bytes, over rollout.tool_output_bytes]"
         said = tools["shout"]({})
-        assert said.text == "said" and not said.cut and host.process.started == 1
+        assert said.text == "said" and not said.cut and host.processes[0].started == 1
     err = capfd.readouterr().err
     assert "y" * 1000 in err and len(err) < 200_000  # 5 MB printed, 64 KiB of it kept
     assert "characters printed by one call were dropped" in err
@@ -119,10 +119,10 @@ def test_calc_in_the_worker_and_isolated_say_the_same():
         env, local = factory(), resolve_tool("calc")
         for expression in ("123*456", "1/0", "9**99", "x+1"):
             assert env.call(ToolCall("calc", {"expression": expression}))["content"] == local({"expression": expression}).text
-        assert factory.host.process.started == 1 and env.stats.tool_errors == 3
+        assert factory.host.processes[0].started == 1 and env.stats.tool_errors == 3
     finally:
         factory.close()
-    assert factory.host.process.proc is None
+    assert factory.host.processes[0].proc is None
 
 
 def test_the_tool_process_ends_when_its_worker_is_killed_mid_call(tmp_path):
@@ -200,3 +200,12 @@ def gone_within_all(marker: str, seconds: float) -> bool:
     while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     return not processes_with(marker)
+
+
+@pytest.mark.parametrize("processes", [1, 3])
+def test_overlapping_calls_run_in_up_to_tool_processes_processes(processes):
+    with isolated("slow_pid", processes=processes) as (host, tools):
+        with ThreadPoolExecutor(3) as pool:
+            pids = {r.text for r in pool.map(lambda _: tools["slow_pid"]({}), range(3))}
+        assert len(pids) == processes and len(host.processes) == processes
+    assert all(p.proc is None for p in host.processes)

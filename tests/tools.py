@@ -16,6 +16,12 @@ def pid() -> int:
     return os.getpid()
 
 
+def slow_pid() -> int:
+    """Its process id, after a moment (calls from several threads overlap)."""
+    time.sleep(0.5)
+    return os.getpid()
+
+
 def hang() -> str:
     """Never answers."""
     time.sleep(3600)

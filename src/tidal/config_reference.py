@@ -71,6 +71,8 @@ NOTES = {
     "model.warm_start.lr": "SFT learning rate.",
     "model.warm_start.examples": "Training problems the SFT draws from.",
     "model.warm_start.probe_every": "Steps between accuracy probes (see `stop_at_accuracy`).",
+    "model.warm_start.tool_use": "With `rollout.env: tools` and `calc` in `rollout.tools`: the share of the synthetic warm-start trajectories that call the tool (the rest answer in the head).",
+    "model.warm_start.tool_mistakes": "The share of those tool calls made wrongly (a mistyped operand, or an argument `calc` does not take), so RL has better and worse calls to tell apart.",
     "model.warm_start.probe_prompts": "Training prompts each probe scores (see `stop_at_accuracy`).",
     "data.task": "`arithmetic`: synthetic problems made from `seed`; `jsonl`: rows from `data.path`.",
     "data.eval_path": "jsonl: held-out rows; unset: the last tenth of `data.path` is held out.",
@@ -231,9 +233,16 @@ def _value_text(value) -> str:
     plain = to_jsonable_python(value)
     if plain is None or isinstance(plain, bool):
         return json.dumps(plain)
-    if isinstance(plain, str) and yaml.safe_load(plain) != plain:
+    if isinstance(plain, str) and not _reads_back(plain):
         return json.dumps(plain)
     return plain if isinstance(plain, str) else json.dumps(plain)
+
+
+def _reads_back(plain: str) -> bool:
+    try:
+        return yaml.safe_load(plain) == plain
+    except yaml.YAMLError:  # "*" is an alias to YAML
+        return False
 
 
 def default_text(field: FieldInfo, links: dict[type, str]) -> str:

@@ -44,8 +44,6 @@ class WarmStartConfig(_Strict):
     stop_at_accuracy: float | None = Field(None, gt=0, le=1)
     probe_every: int = Field(50, gt=0)
     probe_prompts: int = Field(256, gt=0)
-    # with rollout.env: the share of synthetic traces that call the built-in calc tool (when
-    # rollout.tools has it), and the share of those calls made wrongly (a mistyped operand or a bad argument)
     tool_use: float = Field(0.4, ge=0, le=1)
     tool_mistakes: float = Field(0.3, ge=0, le=1)
     cache_dir: str | None = None  # default: $TIDAL_CACHE or ~/.cache/tidal
@@ -144,6 +142,7 @@ AGENT_KEYS = (
     "tool_cpu_seconds",
     "tool_memory_mb",
     "tool_output_bytes",
+    "tool_processes",
 )
 _MODULE_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -192,6 +191,7 @@ class RolloutConfig(_Strict):
     # CUDA maps far more than it uses and needs more, or None (no limit)
     tool_memory_mb: int | None = Field(4096, gt=0)
     tool_output_bytes: int = Field(65536, gt=0)  # a tool's text past this many bytes (UTF-8) is cut, counted
+    tool_processes: int = Field(4, gt=0)  # tool calls at once (processes), for engines that step trajectories concurrently
 
     @field_validator("env", "tool_parser")
     @classmethod
@@ -218,8 +218,6 @@ class RolloutConfig(_Strict):
             stray = sorted(f"rollout.{k}" for k in self.model_fields_set & set(AGENT_KEYS) if getattr(self, k) != type(self).model_fields[k].default)
             if stray:
                 raise _error(f"{', '.join(stray)}: only for multi-turn rollouts; set rollout.env (e.g. 'tools') or leave them out")
-        elif self.engine != "hf":
-            raise _error(f"rollout.env: multi-turn rollouts run on rollout.engine 'hf' for now, not {self.engine!r}")
         return self
 
 

@@ -7,6 +7,8 @@ hold the trajectory's state and run in the worker."""
 
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass, replace
 
 from tidal.envs.tools import Tool, ToolResult
@@ -21,10 +23,11 @@ class ToolLimits:
     cpu_seconds: int | None = 60
     memory_mb: int | None = 4096
     output_bytes: int = 65536
+    processes: int = 4  # at most this many calls at once (the vLLM engine steps trajectories concurrently)
 
     @classmethod
     def from_config(cls, rollout) -> ToolLimits:
-        return cls(rollout.tool_timeout_seconds, rollout.tool_cpu_seconds, rollout.tool_memory_mb, rollout.tool_output_bytes)
+        return cls(rollout.tool_timeout_seconds, rollout.tool_cpu_seconds, rollout.tool_memory_mb, rollout.tool_output_bytes, rollout.tool_processes)
 
     def host_args(self) -> list[str]:
         args = [f"--output-bytes={self.output_bytes}"]
@@ -36,16 +39,41 @@ class ToolLimits:
 
 
 class ToolHost:
-    """One process for the named tools, started at the first call and replaced after a failure."""
+    """Up to `limits.processes` processes for the named tools, each started when calls first overlap
+    that much, and replaced after a failure; a call takes an idle one (one call per process at a time)."""
 
     def __init__(self, names: list[str], limits: ToolLimits):
-        self.limits = limits
-        self.process = HostProcess("tidal.envs.host", [*limits.host_args(), *names], limits.timeout_seconds, "rollout.tool_timeout_seconds")
+        self.names, self.limits = names, limits
+        self.processes: list[HostProcess] = []
+        self.idle: queue.LifoQueue[HostProcess] = queue.LifoQueue()
+        self.lock = threading.Lock()
+
+    def _new_process(self) -> HostProcess:
+        limits = self.limits
+        return HostProcess("tidal.envs.host", [*limits.host_args(), *self.names], limits.timeout_seconds, "rollout.tool_timeout_seconds")
+
+    def _acquire(self) -> HostProcess:
+        try:
+            return self.idle.get_nowait()
+        except queue.Empty:
+            pass
+        with self.lock:
+            if len(self.processes) < self.limits.processes:
+                self.processes.append(self._new_process())
+                return self.processes[-1]
+        return self.idle.get()
 
     def run(self, tool: Tool, arguments: dict) -> ToolResult:
-        """`tool` (arguments checked) in the process; every failure is an error text."""
+        """`tool` (arguments checked) in a process; every failure is an error text."""
+        process = self._acquire()
         try:
-            reply = self.process.request({"fn": tool.reference, "arguments": arguments})
+            return self._run(process, tool, arguments)
+        finally:
+            self.idle.put(process)
+
+    def _run(self, process: HostProcess, tool: Tool, arguments: dict) -> ToolResult:
+        try:
+            reply = process.request({"fn": tool.reference, "arguments": arguments})
         except HostCallError as err:
             failure = "timeout" if err.kind == "Timeout" else "crash"
             return ToolResult(f"error: {tool.name} failed: {err}", True, failure)
@@ -53,7 +81,7 @@ class ToolHost:
             return ToolResult(f"error: {tool.name} failed: its process did not start: {err}", True, "crash")
         if "error" in reply:
             if reply["error"].startswith("MemoryError"):
-                self.process.stop()  # what the tool left allocated would fail the next call too
+                process.stop()  # what the tool left allocated would fail the next call too
             return ToolResult(f"error: {tool.name} raised {reply['error']}", True)
         if "cut" in reply:
             return ToolResult(f"{reply['text']}… [cut: {reply['cut']} bytes, over rollout.tool_output_bytes]", False, cut=True)
@@ -63,4 +91,6 @@ class ToolHost:
         return replace(tool, host=self)
 
     def close(self) -> None:
-        self.process.stop()
+        with self.lock:
+            for process in self.processes:
+                process.stop()

@@ -112,5 +112,13 @@ def trace_batch(traces: list[Trace], pad: int) -> tuple[torch.Tensor, torch.Tens
     return ids, mask, labels
 
 
-def trace_batcher(traces: list[Trace], pad: int) -> Callable[[list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    return lambda indices: trace_batch([traces[i] for i in indices], pad)
+def trace_batcher(traces: list[Trace], pad: int, chunks: int = 3) -> Callable[[list[int]], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Batches in `chunks` chunks of rows of similar length: the answers in the head are a third as
+    long as the tool calls, and padding them to the longest trace would double the SFT's cost."""
+
+    def batch(indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        rows = sorted((traces[i] for i in indices), key=lambda t: len(t.token_ids))
+        size = -(-len(rows) // chunks)
+        return [trace_batch(rows[at : at + size], pad) for at in range(0, len(rows), size)]
+
+    return batch

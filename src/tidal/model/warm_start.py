@@ -35,7 +35,7 @@ def warm_start_key(cfg: TidalConfig) -> str:
         "data": cfg.data.model_dump(mode="json", exclude={"num_eval", "eval_path"}),
         "seed": cfg.seed,
     }
-    if cfg.rollout.env is not None:  # the traces are played through the environment and its template
+    if plays_tool_traces(cfg):  # the traces are played through the environment and its template
         spec["agent"] = cfg.rollout.model_dump(mode="json", include={"env", "tools", "tool_parser", "max_turns", "max_env_tokens_per_turn"})
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -60,7 +60,20 @@ def sft_batch(
     return ids, mask, lab
 
 
-Batcher = Callable[[list[int]], "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
+Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, attention mask, labels (-100: not trained)
+# a batch of the examples at some indices, as one chunk or several (rows of similar length together:
+# a padded row costs as much as a real one)
+Batcher = Callable[[list[int]], list[Chunk]]
+
+
+def batch_loss(model, chunks: list[Chunk]) -> torch.Tensor:
+    """The mean token loss over every labelled token of the batch, whatever its chunks."""
+    if len(chunks) == 1:
+        ids, mask, labels = chunks[0]
+        return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    counts = [int((labels[:, 1:] != -100).sum()) for _, _, labels in chunks]
+    total = sum(counts)
+    return sum(model(input_ids=ids, attention_mask=mask, labels=labels).loss * (n / total) for (ids, mask, labels), n in zip(chunks, counts) if n)
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,7 @@ class WarmStartResult:
 
 def answer_batcher(tokenizer, problems: list[Problem], encode: Callable[[str], list[int]] | None = None) -> Batcher:
     """The single-turn SFT batches: prompt + final-answer line + EOS, labels on the answer."""
-    return lambda indices: sft_batch(tokenizer, [problems[i] for i in indices], encode)
+    return lambda indices: [sft_batch(tokenizer, [problems[i] for i in indices], encode)]
 
 
 def supervised_warm_start(
@@ -97,8 +110,7 @@ def supervised_warm_start(
     model.train()
     loss_value, accuracy, step = float("nan"), None, 0
     for step in range(1, steps + 1):
-        ids, mask, lab = batch(torch.randint(examples, (batch_size,), generator=gen).tolist())
-        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
+        loss = batch_loss(model, batch(torch.randint(examples, (batch_size,), generator=gen).tolist()))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -142,6 +154,13 @@ def answer_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem], p
     )
 
 
+def plays_tool_traces(cfg: TidalConfig) -> bool:
+    """The built-in environment with the built-in calculator: the warm start plays tool-use traces.
+    Any other environment's steps are the user's (they may be costly, or have effects), so it gets
+    the single-answer warm start."""
+    return cfg.rollout.env == "tools" and "calc" in cfg.rollout.tools
+
+
 def tool_use_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem], progress=None) -> WarmStartResult:
     """Synthetic trajectories through the run's environment (tidal.model.tool_traces): answers in the
     head, calls to the tool, and wrong calls, in the proportions ws.tool_use / ws.tool_mistakes."""
@@ -150,9 +169,8 @@ def tool_use_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem],
 
     ws = cfg.model.warm_start
     loop = AgentLoop.from_config(cfg, tokenizer)
-    tool_use = ws.tool_use if "calc" in cfg.rollout.tools else 0.0  # the traces call calc; without it they teach the format
     try:
-        traces = make_traces(loop, pool, tool_use, ws.tool_mistakes, cfg.seed)
+        traces = make_traces(loop, pool, ws.tool_use, ws.tool_mistakes, cfg.seed)
     finally:
         loop.close()
     kinds = {k: sum(t.kind == k for t in traces) for k in sorted({t.kind for t in traces})}
@@ -178,7 +196,7 @@ def prepare_base_model(cfg: TidalConfig, dataset: Dataset, progress=None) -> Pat
         if cfg.data.task != "arithmetic":
             raise ValueError("model.warm_start for the tiny model needs data.task 'arithmetic'; set model.name_or_path for other tasks")
         t0 = time.time()
-        warm = tool_use_warm_start if cfg.rollout.env is not None else answer_warm_start
+        warm = tool_use_warm_start if plays_tool_traces(cfg) else answer_warm_start
         result = warm(cfg, model, tokenizer, dataset.train[: cfg.model.warm_start.examples], progress)
         log.info(
             "warm start: %d steps in %.1fs, final loss %.3f, probe accuracy %s", result.steps, time.time() - t0, result.loss, result.probe_accuracy

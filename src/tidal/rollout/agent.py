@@ -9,12 +9,19 @@ trajectory. A trajectory ends when the environment says done, at rollout.max_tur
 hits max_new_tokens (it was cut mid-turn), past rollout.trajectory_timeout_seconds (checked between
 turns), when it would outgrow the model's context, or when the environment raises (counted, the
 worker goes on).
+
+The environment logic (`_Call`) is the same for both engines. The HF engine runs a call's rows as
+one batch over its KV cache (engine.run_trajectories); the vLLM engine runs each trajectory as a
+request per turn, every trajectory at once, and the environment's steps on threads so that the
+others keep decoding meanwhile (vllm_adapter).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,13 +64,22 @@ class _Row:
 
 
 class AgentLoop:
-    """Runs rollout.env over the HF engine and builds the trajectory groups."""
+    """Runs rollout.env over a rollout engine and builds the trajectory groups."""
 
     def __init__(self, cfg: TidalConfig, tokenizer, factory: EnvironmentFactory, chat_template: str | None, context: int | None = None):
         self.cfg, self.tokenizer, self.factory, self.chat_template, self.context = cfg, tokenizer, factory, chat_template, context
         if not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise EnvError("rollout.env needs a chat template: the tokenizer of model.name_or_path has none")
         self.eos = tokenizer.eos_token_id
+        self._env_pool: ThreadPoolExecutor | None = None
+
+    def env_pool(self) -> ThreadPoolExecutor:
+        """The threads environment steps run on (async engines): one per trajectory in flight, so a
+        slow tool holds only its own trajectory."""
+        if self._env_pool is None:
+            r = self.cfg.rollout
+            self._env_pool = ThreadPoolExecutor(max_workers=r.max_inflight_groups * r.group_size, thread_name_prefix="tidal-env")
+        return self._env_pool
 
     @classmethod
     def from_config(cls, cfg: TidalConfig, tokenizer, context: int | None = None) -> AgentLoop:
@@ -77,8 +93,11 @@ class AgentLoop:
         return cls(cfg, tokenizer, factory, None if own or cfg.model.name_or_path is not None else TOOL_CHAT_TEMPLATE, context)
 
     def close(self) -> None:
-        """Stops the tools' process (it would also exit when this process does)."""
+        """Stops the tools' process (it would also exit when this process does) and the step threads."""
         self.factory.close()
+        if self._env_pool is not None:
+            self._env_pool.shutdown(wait=False, cancel_futures=True)
+            self._env_pool = None
 
     # --- the chat template -------------------------------------------------------------------
 
@@ -122,14 +141,55 @@ class AgentLoop:
 
     # --- one engine call ---------------------------------------------------------------------
 
-    def play(
-        self, engine: HFEngine, problems: list[Problem], requests: list[GroupRequest], greedy: bool = False
-    ) -> list[tuple[_Row, TrajectoryTokens]]:
+    def generate(
+        self, engine, items: list[WorkItem], requests: list[GroupRequest], scorer: RewardScorer, policy_version: int, worker_id: str
+    ) -> list[Group]:
+        """One group per item (`requests` give the RNGs; their prompts are set here). The HF engine
+        runs the rows as one batch over its KV cache; a blocking vLLM engine (sync mode) runs each
+        trajectory as its own requests, with the environment's steps on threads."""
+        gen_start = time.time()
+        played = self.play(engine, [self.problem(item) for item in items], requests)
+        return self.groups(played, items, requests, scorer, policy_version, worker_id, gen_start, time.time())
+
+    def play(self, engine, problems: list[Problem], requests: list[GroupRequest], greedy: bool = False) -> list[tuple[_Row, TrajectoryTokens]]:
         """The trajectories of `problems` (request i gives problem i's G rows their RNG; its prompt is
-        set here): each row's environment, messages and tokens, in row order."""
+        set here): each row's environment and messages, and its tokens, in row order. `greedy`: the
+        HF engine only (held-out evaluation)."""
         r = self.cfg.rollout
-        started = time.monotonic()
+        call = self.begin(problems, requests)
+        if isinstance(engine, HFEngine):
+            trajectories = run_trajectories(engine, requests, call.respond, r.max_turns, r.max_new_tokens, greedy)
+        else:
+            trajectories = engine.run_trajectories(requests, call.respond_async, r.max_turns, r.max_new_tokens)
+        return list(zip(call.rows, trajectories))
+
+    async def generate_async(
+        self,
+        engine,
+        items: list[WorkItem],
+        requests: list[GroupRequest],
+        scorer: RewardScorer,
+        policy_version: int,
+        worker_id: str,
+        score_pool: Executor | None = None,
+    ) -> list[Group]:
+        """`generate` on an async engine (vLLM's): every trajectory of every group in flight at once,
+        each environment step on a thread while the others decode; the groups are scored on
+        `score_pool` (rewards may be slow user code)."""
+        r = self.cfg.rollout
+        call = self.begin([self.problem(item) for item in items], requests)
+        gen_start = time.time()
+        trajectories = await engine.run_trajectories(requests, call.respond_async, r.max_turns, r.max_new_tokens)
+        gen_end = time.time()
+        played = list(zip(call.rows, trajectories))
+        return await asyncio.get_running_loop().run_in_executor(
+            score_pool, self.groups, played, items, requests, scorer, policy_version, worker_id, gen_start, gen_end
+        )
+
+    def begin(self, problems: list[Problem], requests: list[GroupRequest]) -> _Call:
+        """One environment per row (G per problem, in order), and each request's prompt: the first messages, rendered."""
         rows: list[_Row] = []
+        prompt_lengths: list[int] = []
         for problem, request in zip(problems, requests):
             group_rows = [self.start_row(problem) for _ in range(request.n)]
             encoded = [self.render(row.messages, row.env.tool_schemas, True) for row in group_rows]
@@ -139,47 +199,21 @@ class AgentLoop:
                 )
             request.prompt_ids = encoded[0]
             rows += group_rows
-        row_prompt_lengths = [len(request.prompt_ids) for request in requests for _ in range(request.n)]
+            prompt_lengths += [len(encoded[0])] * request.n
+        return _Call(self, rows, prompt_lengths, time.monotonic())
 
-        def respond(index: int, turn: Turn) -> list[int] | None:
-            row = rows[index]
-            row.length += len(turn.token_ids)
-            text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
-            row.messages.append({"role": "assistant", "content": text})
-            if turn.finish_reason != "stop":
-                return None  # cut off mid-turn: what it meant to call is unknown
-            if time.monotonic() - started > r.trajectory_timeout_seconds:
-                row.finish_reason = "timeout"
-                return None
-            try:
-                observations, done = row.env.step(text)
-            except Exception as err:  # noqa: BLE001 - user code: the trajectory ends, the worker goes on
-                row.finish_reason, row.env_error = "env_error", f"{type(err).__name__}: {err}"
-                log.warning("environment %s raised in step(): %s", self.factory.cls.__qualname__, row.env_error)
-                return None
-            if done:
-                return None
-            row.messages += observations
-            tokens = self.fit_observations(observations, row.env.tool_schemas, row)
-            if tokens is None:
-                row.finish_reason = "env_tokens"
-                return None
-            if self.context is not None and row_prompt_lengths[index] + row.length + len(tokens) + r.max_new_tokens > self.context:
-                row.finish_reason = "context"
-                return None
-            row.length += len(tokens)
-            return tokens
-
-        trajectories = run_trajectories(engine, requests, respond, r.max_turns, r.max_new_tokens, greedy)
-        return list(zip(rows, trajectories))
-
-    def generate(
-        self, engine: HFEngine, items: list[WorkItem], requests: list[GroupRequest], scorer: RewardScorer, policy_version: int, worker_id: str
+    def groups(
+        self,
+        played: list[tuple[_Row, TrajectoryTokens]],
+        items: list[WorkItem],
+        requests: list[GroupRequest],
+        scorer: RewardScorer,
+        policy_version: int,
+        worker_id: str,
+        gen_start: float,
+        gen_end: float,
     ) -> list[Group]:
-        """One group per item (`requests` give the RNGs; their prompts are set here)."""
-        gen_start = time.time()
-        played = self.play(engine, [self.problem(item) for item in items], requests)
-        gen_end = time.time()
+        """The finished trajectories as scored groups, one per item."""
         groups, at = [], 0
         for item, request in zip(items, requests):
             errors_before = scorer.errors
@@ -253,6 +287,74 @@ class AgentLoop:
             scorer.last_error = f"environment reward: {type(err).__name__}: {err}"
             log.warning("environment %s reward() failed: %s (prompt %s; scored 0)", type(env).__qualname__, scorer.last_error, item.prompt_id)
             return 0.0, {}
+
+
+class _Call:
+    """The rows of one engine call and what answers their turns: `respond(row, turn)` gives the
+    token ids to insert before the row's next turn, or None when its trajectory is over. Both
+    engines use it; `respond_async` runs the environment's step on a thread, so other trajectories
+    decode meanwhile."""
+
+    def __init__(self, agent: AgentLoop, rows: list[_Row], prompt_lengths: list[int], started: float):
+        self.agent, self.rows, self.prompt_lengths, self.started = agent, rows, prompt_lengths, started
+
+    def respond(self, index: int, turn: Turn) -> list[int] | None:
+        text = self.read(index, turn)
+        return None if text is None else self.answer(index, self.step(index, text))
+
+    async def respond_async(self, index: int, turn: Turn) -> list[int] | None:
+        text = self.read(index, turn)
+        if text is None:
+            return None
+        outcome = await asyncio.get_running_loop().run_in_executor(self.agent.env_pool(), self.step, index, text)
+        return self.answer(index, outcome)
+
+    def read(self, index: int, turn: Turn) -> str | None:
+        """The turn as text, added to the row's messages; None when the trajectory ends before its step."""
+        row = self.rows[index]
+        row.length += len(turn.token_ids)
+        text = self.agent.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
+        row.messages.append({"role": "assistant", "content": text})
+        if turn.finish_reason != "stop":
+            return None  # cut off mid-turn: what it meant to call is unknown
+        if turn.token_ids[-1] != self.agent.eos:
+            # vLLM also stops on the generation config's other end tokens; the template's rendering of
+            # what follows (inserted_tokens) starts after the tokenizer's EOS only
+            row.finish_reason = "stop_token"
+            return None
+        if time.monotonic() - self.started > self.agent.cfg.rollout.trajectory_timeout_seconds:
+            row.finish_reason = "timeout"
+            return None
+        return text
+
+    def step(self, index: int, text: str) -> tuple[list[dict], bool] | None:
+        """The environment's answer to the turn; None when it raised."""
+        row = self.rows[index]
+        try:
+            return row.env.step(text)
+        except Exception as err:  # noqa: BLE001 - user code: the trajectory ends, the worker goes on
+            row.finish_reason, row.env_error = "env_error", f"{type(err).__name__}: {err}"
+            log.warning("environment %s raised in step(): %s", self.agent.factory.cls.__qualname__, row.env_error)
+            return None
+
+    def answer(self, index: int, outcome: tuple[list[dict], bool] | None) -> list[int] | None:
+        """The tokens that insert the environment's observations, if the trajectory goes on."""
+        if outcome is None:
+            return None
+        observations, done = outcome
+        if done:
+            return None
+        row, agent = self.rows[index], self.agent
+        row.messages += observations
+        tokens = agent.fit_observations(observations, row.env.tool_schemas, row)
+        if tokens is None:
+            row.finish_reason = "env_tokens"
+            return None
+        if agent.context is not None and self.prompt_lengths[index] + row.length + len(tokens) + agent.cfg.rollout.max_new_tokens > agent.context:
+            row.finish_reason = "context"
+            return None
+        row.length += len(tokens)
+        return tokens
 
 
 STAT_KEYS = (

@@ -40,6 +40,11 @@ def group_seed(seed: int, iteration: int, prompt_id: int) -> int:
     return ((seed * 1_000_003 + iteration) * 1_000_003 + prompt_id) % (2**63)
 
 
+def turn_seed(group: int, row: int, turn: int) -> int:
+    """Deterministic mode, one request per turn (vLLM): the seed of row `row`'s turn `turn` in the group seeded `group`."""
+    return ((group * 1_000_003 + row) * 1_000_003 + turn) % (2**63)
+
+
 def group_generator(seed: int, iteration: int, prompt_id: int) -> torch.Generator:
     """The RNG of one group, seeded by `group_seed`."""
     return torch.Generator().manual_seed(group_seed(seed, iteration, prompt_id))
@@ -260,6 +265,24 @@ class TrajectoryTokens:
         self.logprobs += [0.0] * len(tokens) if logprobs is None else logprobs
         self.loss_mask += [0 if logprobs is None else 1] * len(tokens)
 
+    def add_turn(self, turn: Turn) -> None:
+        """A sampled turn: its tokens and log-probs, mask 1."""
+        self.add(turn.token_ids, turn.logprobs)
+        self.turns += 1
+        self.finish_reason = turn.finish_reason
+
+    def insert(self, tokens: list[int] | None, last: bool) -> list[int] | None:
+        """The answer to the turn just added (None: the trajectory is over), appended with mask 0 and
+        returned when another turn follows. After the `last` allowed turn, an answer only sets the
+        finish reason: the environment wanted more (max_turns)."""
+        if tokens is None:
+            return None
+        if last:
+            self.finish_reason = "max_turns"
+            return None
+        self.add(list(tokens))
+        return list(tokens)
+
 
 Respond = Callable[[int, Turn], "list[int] | None"]
 
@@ -279,18 +302,10 @@ def run_trajectories(
         last = turn_index + 1 == max_turns
         inserted: dict[int, list[int]] = {}
         for row, turn in batch.sample_turn(max_new_tokens or engine.max_new_tokens, greedy, final=last).items():
-            trajectory = out[row]
-            trajectory.add(turn.token_ids, turn.logprobs)
-            trajectory.turns += 1
-            trajectory.finish_reason = turn.finish_reason
-            tokens = respond(row, turn)
-            if tokens is None:
-                continue
-            if last:
-                trajectory.finish_reason = "max_turns"
-                continue
-            trajectory.add(list(tokens))
-            inserted[row] = list(tokens)
+            out[row].add_turn(turn)
+            tokens = out[row].insert(respond(row, turn), last)
+            if tokens is not None:
+                inserted[row] = tokens
         if not inserted:
             break
         batch.extend(inserted)

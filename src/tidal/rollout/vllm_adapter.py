@@ -3,7 +3,9 @@ against the source of vLLM 0.33.0 (same calls) and of 0.23.0, vllm-ascend's (the
 NCCL weight transfer, which Ascend does not use). Nothing else in Tidal imports vllm.
 
 - `VLLMEngine`: AsyncLLM built from `rollout.vllm`, one request per group (`n=G`), log-probs of the
-  sampled tokens under the processed (temperature-scaled) distribution.
+  sampled tokens under the processed (temperature-scaled) distribution. With rollout.env, one
+  request per turn of each trajectory (`run_trajectories`): the prompt and every token so far as a
+  token prompt, prefix caching on, every trajectory in flight at once.
 - `TidalWorkerExtension`: mixed into every vLLM worker process (`worker_extension_cls`); it loads a
   weight-store snapshot after verifying its checksums, so no tensor crosses a process boundary.
 - NCCL weight transfer (GPU only; never run on CPU): `nccl_join`/`nccl_receive` on the engine side,
@@ -12,6 +14,7 @@ NCCL weight transfer, which Ascend does not use). Nothing else in Tidal imports 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import json
@@ -20,7 +23,7 @@ import uuid
 from pathlib import Path
 
 from tidal.config import TidalConfig
-from tidal.rollout.engine import Completion, GroupRequest
+from tidal.rollout.engine import Completion, GroupRequest, TrajectoryTokens, Turn, turn_seed
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +107,9 @@ def engine_args(cfg: TidalConfig, model_dir: str | Path, device: str = "cpu"):
         "gpu_memory_utilization": v.gpu_memory_utilization,
         "kv_cache_memory_bytes": kv_bytes,
         "max_model_len": v.max_model_len,
+        # a trajectory's every turn is a new request whose prompt is the previous one's plus what
+        # followed it: with the cache, only the new tokens are computed
+        "enable_prefix_caching": True if cfg.rollout.env is not None else None,
         # NCCL needs CUDA; elsewhere (CPU, Ascend) the workers always load from the weight store.
         "weight_transfer_config": {"backend": "nccl"} if v.weight_sync == "nccl" and device == "cuda" else None,
     }
@@ -186,25 +192,62 @@ class VLLMEngine:
         start_reaper()
         return engine
 
-    async def generate_group(
-        self, request: GroupRequest, seed: int | None = None, tag: str = "g", greedy: bool = False, max_tokens: int | None = None
-    ) -> list[Completion]:
+    @property
+    def context_length(self) -> int:
+        """The longest sequence (prompt and generated tokens) a request may reach."""
+        return self.llm.model_config.max_model_len
+
+    async def _request(self, prompt_ids: list[int], params, tag: str) -> list[Completion]:
+        """One request on a token prompt; its samples once all are finished."""
         from vllm.inputs.engine import tokens_input
 
-        params = sampling_params(self.cfg, request.n, seed, greedy, max_tokens)
         final = None
-        async for out in self.llm.generate(tokens_input(list(request.prompt_ids)), params, request_id=f"{tag}-{uuid.uuid4().hex[:8]}"):
+        async for out in self.llm.generate(tokens_input(list(prompt_ids)), params, request_id=f"{tag}-{uuid.uuid4().hex[:8]}"):
             final = out
         if final is None or not final.finished:
             raise RuntimeError(f"request {tag} ended without a final output")
         return to_samples(final)
 
+    async def generate_group(
+        self, request: GroupRequest, seed: int | None = None, tag: str = "g", greedy: bool = False, max_tokens: int | None = None
+    ) -> list[Completion]:
+        return await self._request(request.prompt_ids, sampling_params(self.cfg, request.n, seed, greedy, max_tokens), tag)
+
     async def generate(self, requests: list[GroupRequest], greedy: bool = False, max_tokens: int | None = None) -> list[list[Completion]]:
         """The engine interface's batch call, async: all groups in flight at once."""
-        import asyncio
-
         calls = (self.generate_group(r, r.seed, f"b{i}", greedy, max_tokens) for i, r in enumerate(requests))
         return list(await asyncio.gather(*calls))
+
+    async def run_trajectories(
+        self, requests: list[GroupRequest], respond, max_turns: int, max_new_tokens: int | None = None, greedy: bool = False
+    ) -> list[TrajectoryTokens]:
+        """engine.run_trajectories for vLLM: one trajectory per row (G per request, in order), every
+        row in flight at once. `respond(row, turn)` is a coroutine; while one row waits on it, the
+        others decode. A row that fails cancels the rest (their requests are aborted)."""
+        rows = [(request, index) for request in requests for index in range(request.n)]
+        async with asyncio.TaskGroup() as tasks:
+            running = [
+                tasks.create_task(self._trajectory(row, request, index, respond, max_turns, max_new_tokens, greedy))
+                for row, (request, index) in enumerate(rows)
+            ]
+        return [task.result() for task in running]
+
+    async def _trajectory(
+        self, row: int, request: GroupRequest, index: int, respond, max_turns: int, max_new_tokens: int | None, greedy: bool
+    ) -> TrajectoryTokens:
+        """Row `row` (sample `index` of its group), turn after turn: each turn is a request of its own
+        on the prompt and every token so far, exactly as sampled and inserted (never re-tokenised)."""
+        out = TrajectoryTokens([], [], [])
+        tag = uuid.uuid4().hex[:8]
+        for turn_index in range(max_turns):
+            seed = None if request.seed is None else turn_seed(request.seed, index, turn_index)
+            params = sampling_params(self.cfg, 1, seed, greedy, max_new_tokens)
+            (sample,) = await self._request([*request.prompt_ids, *out.token_ids], params, f"t{tag}-{row}-{turn_index}")
+            turn = Turn(sample.token_ids, sample.logprobs, sample.finish_reason)
+            out.add_turn(turn)
+            if out.insert(await respond(row, turn), turn_index + 1 == max_turns) is None:
+                break
+        return out
 
     @property
     def dead(self) -> bool:
@@ -247,7 +290,6 @@ class BlockingVLLMEngine:
     (sync mode, held-out eval): AsyncLLM lives on a private event-loop thread."""
 
     def __init__(self, cfg: TidalConfig, model_dir: str | Path):
-        import asyncio
         import threading
 
         self.loop = asyncio.new_event_loop()
@@ -261,12 +303,18 @@ class BlockingVLLMEngine:
         self.engine = self._call(create())
 
     def _call(self, coro):
-        import asyncio
-
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.context_length
 
     def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Completion]]:
         return self._call(self.engine.generate(requests, greedy, max_new_tokens))
+
+    def run_trajectories(self, requests: list[GroupRequest], respond, max_turns: int, max_new_tokens: int | None = None) -> list[TrajectoryTokens]:
+        """VLLMEngine.run_trajectories, blocking; `respond` runs on the engine's event loop."""
+        return self._call(self.engine.run_trajectories(requests, respond, max_turns, max_new_tokens))
 
     def load_snapshot(self, path: str | Path, version: int | None = None) -> None:
         """Loads a weight-store snapshot (checksums verified); raises CorruptSnapshotError if refused."""

@@ -1,8 +1,8 @@
 """The rollout worker over vLLM's AsyncLLM: continuous batching across groups.
 
-Up to `rollout.max_inflight_groups` groups (one `n=G` request each) are in flight; each group is
-scored, published and acked the moment its last sample finishes, and a freed slot pulls the next
-work item at once. Weights change only at the iteration boundary: a work item of another version
+Up to `rollout.max_inflight_groups` groups (one `n=G` request each; with rollout.env, G trajectories
+of one request per turn each) are in flight; each group is scored, published and acked the moment
+its last sample finishes, and a freed slot pulls the next work item at once. Weights change only at the iteration boundary: a work item of another version
 waits until nothing of the current version is in flight, then the worker loads that version
 (checksums verified inside the engine), drops the prefix cache, records the version and resumes.
 """
@@ -18,11 +18,12 @@ from pathlib import Path
 
 from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
-from tidal.protocol import WorkItem, decode_work_item
+from tidal.protocol import Group, WorkItem, decode_work_item
 from tidal.rewards import RewardScorer
+from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
-from tidal.rollout.worker import build_group, decode_work, snapshot_path, version_to_generate
+from tidal.rollout.worker import build_group, decode_work, model_context, snapshot_path, version_to_generate
 from tidal.transport import Transport, keep_in_progress, weight_handshake
 from tidal.transport.health import WorkerHealth, beat, report_refusal
 
@@ -52,6 +53,7 @@ class VLLMRolloutWorker:
         self.transport = transport
         self.worker_id = worker_id
         self.scorer = scorer or RewardScorer.from_config(cfg.reward)
+        self.agent = AgentLoop.from_config(cfg, tokenizer, model_context(engine)) if cfg.rollout.env is not None else None
         self.score_pool = ThreadPoolExecutor(max_workers=1)  # one scorer, one thread: its error count stays exact
         self.health = WorkerHealth(worker_id)
         self.backoff = 0.0
@@ -125,18 +127,25 @@ class VLLMRolloutWorker:
 
     # --- one group -------------------------------------------------------------------------------
 
-    async def _run_group(self, msg, item: WorkItem) -> None:
-        prompt = self.encode_prompt(item.prompt)
+    async def _generate_group(self, item: WorkItem, version: int) -> Group:
+        """One response per sample; with rollout.env, one trajectory per sample (the agent loop)."""
         seed = group_seed(self.cfg.seed, item.iteration, item.prompt_id) if self.cfg.rollout.deterministic else None
-        version = self.version
+        if self.agent is not None:
+            request = GroupRequest([], self.cfg.rollout.group_size, seed=seed)  # the agent loop renders the prompt
+            (group,) = await self.agent.generate_async(self.engine, [item], [request], self.scorer, version, self.worker_id, self.score_pool)
+            return group
+        prompt = self.encode_prompt(item.prompt)
         gen_start = time.time()
         completions = await self.engine.generate_group(
             GroupRequest(prompt, self.cfg.rollout.group_size), seed, tag=f"{item.iteration}-{item.prompt_id}"
         )
         gen_end = time.time()
-        group = await asyncio.get_running_loop().run_in_executor(
+        return await asyncio.get_running_loop().run_in_executor(
             self.score_pool, build_group, item, prompt, completions, self.tokenizer, self.scorer, version, self.worker_id, gen_start, gen_end
         )
+
+    async def _run_group(self, msg, item: WorkItem) -> None:
+        group = await self._generate_group(item, self.version)
         group.weight_load_seconds, self.load_seconds = self.load_seconds, 0.0
         group.worker_idle_seconds, self.idle_seconds = self.idle_seconds, 0.0
         await self.transport.publish_group(group, answering=msg)

@@ -189,7 +189,10 @@ def generate_group_calls(
 
 
 def model_context(engine) -> int | None:
-    """The longest sequence the engine's model takes, when it says (the HF engine's model config)."""
+    """The longest sequence the engine's model takes, when it says (vLLM's max_model_len, the HF
+    engine's model config)."""
+    if hasattr(engine, "context_length"):
+        return engine.context_length
     model = getattr(engine, "model", None)
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
 

