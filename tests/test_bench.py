@@ -1,6 +1,9 @@
 """`tidal bench`: the benchmarks run from the installed package and write their figures."""
 
 import json
+from pathlib import Path
+
+import pytest
 
 from tests.conftest import run_cli
 
@@ -42,14 +45,14 @@ def test_an_unknown_benchmark_is_named():
     assert proc.returncode == 2 and "invalid choice: 'fastest'" in proc.stderr
 
 
-def test_modes_benchmark_leaves_the_warmup_iterations_out():
-    import pytest
-
+def test_modes_benchmark_times_the_loop_end_to_end_and_leaves_the_warmup_iterations_out():
     from tidal.bench.modes import steady_state
 
-    def it(seconds, tokens):
+    def it(seconds, end, tokens):
         return {
-            "iteration_seconds": seconds,
+            "iteration_seconds": seconds,  # the trainer's own timer: only the first iteration's counts
+            "wall_time": end,
+            "samples": 8.0,
             "generate_seconds": 1.0,
             "train_seconds": 1.0,
             "sync_seconds": 0.1,
@@ -57,13 +60,51 @@ def test_modes_benchmark_leaves_the_warmup_iterations_out():
             "generated_tokens": tokens,
         }
 
-    metrics = [it(30.0, 100), it(2.0, 100), it(4.0, 300)]  # iteration 0 waited for an engine to start
+    metrics = [it(30.0, 1030.0, 100), it(2.5, 1032.0, 100), it(4.5, 1036.0, 300)]  # iteration 0 waited for an engine to start
     figures = steady_state(metrics, warmup=1)
-    assert figures["iteration_seconds_mean"] == 3.0 and figures["idle_seconds_mean"] == 1.0
-    assert figures["generated_tokens_per_s"] == 400 / 6.0 and figures["iterations_measured"] == 2
-    assert steady_state(metrics, warmup=0)["iteration_seconds_mean"] == 12.0
-    with pytest.raises(SystemExit, match="must exceed --warmup"):
+    assert figures["step_seconds"] == [30.0, 2.0, 4.0] and figures["seconds_per_iteration"] == 3.0 and figures["idle_seconds_mean"] == 1.5
+    assert figures["generated_tokens_per_s"] == 400 / 6.0 and figures["samples_per_s"] == 16 / 6.0 and figures["iterations_measured"] == 2
+    assert steady_state(metrics, warmup=0)["seconds_per_iteration"] == 12.0
+    with pytest.raises(SystemExit, match="no iteration left to measure"):
         steady_state(metrics, warmup=3)
+
+
+def test_the_modes_and_trl_benchmarks_time_a_run_and_compare_modes_by_one_function(tmp_path):
+    """The same recorded sync and periodic runs (metrics.jsonl of two 12-iteration runs of the example)
+    read by `tidal bench modes` and by `tidal bench trl` give the same seconds per iteration, samples/s
+    and periodic/sync ratio, all from tidal.bench.timing: the wall time between iteration ends, not the
+    trainer's overlapping per-iteration timers."""
+    from tidal.bench import modes, timing, versus_trl
+    from tidal.rundir import RunDir
+
+    recorded = json.loads((Path(__file__).parent / "data" / "bench_runs.json").read_text())
+    assert modes.speedup is versus_trl.speedup is timing.speedup
+    assert modes.run_timing is timing.run_timing and versus_trl.iteration_wall_seconds is timing.iteration_wall_seconds
+    warmup, by_modes, by_trl = 2, {}, {}
+    for name, metrics in recorded.items():
+        run = RunDir(tmp_path / name)
+        run.root.mkdir()
+        for m in metrics:
+            run.metrics.append(m)
+        run.summary.write_text(json.dumps({"accuracy_before": None}))
+        by_modes[name] = modes.run_figures(run, warmup)
+        samples = int(metrics[0]["samples"])
+        by_trl[name] = versus_trl.summarize_run(versus_trl.tidal_raw(run.metrics.read()), warmup, samples)
+        for key in ("seconds_per_iteration", "samples_per_s", "step_seconds"):
+            assert by_modes[name][key] == by_trl[name][key], (name, key)
+        ends = [m["wall_time"] for m in metrics]
+        assert by_modes[name]["seconds_per_iteration"] == pytest.approx((ends[-1] - ends[warmup - 1]) / (len(ends) - warmup))
+    rep = {"samples_per_step": samples, "results": by_trl}
+    ratio = versus_trl.ratio_table([rep], ["sync", "periodic"])["periodic"]["vs_sync"]
+    assert (
+        ratio
+        == timing.speedup(by_modes["sync"], by_modes["periodic"])
+        == pytest.approx(by_modes["sync"]["seconds_per_iteration"] / by_modes["periodic"]["seconds_per_iteration"])
+    )
+    # the trainer's timers overlap (iteration v+1's starts inside v's boundary): their mean is not the wall time
+    for name, metrics in recorded.items():
+        timers = sum(m["iteration_seconds"] for m in metrics[warmup:]) / (len(metrics) - warmup)
+        assert timers > by_modes[name]["seconds_per_iteration"], name
 
 
 def test_tidal_bench_trainer_shows_fsdp2_halving_memory_per_rank(tmp_path):

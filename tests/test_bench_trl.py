@@ -16,12 +16,10 @@ from tidal.bench.versus_trl import (
     SettingsMismatch,
     check_settings,
     gradient_check,
-    median_after,
     prompt_rows,
     ratio_table,
     rep_orders,
     summarize_run,
-    tidal_step_seconds,
     trl_reward_functions,
     trl_settings,
 )
@@ -194,31 +192,27 @@ def test_the_gradient_check_catches_a_wrong_mapping(graded, tmp_path, wrong, why
 
 
 def test_step_seconds_run_end_to_end_and_the_warmup_is_left_out():
-    metrics = [
-        {"iteration_seconds": 9.0, "wall_time": 100.0},
-        {"iteration_seconds": 1.0, "wall_time": 101.5},
-        {"iteration_seconds": 1.0, "wall_time": 104.0},
-    ]
-    assert tidal_step_seconds(metrics) == [9.0, 1.5, 2.5]  # the logging between iterations counts
-    assert median_after([9.0, 1.5, 2.5, 2.0], 1) == 2.0
-    with pytest.raises(SystemExit, match="must exceed --warmup"):
-        median_after([1.0], 1)
     raw = {"step_seconds": [9.0, 2.0, 2.0], "generate_seconds": [5.0, 1.0, 1.0], "reward_mean": [0.1, 0.2, 0.4], "samples": [16.0] * 3}
     s = summarize_run(raw, 1, 16)
-    assert s["seconds_per_step"] == 2.0 and s["samples_per_s"] == 8.0 and s["reward_mean_measured"] == pytest.approx(0.3)
+    assert s["seconds_per_iteration"] == 2.0 and s["samples_per_s"] == 8.0 and s["reward_mean_measured"] == pytest.approx(0.3)
+    assert s["generate_seconds_mean"] == 1.0 and s["iterations_measured"] == 2
     with pytest.raises(SystemExit, match="not 32"):
         summarize_run(raw, 1, 32)
+    with pytest.raises(SystemExit, match="no iteration left to measure"):
+        summarize_run(raw, 3, 16)
 
 
-def test_repetitions_alternate_the_order_and_ratios_are_against_trl():
+def test_repetitions_alternate_the_order_and_ratios_are_against_trl_and_sync():
     assert rep_orders(["trl", "sync", "periodic"], 3) == [["trl", "sync", "periodic"], ["periodic", "sync", "trl"], ["trl", "sync", "periodic"]]
 
-    def rep(trl_s, sync_s):
-        return {"samples_per_step": 100, "results": {"trl": {"seconds_per_step": trl_s}, "sync": {"seconds_per_step": sync_s}}}
+    def rep(trl_s, sync_s, periodic_s):
+        seconds = {"trl": trl_s, "sync": sync_s, "periodic": periodic_s}
+        return {"samples_per_step": 100, "results": {name: {"seconds_per_iteration": s} for name, s in seconds.items()}}
 
-    table = ratio_table([rep(1.0, 0.5), rep(2.0, 1.0), rep(1.0, 2.0)], ["trl", "sync"])
+    table = ratio_table([rep(1.0, 0.5, 0.5), rep(2.0, 1.0, 0.5), rep(1.0, 2.0, 1.0)], ["trl", "sync", "periodic"])
     assert table["trl"]["vs_trl"] == 1.0 and table["trl"]["samples_per_s"] == 100.0
     assert table["sync"]["vs_trl_per_rep"] == [2.0, 2.0, 0.5] and table["sync"]["seconds_per_step_median"] == 1.0 and table["sync"]["vs_trl"] == 1.0
+    assert table["periodic"]["vs_sync_per_rep"] == [1.0, 2.0, 2.0] and table["periodic"]["vs_sync"] == 2.0 and table["sync"]["vs_sync"] == 1.0
 
 
 def test_tidal_bench_trl_runs_trl_and_tidal_side_by_side(write_config, tmp_path):
@@ -230,12 +224,15 @@ def test_tidal_bench_trl_runs_trl_and_tidal_side_by_side(write_config, tmp_path)
     figures = json.loads(out.read_text())
     assert figures["gradient_check"]["max_relative_grad_diff"] < 2e-3
     summary = figures["summary"]
-    assert list(summary) == ["trl", "sync", "periodic"] and summary["trl"]["vs_trl"] == 1.0
+    assert list(summary) == ["trl", "sync", "periodic"] and summary["trl"]["vs_trl"] == 1.0 and summary["sync"]["vs_sync"] == 1.0
     (rep,) = figures["repetitions"]
     assert rep["order"] == ["trl", "sync", "periodic"]
     for name, result in rep["results"].items():
-        assert len(result["step_seconds"]) == 2 and result["seconds_per_step"] == result["step_seconds"][1] > 0, name
-        assert result["samples"] == [24.0, 24.0] and summary[name]["vs_trl"] == summary["trl"]["seconds_per_step_median"] / result["seconds_per_step"]
+        assert len(result["step_seconds"]) == 2 and result["seconds_per_iteration"] == result["step_seconds"][1] > 0, name
+        assert (
+            result["samples"] == [24.0, 24.0]
+            and summary[name]["vs_trl"] == summary["trl"]["seconds_per_step_median"] / result["seconds_per_iteration"]
+        )
     assert "| periodic |" in proc.stdout and "samples/s vs TRL" in proc.stdout
 
     from mlflow.tracking import MlflowClient

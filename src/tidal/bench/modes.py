@@ -1,16 +1,21 @@
 """sync vs periodic vs bounded (k = 1, 2) on the same config and machine: seconds per iteration
 and held-out accuracy after the same number of iterations, so the price of strict on-policy is measured.
 
-    tidal bench modes [--config examples/arithmetic.yaml] [--iterations 10] [--warmup 1] [--systems sync,periodic,bounded-k1,bounded-k2]
+    tidal bench modes [--config examples/arithmetic.yaml] [--iterations 20] [--warmup 2] [--systems sync,periodic,bounded-k1,bounded-k2]
                       [--no-eval] [--set k=v ...] [--json out.json] [--tracking-uri URI] [--experiment NAME]
     (or: python benchmarks/modes.py ...)
 
 Runs `tidal run` once per system (same seed, same warm start) and prints, from each run's
-metrics.jsonl, the mean split (generate / train / weight-sync / idle), the mean staleness and the
-ratio of sync's mean iteration time to each system's (> 1: faster than sync), and from its
-summary.json the held-out accuracy (greedy and sampled) after the run. The first `--warmup`
-iterations are left out of the timings: in periodic mode the trainer's first iteration waits for
-the rollout workers to start (a vLLM engine takes tens of seconds), which sync mode does before its loop.
+metrics.jsonl, seconds per iteration as `tidal bench trl` times it (tidal.bench.timing: the wall time
+between the ends of consecutive iterations, the mean after the first `--warmup` ones), the mean split
+(generate / train / weight-sync / idle), the mean staleness and the ratio of sync's seconds per
+iteration to each system's (> 1: faster than sync), and from its summary.json the held-out accuracy
+(greedy and sampled) before and after the run. The held-out evaluations run before and after the
+loop, never beside it: the runs are made with `eval.every` off, since a curve process evaluating
+version 0 while the first iterations run would take a core from them (a one-off cost that a long
+run spreads thin, and a short benchmark run does not). The first `--warmup` iterations are left out
+of the timings: in periodic mode the trainer's first iteration waits for the rollout workers to start
+(a vLLM engine takes tens of seconds), which sync mode does before its loop.
 
 Every system's run is logged to one MLflow experiment (`--experiment`, default tidal-bench-modes) in
 one store (`--tracking-uri`, default $MLFLOW_TRACKING_URI, else runs/bench-modes/mlflow.db), tagged
@@ -29,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tidal.bench.timing import run_timing, speedup
 from tidal.rundir import RunDir
 
 SYSTEMS = {  # name -> config overrides
@@ -38,8 +44,7 @@ SYSTEMS = {  # name -> config overrides
     "bounded-k2": ["mode=bounded", "rollout.max_staleness=2"],
 }
 
-SPLIT = {  # figure -> the per-iteration metric it is the mean of
-    "iteration_seconds_mean": "iteration_seconds",
+SPLIT = {  # figure -> the per-iteration metric it is the mean of (the trainer's own timers: where the time goes)
     "generate_seconds_mean": "generate_seconds",
     "train_seconds_mean": "train_seconds",
     "sync_seconds_mean": "sync_seconds",
@@ -48,13 +53,12 @@ SPLIT = {  # figure -> the per-iteration metric it is the mean of
 
 
 def steady_state(metrics: list[dict], warmup: int) -> dict:
-    """Means of the split over the iterations after the warm-up ones, and generated tokens/s."""
+    """Over the iterations after the warm-up ones: seconds per iteration and samples/s (run_timing,
+    the figures `tidal bench trl` reports), the mean split, and generated tokens/s."""
+    figures = run_timing(metrics, warmup)
     kept = metrics[warmup:]
-    if not kept:
-        raise SystemExit(f"--iterations must exceed --warmup ({warmup}): no iteration left to measure")
-    figures = {name: sum(m[key] for m in kept) / len(kept) for name, key in SPLIT.items()}
-    figures["generated_tokens_per_s"] = sum(m["generated_tokens"] for m in kept) / sum(m["iteration_seconds"] for m in kept)
-    figures["iterations_measured"] = len(kept)
+    figures.update({name: sum(m[key] for m in kept) / len(kept) for name, key in SPLIT.items()})
+    figures["generated_tokens_per_s"] = sum(m["generated_tokens"] for m in kept) / (figures["seconds_per_iteration"] * len(kept))
     return figures
 
 
@@ -64,7 +68,8 @@ def run_system(
     run_dir = workdir / name
     cmd = [sys.executable, "-m", "tidal.cli", "run", config, "--run-dir", str(run_dir), "--no-progress"]
     logged = [f"tracking.uri={tracking['uri']}", f"tracking.experiment={tracking['experiment']}"] if tracking else []
-    for o in [*SYSTEMS[name], f"trainer.iterations={iterations}", f"eval.enabled={str(evaluate).lower()}", *logged, *overrides]:
+    timed = [f"trainer.iterations={iterations}", f"eval.enabled={str(evaluate).lower()}", "eval.every=null"]  # no eval beside the loop
+    for o in [*SYSTEMS[name], *timed, *logged, *overrides]:
         cmd += ["--set", o]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -74,7 +79,11 @@ def run_system(
 
         info = RunDir(run_dir).info()
         set_tags(info.tracking_uri, info.mlflow_run_id, {"system": name, "bench": "modes", "bench.invocation": tracking["invocation"]})
-    run = RunDir(run_dir)
+    return run_figures(RunDir(run_dir), warmup)
+
+
+def run_figures(run: RunDir, warmup: int) -> dict:
+    """A finished run's figures: `steady_state` of its metrics.jsonl, its mean staleness and held-out accuracy."""
     metrics = run.metrics.read()
     summary = json.loads(run.summary.read_text())
     figures = steady_state(metrics, warmup)
@@ -91,8 +100,8 @@ def percent(x: float | None) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="tidal bench modes", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="examples/arithmetic.yaml")
-    ap.add_argument("--iterations", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=1, help="leading iterations left out of the timings")
+    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2, help="leading iterations left out of the timings")
     ap.add_argument("--systems", default="sync,periodic,bounded-k1,bounded-k2", help=f"comma-separated, from {list(SYSTEMS)}")
     ap.add_argument("--no-eval", dest="evaluate", action="store_false", help="timings only: no held-out accuracy")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
@@ -117,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in systems:
             results[name] = r = run_system(name, args.config, args.iterations, args.warmup, args.evaluate, args.overrides, Path(tmp), tracking)
             print(
-                f"{name:11s} {r['iteration_seconds_mean']:.3f} s/iteration = generate {r['generate_seconds_mean']:.3f} | "
+                f"{name:11s} {r['seconds_per_iteration']:.3f} s/iteration (median {r['seconds_per_iteration_median']:.3f}), "
+                f"{r['samples_per_s']:.0f} samples/s; split: generate {r['generate_seconds_mean']:.3f} | "
                 f"train {r['train_seconds_mean']:.3f} | weight-sync {r['sync_seconds_mean']:.3f} | idle {r['idle_seconds_mean']:.3f}; "
                 f"staleness {r['staleness_mean']:.2f}; held-out greedy {percent(r['accuracy_before'])} -> {percent(r['accuracy_after'])}, "
                 f"sampled {percent(r['sampled_accuracy_before'])} -> {percent(r['sampled_accuracy_after'])}",
@@ -125,9 +135,9 @@ def main(argv: list[str] | None = None) -> None:
             )
     baseline = results.get("sync") or results[systems[0]]
     base_name = "sync" if "sync" in results else systems[0]
-    speedups = {name: baseline["iteration_seconds_mean"] / r["iteration_seconds_mean"] for name, r in results.items()}
+    speedups = {name: speedup(baseline, r) for name, r in results.items()}
     for name, ratio in speedups.items():
-        print(f"speedup vs {base_name} ({base_name} iteration time / {name}'s): {name} {ratio:.2f}x")
+        print(f"speedup vs {base_name} ({base_name} seconds per iteration / {name}'s): {name} {ratio:.2f}x")
     print(f"MLflow: the runs side by side: tidal ui --tracking-uri {uri} --experiment {args.experiment}", flush=True)
     if args.json_path:
         Path(args.json_path).write_text(

@@ -28,11 +28,15 @@ parameter's gradient; above `--grad-tolerance` the benchmark fails. The one know
 std epsilon (1e-4 against Tidal's 1e-6) in the advantage; the same comparison with Tidal's advantages
 fed to TRL's loss isolates the loss itself (`--loss-tolerance`).
 
-Timing: each system runs in its own process with every core; a step's seconds are the wall time between
+Timing (tidal.bench.timing, the same function `tidal bench modes` uses): each system runs in its own
+process with every core, Tidal's as `tidal run` with eval off; a step's seconds are the wall time between
 the ends of consecutive steps (generation, rewards, training, optimizer step, Tidal's snapshot and
-checkpoint, and each system's per-step MLflow logging), the median after `--warmup` steps. Samples/s is
-prompts_per_iteration x G over that median. `--reps` repetitions alternate the order of the systems
-(rep 1 as given, rep 2 reversed, ...). Every run is logged to one MLflow experiment tagged `system`.
+checkpoint, and each system's per-step MLflow logging), and a run's seconds per step is their mean
+after `--warmup` steps (the measured steps' wall time over their count: what a user waits per step).
+Samples/s is the samples trained in those steps over their wall time. `--reps` repetitions alternate
+the order of the systems (rep 1 as given, rep 2 reversed, ...); the table shows each rep and the
+median over the reps, and periodic over sync per rep, as `tidal bench modes` computes it. Every run is
+logged to one MLflow experiment tagged `system`.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tidal.bench.timing import iteration_wall_seconds, speedup, steady_timing
 from tidal.config import ConfigError, TidalConfig, dump_config, load_config
 from tidal.rundir import RunDir
 
@@ -463,21 +468,6 @@ def _trl_version() -> str:
 # --- the timed runs, each in its own process ---------------------------------------------------
 
 
-def median_after(values: list[float], warmup: int) -> float:
-    kept = values[warmup:]
-    if not kept:
-        raise SystemExit(f"--steps must exceed --warmup ({warmup}): no step left to measure")
-    return float(statistics.median(kept))
-
-
-def tidal_step_seconds(metrics: list[dict]) -> list[float]:
-    """Wall seconds per iteration: between the ends of consecutive iterations (so the trainer's
-    per-iteration MLflow logging and records count), the first one from its own timer."""
-    out = [float(metrics[0]["iteration_seconds"])]
-    out += [float(b["wall_time"] - a["wall_time"]) for a, b in zip(metrics, metrics[1:])]
-    return out
-
-
 def run_tidal(system: str, config_path: Path, steps: int, workdir: Path, tracking: dict) -> dict:
     run_dir = workdir / system
     overrides = [
@@ -498,14 +488,17 @@ def run_tidal(system: str, config_path: Path, steps: int, workdir: Path, trackin
 
     info = RunDir(run_dir).info()
     set_tags(info.tracking_uri, info.mlflow_run_id, {"system": system, "bench": "trl", "bench.invocation": tracking["invocation"]})
-    metrics = RunDir(run_dir).metrics.read()
+    return {**tidal_raw(RunDir(run_dir).metrics.read()), "mlflow_run_id": info.mlflow_run_id}
+
+
+def tidal_raw(metrics: list[dict]) -> dict:
+    """A Tidal run's per-step lists (as the TRL child writes its own), from its metrics.jsonl lines."""
     return {
-        "step_seconds": tidal_step_seconds(metrics),
+        "step_seconds": iteration_wall_seconds(metrics),
         "generate_seconds": [float(m["generate_seconds"]) for m in metrics],
         "train_seconds": [float(m["train_seconds"]) for m in metrics],
         "reward_mean": [float(m["reward_mean"]) for m in metrics],
         "samples": [float(m["samples"]) for m in metrics],
-        "mlflow_run_id": info.mlflow_run_id,
     }
 
 
@@ -654,18 +647,16 @@ def trl_child(argv: list[str]) -> None:
 
 
 def summarize_run(raw: dict, warmup: int, samples_per_step: int) -> dict:
-    s = median_after(raw["step_seconds"], warmup)
-    kept = [r for r in raw["reward_mean"][warmup:] if not math.isnan(r)]
-    out = {
-        **raw,  # the per-step lists
-        "seconds_per_step": s,
-        "samples_per_s": samples_per_step / s,
-        "generate_seconds_median": median_after(raw["generate_seconds"], warmup),
-        "reward_mean_measured": statistics.fmean(kept) if kept else None,
-    }
+    """A run's figures from its per-step lists: `steady_timing`, as `tidal bench modes` reports them."""
     if any(n != samples_per_step for n in raw["samples"]):
         raise SystemExit(f"tidal bench trl: a step trained {raw['samples']} samples, not {samples_per_step}")
-    return out
+    kept = [r for r in raw["reward_mean"][warmup:] if not math.isnan(r)]
+    return {
+        **raw,  # the per-step lists
+        **steady_timing(raw["step_seconds"], raw["samples"], warmup),
+        "generate_seconds_mean": statistics.fmean(raw["generate_seconds"][warmup:]),
+        "reward_mean_measured": statistics.fmean(kept) if kept else None,
+    }
 
 
 def rep_orders(systems: list[str], reps: int) -> list[list[str]]:
@@ -674,27 +665,37 @@ def rep_orders(systems: list[str], reps: int) -> list[list[str]]:
 
 
 def ratio_table(reps: list[dict], systems: list[str]) -> dict[str, dict]:
-    """Per system: seconds per step per rep, their median, samples/s, and samples/s over TRL's (per rep and overall)."""
+    """Per system: seconds per step per rep, their median, samples/s, samples/s over TRL's (per rep and
+    overall) and, with sync among the systems, over sync's (per rep: `speedup`, as `tidal bench modes`)."""
     out = {}
+
+    def median(name: str) -> float:
+        return float(statistics.median(rep["results"][name]["seconds_per_iteration"] for rep in reps))
+
     for name in systems:
-        per_rep = [rep["results"][name]["seconds_per_step"] for rep in reps]
-        median = float(statistics.median(per_rep))
-        row = {"seconds_per_step_per_rep": per_rep, "seconds_per_step_median": median, "samples_per_s": reps[0]["samples_per_step"] / median}
-        if "trl" in systems:
-            row["vs_trl_per_rep"] = [rep["results"]["trl"]["seconds_per_step"] / s for rep, s in zip(reps, per_rep)]
-            trl_median = float(statistics.median(rep["results"]["trl"]["seconds_per_step"] for rep in reps))
-            row["vs_trl"] = trl_median / median
+        per_rep = [rep["results"][name]["seconds_per_iteration"] for rep in reps]
+        row = {
+            "seconds_per_step_per_rep": per_rep,
+            "seconds_per_step_median": median(name),
+            "samples_per_s": reps[0]["samples_per_step"] / median(name),
+        }
+        for base in ("trl", "sync"):
+            if base in systems:
+                row[f"vs_{base}_per_rep"] = [speedup(rep["results"][base], rep["results"][name]) for rep in reps]
+                row[f"vs_{base}"] = median(base) / median(name)
         out[name] = row
     return out
 
 
 def format_table(summary: dict[str, dict], reps: int) -> str:
-    head = ["system", *[f"rep {r + 1} s/step" for r in range(reps)], "median s/step", "samples/s", "samples/s vs TRL (per rep)"]
+    head = ["system", *[f"rep {r + 1} s/step" for r in range(reps)], "median s/step", "samples/s", "samples/s vs TRL (per rep)", "vs sync (per rep)"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for name, row in summary.items():
         vs = " / ".join(f"{x:.2f}" for x in row.get("vs_trl_per_rep", []))
         cells = [name, *[f"{s:.3f}" for s in row["seconds_per_step_per_rep"]], f"{row['seconds_per_step_median']:.3f}", f"{row['samples_per_s']:.0f}"]
         cells.append(f"{row['vs_trl']:.2f} ({vs})" if "vs_trl" in row else "n/a")
+        vs_sync = " / ".join(f"{x:.2f}" for x in row.get("vs_sync_per_rep", []))
+        cells.append(f"{row['vs_sync']:.2f} ({vs_sync})" if "vs_sync" in row else "n/a")
         lines.append(" | ".join(cells))
     return "\n".join(f"| {line} |" for line in lines)
 
@@ -706,7 +707,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="tidal bench trl", description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default="examples/arithmetic.yaml")
     ap.add_argument("--steps", type=int, default=20, help="optimizer steps (= iterations) per system and repetition")
-    ap.add_argument("--warmup", type=int, default=2, help="leading steps left out of the medians (at least 1)")
+    ap.add_argument("--warmup", type=int, default=2, help="leading steps left out of the timings (at least 1)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions; the order of the systems alternates")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {list(SYSTEMS)}")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override, for every system")
@@ -740,7 +741,7 @@ def main(argv: list[str] | None = None) -> None:
         uri = f"sqlite:///{store / 'mlflow.db'}"
     invocation = time.strftime("%Y%m%d-%H%M%S")
     print(
-        f"tidal bench trl: {args.config}, {args.steps} steps per run (medians after {args.warmup} warm-up), "
+        f"tidal bench trl: {args.config}, {args.steps} steps per run (means after {args.warmup} warm-up), "
         f"{cfg.trainer.prompts_per_iteration} prompts x G {cfg.rollout.group_size} = {samples_per_step} samples per step, {args.reps} repetition(s); "
         f"TRL {version}: loss_type {kwargs['loss_type']}, scale_rewards {kwargs['scale_rewards']}, importance_sampling_level "
         f"{kwargs['importance_sampling_level']}, beta 0, epsilon {kwargs['epsilon']}/{kwargs['epsilon_high']}, lr {kwargs['learning_rate']}, "
@@ -777,7 +778,8 @@ def main(argv: list[str] | None = None) -> None:
                 results[name] = summarize_run(raw, args.warmup, samples_per_step)
                 res = results[name]
                 print(
-                    f"rep {r + 1} {name:8s} {res['seconds_per_step']:.3f} s/step (generate {res['generate_seconds_median']:.3f}), "
+                    f"rep {r + 1} {name:8s} {res['seconds_per_iteration']:.3f} s/step (median {res['seconds_per_iteration_median']:.3f}, "
+                    f"generate {res['generate_seconds_mean']:.3f}), "
                     f"{res['samples_per_s']:.0f} samples/s, mean reward {res['reward_mean_measured']:.3f}",
                     flush=True,
                 )
