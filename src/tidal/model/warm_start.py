@@ -167,7 +167,10 @@ def tool_use_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem],
     from tidal.model.tool_traces import make_traces, trace_batcher
     from tidal.rollout.agent import AgentLoop
 
+    from tidal.model.tiny import TOOL_CHAT_TEMPLATE
+
     ws = cfg.model.warm_start
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE  # saved with the model: TRL, vLLM and an exported model render the same turns
     loop = AgentLoop.from_config(cfg, tokenizer)
     try:
         traces = make_traces(loop, pool, ws.tool_use, ws.tool_mistakes, cfg.seed)
