@@ -47,6 +47,7 @@ class WarmStartConfig(_Strict):
     tool_use: float = Field(0.4, ge=0, le=1)
     tool_mistakes: float = Field(0.3, ge=0, le=1)
     cache_dir: str | None = None  # default: $TIDAL_CACHE or ~/.cache/tidal
+    seed: int | None = None  # None: the run's seed; a number: runs of any seed share this warm start
 
 
 class ModelConfig(_Strict):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from tidal.config import TidalConfig
-from tidal.data import Dataset, Problem, arithmetic_completion, prompt_encoder
+from tidal.data import Dataset, Problem, arithmetic_completion, load_dataset, prompt_encoder
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,13 @@ def cache_root(cfg: TidalConfig) -> Path:
     return Path(root)
 
 
+def warm_start_seed(cfg: TidalConfig) -> int:
+    """model.warm_start.seed, else the run's: runs of several seeds may share one warm start, so
+    that they differ only in RL."""
+    ws_seed = cfg.model.warm_start.seed
+    return cfg.seed if ws_seed is None else ws_seed
+
+
 def warm_start_key(cfg: TidalConfig) -> str:
     """Everything the warm-started weights depend on, hashed."""
     spec = {
@@ -33,7 +40,7 @@ def warm_start_key(cfg: TidalConfig) -> str:
         "tiny": cfg.model.tiny.model_dump(mode="json"),
         "warm_start": cfg.model.warm_start.model_dump(mode="json", exclude={"cache_dir"}),
         "data": cfg.data.model_dump(mode="json", exclude={"num_eval", "eval_path"}),
-        "seed": cfg.seed,
+        "seed": warm_start_seed(cfg),
     }
     if plays_tool_traces(cfg):  # the traces are played through the environment and its template
         spec["agent"] = cfg.rollout.model_dump(mode="json", include={"env", "tools", "tool_parser", "max_turns", "max_env_tokens_per_turn"})
@@ -150,7 +157,7 @@ def answer_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem], p
     probe = greedy_probe(model, tokenizer, pool[: ws.probe_prompts], cfg.rollout.max_new_tokens, encode) if ws.stop_at_accuracy else None
     batch = answer_batcher(tokenizer, pool, encode)
     return supervised_warm_start(
-        model, batch, len(pool), ws.steps, ws.batch_size, ws.lr, cfg.seed, progress, probe, ws.probe_every, ws.stop_at_accuracy
+        model, batch, len(pool), ws.steps, ws.batch_size, ws.lr, warm_start_seed(cfg), progress, probe, ws.probe_every, ws.stop_at_accuracy
     )
 
 
@@ -173,13 +180,13 @@ def tool_use_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem],
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE  # saved with the model: TRL, vLLM and an exported model render the same turns
     loop = AgentLoop.from_config(cfg, tokenizer)
     try:
-        traces = make_traces(loop, pool, ws.tool_use, ws.tool_mistakes, cfg.seed)
+        traces = make_traces(loop, pool, ws.tool_use, ws.tool_mistakes, warm_start_seed(cfg))
     finally:
         loop.close()
     kinds = {k: sum(t.kind == k for t in traces) for k in sorted({t.kind for t in traces})}
     log.info("warm start on %d tool-use traces: %s", len(traces), kinds)
     return supervised_warm_start(
-        model, trace_batcher(traces, tokenizer.pad_token_id), len(traces), ws.steps, ws.batch_size, ws.lr, cfg.seed, progress
+        model, trace_batcher(traces, tokenizer.pad_token_id), len(traces), ws.steps, ws.batch_size, ws.lr, warm_start_seed(cfg), progress
     )
 
 
@@ -192,7 +199,10 @@ def prepare_base_model(cfg: TidalConfig, dataset: Dataset, progress=None) -> Pat
     target = cache_root(cfg) / "warm-start" / warm_start_key(cfg)
     if (target / "config.json").is_file():
         return target
-    torch.manual_seed(cfg.seed)
+    seed = warm_start_seed(cfg)
+    if seed != cfg.seed:
+        dataset = load_dataset(cfg.data, seed)  # the warm start's own problems, the same for every run seed
+    torch.manual_seed(seed)
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(cfg.model.tiny, tokenizer)
     if cfg.model.warm_start.enabled and cfg.model.warm_start.steps:
