@@ -190,3 +190,13 @@ def eos_prone(model, tok, eos_logit: float):
         head.bias[tok.eos_token_id] = eos_logit
     model.lm_head = head
     return model
+
+
+def mask_runs(mask) -> list[tuple[int, int, int]]:
+    """(value, start, end) of each run of equal values in a loss mask."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((int(mask[start]), start, i))
+            start = i
+    return out

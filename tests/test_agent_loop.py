@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import eos_prone
+from tests.conftest import mask_runs as runs
 from tidal.config import TrainerConfig, config_from_dict
 from tidal.envs import Environment, Trajectory
 from tidal.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
@@ -78,16 +79,6 @@ def agent_config(env: str, **rollout):
 
 def items():
     return [WorkItem(0, 0, "12+34=", "46"), WorkItem(0, 1, "5-7=", "-2")]
-
-
-def runs(mask: np.ndarray) -> list[tuple[int, int, int]]:
-    """(value, start, end) of each run of equal mask values."""
-    out, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            out.append((int(mask[start]), start, i))
-            start = i
-    return out
 
 
 def test_trajectory_groups_are_the_sampled_tokens_and_the_templates_rendering_of_each_observation():

@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 
+from tests.conftest import mask_runs as runs
 from tests.conftest import read_jsonl, run_cli
 from tidal.algo import token_logprobs_from_logits
 from tidal.config import config_from_dict
@@ -131,16 +132,6 @@ def items() -> list[WorkItem]:
 
 def requests(cfg, seed: int) -> list[GroupRequest]:
     return [GroupRequest([], G, seed=group_seed(seed, it.iteration, it.prompt_id)) for it in items()]
-
-
-def runs(mask: np.ndarray) -> list[tuple[int, int, int]]:
-    """(value, start, end) of each run of equal mask values."""
-    out, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            out.append((int(mask[start]), start, i))
-            start = i
-    return out
 
 
 def recording(engine) -> list[tuple[list[int], object]]:
