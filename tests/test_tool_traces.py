@@ -18,7 +18,7 @@ from tidal.model.tool_traces import TRACE_KINDS, make_traces, mistype, play_trac
 from tidal.model.warm_start import batch_loss, plays_tool_traces, warm_start_key
 from tidal.protocol import tool_use_rates
 from tidal.rollout.agent import AgentLoop
-from tidal.summary import agent_before_after, agent_lines
+from tidal.summary import agent_before_after, agent_lines, agent_training
 
 
 def calculator_config(**overrides):
@@ -161,6 +161,16 @@ def test_the_end_of_run_table_shows_tool_use_before_and_after():
     summary = agent_before_after(before, after)
     assert summary["tool_use_rate_before"] == 0.0 and summary["sampled_tool_success_rate_after"] == 0.93
     lines = agent_lines(summary)
-    assert "calls the tool 0.0% -> 100.0%, calls that work n/a -> 95.0%  (greedy)" in lines[0]
+    assert "calls the tool 0.0% -> 100.0%, calls that work n/a -> 95.0%  (greedy, held out)" in lines[0]
     assert "35.0% -> 97.0%" in lines[1] and "70.0% -> 93.0%" in lines[1]
     assert agent_lines(agent_before_after({"accuracy": 0.1}, {"accuracy": 0.2})) == []
+
+
+def test_the_table_shows_how_the_trajectories_changed_over_training():
+    keys = ("agent_turns_mean", "agent_tool_calls_mean", "agent_tool_error_rate", "agent_env_seconds", "agent_masked_token_fraction")
+    history = [dict(zip(keys, (1.0 + i / 10, i / 20, 0.5 - i / 40, 0.1, 0.4)), agent_trajectory_length_p90=100 + i) for i in range(20)]
+    summary = agent_training(history)
+    assert summary["agent_turns"] == pytest.approx((1.05, 2.85)) and summary["agent_trajectory_length_p90_max"] == 119
+    line = agent_lines(summary)[0]
+    assert "turns 1.05 -> 2.85" in line and "tool errors 48.8% -> 3.8%" in line and "40.0% of tokens inserted" in line
+    assert agent_training([{"samples": 8}]) == {}

@@ -81,6 +81,7 @@ def summarize(
         "logprob_mismatch_mean": mean("logprob_mismatch"),
         "logprob_mismatch_max": max((m.get("logprob_mismatch", 0.0) for m in history), default=0.0),
         "groups_filtered": int(sum(m.get("groups_filtered", 0) for m in history)),
+        **agent_training(history),
         "final_weights": str(final_weights),
         "mlflow_run_id": info.mlflow_run_id,
         "tracking_uri": info.tracking_uri,
@@ -109,16 +110,42 @@ def agent_before_after(before: dict | None, after: dict | None) -> dict:
     return {f"{k}_{when}": scores[k] for k in keys if k in before and k in after for when, scores in (("before", before), ("after", after))}
 
 
+def agent_training(history: list[dict]) -> dict:
+    """The trajectories' shape over the run (rollout.env): first and last tenth of the iterations."""
+    agent = [m for m in history if "agent_turns_mean" in m]
+    if not agent:
+        return {}
+    tenth = max(1, len(agent) // 10)
+
+    def early_late(key: str) -> tuple[float, float]:
+        return mean_of(agent[:tenth], key), mean_of(agent[-tenth:], key)
+
+    return {
+        "agent_turns": early_late("agent_turns_mean"),
+        "agent_tool_calls": early_late("agent_tool_calls_mean"),
+        "agent_tool_error_rate": early_late("agent_tool_error_rate"),
+        "agent_env_seconds_mean": mean_of(agent, "agent_env_seconds"),
+        "agent_masked_token_fraction_mean": mean_of(agent, "agent_masked_token_fraction"),
+        "agent_trajectory_length_p90_max": max(m["agent_trajectory_length_p90"] for m in agent),
+    }
+
+
 def agent_lines(summary: dict) -> list[str]:
+    lines = []
+    if "agent_turns" in summary:
+        turns, calls, errors = summary["agent_turns"], summary["agent_tool_calls"], summary["agent_tool_error_rate"]
+        lines.append(
+            f"  trajectories         turns {turns[0]:.2f} -> {turns[1]:.2f}, tool calls {calls[0]:.2f} -> {calls[1]:.2f}, "
+            f"tool errors {pct(errors[0])} -> {pct(errors[1])} (first -> last tenth); env {summary['agent_env_seconds_mean']:.2f}s/iteration, "
+            f"{pct(summary['agent_masked_token_fraction_mean'])} of tokens inserted, length p90 <= {summary['agent_trajectory_length_p90_max']:.0f}"
+        )
     if "tool_use_rate_before" not in summary:
-        return []
+        return lines
 
     def pair(key: str) -> str:
         return f"{pct(summary.get(key + '_before'))} -> {pct(summary.get(key + '_after'))}"
 
-    lines = [
-        f"  tool use             calls the tool {pair('tool_use_rate')}, calls that work {pair('tool_success_rate')}  (greedy)",
-    ]
+    lines.append(f"  tool use             calls the tool {pair('tool_use_rate')}, calls that work {pair('tool_success_rate')}  (greedy, held out)")
     if "sampled_tool_use_rate_before" in summary:
         lines.append(
             f"                       calls the tool {pair('sampled_tool_use_rate')}, calls that work {pair('sampled_tool_success_rate')}  (sampled)"
