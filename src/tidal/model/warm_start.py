@@ -171,10 +171,9 @@ def plays_tool_traces(cfg: TidalConfig) -> bool:
 def tool_use_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem], progress=None) -> WarmStartResult:
     """Synthetic trajectories through the run's environment (tidal.model.tool_traces): answers in the
     head, calls to the tool, and wrong calls, in the proportions ws.tool_use / ws.tool_mistakes."""
+    from tidal.model.tiny import TOOL_CHAT_TEMPLATE
     from tidal.model.tool_traces import make_traces, trace_batcher
     from tidal.rollout.agent import AgentLoop
-
-    from tidal.model.tiny import TOOL_CHAT_TEMPLATE
 
     ws = cfg.model.warm_start
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE  # saved with the model: TRL, vLLM and an exported model render the same turns
