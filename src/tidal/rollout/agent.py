@@ -72,6 +72,10 @@ class AgentLoop:
             raise EnvError("rollout.env needs a chat template: the tokenizer of model.name_or_path has none")
         self.eos = tokenizer.eos_token_id
         self._env_pool: ThreadPoolExecutor | None = None
+        # checked now, not at the first tool call mid-run: a tokenizer whose EOS is not the token the
+        # template ends a turn with (a base model's <|endoftext|> under a ChatML template) would let
+        # every turn run on to max_new_tokens (HF) or end its trajectory on another stop token (vLLM)
+        self.turn_end(self.render(_BASE, [], False))
 
     def env_pool(self) -> ThreadPoolExecutor:
         """The threads environment steps run on (async engines): one per trajectory in flight, so a
@@ -113,13 +117,21 @@ class AgentLoop:
         when `observations` follow, through the next assistant header."""
         base = self.render(_BASE, tools, False)
         full = self.render([*_BASE, *observations], tools, True)
-        ends = [i for i, t in enumerate(base) if t == self.eos]
-        if not ends:
-            raise EnvError("the chat template does not end an assistant turn with the tokenizer's EOS token; the engine could not tell a turn's end")
-        cut = ends[-1] + 1
+        cut = self.turn_end(base)
         if full[:cut] != base[:cut]:
             raise EnvError("the chat template renders an assistant turn differently when messages follow it: inserted tokens cannot be told apart")
         return full[cut:]
+
+    def turn_end(self, base: list[int]) -> int:
+        """Where the assistant turn of `base` (_BASE rendered) ends: after its last EOS token."""
+        ends = [i for i, t in enumerate(base) if t == self.eos]
+        if not ends:
+            name = getattr(self.tokenizer, "eos_token", None)
+            raise EnvError(
+                f"the chat template does not end an assistant turn with the tokenizer's EOS token ({name!r}); the engine could not tell "
+                "a turn's end: give the tokenizer the template's end-of-turn token as its EOS (an instruct model's tokenizer has it)"
+            )
+        return ends[-1] + 1
 
     def fit_observations(self, observations: list[dict], tools: list[dict], row: _Row) -> list[int] | None:
         """The inserted tokens, at most rollout.max_env_tokens_per_turn: the longest observations are
