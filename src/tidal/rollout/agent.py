@@ -92,7 +92,7 @@ class AgentLoop:
         from tidal.model.tiny import TOOL_CHAT_TEMPLATE
 
         r = cfg.rollout
-        factory = EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, tokenizer, r.max_tool_calls, ToolLimits.from_config(r))
+        factory = EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, tokenizer, r.max_tool_calls, ToolLimits.from_config(r, cfg.seed))
         own = getattr(tokenizer, "chat_template", None)
         return cls(cfg, tokenizer, factory, None if own or cfg.model.name_or_path is not None else TOOL_CHAT_TEMPLATE, context)
 
