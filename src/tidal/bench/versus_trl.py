@@ -3,7 +3,7 @@
 TRL is the tool a user would pick instead. Both sides get the same warm-started model, the same
 prompts per step, the same rewards and hyper-parameters.
 
-    tidal bench trl [CONFIG] [--steps 20] [--warmup 2] [--reps 3] [--systems trl,sync,periodic]
+    tidal bench trl [CONFIG | --config CONFIG] [--steps 20] [--warmup 2] [--reps 3] [--systems trl,sync,periodic]
                     [--set k=v ...] [--json out.json] [--tracking-uri URI] [--experiment NAME]
     (or: python benchmarks/versus_trl.py ...; TRL is the `bench` extra: pip install -e '.[bench]')
 
@@ -19,6 +19,14 @@ functions), one optimizer step per generation batch of prompts_per_iteration x G
 gradient checkpointing unless `trainer.activation_checkpointing`. TRL gets Tidal's prompts for step i
 (`prompts_for_iteration`) in order (shuffle off) and generates with HF `generate` in one process. A
 setting with no TRL equivalent is refused before anything runs, and the message lists each one.
+
+Multi-turn configs (rollout.env: tools, e.g. examples/calculator.yaml) run TRL's `tools=` loop with the
+run's tools (`trl_tools`: Tidal's argument checks, error texts and observation cut, in TRL's process):
+rollout.max_turns is max_tool_calling_iterations + 1, rollout.max_new_tokens caps every generate call
+(generation_kwargs), max_completion_length is the longest trajectory Tidal can produce, and what has no
+equivalent (another environment or parser, a call budget one call per turn could exhaust, a tool
+latency) is refused. The tiny model's tokenizer gets a tool-call rendering and a response template for
+TRL (`prepare_tokenizer`); TRL's departures from Tidal's loop are counted (`tool_divergences`).
 
 Equal updates on equal completions are checked as part of the run (`gradient_check`): one batch of
 completions, generated once, goes through Tidal's learner and through TRL's own reward, advantage and
@@ -1005,7 +1013,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] in ("_trl", "_check"):
         return (trl_child if argv[0] == "_trl" else check_child)(argv[1:])
     ap = argparse.ArgumentParser(prog="tidal bench trl", description=__doc__.splitlines()[0])
-    ap.add_argument("config", nargs="?", default="examples/arithmetic.yaml")
+    ap.add_argument("config", nargs="?", default=None, help="the config (default examples/arithmetic.yaml)")
+    ap.add_argument("--config", dest="config_option", default=None, help="the same, as `tidal bench modes` takes it")
     ap.add_argument("--steps", type=int, default=20, help="optimizer steps (= iterations) per system and repetition")
     ap.add_argument("--warmup", type=int, default=2, help="leading steps left out of the timings (at least 1)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions; the order of the systems alternates")
@@ -1018,6 +1027,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tracking-uri", default=None, help="MLflow store (default: $MLFLOW_TRACKING_URI, else runs/bench-trl/mlflow.db)")
     ap.add_argument("--experiment", default="tidal-bench-trl", help="MLflow experiment every run lands in, tagged `system`")
     args = ap.parse_args(argv)
+    if args.config and args.config_option and args.config != args.config_option:
+        raise SystemExit("tidal bench trl: give the config once (positional or --config)")
+    args.config = args.config or args.config_option or "examples/arithmetic.yaml"
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not systems or any(s not in SYSTEMS for s in systems):
         raise SystemExit(f"--systems: choose from {list(SYSTEMS)}, got {systems}")
