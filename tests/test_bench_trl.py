@@ -289,7 +289,9 @@ def test_dr_grpo_on_trajectories_needs_trls_trajectory_cap_as_its_constant():
 
 
 def test_the_command_refuses_the_calculator_settings_before_running(tmp_path):
-    proc = run_cli("bench", "trl", "--config", "examples/calculator.yaml", "--set", "rollout.max_tool_calls=1", "--set", "rollout.tool_latency.p50_seconds=0.1")
+    proc = run_cli(
+        "bench", "trl", "--config", "examples/calculator.yaml", "--set", "rollout.max_tool_calls=1", "--set", "rollout.tool_latency.p50_seconds=0.1"
+    )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "rollout.max_tool_calls 1" in proc.stderr and "rollout.tool_latency" in proc.stderr
 
