@@ -193,7 +193,7 @@ def trl_settings(cfg: TidalConfig, micro_batches: int = 1) -> tuple[dict, list[s
         "gradient_checkpointing": t.activation_checkpointing,
         "seed": cfg.seed,
     }
-    if r.env is not None:  # TRL's tools= loop (agent_settings)
+    if r.env is not None:  # TRL's tools= loop: the mapping below
         kwargs.update(
             max_completion_length=completion_length,
             generation_kwargs={"max_new_tokens": r.max_new_tokens},
