@@ -69,6 +69,22 @@ def test_modes_benchmark_times_the_loop_end_to_end_and_leaves_the_warmup_iterati
         steady_state(metrics, warmup=3)
 
 
+def test_modes_benchmark_reports_pipeline_efficiency_and_the_agent_figures_where_recorded():
+    from tidal.bench.modes import pipeline, steady_state
+
+    base = {"iteration_seconds": 2.0, "samples": 8.0, "generate_seconds": 1.0, "train_seconds": 1.0, "sync_seconds": 0.1}
+    base.update(trainer_idle_seconds=0.0, generated_tokens=10)
+    metrics = [
+        {**base, "wall_time": 10.0 + 2 * i, "pipeline_efficiency": e, "agent_tool_calls_mean": c, "agent_env_seconds": 0.5}
+        for i, (e, c) in enumerate([(0.1, 0.0), (0.5, 0.4), (0.7, 0.6)])
+    ]
+    figures = steady_state(metrics, warmup=1)
+    assert figures["pipeline_efficiency_mean"] == pytest.approx(0.6) and figures["tool_calls_per_trajectory"] == pytest.approx(0.5)
+    assert "pipeline efficiency 0.60" in pipeline(figures) and "tool calls/trajectory 0.50" in pipeline(figures)
+    plain = steady_state([{k: v for k, v in m.items() if not k.startswith(("agent_", "pipeline"))} for m in metrics], warmup=1)
+    assert plain["pipeline_efficiency_mean"] is None and plain["tool_calls_per_trajectory"] is None and pipeline(plain) == ""
+
+
 def test_the_modes_and_trl_benchmarks_time_a_run_and_compare_modes_by_one_function(tmp_path):
     """The same recorded sync and periodic runs (metrics.jsonl of two 12-iteration runs of the example)
     read by `tidal bench modes` and by `tidal bench trl` give the same seconds per iteration, samples/s

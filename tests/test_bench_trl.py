@@ -243,3 +243,131 @@ def test_tidal_bench_trl_runs_trl_and_tidal_side_by_side(write_config, tmp_path)
     trl_run = next(r for r in runs if r.data.tags["system"] == "trl")
     assert [m.step for m in client.get_metric_history(trl_run.info.run_id, "time/step_seconds")] == [0, 1]
     assert trl_run.data.params["trl.loss_type"] == "dapo" and trl_run.info.status == "FINISHED"
+
+
+# --- multi-turn: examples/calculator.yaml against TRL's tools= loop
+
+
+def calculator(overrides: list[str] | None = None):
+    from tidal.config import load_config
+
+    return load_config("examples/calculator.yaml", overrides or [])
+
+
+def test_the_calculator_settings_map_onto_trls_tool_loop():
+    cfg = calculator()
+    kwargs, mismatches = trl_settings(cfg)
+    assert mismatches == []
+    # a turn at most max_new_tokens (every generate call); at most max_turns turns; the trajectory's cap is
+    # the most Tidal's can hold (3 turns of 80 + 2 observations of 96), so TRL never cuts one Tidal would not
+    assert kwargs["generation_kwargs"] == {"max_new_tokens": 80} and kwargs["max_tool_calling_iterations"] == 2
+    assert kwargs["max_completion_length"] == 3 * 80 + 2 * 96 == 432
+    assert kwargs["num_generations"] == 8 and kwargs["per_device_train_batch_size"] == 256 and kwargs["reward_weights"] == [1.0]
+    assert kwargs["loss_type"] == "dapo" and kwargs["beta"] == 0.0 and kwargs["use_vllm"] is False
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["rollout.env=tests.envs:Custom"], "rollout.env"),
+        (["rollout.tool_parser=tests.envs:parser"], "rollout.tool_parser"),
+        (["rollout.max_tool_calls=1"], "rollout.max_tool_calls"),
+        (["rollout.tool_latency.p50_seconds=0.05"], "rollout.tool_latency"),
+        (["trainer.loss_aggregation=seq_mean_token_sum_norm"], "trainer.aggregation_constant"),
+        (["rollout.engine=vllm"], "rollout.engine"),
+    ],
+)
+def test_a_calculator_setting_without_a_trl_equivalent_is_refused_by_name(overrides, key):
+    _, mismatches = trl_settings(calculator(overrides))
+    assert len(mismatches) == 1 and mismatches[0].startswith(key), mismatches
+
+
+def test_dr_grpo_on_trajectories_needs_trls_trajectory_cap_as_its_constant():
+    ok = ["trainer.loss_aggregation=seq_mean_token_sum_norm", "trainer.aggregation_constant=432"]
+    kwargs, mismatches = trl_settings(calculator(ok))
+    assert mismatches == [] and kwargs["loss_type"] == "dr_grpo" and kwargs["max_completion_length"] == 432
+
+
+def test_the_command_refuses_the_calculator_settings_before_running(tmp_path):
+    proc = run_cli(
+        "bench", "trl", "--config", "examples/calculator.yaml", "--set", "rollout.max_tool_calls=1", "--set", "rollout.tool_latency.p50_seconds=0.1"
+    )
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "rollout.max_tool_calls 1" in proc.stderr and "rollout.tool_latency" in proc.stderr
+
+
+def test_trl_accepts_the_tiny_tokenizer_only_with_the_benchs_templates_and_parses_its_calls():
+    from trl.chat_template_utils import is_chat_template_prefix_preserving, parse_response, supports_tool_calling
+
+    from tidal.bench.versus_trl import prepare_tokenizer
+    from tidal.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer
+
+    saved = build_char_tokenizer()
+    saved.chat_template = TOOL_CHAT_TEMPLATE  # what the warm start saves: calls live in the text, tool_calls are not rendered
+    assert not supports_tool_calling(saved)  # TRL's GRPOTrainer(tools=...) refuses it
+    tok = prepare_tokenizer(calculator(), build_char_tokenizer())
+    assert supports_tool_calling(tok) and is_chat_template_prefix_preserving(tok)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "931*140="}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    # the prompt and what follows a turn's EOS render as before: only assistant messages with tool_calls differ
+    assert prompt == saved.apply_chat_template(
+        [{"role": "user", "content": "931*140="}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+    def parse(text):
+        return parse_response(tok, tok(text, add_special_tokens=False).input_ids, prefix=prompt)
+
+    call = parse('<tool_call>{"name":"calc","arguments":{"expression":"931*140"}}</tool_call><eos>')
+    assert call["tool_calls"] == [{"type": "function", "function": {"name": "calc", "arguments": {"expression": "931*140"}}}]
+    assert parse("A: 130340<eos>") == {"role": "assistant", "content": "A: 130340"}
+    assert "tool_calls" not in parse('<tool_call>{"name":"calc","argu</tool_call><eos>')  # TRL ends such a trajectory
+
+
+def test_trl_gets_tidals_tool_with_its_schema_error_texts_and_observation_cut():
+    from transformers.utils import get_json_schema
+
+    from tidal.bench.versus_trl import agent_loop, prepare_tokenizer, trl_tools
+    from tidal.envs import resolve_tool
+    from tidal.model.tiny import build_char_tokenizer
+
+    tok = prepare_tokenizer(calculator(), build_char_tokenizer())
+    (calc,) = trl_tools(calculator(), tok)
+    assert calc.__name__ == "calc" and get_json_schema(calc) == resolve_tool("calc").schema
+    assert calc(expression="6*7") == "42"
+    assert calc(expr="6*7") == "error: calc: unknown argument(s) ['expr']; calc takes ['expression']"  # Tidal's text, not a TypeError
+    cfg = calculator(["rollout.max_env_tokens_per_turn=16"])
+    (calc,) = trl_tools(cfg, tok)
+    long = calc(expression="1" * 40 + "*1")
+    assert long.endswith("…") and long.startswith("1111")
+    loop = agent_loop(cfg, tok)
+    assert len(loop.inserted_tokens([{"role": "tool", "name": "calc", "content": long}], [resolve_tool("calc").schema])) <= 16
+
+
+def test_the_final_answer_and_the_departures_from_tidals_loop_are_read_from_trls_messages():
+    from tidal.bench.versus_trl import final_text, tool_divergences
+
+    def call(expression):
+        return {"type": "function", "function": {"name": "calc", "arguments": {"expression": expression}}}
+
+    used = [{"role": "assistant", "content": "", "tool_calls": [call("2*3")]}, {"role": "tool", "name": "calc", "content": "6"}]
+    used.append({"role": "assistant", "content": "A: 6"})
+    assert final_text(used) == "A: 6" and completion_text_of(used) == "A: 6"
+    cut_at_max_turns = [{"role": "assistant", "content": "", "tool_calls": [call("1")]}]
+    assert final_text(cut_at_max_turns) == '<tool_call>{"name":"calc","arguments":{"expression":"1"}}</tool_call>'
+    greedy = [
+        {"role": "assistant", "content": "", "tool_calls": [call("1"), call("2")]},
+        {"role": "tool", "name": "calc", "content": "1"},
+        {"role": "tool", "name": "calc", "content": "2"},
+        {"role": "assistant", "content": "", "tool_calls": [call("3")]},
+        {"role": "tool", "name": "calc", "content": "3"},
+        {"role": "assistant", "content": "A: 3"},
+    ]
+    broken = [{"role": "assistant", "content": '<tool_call>{"name":"calc","argu</tool_call>'}]
+    unknown = [{"role": "assistant", "content": "", "tool_calls": []}, {"role": "tool", "name": "search", "content": "x"}]
+    counts = tool_divergences([used, greedy, broken, unknown], calculator())
+    assert counts == {"over_call_budget": 1, "multi_call_turns": 1, "unparsed_tool_calls": 1, "unknown_tools": 1}
+
+
+def completion_text_of(messages):
+    from tidal.bench.versus_trl import completion_text
+
+    return completion_text(messages)

@@ -8,7 +8,9 @@ and held-out accuracy after the same number of iterations, so the price of stric
 Runs `tidal run` once per system (same seed, same warm start) and prints, from each run's
 metrics.jsonl, seconds per iteration as `tidal bench trl` times it (tidal.bench.timing: the wall time
 between the ends of consecutive iterations, the mean after the first `--warmup` ones), the mean split
-(generate / train / weight-sync / idle), the mean staleness and the ratio of sync's seconds per
+(generate / train / weight-sync / idle), the mean pipeline efficiency ((max(generate, train) + weight
+sync) / iteration), for agent configs the tool calls per trajectory and the environment's seconds,
+the mean staleness and the ratio of sync's seconds per
 iteration to each system's (> 1: faster than sync), and from its summary.json the held-out accuracy
 (greedy and sampled) before and after the run. The held-out evaluations run before and after the
 loop, never beside it: the runs are made with `eval.every` off, since a curve process evaluating
@@ -16,6 +18,10 @@ version 0 while the first iterations run would take a core from them (a one-off 
 run spreads thin, and a short benchmark run does not). The first `--warmup` iterations are left out
 of the timings: in periodic mode the trainer's first iteration waits for the rollout workers to start
 (a vLLM engine takes tens of seconds), which sync mode does before its loop.
+
+Slow tools: an agent config with a heavy-tailed tool latency (rollout.tool_latency, tidal.envs.latency),
+e.g. `--config examples/calculator.yaml --set rollout.tool_latency.p50_seconds=0.05 --set
+rollout.tool_latency.p99_over_p50=10`, measures what waiting on tools costs each mode.
 
 Every system's run is logged to one MLflow experiment (`--experiment`, default tidal-bench-modes) in
 one store (`--tracking-uri`, default $MLFLOW_TRACKING_URI, else runs/bench-modes/mlflow.db), tagged
@@ -51,6 +57,13 @@ SPLIT = {  # figure -> the per-iteration metric it is the mean of (the trainer's
     "idle_seconds_mean": "trainer_idle_seconds",
 }
 
+OPTIONAL = {  # figure -> per-iteration metric, where the runs record it
+    # (max(generate, train) + weight sync) / iteration: 1 when generation and training overlap perfectly
+    "pipeline_efficiency_mean": "pipeline_efficiency",
+    "tool_calls_per_trajectory": "agent_tool_calls_mean",
+    "env_seconds_mean": "agent_env_seconds",  # summed over an iteration's trajectories (time spent in the environment's steps)
+}
+
 
 def steady_state(metrics: list[dict], warmup: int) -> dict:
     """Over the iterations after the warm-up ones: seconds per iteration and samples/s (run_timing,
@@ -59,6 +72,8 @@ def steady_state(metrics: list[dict], warmup: int) -> dict:
     kept = metrics[warmup:]
     figures.update({name: sum(m[key] for m in kept) / len(kept) for name, key in SPLIT.items()})
     figures["generated_tokens_per_s"] = sum(m["generated_tokens"] for m in kept) / (figures["seconds_per_iteration"] * len(kept))
+    for name, key in OPTIONAL.items():  # recorded by the runs that have them (the agent metrics: rollout.env)
+        figures[name] = sum(m[key] for m in kept) / len(kept) if all(key in m for m in kept) else None
     return figures
 
 
@@ -91,6 +106,14 @@ def run_figures(run: RunDir, warmup: int) -> dict:
     for key in ("accuracy_before", "accuracy_after", "sampled_accuracy_before", "sampled_accuracy_after"):
         figures[key] = summary.get(key)
     return figures
+
+
+def pipeline(r: dict) -> str:
+    """The pipeline efficiency, and for agent runs the tool calls per trajectory and environment seconds."""
+    out = "" if r.get("pipeline_efficiency_mean") is None else f"pipeline efficiency {r['pipeline_efficiency_mean']:.2f}; "
+    if r.get("tool_calls_per_trajectory") is not None:
+        out += f"tool calls/trajectory {r['tool_calls_per_trajectory']:.2f}, env {r['env_seconds_mean']:.2f} s; "
+    return out
 
 
 def percent(x: float | None) -> str:
@@ -129,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{name:11s} {r['seconds_per_iteration']:.3f} s/iteration (median {r['seconds_per_iteration_median']:.3f}), "
                 f"{r['samples_per_s']:.0f} samples/s; split: generate {r['generate_seconds_mean']:.3f} | "
                 f"train {r['train_seconds_mean']:.3f} | weight-sync {r['sync_seconds_mean']:.3f} | idle {r['idle_seconds_mean']:.3f}; "
-                f"staleness {r['staleness_mean']:.2f}; held-out greedy {percent(r['accuracy_before'])} -> {percent(r['accuracy_after'])}, "
+                f"{pipeline(r)}staleness {r['staleness_mean']:.2f}; held-out greedy {percent(r['accuracy_before'])} -> {percent(r['accuracy_after'])}, "
                 f"sampled {percent(r['sampled_accuracy_before'])} -> {percent(r['sampled_accuracy_after'])}",
                 flush=True,
             )

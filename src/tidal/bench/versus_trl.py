@@ -3,7 +3,7 @@
 TRL is the tool a user would pick instead. Both sides get the same warm-started model, the same
 prompts per step, the same rewards and hyper-parameters.
 
-    tidal bench trl [CONFIG] [--steps 20] [--warmup 2] [--reps 3] [--systems trl,sync,periodic]
+    tidal bench trl [CONFIG | --config CONFIG] [--steps 20] [--warmup 2] [--reps 3] [--systems trl,sync,periodic]
                     [--set k=v ...] [--json out.json] [--tracking-uri URI] [--experiment NAME]
     (or: python benchmarks/versus_trl.py ...; TRL is the `bench` extra: pip install -e '.[bench]')
 
@@ -19,6 +19,14 @@ functions), one optimizer step per generation batch of prompts_per_iteration x G
 gradient checkpointing unless `trainer.activation_checkpointing`. TRL gets Tidal's prompts for step i
 (`prompts_for_iteration`) in order (shuffle off) and generates with HF `generate` in one process. A
 setting with no TRL equivalent is refused before anything runs, and the message lists each one.
+
+Multi-turn configs (rollout.env: tools, e.g. examples/calculator.yaml) run TRL's `tools=` loop with the
+run's tools (`trl_tools`: Tidal's argument checks, error texts and observation cut, in TRL's process):
+rollout.max_turns is max_tool_calling_iterations + 1, rollout.max_new_tokens caps every generate call
+(generation_kwargs), max_completion_length is the longest trajectory Tidal can produce, and what has no
+equivalent (another environment or parser, a call budget one call per turn could exhaust, a tool
+latency) is refused. The tiny model's tokenizer gets a tool-call rendering and a response template for
+TRL (`prepare_tokenizer`); TRL's departures from Tidal's loop are counted (`tool_divergences`).
 
 Equal updates on equal completions are checked as part of the run (`gradient_check`): one batch of
 completions, generated once, goes through Tidal's learner and through TRL's own reward, advantage and
@@ -117,11 +125,15 @@ def trl_settings(cfg: TidalConfig, micro_batches: int = 1) -> tuple[dict, list[s
     if t.policy_loss not in IMPORTANCE_LEVELS:
         bad.append(f"trainer.policy_loss {t.policy_loss!r}: TRL's clipped losses are ppo_clip (token ratios) and gspo (sequence ratios)")
     loss_type = LOSS_TYPES[t.loss_aggregation]
-    if t.loss_aggregation == "seq_mean_token_sum_norm" and t.aggregation_constant not in (None, float(r.max_new_tokens)):
+    completion_length = trajectory_budget(cfg) if r.env is not None else r.max_new_tokens  # TRL's max_completion_length
+    constant = t.aggregation_constant if t.aggregation_constant is not None else float(r.max_new_tokens)  # Tidal's dr_grpo divisor
+    if t.loss_aggregation == "seq_mean_token_sum_norm" and constant != completion_length:
         bad.append(
-            f"trainer.aggregation_constant {t.aggregation_constant}: TRL's dr_grpo divides by max_completion_length ({r.max_new_tokens}); "
-            "leave it unset or equal to rollout.max_new_tokens"
+            f"trainer.aggregation_constant {t.aggregation_constant}: TRL's dr_grpo divides by max_completion_length ({completion_length}); "
+            f"set it to {completion_length}" + ("" if r.env is not None else " or leave it unset")
         )
+    if r.env is not None:
+        bad += agent_mismatches(cfg)
     if t.updates_per_iteration != 1:
         bad.append(
             f"trainer.updates_per_iteration {t.updates_per_iteration}: Tidal's mini-batches follow completion order, TRL's are shuffled; "
@@ -181,7 +193,192 @@ def trl_settings(cfg: TidalConfig, micro_batches: int = 1) -> tuple[dict, list[s
         "gradient_checkpointing": t.activation_checkpointing,
         "seed": cfg.seed,
     }
+    if r.env is not None:  # TRL's tools= loop: the mapping below
+        kwargs.update(
+            max_completion_length=completion_length,
+            generation_kwargs={"max_new_tokens": r.max_new_tokens},
+            max_tool_calling_iterations=r.max_turns - 1,
+        )
     return kwargs, bad
+
+
+# --- multi-turn (rollout.env: tools) against TRL's tools= loop ---------------------------------
+#
+# TRL's GRPOTrainer(tools=[...]) renders the prompt with the tools' schemas, generates a turn, parses
+# it with `tokenizer.parse_response` (a response template on the tokenizer), calls each parsed call's
+# function in the trainer's process, appends the results in the chat template's tool format (token ids
+# concatenated, nothing re-tokenised), generates the next turn from there, up to
+# `max_tool_calling_iterations` rounds, and masks the inserted tokens out of the loss (`tool_mask`).
+# Tidal's rollout keys map onto it as follows:
+#   rollout.max_turns                -> max_tool_calling_iterations = max_turns - 1 (each round adds a turn)
+#   rollout.max_new_tokens           -> generation_kwargs.max_new_tokens: every generate call, i.e. every turn
+#   max_turns x max_new_tokens + (max_turns - 1) x max_env_tokens_per_turn
+#                                    -> max_completion_length: TRL's cap on the whole trajectory after the
+#                                       prompt, which no Tidal trajectory can exceed (so it never cuts one)
+#   rollout.max_env_tokens_per_turn  -> TRL shows results whole; the tools TRL gets (`trl_tools`) cut
+#                                       their text as Tidal's loop cuts a turn's observation
+#   rollout.max_tool_calls           -> no per-trajectory budget in TRL: compared only when one call per
+#                                       tool-calling turn cannot exhaust it; turns with several calls are
+#                                       counted in the TRL run (`tool_divergences`)
+#   rollout.tools                    -> the same functions, as `trl_tools` wraps them
+
+
+def trajectory_budget(cfg: TidalConfig) -> int:
+    """The most tokens a Tidal trajectory has after its prompt: every turn at max_new_tokens and every
+    observation at max_env_tokens_per_turn."""
+    r = cfg.rollout
+    return r.max_turns * r.max_new_tokens + (r.max_turns - 1) * r.max_env_tokens_per_turn
+
+
+def agent_mismatches(cfg: TidalConfig) -> list[str]:
+    """The rollout.env settings TRL's tools= loop cannot be given, one line each."""
+    r = cfg.rollout
+    bad = []
+    if r.env != "tools":
+        bad.append(
+            f"rollout.env {r.env!r}: TRL's tools= loop is the built-in one (tool calls until a turn makes none); an environment's "
+            "reset/step/reward have no equivalent there (use rollout.env: tools)"
+        )
+    if not r.tools:
+        bad.append("rollout.tools []: TRL's tools= loop needs at least one tool")
+    if r.tool_parser != "hermes":
+        bad.append(f"rollout.tool_parser {r.tool_parser!r}: TRL reads Hermes <tool_call> blocks through the tokenizer's response template")
+    if r.max_tool_calls < r.max_turns - 1:
+        bad.append(
+            f"rollout.max_tool_calls {r.max_tool_calls}: TRL's tools= loop has no per-trajectory call budget; only a budget that one call "
+            f"per tool-calling turn cannot exhaust (>= max_turns - 1 = {r.max_turns - 1}) is compared"
+        )
+    if r.tool_latency is not None:
+        bad.append("rollout.tool_latency: TRL runs the tools in its own process, without the latency Tidal's tool process adds")
+    return bad
+
+
+# The tiny model's tool template (tidal.model.tiny.TOOL_CHAT_TEMPLATE) renders an assistant message
+# as its text, tool calls included: the model writes them into the text and Tidal never renders a
+# parsed call back. TRL refuses a template that drops an assistant message's `tool_calls`
+# (trl.chat_template_utils.supports_tool_calling: "The provided chat template does not support tool
+# calling"), so the benchmark gives TRL's copy of the tokenizer a variant that renders them as the
+# model writes them. TRL renders no assistant message into any token it trains on or generates from
+# (prompts have none; a tool result's tokens are cut after the dummy assistant turn's EOS), so the
+# tokens are the same. The saved model keeps its template.
+TINY_ASSISTANT = "{%- if m.role == 'assistant' %}{{ '<a>' + m.content + eos_token }}"
+TINY_ASSISTANT_WITH_CALLS = (
+    "{%- if m.role == 'assistant' %}{{ '<a>' + m.content }}{% for c in m.tool_calls or [] %}"
+    "{{ '<tool_call>{\"name\":' + (c.function.name | tojson) + ',\"arguments\":' + (c.function.arguments | tojson) + '}</tool_call>' }}"
+    "{% endfor %}{{ eos_token }}"
+)
+# transformers' response template for that format (TRL parses every turn with it: `parse_response`):
+# the text after the `<a>` header, Hermes `<tool_call>{json}</tool_call>` blocks as tool calls, up to EOS.
+TINY_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<a>",
+    "fields": {
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"<eos>\s*", "content": "text"},
+    },
+}
+
+
+def prepare_tokenizer(cfg: TidalConfig, tokenizer):
+    """TRL's copy of the tokenizer for a multi-turn config: the tiny model's tool template (with its
+    tool-call rendering, above) and its response template. A user's model keeps its own template (TRL
+    sets a response template for the chat templates it knows)."""
+    from tidal.model.tiny import TOOL_CHAT_TEMPLATE
+
+    if cfg.rollout.env is None or cfg.model.name_or_path is not None:
+        return tokenizer
+    if getattr(tokenizer, "chat_template", None) not in (None, TOOL_CHAT_TEMPLATE):
+        raise SystemExit("tidal bench trl: the tiny model's tokenizer has a chat template other than tidal.model.tiny.TOOL_CHAT_TEMPLATE")
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE.replace(TINY_ASSISTANT, TINY_ASSISTANT_WITH_CALLS)
+    tokenizer.response_template = TINY_RESPONSE_TEMPLATE
+    return tokenizer
+
+
+def agent_loop(cfg: TidalConfig, tokenizer):
+    """Tidal's environment loop for rendering and fitting (its tools in this process): the prompts and
+    the observation cuts TRL's side must match."""
+    from tidal.envs import EnvironmentFactory
+    from tidal.model.tiny import TOOL_CHAT_TEMPLATE
+    from tidal.rollout.agent import AgentLoop
+
+    r = cfg.rollout
+    factory = EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, tokenizer, r.max_tool_calls)
+    return AgentLoop(cfg, tokenizer, factory, TOOL_CHAT_TEMPLATE if cfg.model.name_or_path is None else None)
+
+
+def trl_tools(cfg: TidalConfig, tokenizer) -> list:
+    """The run's tools as TRL's `tools=` takes them: functions with each tool's name, signature and
+    docstring (so the chat template shows the same schema), whose body is Tidal's call of the tool:
+    the arguments checked against its schema, a failure as Tidal's error text, and the text cut to
+    fit rollout.max_env_tokens_per_turn as Tidal's loop cuts one observation. A call TRL cannot make
+    (no such tool: TRL answers `{'error': 'Tool NAME not found.'}`) is counted by `tool_divergences`."""
+    import inspect
+    from types import SimpleNamespace
+
+    from transformers.utils import get_json_schema
+
+    from tidal.envs import tool_message
+
+    loop = agent_loop(cfg, tokenizer)
+    schemas = [t.schema for t in loop.factory.tools]
+    cuts = SimpleNamespace(truncated_observations=0)
+    functions = []
+    for t in loop.factory.tools:
+
+        def call(_tool=t, **arguments):
+            text = _tool(arguments).text
+            tokens, fitted = loop.fitted_observations([tool_message(text, _tool.name)], schemas, cuts)
+            return text if tokens is None else fitted[0]["content"]
+
+        call.__name__ = call.__qualname__ = t.name
+        call.__doc__ = t.fn.__doc__
+        call.__signature__ = inspect.signature(t.fn)
+        call.__annotations__ = dict(getattr(t.fn, "__annotations__", {}))
+        if get_json_schema(call) != t.schema:
+            raise SystemExit(f"tidal bench trl: tool {t.name!r} does not keep its schema when wrapped for TRL")
+        functions.append(call)
+    return functions
+
+
+def final_text(messages: list[dict]) -> str:
+    """The final answer a reward function reads, from TRL's messages of a trajectory: the last
+    assistant message's text, with its parsed tool calls written back as the model writes them
+    (compact Hermes blocks), as Tidal's trajectory.final_text holds the turn's text."""
+    from tidal.model.tool_traces import tool_call_text
+
+    for m in reversed(messages):
+        if isinstance(m, dict) and m.get("role", "assistant") == "assistant":
+            calls = "".join(tool_call_text(c["function"]["name"], c["function"].get("arguments", {})) for c in m.get("tool_calls") or [])
+            return str(m.get("content") or "") + calls
+    return ""
+
+
+def tool_divergences(completions: list, cfg: TidalConfig) -> dict[str, int]:
+    """Where TRL's tools= loop went where Tidal's would not have, counted from TRL's trajectories:
+    calls past rollout.max_tool_calls (Tidal answers them with an error), turns with several calls
+    (Tidal fits their results to max_env_tokens_per_turn together, TRL's tools one by one), tool-call
+    markup TRL's parser could not read (TRL ends the trajectory; Tidal shows an error and goes on)
+    and calls of tools that do not exist (TRL's error text differs from Tidal's)."""
+    r = cfg.rollout
+    out = {"over_call_budget": 0, "multi_call_turns": 0, "unparsed_tool_calls": 0, "unknown_tools": 0}
+    names = {t.split(":")[-1] for t in r.tools}
+    for messages in completions:
+        if not isinstance(messages, list):
+            continue
+        assistant = [m for m in messages if m.get("role") == "assistant"]
+        results = [m for m in messages if m.get("role") == "tool"]
+        out["over_call_budget"] += int(len(results) > r.max_tool_calls)
+        out["multi_call_turns"] += sum(len(m.get("tool_calls") or []) > 1 for m in assistant)
+        out["unknown_tools"] += sum(m.get("name") not in names for m in results)
+        last = assistant[-1] if assistant else {}
+        out["unparsed_tool_calls"] += int("<tool_call>" in str(last.get("content") or "") and len(assistant) < r.max_turns)
+    return out
 
 
 def check_settings(cfg: TidalConfig, micro_batches: int = 1, source: str = "the config") -> dict:
@@ -202,22 +399,25 @@ def require_trl():
 # --- the shared pieces: prompts, rewards, the TRL trainer ---------------------------------------
 
 
-def prompt_rows(cfg: TidalConfig, dataset, steps: int) -> list[dict]:
+def prompt_rows(cfg: TidalConfig, dataset, steps: int, loop=None) -> list[dict]:
     """TRL's train dataset: Tidal's prompts of iterations 0..steps-1, in order, as TRL rows
-    (`prompt`: text, or chat messages with data.chat_template; `answer` for the reward functions)."""
+    (`prompt`: text, or chat messages with data.chat_template, or with rollout.env the environment's
+    first messages, from `loop` (`agent_loop`); `answer` for the reward functions)."""
     from tidal.data import prompts_for_iteration, render_prompt
 
     rows = []
     for v in range(steps):
         for p in prompts_for_iteration(dataset, cfg.seed, v, cfg.trainer.prompts_per_iteration):
-            rows.append({"prompt": render_prompt(p.prompt, cfg.data), "problem": p.prompt, "answer": p.answer, "prompt_id": p.id, "iteration": v})
+            prompt = render_prompt(p.prompt, cfg.data) if loop is None else loop.start_row(loop.framed(p.id, p.prompt, p.answer)).messages
+            rows.append({"prompt": prompt, "problem": p.prompt, "answer": p.answer, "prompt_id": p.id, "iteration": v})
     return rows
 
 
 def completion_text(completion) -> str:
-    """TRL hands reward functions the decoded text, or for chat prompts one assistant message."""
+    """TRL hands reward functions the decoded text, or for chat prompts the completion's messages (one
+    assistant message, or with tools the whole trajectory): the final answer (`final_text`)."""
     if isinstance(completion, list):
-        return "".join(m.get("content", "") if isinstance(m, dict) else str(m) for m in completion)
+        return final_text(completion)
     return completion
 
 
@@ -233,7 +433,9 @@ def trl_reward_functions(cfg: TidalConfig, on_batch=None) -> list:
 
         def reward(prompts, completions, answer, _fn=fn, _first=i == 0, **kwargs) -> list[float]:
             if _first and on_batch is not None:
-                on_batch(kwargs)
+                on_batch(kwargs, completions)
+            if "final_message" in kwargs:  # the gradient check: the final turn as TRL's parser reads it
+                completions = [[m] for m in kwargs["final_message"]]
             out = []
             for completion, ans in zip(completions, answer):
                 try:
@@ -256,11 +458,14 @@ def build_trl_trainer(
     micro_batches: int = 1,
     on_batch=None,
     settings_override: dict | None = None,
+    agent_tools: bool = True,
     **extra,
 ):
     """TRL's GRPOTrainer on the warm-started model, with the settings `trl_settings` maps, Tidal's
     AdamW and warm-up schedule, and `rows` as its dataset. `extra` goes to GRPOTrainer (callbacks,
-    rollout_func); `settings_override` replaces mapped settings (tests: a wrong mapping must be caught)."""
+    rollout_func); `settings_override` replaces mapped settings (tests: a wrong mapping must be caught).
+    With rollout.env, TRL gets the run's tools (`trl_tools`) and the tokenizer `prepare_tokenizer`
+    makes, unless `agent_tools` is false (the gradient check hands TRL finished trajectories)."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -285,6 +490,9 @@ def build_trl_trainer(
         **kwargs,
     )
     model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
+    tokenizer = prepare_tokenizer(cfg, tokenizer)
+    if cfg.rollout.env is not None and agent_tools:
+        extra["tools"] = trl_tools(cfg, tokenizer)
     t = cfg.trainer
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_constant(t.warmup_steps))
@@ -302,12 +510,18 @@ def build_trl_trainer(
 def check_prompt_tokens(trainer, cfg: TidalConfig, tokenizer, rows: list[dict]) -> None:
     """TRL must see the token ids Tidal's workers encode, or the two would not train on the same prompts."""
     from tidal.data import prompt_encoder
+    from tidal.protocol import WorkItem
 
-    encode = prompt_encoder(tokenizer, cfg.data)
+    if cfg.rollout.env is not None:  # the environment's first messages with the tools, as Tidal's loop renders them
+        loop = agent_loop(cfg, tokenizer)
+        encode = lambda row: loop.first_prompt(WorkItem(0, row["prompt_id"], row["problem"], row["answer"]))  # noqa: E731
+    else:
+        encode_problem = prompt_encoder(tokenizer, cfg.data)
+        encode = lambda row: encode_problem(row["problem"])  # noqa: E731
     sample = rows[: min(len(rows), 16)]
     trl_ids, _, _ = trainer._tokenize_prompts([r["prompt"] for r in sample])
     for row, ids in zip(sample, trl_ids):
-        tidal_ids = list(encode(row["problem"]))
+        tidal_ids = list(encode(row))
         if list(ids) != tidal_ids:
             raise SystemExit(
                 f"tidal bench trl: TRL tokenizes prompt {row['prompt_id']} as {list(ids)[:12]}..., Tidal as {tidal_ids[:12]}...: "
@@ -347,7 +561,14 @@ def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, mi
     `_generate_and_score_completions` these completions (prompt ids, completion ids), TRL decodes
     them, scores them with the wrapped reward functions, computes its advantages, and `compute_loss`
     gives the loss whose gradient is compared. A second pass feeds TRL's loss Tidal's advantages,
-    isolating the loss and its aggregation from the advantage's epsilon."""
+    isolating the loss and its aggregation from the advantage's epsilon.
+
+    With rollout.env the completions are whole trajectories (Tidal's environment loop, its tool
+    process and the HF engine): TRL gets each trajectory's tokens after the prompt with Tidal's loss
+    mask as `env_mask` (TRL's `tool_mask`, which its loss multiplies in), and the final turn as TRL's
+    own `parse_response` reads it (with the response template of `prepare_tokenizer`) for the reward
+    functions. What the check does not cover is TRL's generation loop itself: which calls it makes and
+    what it inserts (`tool_divergences` counts where the timed TRL run departs from Tidal's loop)."""
     import numpy as np
     import torch
 
@@ -356,6 +577,7 @@ def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, mi
     from tidal.model.loading import load_model_and_tokenizer
     from tidal.protocol import WorkItem
     from tidal.rewards import RewardScorer
+    from tidal.rollout.agent import AgentLoop
     from tidal.rollout.engine import HFEngine
     from tidal.rollout.worker import generate_groups
     from tidal.trainer.learner import Learner
@@ -368,7 +590,12 @@ def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, mi
     # Tidal: generate once, then the learner's accumulated gradient scaled by 1/units, as its step does (before clipping)
     model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
     engine = HFEngine.for_rollout(model, tokenizer, cfg.rollout)
-    groups = generate_groups(engine, tokenizer, RewardScorer.from_config(cfg.reward), items, cfg, 0, "gradient-check", len(items))
+    agent = AgentLoop.from_config(cfg, tokenizer) if cfg.rollout.env is not None else None
+    try:
+        groups = generate_groups(engine, tokenizer, RewardScorer.from_config(cfg.reward), items, cfg, 0, "gradient-check", len(items), agent=agent)
+    finally:
+        if agent is not None:
+            agent.close()
     learner = Learner(cfg.trainer, model, tokenizer.pad_token_id, cfg.rollout.temperature, cfg.reward, cfg.rollout.max_new_tokens)
     learner.begin_iteration(0)
     learner.train_on_groups(groups)
@@ -384,27 +611,52 @@ def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, mi
 
     def rollout_func(prompts, trainer):
         served["calls"] += 1
-        ids, completions, logprobs = [], [], []
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
         for i in range(0, len(prompts), G):
             g = by_prompt[batch_rows[i]["prompt_id"]]
             for s in g.samples:
-                ids.append(g.prompt_ids.tolist())
-                completions.append(s.token_ids.tolist())
-                logprobs.append(np.asarray(s.logprobs, dtype=np.float64).tolist())
-        return {"prompt_ids": ids, "completion_ids": completions, "logprobs": logprobs}
+                out["prompt_ids"].append(g.prompt_ids.tolist())
+                out["completion_ids"].append(s.token_ids.tolist())
+                out["logprobs"].append(np.asarray(s.logprobs, dtype=np.float64).tolist())
+                if multi_turn:
+                    out.setdefault("env_mask", []).append(s.loss_mask.astype(int).tolist())
+                    out.setdefault("final_message", []).append(final_turn_message(trainer, g.prompt_ids, s.token_ids, s.loss_mask, tools))
+        served["final_message"] = out.get("final_message")
+        return out
 
-    rows = prompt_rows(cfg, dataset, 1)
+    multi_turn = cfg.rollout.env is not None
+    loop = agent_loop(cfg, tokenizer) if multi_turn else None
+    tools = [t.schema for t in loop.factory.tools] if multi_turn else None
+    rows = prompt_rows(cfg, dataset, 1, loop)
     batch_rows = [row for row in rows for _ in range(G)]  # what TRL's RepeatSampler hands one generation batch
     trainer = build_trl_trainer(
-        cfg, base_model, rows, 1, str(workdir / "trl-check"), micro_batches, settings_override=settings_override, rollout_func=rollout_func
+        cfg,
+        base_model,
+        rows,
+        1,
+        str(workdir / "trl-check"),
+        micro_batches,
+        settings_override=settings_override,
+        agent_tools=False,  # finished trajectories: TRL must not run its tool loop on them
+        rollout_func=rollout_func,
     )
-    check_prompt_tokens(trainer, cfg, tokenizer, rows)
+    if not multi_turn:  # a multi-turn prompt is rendered with the tools: checked in the timed TRL run, which has them
+        check_prompt_tokens(trainer, cfg, tokenizer, rows)
     trl_model = trainer.model
     trl_model.train()
     scored = trainer._generate_and_score_completions([dict(r) for r in batch_rows])
     if served["calls"] != 1:
         raise RuntimeError("TRL did not take the completions from the rollout function")
     trl_adv = scored["advantages"].detach().float().cpu()
+    # the weighted rewards TRL's reward functions give these completions (the final turn as TRL parses it)
+    if multi_turn:
+        finals = [[m] for m in served["final_message"]]
+    else:
+        finals = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g.samples]
+    answers = [row["answer"] for row in batch_rows]
+    weights = [f.weight for f in cfg.reward.functions]
+    per_function = [fn([""] * len(finals), finals, answers) for fn in trl_reward_functions(cfg)]
+    scored_rewards = {"rewards": [sum(w * r[i] for w, r in zip(weights, per_function)) for i in range(len(finals))]}
 
     def trl_gradient(inputs: dict) -> dict:
         trl_model.zero_grad(set_to_none=True)
@@ -419,7 +671,10 @@ def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, mi
     fed = dict(scored)
     fed["advantages"] = tidal_adv.to(scored["advantages"].device, scored["advantages"].dtype)
     loss_only = relative_differences(tidal_grads, trl_gradient(fed))
-    tokens = int(sum(len(s.token_ids) for g in groups for s in g.samples))
+    tokens = int(sum(int(s.loss_mask.sum()) if s.loss_mask is not None else len(s.token_ids) for g in groups for s in g.samples))
+    trajectory_tokens = int(sum(len(s.token_ids) for g in groups for s in g.samples))
+    tidal_rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float32)
+    trl_rewards = torch.tensor(scored_rewards["rewards"], dtype=torch.float32)
     zero_groups = sum(1 for g in groups if len(set(g.rewards)) == 1)
     if zero_groups == len(groups):
         raise SystemExit(
@@ -428,7 +683,11 @@ def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, mi
         )
     return {
         "samples": len(groups) * G,
-        "tokens": tokens,
+        "tokens": tokens,  # trained on (loss mask 1)
+        "trajectory_tokens": trajectory_tokens,  # with the inserted tool results (multi-turn)
+        "multi_turn": multi_turn,
+        "tool_calls": int(sum(g.env_stats.get("tool_calls", 0) for g in groups)) if multi_turn else 0,
+        "reward_mismatches": int((tidal_rewards - trl_rewards).abs().gt(1e-6).sum()),
         "groups_without_signal": zero_groups,
         "max_relative_grad_diff": max(end_to_end.values()),
         "global_relative_grad_diff": _global(tidal_grads, trl_grads),
@@ -437,6 +696,22 @@ def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, mi
         "worst_parameter": max(end_to_end, key=end_to_end.get),
         "trl_version": _trl_version(),
     }
+
+
+def final_turn_message(trainer, prompt_ids, token_ids, loss_mask, tools) -> dict:
+    """A trajectory's last assistant turn (its last run of loss-mask-1 tokens) as TRL's tool loop
+    parses a turn: `trl.chat_template_utils.parse_response` with everything before it as the prefix."""
+    from trl.chat_template_utils import parse_response
+
+    ids, mask = [int(t) for t in token_ids], [int(m) for m in loss_mask]
+    end = len(mask)
+    while end > 0 and not mask[end - 1]:
+        end -= 1
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    prefix = [int(t) for t in prompt_ids] + ids[:start]
+    return parse_response(trainer.processing_class, ids[start:end], prefix=prefix, tools=tools)
 
 
 def _split(inputs: dict, parts: int) -> list[dict]:
@@ -499,6 +774,11 @@ def tidal_raw(metrics: list[dict]) -> dict:
         "train_seconds": [float(m["train_seconds"]) for m in metrics],
         "reward_mean": [float(m["reward_mean"]) for m in metrics],
         "samples": [float(m["samples"]) for m in metrics],
+        **(
+            {"tool_calls_per_trajectory": [float(m["agent_tool_calls_mean"]) for m in metrics]}
+            if all("agent_tool_calls_mean" in m for m in metrics)
+            else {}
+        ),
     }
 
 
@@ -571,16 +851,26 @@ def trl_child(argv: list[str]) -> None:
         {},
     )
     tracker = Tracker(tracking["uri"], run_id)
-    rows = prompt_rows(cfg, dataset, args.steps)
-    P = cfg.trainer.prompts_per_iteration
-    clock = {"last": None, "steps": [], "generate": [], "generating": 0.0, "rewards": [], "generations": []}
+    from tidal.model.loading import load_tokenizer
 
-    def same_prompts(columns: dict) -> None:
-        """TRL's step i must train on Tidal's prompts of iteration i: checked on every batch."""
+    multi_turn = cfg.rollout.env is not None
+    rows = prompt_rows(cfg, dataset, args.steps, agent_loop(cfg, load_tokenizer(base)) if multi_turn else None)
+    P = cfg.trainer.prompts_per_iteration
+    clock = {"last": None, "steps": [], "generate": [], "generating": 0.0, "rewards": [], "generations": [], "step_generations": []}
+    divergences: dict[str, int] = {}
+    tool_calls = []
+
+    def same_prompts(columns: dict, completions: list) -> None:
+        """TRL's step i must train on Tidal's prompts of iteration i: checked on every batch. With
+        tools, the trajectories' departures from Tidal's loop are counted (`tool_divergences`)."""
         step = columns["trainer_state"].global_step
         expected = {r["prompt_id"] for r in rows[step * P : (step + 1) * P]}
         if set(columns["iteration"]) != {step} or set(columns["prompt_id"]) != expected:
             raise RuntimeError(f"TRL step {step} got prompts of iterations {sorted(set(columns['iteration']))}, not Tidal's iteration {step}")
+        if multi_turn:
+            for k, n in tool_divergences(completions, cfg).items():
+                divergences[k] = divergences.get(k, 0) + n
+            tool_calls.append(sum(m.get("role") == "tool" for c in completions for m in c) / len(completions))
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -590,7 +880,8 @@ def trl_child(argv: list[str]) -> None:
             now = time.perf_counter()
             clock["steps"].append(now - clock["last"])
             clock["generate"].append(clock["generating"])
-            clock["last"], clock["generating"] = now, 0.0
+            clock["step_generations"].append(clock["generations"])
+            clock["last"], clock["generating"], clock["generations"] = now, 0.0, []
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = dict(logs or {})
@@ -612,8 +903,6 @@ def trl_child(argv: list[str]) -> None:
                 clock["generations"].append(len(prompt_ids))
 
         trainer._generate_single_turn = timed_generate
-        from tidal.model.loading import load_tokenizer
-
         check_prompt_tokens(trainer, cfg, load_tokenizer(base), rows)
         params = {**flatten(cfg), **{f"trl.{k}": str(v) for k, v in trl_settings(cfg, args.micro_batches)[0].items()}}
         log_params(tracking["uri"], run_id, params)
@@ -624,11 +913,18 @@ def trl_child(argv: list[str]) -> None:
             raise
     tracker.finish()
     samples = P * cfg.rollout.group_size
-    # one HF generate call of every completion of the step, and one optimizer step, per step
-    if trainer.state.global_step != args.steps or clock["generations"] != [samples] * args.steps:
+    # one HF generate call of every completion of the step (with tools: the first turn's, then one per
+    # round of tool results for the trajectories that called), and one optimizer step, per step
+    calls = clock["step_generations"]
+    if (
+        trainer.state.global_step != args.steps
+        or [c[:1] for c in calls] != [[samples]] * args.steps
+        or (not multi_turn and any(len(c) != 1 for c in calls))
+        or any(len(c) > cfg.rollout.max_turns for c in calls)
+    ):
         raise RuntimeError(
-            f"TRL took {trainer.state.global_step} optimizer steps and generated {clock['generations']} sequences per call; "
-            f"expected {args.steps} steps of one {samples}-sequence generation each"
+            f"TRL took {trainer.state.global_step} optimizer steps and generated {calls} sequences per call; "
+            f"expected {args.steps} steps whose first generation has all {samples} sequences"
         )
     Path(args.out).write_text(
         json.dumps(
@@ -637,6 +933,9 @@ def trl_child(argv: list[str]) -> None:
                 "generate_seconds": clock["generate"],
                 "reward_mean": clock["rewards"],
                 "samples": [float(samples)] * len(clock["steps"]),
+                "generate_calls": calls,
+                "tool_calls_per_trajectory": tool_calls,
+                "tool_divergences": divergences,
                 "mlflow_run_id": run_id,
             }
         )
@@ -657,6 +956,15 @@ def summarize_run(raw: dict, warmup: int, samples_per_step: int) -> dict:
         "generate_seconds_mean": statistics.fmean(raw["generate_seconds"][warmup:]),
         "reward_mean_measured": statistics.fmean(kept) if kept else None,
     }
+
+
+def agent_figures(res: dict, warmup: int) -> str:
+    """Tool calls per trajectory after the warm-up steps and, for TRL, its departures from Tidal's loop."""
+    calls = res.get("tool_calls_per_trajectory") or []
+    out = f", tool calls/trajectory {statistics.fmean(calls[warmup:]):.2f}" if calls[warmup:] else ""
+    if res.get("tool_divergences"):
+        out += ", departures from Tidal's loop: " + ", ".join(f"{k} {v}" for k, v in res["tool_divergences"].items())
+    return out
 
 
 def rep_orders(systems: list[str], reps: int) -> list[list[str]]:
@@ -705,7 +1013,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] in ("_trl", "_check"):
         return (trl_child if argv[0] == "_trl" else check_child)(argv[1:])
     ap = argparse.ArgumentParser(prog="tidal bench trl", description=__doc__.splitlines()[0])
-    ap.add_argument("config", nargs="?", default="examples/arithmetic.yaml")
+    ap.add_argument("config", nargs="?", default=None, help="the config (default examples/arithmetic.yaml)")
+    ap.add_argument("--config", dest="config_option", default=None, help="the same, as `tidal bench modes` takes it")
     ap.add_argument("--steps", type=int, default=20, help="optimizer steps (= iterations) per system and repetition")
     ap.add_argument("--warmup", type=int, default=2, help="leading steps left out of the timings (at least 1)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions; the order of the systems alternates")
@@ -718,6 +1027,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tracking-uri", default=None, help="MLflow store (default: $MLFLOW_TRACKING_URI, else runs/bench-trl/mlflow.db)")
     ap.add_argument("--experiment", default="tidal-bench-trl", help="MLflow experiment every run lands in, tagged `system`")
     args = ap.parse_args(argv)
+    if args.config and args.config_option and args.config != args.config_option:
+        raise SystemExit("tidal bench trl: give the config once (positional or --config)")
+    args.config = args.config or args.config_option or "examples/arithmetic.yaml"
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not systems or any(s not in SYSTEMS for s in systems):
         raise SystemExit(f"--systems: choose from {list(SYSTEMS)}, got {systems}")
@@ -754,9 +1066,18 @@ def main(argv: list[str] | None = None) -> None:
         config_path.write_text(dump_config(cfg))  # every system reads the same resolved config
         micro = ["--micro-batches", str(args.trl_micro_batches)]
         check = run_child("check", config_path, workdir / "check.json", micro)
-        ok = check["max_relative_grad_diff"] <= args.grad_tolerance and check["max_relative_grad_diff_loss_only"] <= args.loss_tolerance
+        ok = (
+            check["max_relative_grad_diff"] <= args.grad_tolerance
+            and check["max_relative_grad_diff_loss_only"] <= args.loss_tolerance
+            and check["reward_mismatches"] == 0
+        )
+        what = (
+            f"{check['samples']} trajectories, {check['tokens']} trained tokens of {check['trajectory_tokens']}, {check['tool_calls']} tool calls"
+            if check["multi_turn"]
+            else f"{check['samples']} completions, {check['tokens']} tokens"
+        )
         print(
-            f"gradient check ({check['samples']} completions, {check['tokens']} tokens, {check['groups_without_signal']} groups without signal): "
+            f"gradient check ({what}, {check['groups_without_signal']} groups without signal, {check['reward_mismatches']} rewards differing): "
             f"max relative difference {check['max_relative_grad_diff']:.2e} (tolerance {args.grad_tolerance:g}; TRL's std epsilon is 1e-4, Tidal's 1e-6), "
             f"{check['max_relative_grad_diff_loss_only']:.2e} with Tidal's advantages fed to TRL's loss (tolerance {args.loss_tolerance:g}); "
             f"advantages differ by at most {check['advantage_max_abs_diff']:.1e}",
@@ -780,7 +1101,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(
                     f"rep {r + 1} {name:8s} {res['seconds_per_iteration']:.3f} s/step (median {res['seconds_per_iteration_median']:.3f}, "
                     f"generate {res['generate_seconds_mean']:.3f}), "
-                    f"{res['samples_per_s']:.0f} samples/s, mean reward {res['reward_mean_measured']:.3f}",
+                    f"{res['samples_per_s']:.0f} samples/s, mean reward {res['reward_mean_measured']:.3f}{agent_figures(res, args.warmup)}",
                     flush=True,
                 )
             reps.append({"order": order, "results": results, "samples_per_step": samples_per_step})

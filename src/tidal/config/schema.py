@@ -144,6 +144,7 @@ AGENT_KEYS = (
     "tool_memory_mb",
     "tool_output_bytes",
     "tool_processes",
+    "tool_latency",
 )
 _MODULE_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -151,6 +152,15 @@ _MODULE_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 def _error(reason: str) -> PydanticCustomError:
     """A validation error whose text is `reason` alone (a plain ValueError gets pydantic's "Value error, " prefix)."""
     return PydanticCustomError("tidal_config", "{reason}", {"reason": reason})
+
+
+class ToolLatencyConfig(_Strict):
+    """A latency added to every call of rollout.tools (tidal.envs.latency): log-normal with this median
+    and this ratio of its 99th percentile to its median (sigma = ln(ratio) / 2.326)."""
+
+    distribution: Literal["lognormal"] = "lognormal"
+    p50_seconds: float = Field(gt=0)
+    p99_over_p50: float = Field(10.0, ge=1)
 
 
 class RolloutConfig(_Strict):
@@ -193,6 +203,8 @@ class RolloutConfig(_Strict):
     tool_memory_mb: int | None = Field(4096, gt=0)
     tool_output_bytes: int = Field(65536, gt=0)  # a tool's text past this many bytes (UTF-8) is cut, counted
     tool_processes: int = Field(4, gt=0)  # tool calls at once (processes), for engines that step trajectories concurrently
+    # a heavy-tailed latency on every call of rollout.tools, in their process (benchmarks: slow tools); None: none
+    tool_latency: ToolLatencyConfig | None = None
 
     @field_validator("env", "tool_parser")
     @classmethod

@@ -3,13 +3,14 @@ that runs the run's tools (rollout.tools) for its worker (tidal.hosted.serve: JS
 stderr, exits with its parent, rlimits).
 
 The parent writes `{"fn": NAME, "arguments": {...}}` (arguments already checked against the tool's
-schema), the host answers `{"text": str}` (the tool's value as text, at most B bytes of UTF-8; `"cut":
+schema; with rollout.tool_latency also `"delay": seconds`, slept before the tool runs), the host answers `{"text": str}` (the tool's value as text, at most B bytes of UTF-8; `"cut":
 n` when the text had n bytes) or `{"error": "Type: message"}`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from tidal.hosted import serve
 
@@ -17,6 +18,8 @@ from tidal.hosted import serve
 def answer(call: dict, functions: dict, output_bytes: int, memory_mb: int | None) -> dict:
     from tidal.envs.tools import as_text
 
+    if call.get("delay"):  # rollout.tool_latency: a slow tool, inside the tool's process and its timeout
+        time.sleep(call["delay"])
     try:
         text = as_text(functions[call["fn"]](**call["arguments"]))
     except MemoryError:

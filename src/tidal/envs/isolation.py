@@ -7,10 +7,12 @@ hold the trajectory's state and run in the worker."""
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from dataclasses import dataclass, replace
 
+from tidal.envs.latency import ToolLatency
 from tidal.envs.tools import Tool, ToolResult
 from tidal.hosted import HostCallError, HostProcess, HostStartError
 
@@ -24,10 +26,18 @@ class ToolLimits:
     memory_mb: int | None = 4096
     output_bytes: int = 65536
     processes: int = 4  # at most this many calls at once (the vLLM engine steps trajectories concurrently)
+    latency: ToolLatency | None = None  # rollout.tool_latency: each call waits this long in the tool's process first
 
     @classmethod
-    def from_config(cls, rollout) -> ToolLimits:
-        return cls(rollout.tool_timeout_seconds, rollout.tool_cpu_seconds, rollout.tool_memory_mb, rollout.tool_output_bytes, rollout.tool_processes)
+    def from_config(cls, rollout, seed: int = 0) -> ToolLimits:
+        return cls(
+            rollout.tool_timeout_seconds,
+            rollout.tool_cpu_seconds,
+            rollout.tool_memory_mb,
+            rollout.tool_output_bytes,
+            rollout.tool_processes,
+            ToolLatency.from_config(rollout.tool_latency, seed),
+        )
 
     def host_args(self) -> list[str]:
         args = [f"--output-bytes={self.output_bytes}"]
@@ -47,6 +57,7 @@ class ToolHost:
         self.processes: list[HostProcess] = []
         self.idle: queue.LifoQueue[HostProcess] = queue.LifoQueue()
         self.lock = threading.Lock()
+        self.calls = itertools.count()  # call n's latency is rollout.tool_latency's draw n
 
     def _new_process(self) -> HostProcess:
         limits = self.limits
@@ -73,7 +84,10 @@ class ToolHost:
 
     def _run(self, process: HostProcess, tool: Tool, arguments: dict) -> ToolResult:
         try:
-            reply = process.request({"fn": tool.reference, "arguments": arguments})
+            call = {"fn": tool.reference, "arguments": arguments}
+            if self.limits.latency is not None:
+                call["delay"] = self.limits.latency.seconds(next(self.calls))
+            reply = process.request(call)
         except HostCallError as err:
             failure = "timeout" if err.kind == "Timeout" else "crash"
             return ToolResult(f"error: {tool.name} failed: {err}", True, failure)

@@ -177,7 +177,8 @@ def tool_use_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem],
 
     ws = cfg.model.warm_start
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE  # saved with the model: TRL, vLLM and an exported model render the same turns
-    loop = AgentLoop.from_config(cfg, tokenizer)
+    # the traces are scripted: a benchmark's tool latency (rollout.tool_latency) would only slow them down
+    loop = AgentLoop.from_config(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"tool_latency": None})}), tokenizer)
     try:
         traces = make_traces(loop, pool, ws.tool_use, ws.tool_mistakes, warm_start_seed(cfg))
     finally:

@@ -92,7 +92,7 @@ class AgentLoop:
         from tidal.model.tiny import TOOL_CHAT_TEMPLATE
 
         r = cfg.rollout
-        factory = EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, tokenizer, r.max_tool_calls, ToolLimits.from_config(r))
+        factory = EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, tokenizer, r.max_tool_calls, ToolLimits.from_config(r, cfg.seed))
         own = getattr(tokenizer, "chat_template", None)
         return cls(cfg, tokenizer, factory, None if own or cfg.model.name_or_path is not None else TOOL_CHAT_TEMPLATE, context)
 
@@ -136,20 +136,24 @@ class AgentLoop:
     def fit_observations(self, observations: list[dict], tools: list[dict], row: _Row) -> list[int] | None:
         """The inserted tokens, at most rollout.max_env_tokens_per_turn: the longest observations are
         cut (counted) until they fit; None when the template's own tokens alone do not."""
+        return self.fitted_observations(observations, tools, row)[0]
+
+    def fitted_observations(self, observations: list[dict], tools: list[dict], row) -> tuple[list[int] | None, list[dict]]:
+        """`fit_observations`, with the observations as cut (`row`: anything with a `truncated_observations` count)."""
         limit = self.cfg.rollout.max_env_tokens_per_turn
         observations = [dict(o) for o in observations]
         for _ in range(len(observations) + 2):
             tokens = self.inserted_tokens(observations, tools)
             over = len(tokens) - limit
             if over <= 0:
-                return tokens
+                return tokens, observations
             longest = max(range(len(observations)), key=lambda i: len(str(observations[i].get("content", ""))), default=None)
             content = self.tokenizer(str(observations[longest].get("content", "")), add_special_tokens=False).input_ids if longest is not None else []
             if not content:
-                return None
+                return None, observations
             observations[longest]["content"] = self.tokenizer.decode(content[: max(0, len(content) - over - 1)]) + "…"
             row.truncated_observations += 1
-        return None
+        return None, observations
 
     # --- one engine call ---------------------------------------------------------------------
 
