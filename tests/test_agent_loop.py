@@ -5,6 +5,8 @@ each observation, with the loss mask, rewards and environment counts the trainer
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -51,6 +53,23 @@ class Fragile(Chatty):
         self.turn += 1
         if self.turn == 2:
             raise ConnectionError("the sandbox went away")
+        return super().step(assistant_text)
+
+
+class Overlapping(Chatty):
+    """Records how many steps (of any trajectory) are running while each runs."""
+
+    active, most = 0, 0
+    lock = threading.Lock()
+
+    def step(self, assistant_text: str):
+        cls = type(self)
+        with cls.lock:
+            cls.active += 1
+            cls.most = max(cls.most, cls.active)
+        time.sleep(0.2)
+        with cls.lock:
+            cls.active -= 1
         return super().step(assistant_text)
 
 
@@ -116,6 +135,19 @@ def test_trajectory_groups_are_the_sampled_tokens_and_the_templates_rendering_of
     learner.train_on_groups(decoded)
     assert learner.tokens == sum(s.sampled_tokens for g in groups for s in g.samples)
     assert learner.step()["logprob_mismatch"] < 1e-5
+
+
+def test_the_hf_engine_runs_one_turns_environment_steps_at_once():
+    """A turn's steps run together, on threads: a slow tool costs its latency once per turn, not once
+    per row. The trajectories are the ones the steps one at a time give."""
+    engine, tok = tiny_engine()
+    cfg = agent_config("tests.test_agent_loop:Overlapping")
+    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, 0, "w")
+    assert Overlapping.most > 1
+    assert groups[0].env_stats["turns"] > G  # some rows took several turns, each stepped
+    chatty = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), agent_config("tests.test_agent_loop:Chatty"), 0, "w")
+    for g, h in zip(groups, chatty):
+        assert [s.token_ids.tolist() for s in g.samples] == [s.token_ids.tolist() for s in h.samples]
 
 
 def test_long_observations_are_cut_to_the_per_turn_limit_and_counted():

@@ -174,7 +174,7 @@ class AgentLoop:
         r = self.cfg.rollout
         call = self.begin(problems, requests)
         if isinstance(engine, HFEngine):
-            trajectories = run_trajectories(engine, requests, call.respond, r.max_turns, r.max_new_tokens, greedy)
+            trajectories = run_trajectories(engine, requests, call.respond, r.max_turns, r.max_new_tokens, greedy, call.step_all)
         else:
             trajectories = engine.run_trajectories(requests, call.respond_async, r.max_turns, r.max_new_tokens)
         return list(zip(call.rows, trajectories))
@@ -313,8 +313,20 @@ class _Call:
 
     def __init__(self, agent: AgentLoop, rows: list[_Row], prompt_lengths: list[int], started: float):
         self.agent, self.rows, self.prompt_lengths, self.started = agent, rows, prompt_lengths, started
+        self.stepped: dict[int, tuple[list[dict], bool] | None] = {}  # step_all's outcomes, until respond takes them
+
+    def step_all(self, turns: dict[int, Turn]) -> None:
+        """Every row's environment step of one turn at once, on the step threads: the HF engine's
+        rows wait for the slowest step of the turn, not for the sum of them (a slow tool's latency is
+        paid once per turn). Reading and tokenising stay on this thread; `respond` then answers."""
+        texts = {index: self.read(index, turn) for index, turn in turns.items()}
+        pool = self.agent.env_pool()
+        futures = {index: pool.submit(self.step, index, text) for index, text in texts.items() if text is not None}
+        self.stepped = {index: (futures[index].result() if index in futures else None) for index in texts}
 
     def respond(self, index: int, turn: Turn) -> list[int] | None:
+        if index in self.stepped:
+            return self.answer(index, self.stepped.pop(index))
         text = self.read(index, turn)
         return None if text is None else self.answer(index, self.step(index, text))
 

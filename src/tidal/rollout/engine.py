@@ -288,20 +288,31 @@ Respond = Callable[[int, Turn], "list[int] | None"]
 
 
 def run_trajectories(
-    engine: HFEngine, requests: list[GroupRequest], respond: Respond, max_turns: int, max_new_tokens: int | None = None, greedy: bool = False
+    engine: HFEngine,
+    requests: list[GroupRequest],
+    respond: Respond,
+    max_turns: int,
+    max_new_tokens: int | None = None,
+    greedy: bool = False,
+    before_responses: Callable[[dict[int, Turn]], None] | None = None,
 ) -> list[TrajectoryTokens]:
     """Generates one trajectory per row (G per request, in order), turn after turn.
 
     After each turn, ``respond(row, turn)`` returns the token ids to insert before the row's next turn
     (the environment's answer in the chat template), or None when the trajectory is over. The tokens
     kept are the ones sampled and the ones `respond` gave, never a re-tokenisation of decoded text.
-    A trajectory that still wants a turn after `max_turns` ends there (finish reason max_turns)."""
+    A trajectory that still wants a turn after `max_turns` ends there (finish reason max_turns).
+    `before_responses(turns)`, if given, sees every row's turn first (to run the environment's steps
+    of all rows at once)."""
     batch = engine.start(requests)
     out = {row: TrajectoryTokens([], [], []) for row in batch.rows}
     for turn_index in range(max_turns):
         last = turn_index + 1 == max_turns
         inserted: dict[int, list[int]] = {}
-        for row, turn in batch.sample_turn(max_new_tokens or engine.max_new_tokens, greedy, final=last).items():
+        turns = batch.sample_turn(max_new_tokens or engine.max_new_tokens, greedy, final=last)
+        if before_responses is not None:
+            before_responses(turns)
+        for row, turn in turns.items():
             out[row].add_turn(turn)
             tokens = out[row].insert(respond(row, turn), last)
             if tokens is not None:
