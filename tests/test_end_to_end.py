@@ -9,7 +9,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from tests.conftest import embedded_nats_url, read_jsonl, run_and_kill, run_cli, start_run, trained_in
+from tests.conftest import embedded_nats_url, read_jsonl, run_and_kill, run_cli, start_run, trained_in, wait_until
 from tidal.tracking import mlflow_metric_name
 
 REQUIRED_METRICS = [
@@ -340,6 +340,46 @@ def test_a_killed_trainer_resumes_and_loses_no_group(tmp_path, write_config):
     assert len(keys) == len(set(keys)) == 3 * 6
     assert "restarting from the last checkpoint" in (run_dir / "logs" / "launcher.log").read_text()
     assert "resumed from checkpoint: version 1" in (run_dir / "logs" / "trainer.log").read_text()
+
+
+def test_workers_that_left_on_a_dying_trainers_failed_state_are_started_again(tmp_path, write_config):
+    """A trainer rank whose peer dies sees an error in a collective and records "failed" before torchrun
+    ends it; the workers exit on that state. The launcher reopens the run with the restarted trainer and
+    starts the workers again (it once restarted the trainer alone, which then waited for ever)."""
+    import os
+    import signal
+
+    from tidal.config import load_config
+    from tidal.rundir import RunDir
+
+    config = write_config(
+        {
+            "transport.ack_wait_seconds": 2.0,
+            "eval.enabled": False,
+            "rollout.groups_per_batch": 1,
+            "reward.functions": [{"name": "tests.rewards:slow_exact_match"}],
+        }
+    )
+    run_dir = tmp_path / "run"
+    proc = start_run(config, run_dir)
+    try:
+        wait_until(lambda: trained_in(run_dir, 1), proc)
+        run = RunDir(run_dir)
+        # what the dying trainer rank writes, with the run's own credentials
+        run.nats(embedded_nats_url(run_dir), load_config(config).transport, {"token": (run_dir / "nats-token").read_text()}).record_run_state(
+            "failed"
+        )
+        wait_until(lambda: "the run or round is over" in run.log("worker-0").read_text(), proc)
+        os.kill(int(run.pid_file("trainer").read_text()), signal.SIGKILL)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert [m["iteration"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2]
+    keys = [(r["iteration"], r["prompt_id"]) for r in read_jsonl(run_dir / "groups.jsonl")]
+    assert len(keys) == len(set(keys)) == 3 * 6
+    assert "exited on the interrupted trainer's run state; starting it again" in (run_dir / "logs" / "launcher.log").read_text()
 
 
 def test_forged_and_malformed_groups_are_rejected_and_counted_and_the_run_finishes(tmp_path, write_config):

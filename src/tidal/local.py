@@ -67,8 +67,9 @@ def run_periodic_local(cfg: TidalConfig, run: RunDir, bar: ProgressBar, lock: Ru
         nats_url, credentials = server.url, server.credentials
     elif not reachable(nats_url):
         raise NatsUnavailableError(f"cannot reach NATS at {nats_url} (transport.nats_url): is it running?")
-    roles = RoleProcesses(run, nats_url, cfg, env={TOKEN_ENV: credentials["token"]} if credentials else {}, options=options)
     nats = run.nats(nats_url, cfg.transport, credentials)
+    env = {TOKEN_ENV: credentials["token"]} if credentials else {}
+    roles = RoleProcesses(run, nats_url, cfg, env=env, options=options, reopen_run=nats.open_run_state)
     seen = 0
     try:
         nats.open_run_state()

@@ -142,13 +142,18 @@ class RoleProcesses:
     """Trainer and rollout workers as child processes; dead workers are restarted (their work is
     redelivered). Each reads its threads from the run's config.yaml (resolved by `tidal run`)."""
 
-    def __init__(self, run: RunDir, nats_url: str, cfg: TidalConfig, env: dict | None = None, options: dict | None = None):
+    def __init__(self, run: RunDir, nats_url: str, cfg: TidalConfig, env: dict | None = None, options: dict | None = None, reopen_run=None):
         self.run, self.nats_url, self.cfg = run, nats_url, cfg
+        # Marks the run running again before a restarted trainer: a dying trainer rank may have recorded
+        # "failed" (a peer's death surfaces as an error in a collective), and workers exit on it.
+        self.reopen_run = reopen_run or (lambda: None)
         self.env = env or {}  # e.g. the embedded server's token
         self.options = options or {}  # child_options
         trainer_total, self.worker_threads = split_cores(cfg)
         self.trainer_threads = max(1, trainer_total // cfg.trainer.ranks)  # per rank
         self.workers: dict[str, subprocess.Popen] = {}
+        self.worker_started: dict[str, float] = {}
+        self.trainer_restarted_at = 0.0
         self.restarts: dict[str, int] = {}
         self.trainer: subprocess.Popen | None = None
         self.devices = local_accelerator_env(cfg)
@@ -179,6 +184,7 @@ class RoleProcesses:
             self.start_worker(f"worker-{i}")
 
     def start_worker(self, worker_id: str) -> None:
+        self.worker_started[worker_id] = time.time()
         self.workers[worker_id] = self._spawn(["rollout-worker", "--worker-id", worker_id], worker_id, self.worker_threads)
 
     def failed(self, role: str, code: int, what: str) -> RoleFailed:
@@ -194,7 +200,11 @@ class RoleProcesses:
         """True once the trainer is done; raises if a role failed for good."""
         for wid, proc in list(self.workers.items()):
             code = proc.poll()
-            if code not in (None, 0) and self.trainer.poll() is None:
+            if code == 0 and self.trainer.poll() is None and self.worker_started[wid] < self.trainer_restarted_at:
+                # it exited on the state the interrupted trainer left, which the restart has since reopened
+                log.info("rollout worker %s exited on the interrupted trainer's run state; starting it again", wid)
+                self.start_worker(wid)
+            elif code not in (None, 0) and self.trainer.poll() is None:
                 self.restarts[wid] = self.restarts.get(wid, 0) + 1
                 if self.restarts[wid] > MAX_WORKER_RESTARTS:
                     raise self.failed(wid, code, f"rollout worker {wid} ({self.restarts[wid]} times)")
@@ -211,6 +221,8 @@ class RoleProcesses:
             # the unacked groups of the interrupted iteration are redelivered to it.
             self.restarts["trainer"] = self.restarts.get("trainer", 0) + 1
             log.warning("trainer exited with %s; restarting from the last checkpoint", f"signal {-code}" if code < 0 else f"code {code}")
+            self.reopen_run()
+            self.trainer_restarted_at = time.time()
             self.trainer = self._spawn(["train"], "trainer", self.trainer_threads)
             return False
         if code != 0:
