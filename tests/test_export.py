@@ -110,6 +110,7 @@ def test_the_last_snapshot_exports_as_a_model_transformers_loads_with_the_runs_l
 def test_an_earlier_version_exports_and_merge_changes_nothing_for_full_weights(tool_run, tmp_path, capsys):
     status, stdout, stderr = export(capsys, str(tool_run), "--out", str(tmp_path / "v1"), "--version", "1", "--merge")
     assert status == 0, stderr
+    assert "(full)" in stdout and "--merge: a full-weight version has no adapter to merge" in stdout
     record = json.loads((tmp_path / "v1" / "tidal_export.json").read_text())
     assert (record["version"], record["iteration"], record["kind"]) == (1, 0, "full")
     assert record["heldout_accuracy"] is None  # only the final version was evaluated (no eval.every)
@@ -149,6 +150,19 @@ def test_a_corrupt_or_unsigned_snapshot_is_refused_and_nothing_is_written(tool_r
     assert status == 2 and err.count("\n") == 1 and "is not signed with this run's key" in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_heldout_accuracy_is_the_versions_curve_point_else_the_final_summary_else_none(tmp_path):
+    from tidal.export import heldout_accuracy
+    from tidal.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    assert heldout_accuracy(run, 3) is None
+    (tmp_path / "summary.json").write_text(json.dumps({"final_weights": str(tmp_path / "weights" / "v000003"), "accuracy_after": 0.25}))
+    run.evals.append_many([{"version": 2, "accuracy": 0.5}, {"version": 3, "accuracy": 0.75}])
+    assert [heldout_accuracy(run, v) for v in (1, 2, 3)] == [None, 0.5, 0.75]
+    (tmp_path / "eval.jsonl").unlink()
+    assert [heldout_accuracy(run, v) for v in (2, 3)] == [None, 0.25]
 
 
 def write_stand_in_adapter_version(run_dir: Path, version: int) -> Path:

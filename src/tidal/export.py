@@ -303,6 +303,8 @@ def main(args: argparse.Namespace) -> int:
         mlflow_run_of(run)
     exported = export_version(run, args.out, args.version, args.merge)
     line = f"exported version {exported.version} of {exported.record['run_id']} ({exported.kind}) to {exported.path}"
+    if args.merge and exported.kind == "full":
+        line += " (--merge: a full-weight version has no adapter to merge)"
     if args.register:
         line += f"; registered as {args.register} version {register_export(run, exported, args.register)}"
     print(line)
