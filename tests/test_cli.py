@@ -19,7 +19,7 @@ def subcommands():
 
 def test_every_subcommand_names_its_handler():
     choices = subcommands()
-    assert {"run", "train", "rollout-worker", "eval", "bench", "plan", "chaos", "ui", "report", "compile", "submit"} <= set(choices)
+    assert {"run", "train", "rollout-worker", "eval", "bench", "plan", "chaos", "ui", "report", "export", "compile", "submit"} <= set(choices)
     without = [name for name, parser in choices.items() if not callable(parser.get_default("func"))]
     assert without == []
 

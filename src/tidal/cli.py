@@ -1,4 +1,4 @@
-"""`tidal run | rollout-worker | train | eval | bench | plan | chaos | ui | report | compile | submit`.
+"""`tidal run | rollout-worker | train | eval | bench | plan | chaos | ui | report | export | compile | submit`.
 
 Every subcommand dispatches the same way: its parser sets ``func``, the handler that takes the
 parsed arguments and returns the exit status; `_main` calls it and turns the errors every
@@ -87,10 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         "CONFIG [--faults ...] [--runs N] [--json PATH]",
         chaos_command,
     )
-    from tidal import report, ui
+    from tidal import export, report, ui
 
     ui.register(sub)
     report.register(sub)
+    export.register(sub)
     try:
         from tidal.kube import commands as kube_commands
 
