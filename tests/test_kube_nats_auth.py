@@ -215,7 +215,7 @@ def test_each_role_can_do_its_part_of_a_round_on_the_clusters_nats(server, compi
         await msgs[0].ack()
         await t.put_worker_health(WorkerHealth("r000-1").record())  # its heartbeat
         await t.put(f"{weight_handshake.READY_PREFIX}0", {"version": 0, "offer": "x"})
-        await weight_handshake.turn_off(t, "joined late")
+        await weight_handshake.refuse(t, "joined late")  # the NCCL transfer, which only the trainer turns off
         await t.close()
         return decode_work_item(msgs[0].data).prompt_id
 
@@ -230,7 +230,8 @@ def test_each_role_can_do_its_part_of_a_round_on_the_clusters_nats(server, compi
         (m,) = await t.fetch(sub, 5, timeout=2.0)
         got = decode_group(m.data)
         await m.ack()
-        assert [r["worker_id"] for r in await t.worker_health()] == ["r000-1"] and (await t.get(KVKey.NCCL))["state"] == "off"
+        assert [r["worker_id"] for r in await t.worker_health()] == ["r000-1"]
+        assert await weight_handshake.off_reason(t) == "joined late" and (await t.get(KVKey.NCCL))["state"] == "off"
         described = [await t.describe_work(seq) for seq in (1, 2, 3)]  # naming an item JetStream gave up on (acked ones are gone)
         assert sum(d.startswith("work item 0/") for d in described) == 2, described
         await t.on_undeliverable_work(lambda seq: None)  # the max-deliveries advisory
