@@ -15,6 +15,8 @@ import time
 import numpy as np
 import pytest
 import yaml
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import BadRequestError
 
 from tests.test_kube_manifests import build_overlay, by_kind
 from tidal.config import TransportConfig, load_config
@@ -23,7 +25,17 @@ from tidal.kube.pipeline import compile_pipeline
 from tidal.kube.trainer_job import secret_env
 from tidal.protocol import Group, KVKey, RunState, Sample, WorkItem, decode_group, decode_work_item
 from tidal.rundir import RunDir
-from tidal.transport import NatsPermissionError, NatsUnavailableError, Transport, delete_run, permission_violations, stream_names, weight_handshake
+from tidal.transport import (
+    WORKERS_CONSUMER,
+    NatsPermissionError,
+    NatsUnavailableError,
+    Transport,
+    delete_run,
+    inbox_prefix,
+    permission_violations,
+    stream_names,
+    weight_handshake,
+)
 from tidal.transport.health import WorkerHealth
 from tidal.transport.server import TOKEN_ENV, free_port, nats_server_binary
 
@@ -215,7 +227,7 @@ def test_each_role_can_do_its_part_of_a_round_on_the_clusters_nats(server, compi
         await msgs[0].ack()
         await t.put_worker_health(WorkerHealth("r000-1").record())  # its heartbeat
         await t.put(f"{weight_handshake.READY_PREFIX}0", {"version": 0, "offer": "x"})
-        await weight_handshake.turn_off(t, "joined late")
+        await weight_handshake.refuse(t, "joined late")  # the NCCL transfer, which only the trainer turns off
         await t.close()
         return decode_work_item(msgs[0].data).prompt_id
 
@@ -230,7 +242,8 @@ def test_each_role_can_do_its_part_of_a_round_on_the_clusters_nats(server, compi
         (m,) = await t.fetch(sub, 5, timeout=2.0)
         got = decode_group(m.data)
         await m.ack()
-        assert [r["worker_id"] for r in await t.worker_health()] == ["r000-1"] and (await t.get(KVKey.NCCL))["state"] == "off"
+        assert [r["worker_id"] for r in await t.worker_health()] == ["r000-1"]
+        assert await weight_handshake.off_reason(t) == "joined late" and (await t.get(KVKey.NCCL))["state"] == "off"
         described = [await t.describe_work(seq) for seq in (1, 2, 3)]  # naming an item JetStream gave up on (acked ones are gone)
         assert sum(d.startswith("work item 0/") for d in described) == 2, described
         await t.on_undeliverable_work(lambda seq: None)  # the max-deliveries advisory
@@ -387,3 +400,123 @@ def test_the_server_does_not_start_without_every_roles_password(tmp_path):
     env = {"POD_NAME": "tidal-nats-0", **{name: "p" * 12 for name in server_env if name != missing}}
     result = subprocess.run([nats_server_binary(), "-c", str(tmp_path / "nats.conf")], capture_output=True, text=True, env=env, timeout=20)
     assert result.returncode != 0 and missing in result.stderr + result.stdout
+
+
+ROLE_ENVS = {"trainer": None, "worker": "exec-rollout-worker", "control": "exec-prepare"}
+
+
+def env_of_role(compiled_env, role: str) -> dict:
+    return trainer_job_env() if ROLE_ENVS[role] is None else role_env(compiled_env, ROLE_ENVS[role])
+
+
+async def _new_violations(nc, mark: int, count: int) -> list[str]:
+    """The ``count`` permission violations the server reports to ``nc`` after the first ``mark``."""
+    await nc.flush()
+    await eventually(lambda: _has_violations(nc, mark + count))
+    return [v.lower() for v in permission_violations(nc)[mark:]]
+
+
+async def _has_violations(nc, count: int) -> bool:
+    return len(permission_violations(nc)) >= count
+
+
+@pytest.mark.parametrize("role", sorted(ROLE_ENVS))
+def test_each_role_hears_replies_in_its_own_inbox_only(server, compiled_env, monkeypatch, running_round, role):
+    """Replies (publish acks, pulled messages, KV gets) go to ``_INBOX_<user>``: a role may not subscribe to every
+    inbox, nor to another role's, so it cannot read their pulled messages or KV replies."""
+    as_pod(monkeypatch, server, env_of_role(compiled_env, role))
+    others = [f"{inbox_prefix({'user': cluster.nats_user(other)})}.>" for other in sorted(ROLE_ENVS) if other != role]
+
+    async def attempts():
+        t = await Transport.connect(server.url, RUN, running_round, create=False)
+        own_replies = []
+
+        async def keep(msg) -> None:
+            own_replies.append(msg)
+
+        await t.nc.subscribe(f"{inbox_prefix({'user': cluster.nats_user(role)})}.>", cb=keep)
+        mark = len(permission_violations(t.nc))
+        for subject in ["_INBOX.>", *others]:
+            await t.nc.subscribe(subject)
+        refused = await _new_violations(t.nc, mark, 1 + len(others))
+        policy = await t.policy()  # its own reply comes to its own inbox: to the wildcard subscription too
+        await eventually(lambda: _nonempty(own_replies))
+        await t.close()
+        return refused, policy.version
+
+    refused, version = asyncio.run(attempts())
+    assert version == 0
+    for subject in ["_INBOX.>", *others]:
+        assert any(f'subscription to "{subject.lower()}"' in v for v in refused), (subject, refused)
+    assert len(refused) == 1 + len(others), refused  # its own inbox was not refused
+
+
+async def _nonempty(items: list) -> bool:
+    return bool(items)
+
+
+def test_only_the_trainer_writes_the_nccl_offer(server, compiled_env, monkeypatch, running_round):
+    """The offer names the NCCL group the engines join and what they take from it: a worker may write its lane's
+    ready key, its heartbeat and a refusal, never the offer."""
+    forged = {"state": "offer", "id": "forged", "version": 1, "lanes": 1, "rendezvous": {"group": "elsewhere", "formed": False}, "update_info": {}}
+    as_pod(monkeypatch, server, role_env(compiled_env, "exec-rollout-worker"))
+
+    async def worker():
+        t = await Transport.connect(server.url, RUN, running_round, create=False)
+        with pytest.raises(NatsPermissionError) as refused:
+            await t.put(KVKey.NCCL, forged)
+        await t.put(f"{weight_handshake.READY_PREFIX}0", {"version": 1, "offer": "o-1"})
+        await t.put_worker_health(WorkerHealth("r000-0").record())
+        later = permission_violations(t.nc)[1:]
+        await t.close()
+        return str(refused.value), later
+
+    refused, later = asyncio.run(worker())
+    assert "tidal-worker" in refused and f'"$kv.{stream_names(RUN)["kv_bucket"]}.weight_sync.nccl"'.lower() in refused.lower()
+    assert later == []  # its ready key and heartbeat were not refused
+    as_pod(monkeypatch, server, trainer_job_env())
+
+    async def trainer():
+        t = await Transport.connect(server.url, RUN, running_round, create=True)
+        before = await weight_handshake.pending_offer(t)
+        await t.put(KVKey.NCCL, {**forged, "id": "trainers"})
+        after = await weight_handshake.pending_offer(t)
+        ready, beats = await t.get(f"{weight_handshake.READY_PREFIX}0"), await t.worker_health()
+        await t.close()
+        return before, after["id"], ready["offer"], [b["worker_id"] for b in beats]
+
+    assert asyncio.run(trainer()) == (None, "trainers", "o-1", ["r000-0"])
+
+
+def test_the_pipeline_steps_may_not_add_a_consumer_that_reads_rollouts(server, compiled_env, monkeypatch, running_round):
+    """Control creates the run's two durables (by name); a push consumer of its own on ROLLOUTS, named or
+    ephemeral, is refused, and so is a second one named like WORK's (each stream holds one consumer)."""
+    as_pod(monkeypatch, server, role_env(compiled_env, "exec-prepare"))
+
+    async def attempts():
+        t = await Transport.connect(server.url, RUN, running_round, create=True)  # its own part: streams, durables, bucket
+        js, stream, deliver = t.js, t.names["rollouts_stream"], t.nc.new_inbox()
+        mark = len(permission_violations(t.nc))
+        for named in ({"durable_name": "spy"}, {}):
+            with pytest.raises(NatsTimeout):  # dropped by the server, named in the violations
+                await js.add_consumer(stream, deliver_subject=deliver, timeout=1.0, **named)
+        refused = await _new_violations(t.nc, mark, 2)
+        with pytest.raises(BadRequestError) as over_limit:
+            await js.add_consumer(stream, durable_name=WORKERS_CONSUMER, deliver_subject=deliver)
+        await t.close()
+        return refused, over_limit.value
+
+    refused, over_limit = asyncio.run(attempts())
+    stream = stream_names(RUN)["rollouts_stream"].lower()
+    assert any(f'"$js.api.consumer.durable.create.{stream}.spy"' in v for v in refused), refused
+    assert any(f'"$js.api.consumer.create.{stream}"' in v for v in refused), refused
+    assert "maximum consumers limit" in over_limit.description.lower(), over_limit
+    as_pod(monkeypatch, server, trainer_job_env())
+
+    async def trainer_view():
+        t = await Transport.connect(server.url, RUN, running_round, create=False)
+        info = await t.js.stream_info(t.names["rollouts_stream"])
+        await t.close()
+        return info.state.consumer_count
+
+    assert asyncio.run(trainer_view()) == 1

@@ -51,6 +51,7 @@ class KVKey:
     RUN = "run"  # RunStatus
     NCCL = "weight_sync.nccl"  # the NCCL weight-transfer handshake (transport/weight_handshake.py)
     NCCL_READY_PREFIX = "weight_sync.ready."
+    NCCL_REFUSED = "weight_sync.refused"  # a worker's reason the NCCL transfer cannot go on; only the trainer writes NCCL
 
     WORKERS_PREFIX = "workers."
 

@@ -224,7 +224,7 @@ class VLLMRolloutWorker:
 
     async def run(self) -> None:
         if self.cfg.rollout.vllm.weight_sync == "nccl" and not self.nccl:
-            await weight_handshake.turn_off(self.transport, f"worker {self.worker_id}'s vLLM engine runs on {self.engine.device} (NCCL needs CUDA)")
+            await weight_handshake.refuse(self.transport, f"worker {self.worker_id}'s vLLM engine runs on {self.engine.device} (NCCL needs CUDA)")
         sub = await self.transport.work_subscription()
         keep_alive = asyncio.create_task(self._keep_alive())
         heartbeat = asyncio.create_task(beat(self.transport, self.health))

@@ -105,8 +105,7 @@ class NcclWeightPush:
         """True once every engine holds `version`; False: the fast path is (now) off."""
         if not self.active:
             return False
-        current = await self.transport.get(weight_handshake.KEY)
-        if current and current.get("state") == "off":  # a worker turned it off (it cannot take part)
+        if await weight_handshake.off_reason(self.transport) is not None:  # a worker refused it (it cannot take part)
             self.active = False
             return False
         tensors = broadcast_tensors(state)

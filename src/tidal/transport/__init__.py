@@ -19,6 +19,7 @@ from tidal.transport.connect import (  # noqa: F401
     NatsUnavailableError,
     connect_nats,
     credentials_from_env,
+    inbox_prefix,
     permission_violations,
     raise_if_denied,
 )

@@ -14,6 +14,8 @@ from nats.js.errors import ServiceUnavailableError
 
 from tidal.transport.server import TOKEN_ENV
 
+DEFAULT_INBOX_PREFIX = "_INBOX"  # nats-py's
+
 # the package's log lines carry one name, whichever of its modules writes them
 log = logging.getLogger("tidal.transport")
 
@@ -58,6 +60,14 @@ def credentials_from_env() -> dict:
     return {}
 
 
+def inbox_prefix(credentials: dict) -> str:
+    """Where the server sends this client's replies (publish acks, pulled messages, KV gets): a user's own
+    ``_INBOX_<user>``, so the cluster's auth.conf can let each role subscribe to its own replies only;
+    the shared ``_INBOX`` for a token or credentials-file login, whose user name the client does not know."""
+    user = credentials.get("user")
+    return f"_INBOX_{user}" if user else DEFAULT_INBOX_PREFIX
+
+
 async def connect_nats(url: str, name: str, credentials: dict) -> NatsClient:
     """A client that reconnects through a short outage (a restarted nats-server) and logs each
     connection event in one line, not nats-py's tracebacks."""
@@ -88,6 +98,7 @@ async def connect_nats(url: str, name: str, credentials: dict) -> NatsClient:
             reconnect_time_wait=1,
             max_reconnect_attempts=20,
             name=name,
+            inbox_prefix=inbox_prefix(credentials),
             error_cb=on_error,
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,

@@ -35,7 +35,9 @@ def stream_config(kind: str, names: dict[str, str], cfg: TransportConfig) -> Str
 
     At ``stream_max_mb`` ROLLOUTS drops its oldest groups, which the trainer acked long ago (it acks an
     iteration's groups at its boundary), while WORK refuses new items, so the trainer fails loudly
-    instead of work vanishing. ``stream_max_age_hours`` ages out whatever a dead run left behind."""
+    instead of work vanishing. ``stream_max_age_hours`` ages out whatever a dead run left behind.
+    Each stream holds its one durable consumer and no other (``max_consumers``): NATS permissions name a
+    consumer but not its stream, so the limit is what keeps a "workers" consumer off ROLLOUTS."""
     max_age = cfg.stream_max_age_hours * 3600 if cfg.stream_max_age_hours else None
     return StreamConfig(
         name=names[f"{kind}_stream"],
@@ -46,6 +48,7 @@ def stream_config(kind: str, names: dict[str, str], cfg: TransportConfig) -> Str
         max_bytes=cfg.stream_max_mb * 1024 * 1024 if cfg.stream_max_mb else -1,
         max_age=max_age or 0,
         discard=DiscardPolicy.NEW if kind == "work" else DiscardPolicy.OLD,
+        max_consumers=1,
         # Nats-Msg-Id de-duplication (redelivered work publishes once); JetStream wants it within max_age
         duplicate_window=min(3600, max_age) if max_age else 3600,
     )

@@ -11,9 +11,11 @@ the same version again) never counts, and a worker only answers an offer, never 
 
 When a step times out or fails, the trainer turns the transfer off for the rest of the run
 (`state: off`, with the reason) and everyone loads from the weight store, which holds every version
-anyway. A worker that was not a member when the group formed (a restarted one) turns it off
-itself: an NCCL group cannot be rejoined. A worker whose join or receive outlives its deadline
-exits (its engine is stuck inside the collective) and is restarted, loading from the store.
+anyway. A worker that cannot take part (a restarted one that was not a member when the group
+formed: an NCCL group cannot be rejoined) refuses it, under a key of its own, and the trainer turns
+it off: only the trainer writes the offer's key, so a worker cannot forge an offer (a group to join,
+weights to take). A worker whose join or receive outlives its deadline exits (its engine is stuck
+inside the collective) and is restarted, loading from the store.
 
 Only the handshake lives here (no vLLM, no NCCL): the transfer itself is in the vLLM adapter.
 """
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 
 KEY = KVKey.NCCL
 READY_PREFIX = KVKey.NCCL_READY_PREFIX
+REFUSED = KVKey.NCCL_REFUSED
 
 
 def lane_of(worker_id: str) -> int:
@@ -42,8 +45,27 @@ def lane_of(worker_id: str) -> int:
 
 
 async def turn_off(transport, reason: str) -> None:
+    """Trainer: the transfer is off for the rest of the run."""
     log.warning("NCCL weight transfer off for the rest of the run: %s; workers load from the weight store", reason)
     await transport.put(KEY, {"state": "off", "reason": reason})
+
+
+async def refuse(transport, reason: str) -> None:
+    """Worker: this engine cannot take part; the trainer turns the transfer off (off_reason)."""
+    log.warning("refusing the NCCL weight transfer: %s; the trainer turns it off", reason)
+    await transport.put(REFUSED, {"reason": reason, "time": time.time()})
+
+
+async def off_reason(transport) -> str | None:
+    """Trainer: why the transfer is off, None while it is on. A worker's refusal turns it off here."""
+    current = await transport.get(KEY)
+    if current and current.get("state") == "off":
+        return current.get("reason", "")
+    refused = await transport.get(REFUSED)
+    if not refused:
+        return None
+    await turn_off(transport, refused["reason"])
+    return refused["reason"]
 
 
 async def offer(transport, version: int, lanes: int, rendezvous: dict, update_info: dict, timeout: float, poll: float = 0.1) -> bool:
@@ -58,8 +80,7 @@ async def offer(transport, version: int, lanes: int, rendezvous: dict, update_in
         missing = [lane for lane, r in enumerate(ready) if not r or r.get("offer") != offer_id]
         if not missing:
             break
-        current = await transport.get(KEY)
-        if current and current.get("state") == "off":
+        if await off_reason(transport) is not None:
             return False
         if time.monotonic() > deadline:
             await turn_off(transport, f"rollout lanes {missing} were not ready for weights v{version} within {timeout:.0f}s")
@@ -100,16 +121,16 @@ async def accept(transport, lane: int, version: int, joined_group: str | None, t
     """Worker: the go message to receive `version` with; None means load it from the weight store.
 
     `joined_group`: the group this engine belongs to, if any. An engine outside the offered group
-    may join it only while it is still forming (`rendezvous.formed` false); otherwise it turns the
-    transfer off at once, so the trainer does not wait out its timeout."""
+    may join it only while it is still forming (`rendezvous.formed` false); otherwise it refuses the
+    transfer at once, so the trainer does not wait out its timeout."""
     current = await _wait_for_offer(transport, version, timeout, poll)
     if current is None:
         return None
     if lane >= current["lanes"]:
-        await turn_off(transport, f"rollout lane {lane} is outside the trainer's {current['lanes']} lanes (rollout.workers)")
+        await refuse(transport, f"rollout lane {lane} is outside the trainer's {current['lanes']} lanes (rollout.workers)")
         return None
     if joined_group != current["rendezvous"]["group"] and current["rendezvous"].get("formed"):
-        await turn_off(transport, f"lane {lane}'s engine is not in the NCCL group that formed (restarted?), and an NCCL group cannot be rejoined")
+        await refuse(transport, f"lane {lane}'s engine is not in the NCCL group that formed (restarted?), and an NCCL group cannot be rejoined")
         return None
     offer_id = current["id"]
     await transport.put(f"{READY_PREFIX}{lane}", {"version": version, "offer": offer_id, "time": time.time()})
