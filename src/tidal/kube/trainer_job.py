@@ -153,10 +153,19 @@ def job_labels(spec: TrainerJobSpec) -> dict[str, str]:
 
 
 def name_violations(metadata: dict) -> list[str]:
+    """The name's rule and the label values': the API server refuses either."""
     name = metadata.get("name") or ""
+    problems = []
     if len(name) > 63 or not _DNS1035.match(name):
-        return [f"metadata.name: {name!r} must be a DNS-1035 label (lower-case letters, digits, '-', starting with a letter, at most 63 characters)"]
-    return []
+        problems.append(
+            f"metadata.name: {name!r} must be a DNS-1035 label (lower-case letters, digits, '-', starting with a letter, at most 63 characters)"
+        )
+    for key, value in (metadata.get("labels") or {}).items():
+        if not cluster.is_label_value(value):
+            problems.append(
+                f"metadata.labels.{key}: {value!r} is not a label value (at most 63 letters, digits, '-', '_', '.', starting and ending with a letter or digit)"
+            )
+    return problems
 
 
 # ---------------------------------------------------------------- submission

@@ -140,7 +140,7 @@ def train_round_as_job(run: RunDir, config_path: str, round_index: int, iteratio
         nats_url=nats_url_of(config_path),
         active_deadline_seconds=placement.deadline_s or None,
         owner=pod,
-        labels={"tidal.run": run.root.name[:63]},
+        labels={cluster.RUN_LABEL: cluster.label_value(run.root.name)},
         queue_name=placement.queue_name,
     )
     backend = job_backend or default_job_backend(placement.backend, placement.start_timeout_s)

@@ -1,0 +1,85 @@
+"""What a real API server would refuse although the objects build here: label values, unknown fields dropped
+without strict field validation, and a Trainer too old for the fields Tidal sets."""
+
+import re
+
+import pytest
+
+from tidal.kube import cluster, trainer_launch
+from tidal.kube.trainer_job import TrainerJobSpec
+from tidal.kube.trainjob import TrainJobRejected, build_trainjob
+from tidal.rundir import RunDir
+
+# apimachinery's IsValidLabelValue: "(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?", LabelValueMaxLength 63
+KUBERNETES_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+RUN_NAMES = ["demo", "My Run", "a" * 70, "x-" * 40, "run_1.", "", "Lauf-über-Nacht", "训练", "-lead", "a" * 63, "a" * 64]
+
+
+def is_kubernetes_label_value(value: str) -> bool:
+    return len(value) <= 63 and KUBERNETES_LABEL_VALUE.fullmatch(value) is not None
+
+
+@pytest.mark.parametrize("name", RUN_NAMES)
+def test_every_run_name_becomes_a_valid_label_value(name):
+    assert is_kubernetes_label_value(cluster.label_value(name))
+
+
+@pytest.mark.parametrize("name", ["demo", "run_1.0", "", "a" * 63, "A-b_c.d"])
+def test_a_valid_label_value_is_kept_as_it_is(name):
+    assert is_kubernetes_label_value(name) and cluster.label_value(name) == name
+
+
+@pytest.mark.parametrize("name", ["My Run", "xy-" * 30, "run_1.", "训练"])
+def test_the_name_cut_to_63_characters_was_refused_and_is_changed_now(name):
+    assert not is_kubernetes_label_value(name[:63])
+    assert cluster.label_value(name) != name[:63]
+
+
+def test_names_that_clean_up_alike_keep_different_values():
+    values = {cluster.label_value(n) for n in ["My Run", "My-Run!", "My_Run ", "a" * 70, "a" * 71, "训练", "训练2"]}
+    assert len(values) == 7
+    assert cluster.label_value("My Run").startswith("My-Run-")
+
+
+def spec_with_labels(labels):
+    return TrainerJobSpec(
+        name="tidal-demo-r000-abcde",
+        namespace="team-a",
+        config_path="/mnt/tidal/runs/demo/config.yaml",
+        run_dir="/mnt/tidal/runs/demo",
+        profile=cluster.PROFILES["cpu"],
+        accelerators_per_node=0,
+        labels=labels,
+    )
+
+
+def test_a_trainer_job_with_an_invalid_label_value_is_refused_when_built():
+    with pytest.raises(TrainJobRejected, match=r"metadata\.labels\.tidal\.run: 'My Run' is not a label value"):
+        build_trainjob(spec_with_labels({cluster.RUN_LABEL: "My Run"}))
+
+
+def test_the_launcher_labels_the_job_of_a_run_dir_with_spaces_with_a_valid_value(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer_launch, "nats_url_of", lambda config_path: "nats://tidal-nats:4222")
+    submitted = []
+
+    class StandInBackend:
+        def submit(self, spec):
+            submitted.append(build_trainjob(spec))
+            return spec.name
+
+        def stream_logs(self, name, namespace):
+            pass
+
+        def wait(self, name, namespace, timeout_s):
+            from tidal.kube.trainer_job import JobOutcome
+
+            return JobOutcome(name=name, succeeded=True)
+
+        def delete(self, name, namespace):
+            pass
+
+    run = RunDir(tmp_path / ("My Run " + "x-" * 40))
+    placement = trainer_launch.TrainerPlacement(backend="trainjob", accelerator="cpu", accelerators_per_node=0, namespace="team-a")
+    trainer_launch.train_round_as_job(run, str(tmp_path / "config.yaml"), 0, 2, placement, StandInBackend())
+    label = submitted[0]["metadata"]["labels"][cluster.RUN_LABEL]
+    assert is_kubernetes_label_value(label) and label == cluster.label_value(run.root.name)
