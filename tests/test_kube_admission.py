@@ -2,12 +2,16 @@
 without strict field validation, and a Trainer too old for the fields Tidal sets."""
 
 import re
+from types import SimpleNamespace
 
 import pytest
+from kubernetes import client as k8s
 
+from tests.crd_schema import load_crd
+from tests.stand_in_api import StandInApi
 from tidal.kube import cluster, trainer_launch
-from tidal.kube.trainer_job import TrainerJobSpec
-from tidal.kube.trainjob import TrainJobRejected, build_trainjob
+from tidal.kube.trainer_job import STRICT, TrainerJobSpec
+from tidal.kube.trainjob import RUNTIME, TrainerNotInstalled, TrainJobBackend, TrainJobRejected, build_trainjob, check_trainer_installed
 from tidal.rundir import RunDir
 
 # apimachinery's IsValidLabelValue: "(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?", LabelValueMaxLength 63
@@ -83,3 +87,59 @@ def test_the_launcher_labels_the_job_of_a_run_dir_with_spaces_with_a_valid_value
     trainer_launch.train_round_as_job(run, str(tmp_path / "config.yaml"), 0, 2, placement, StandInBackend())
     label = submitted[0]["metadata"]["labels"][cluster.RUN_LABEL]
     assert is_kubernetes_label_value(label) and label == cluster.label_value(run.root.name)
+
+
+RUNTIME_PATH = f"/apis/trainer.kubeflow.org/v1alpha1/clustertrainingruntimes/{RUNTIME}"
+INSTALLED_RUNTIME = {RUNTIME_PATH: {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "ClusterTrainingRuntime", "metadata": {"name": RUNTIME}}}
+
+
+def check_install(api):
+    api_client = api.api_client()
+    check_trainer_installed(k8s.ApiextensionsV1Api(api_client), k8s.CustomObjectsApi(api_client))
+
+
+def test_trainer_v2_2_with_its_runtime_is_accepted_by_a_stand_in_api():
+    with StandInApi([load_crd("trainer-v2.2.0-trainjobs.json")], INSTALLED_RUNTIME) as api:
+        check_install(api)  # raises if refused
+
+
+def test_trainer_v2_1_is_refused_in_one_line_naming_the_missing_fields_with_a_stand_in_api():
+    with StandInApi([load_crd("trainer-v2.1.0-trainjobs.json")], INSTALLED_RUNTIME) as api:
+        with pytest.raises(TrainerNotInstalled) as refused:
+            check_install(api)
+    message = str(refused.value)
+    assert "\n" not in message and "spec.runtimePatches, spec.activeDeadlineSeconds" in message and "Kubeflow Trainer >= v2.2" in message
+
+
+def test_a_missing_torch_distributed_runtime_is_refused_saying_how_to_get_it_with_a_stand_in_api():
+    with StandInApi([load_crd("trainer-v2.2.0-trainjobs.json")]) as api:
+        with pytest.raises(
+            TrainerNotInstalled, match=r"^no ClusterTrainingRuntime 'torch-distributed': .*runtimes\.defaultEnabled.*docs/kubernetes\.md"
+        ):
+            check_install(api)
+
+
+def test_no_trainer_at_all_is_refused_with_a_stand_in_api():
+    with StandInApi() as api:
+        with pytest.raises(TrainerNotInstalled, match=r"^no CRD trainjobs\.trainer\.kubeflow\.org: install Kubeflow Trainer >= v2\.2"):
+            check_install(api)
+
+
+def test_the_trainjob_backend_creates_nothing_on_trainer_v2_1_with_a_stand_in_api():
+    with StandInApi([load_crd("trainer-v2.1.0-trainjobs.json")], INSTALLED_RUNTIME) as api:
+        client = SimpleNamespace(backend=SimpleNamespace(custom_api=k8s.CustomObjectsApi(api.api_client())))
+        backend = TrainJobBackend(client_factory=lambda namespace: client)
+        with pytest.raises(TrainerNotInstalled, match="spec.runtimePatches"):
+            backend.submit(spec_with_labels({cluster.RUN_LABEL: "demo"}))
+    assert api.created == []
+
+
+def test_strict_field_validation_is_what_refuses_a_dropped_field_on_a_stand_in_api():
+    """Past the install check (e.g. a Trainer downgraded under a running pipeline), the create itself refuses."""
+    manifest = build_trainjob(spec_with_labels({cluster.RUN_LABEL: "demo"}))
+    with StandInApi([load_crd("trainer-v2.1.0-trainjobs.json")]) as api:
+        custom = k8s.CustomObjectsApi(api.api_client())
+        custom.create_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", "team-a", "trainjobs", manifest)  # Warn: created
+        with pytest.raises(k8s.ApiException, match="unknown field"):
+            custom.create_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", "team-a", "trainjobs", manifest, field_validation=STRICT)
+    assert len(api.created) == 1

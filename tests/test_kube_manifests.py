@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tidal.kube import cluster
+from tidal.kube import cluster, trainjob
 from tidal.kube.pipeline import compile_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,7 +217,11 @@ def test_rbac_allows_trainer_jobs_and_nothing_more(overlay):
         (("",), ("pods", "pods/log")): {"get", "list", "watch"},
     }
     (cluster_role,) = by_kind(objects, "ClusterRole").values()
-    assert cluster_role["rules"] == [{"apiGroups": ["trainer.kubeflow.org"], "resources": ["clustertrainingruntimes"], "verbs": ["get", "list"]}]
+    assert cluster_role["rules"] == [
+        {"apiGroups": ["trainer.kubeflow.org"], "resources": ["clustertrainingruntimes"], "verbs": ["get", "list"]},
+        # the launcher's check of the installed Trainer: this one CRD, read only
+        {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "resourceNames": [trainjob.CRD_NAME], "verbs": ["get"]},
+    ]
     (binding,) = by_kind(objects, "RoleBinding").values()
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name} for name in cluster.PIPELINE_SERVICE_ACCOUNTS]
     # the cluster-scoped runtimes TrainerClient reads: bound to the same accounts, in this namespace

@@ -25,6 +25,9 @@ from tidal.kube.cluster import AcceleratorProfile
 POD_ANNOTATIONS = {"sidecar.istio.io/inject": "false"}
 """In an Istio-injected namespace (Kubeflow profiles) a sidecar keeps the Master pod running after
 ``torchrun`` exits, so the job never succeeds; trainer pods reach NATS and MLflow directly."""
+STRICT = "Strict"
+"""Field validation for every object Tidal creates: the API server refuses a field it does not know (its default,
+Warn, drops the field and creates the object without it)."""
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
