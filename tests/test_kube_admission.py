@@ -98,8 +98,9 @@ def check_install(api):
     check_trainer_installed(k8s.ApiextensionsV1Api(api_client), k8s.CustomObjectsApi(api_client))
 
 
-def test_trainer_v2_2_with_its_runtime_is_accepted_by_a_stand_in_api():
-    with StandInApi([load_crd("trainer-v2.2.0-trainjobs.json")], INSTALLED_RUNTIME) as api:
+@pytest.mark.parametrize("crd", ["trainer-v2.2.0-trainjobs.json", "trainer-v2.3.0-trainjobs.json"])
+def test_trainer_v2_2_or_newer_with_its_runtime_is_accepted_by_a_stand_in_api(crd):
+    with StandInApi([load_crd(crd)], INSTALLED_RUNTIME) as api:
         check_install(api)  # raises if refused
 
 

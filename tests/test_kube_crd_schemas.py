@@ -1,6 +1,6 @@
 """Every custom resource Tidal creates, checked against the upstream CRD schema of the oldest release it supports
 (tests/data/crds/README.md), unknown fields counting as errors as with strict field validation: the TrainJob
-(Kubeflow Trainer v2.2.0), the PyTorchJob (Training Operator v1.9.0) and the MLflow VirtualService (Istio 1.22)."""
+(Kubeflow Trainer v2.2.0, and v2.3.0), the PyTorchJob (Training Operator v1.9.0) and the MLflow VirtualService (Istio 1.22)."""
 
 import copy
 
@@ -14,6 +14,7 @@ from tidal.kube.trainer_job import TrainerJobSpec
 from tidal.kube.trainjob import build_trainjob
 
 TRAINJOB_CRD = "trainer-v2.2.0-trainjobs.json"
+TRAINJOB_CRDS = [TRAINJOB_CRD, "trainer-v2.3.0-trainjobs.json"]
 OLD_TRAINJOB_CRD = "trainer-v2.1.0-trainjobs.json"
 PYTORCHJOB_CRD = "training-operator-v1.9.0-pytorchjobs.json"
 VIRTUAL_SERVICE_CRD = "istio-api-1.22.0-virtualservices.json"
@@ -55,9 +56,10 @@ def node_pod_spec(manifest):
     return job["template"]["spec"]["template"]["spec"]
 
 
+@pytest.mark.parametrize("crd", TRAINJOB_CRDS)
 @pytest.mark.parametrize("name", SPECS)
-def test_every_trainjob_is_admitted_by_the_trainer_v2_2_crd(name):
-    assert schema_errors(trainjob(name), load_crd(TRAINJOB_CRD)) == []
+def test_every_trainjob_is_admitted_by_the_trainer_v2_2_and_v2_3_crds(name, crd):
+    assert schema_errors(trainjob(name), load_crd(crd)) == []
 
 
 @pytest.mark.parametrize("name", SPECS)
