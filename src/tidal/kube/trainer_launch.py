@@ -149,6 +149,19 @@ def train_round_as_job(run: RunDir, config_path: str, round_index: int, iteratio
     run_trainer_job(backend, spec, timeout_s=wait_s)
 
 
+def check_trainer_backend(kind: str, api_client=None) -> None:
+    """At prepare, before anything is staged: a TrainJob needs Kubeflow Trainer >= v2.2 and its torch-distributed
+    runtime (:func:`tidal.kube.trainjob.check_trainer_installed`); the other backends are checked when used."""
+    if kind != "trainjob":
+        return
+    from kubernetes import client as k8s
+
+    from tidal.kube.trainjob import check_trainer_installed, cluster_api_client
+
+    api_client = api_client or cluster_api_client()
+    check_trainer_installed(k8s.ApiextensionsV1Api(api_client), k8s.CustomObjectsApi(api_client))
+
+
 def default_job_backend(kind: str, start_timeout_s: int = 3600):
     if kind == "trainjob":
         from tidal.kube.trainjob import TrainJobBackend
