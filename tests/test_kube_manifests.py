@@ -46,7 +46,8 @@ def pod_specs(objects):
 
 
 CUSTOM_RESOURCES = {"networking.istio.io/v1": {"VirtualService"}}
-"""Kinds of a CRD, which kubernetes-validate has no schema for: checked field by field in tests/test_kube_mlflow_gateway.py."""
+"""Kinds of a CRD, which kubernetes-validate has no schema for: checked against the upstream CRD (tests/data/crds/)
+in tests/test_kube_mlflow_gateway.py and tests/test_kube_crd_schemas.py."""
 
 
 def core_objects(objects):
