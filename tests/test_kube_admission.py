@@ -17,7 +17,7 @@ from tidal.rundir import RunDir
 
 # apimachinery's IsValidLabelValue: "(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?", LabelValueMaxLength 63
 KUBERNETES_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
-RUN_NAMES = ["demo", "My Run", "a" * 70, "x-" * 40, "run_1.", "", "Lauf-über-Nacht", "训练", "-lead", "a" * 63, "a" * 64]
+RUN_NAMES = ["demo", "My Run", "a" * 70, "x-" * 40, "run_1.", "", "Lauf-über-Nacht", "训练", "-lead", "a" * 63, "a" * 64, "run\n"]
 
 
 def is_kubernetes_label_value(value: str) -> bool:

@@ -38,8 +38,9 @@ def prepare(
     trainer_backend: str,
     mlflow_run: dsl.Output[dsl.Markdown],
 ) -> NamedTuple("Prepared", run_dir=str, config_path=str, rounds=list[int], lanes=list[str], parent_run_id=str):
-    """Check the cluster has what ``trainer_backend`` needs, validate the config, stage data, create streams and KV bucket, open the MLflow parent run (tagged with this
-    KFP run's id and link); the run's page shows the MLflow run's link (artifact ``mlflow_run``)."""
+    """Check the cluster has what ``trainer_backend`` needs, validate the config, stage data, create streams and KV
+    bucket, open the MLflow parent run (tagged with this KFP run's id and link); the run's page shows the MLflow run's
+    link (artifact ``mlflow_run``)."""
     from collections import namedtuple
 
     from tidal.kube import parent_run, staging, steps
