@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tidal.kube import cluster
+from tidal.kube import cluster, trainjob
 from tidal.kube.pipeline import compile_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,8 @@ def pod_specs(objects):
 
 
 CUSTOM_RESOURCES = {"networking.istio.io/v1": {"VirtualService"}}
-"""Kinds of a CRD, which kubernetes-validate has no schema for: checked field by field in tests/test_kube_mlflow_gateway.py."""
+"""Kinds of a CRD, which kubernetes-validate has no schema for: checked against the upstream CRD (tests/data/crds/)
+in tests/test_kube_mlflow_gateway.py and tests/test_kube_crd_schemas.py."""
 
 
 def core_objects(objects):
@@ -217,7 +218,11 @@ def test_rbac_allows_trainer_jobs_and_nothing_more(overlay):
         (("",), ("pods", "pods/log")): {"get", "list", "watch"},
     }
     (cluster_role,) = by_kind(objects, "ClusterRole").values()
-    assert cluster_role["rules"] == [{"apiGroups": ["trainer.kubeflow.org"], "resources": ["clustertrainingruntimes"], "verbs": ["get", "list"]}]
+    assert cluster_role["rules"] == [
+        {"apiGroups": ["trainer.kubeflow.org"], "resources": ["clustertrainingruntimes"], "verbs": ["get", "list"]},
+        # the launcher's check of the installed Trainer: this one CRD, read only
+        {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "resourceNames": [trainjob.CRD_NAME], "verbs": ["get"]},
+    ]
     (binding,) = by_kind(objects, "RoleBinding").values()
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name} for name in cluster.PIPELINE_SERVICE_ACCOUNTS]
     # the cluster-scoped runtimes TrainerClient reads: bound to the same accounts, in this namespace

@@ -16,40 +16,15 @@ import pytest
 import requests
 import yaml
 
+from tests.crd_schema import load_crd, schema_errors
 from tests.test_kube_manifests import GATEWAY_OVERLAYS, OVERLAYS, ROOT, build_overlay, by_kind, kustomize_on_top_of
 from tidal.kube import cluster
 from tidal.transport.server import free_port
 
-VIRTUAL_SERVICE_FIELDS = {
-    # networking.istio.io/v1 VirtualService, the fields these manifests use (istio.io/latest/docs/reference/config/networking/virtual-service)
-    "spec": {"hosts", "gateways", "http"},
-    "http": {"match", "route", "redirect"},
-    "match": {"uri"},
-    "uri": {"exact", "prefix"},
-    "redirect": {"uri"},
-    "route": {"destination"},
-    "destination": {"host", "port"},
-    "port": {"number"},
-}
-
 
 def check_virtual_service(vs: dict) -> list[str]:
-    """Unknown fields, by path: kubernetes-validate has no schema for Istio's CRDs."""
-    problems = []
-
-    def walk(value, kind: str, path: str) -> None:
-        items = value if isinstance(value, list) else [value]
-        for item in items:
-            if not isinstance(item, dict) or kind not in VIRTUAL_SERVICE_FIELDS:
-                continue
-            for key, sub in item.items():
-                if key not in VIRTUAL_SERVICE_FIELDS[kind]:
-                    problems.append(f"{path}.{key}")
-                else:
-                    walk(sub, key, f"{path}.{key}")
-
-    walk(vs["spec"], "spec", "spec")
-    return problems
+    """Unknown or mistyped fields, by path, against Istio 1.22's VirtualService CRD (networking.istio.io/v1)."""
+    return schema_errors(vs, load_crd("istio-api-1.22.0-virtualservices.json"))
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
@@ -79,7 +54,7 @@ def test_the_gateway_routes_mlflows_prefix_to_its_service_on_kubeflow_clusters_o
 def test_the_virtual_service_check_catches_a_typo():
     vs = by_kind(build_overlay("gpu"), "VirtualService")["tidal-mlflow"]
     vs["spec"]["http"][1]["route"][0]["destination"]["prot"] = {"number": 5000}
-    assert check_virtual_service(vs) == ["spec.http.route.destination.prot"]
+    assert check_virtual_service(vs) == ["spec.http[1].route[0].destination.prot: unknown field"]
 
 
 def expand(arg: str, env: dict) -> str:

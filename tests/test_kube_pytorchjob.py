@@ -5,6 +5,8 @@ import copy
 import pytest
 from kubernetes import client as k8s
 
+from tests.crd_schema import load_crd
+from tests.stand_in_api import StandInApi
 from tidal.kube import cluster
 from tidal.kube.pytorchjob import (
     PyTorchJobBackend,
@@ -181,15 +183,20 @@ def test_bad_spec_fails_when_building():
         build_pytorchjob(make_spec(nodes=0))
 
 
-class RecordingTrainingClient:
-    """Stands in for TrainingClient, which needs a Kubernetes API server; records the calls."""
+@pytest.fixture
+def stand_in_api():
+    """A Kubernetes API server with the Training Operator v1.9.0's PyTorchJob CRD."""
+    with StandInApi([load_crd("training-operator-v1.9.0-pytorchjobs.json")]) as api:
+        yield api
 
-    def __init__(self, succeed=True):
+
+class RecordingTrainingClient:
+    """Stands in for TrainingClient, its Kubernetes client speaking to the stand-in API server; records the calls."""
+
+    def __init__(self, api, succeed=True):
         self.calls = []
         self.succeed = succeed
-
-    def create_job(self, job, namespace):
-        self.calls.append(("create", pytorchjob_to_dict(job)["metadata"]["name"], namespace))
+        self.custom_api = RecordingCustomObjectsApi(api.api_client(), self.calls)
 
     def wait_for_job_conditions(self, name, namespace, expected_conditions, wait_timeout, polling_interval):
         self.calls.append(("wait", tuple(sorted(expected_conditions))))
@@ -204,15 +211,28 @@ class RecordingTrainingClient:
         self.calls.append(("delete", name))
 
 
-def test_run_trainer_job_with_mocked_kubernetes_api_submits_streams_and_waits():
-    client = RecordingTrainingClient()
+class RecordingCustomObjectsApi(k8s.CustomObjectsApi):
+    def __init__(self, api_client, calls):
+        super().__init__(api_client)
+        self.calls = calls
+
+    def create_namespaced_custom_object(self, group, version, namespace, plural, body, **kwargs):
+        self.calls.append(("create", body["metadata"]["name"], namespace))
+        return super().create_namespaced_custom_object(group, version, namespace, plural, body, **kwargs)
+
+
+def test_run_trainer_job_with_a_stand_in_api_creates_strictly_streams_and_waits(stand_in_api):
+    client = RecordingTrainingClient(stand_in_api)
     outcome = run_trainer_job(PyTorchJobBackend(client=client), make_spec())
     assert outcome == JobOutcome(name="tidal-demo-r3", succeeded=True, message="job succeeded")
     assert [c[0] for c in client.calls] == ["create", "wait", "logs", "wait"]
     assert client.calls[0] == ("create", "tidal-demo-r3", "tidal")
     assert client.calls[2] == ("logs", "tidal-demo-r3", True)
+    ((path, query, body),) = stand_in_api.created
+    assert path == "/apis/kubeflow.org/v1/namespaces/tidal/pytorchjobs" and query["fieldValidation"] == "Strict"
+    assert body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["metadata"]["annotations"] == {"sidecar.istio.io/inject": "false"}
 
 
-def test_failed_trainer_job_with_mocked_kubernetes_api_raises_with_operator_message():
+def test_failed_trainer_job_with_a_stand_in_api_raises_with_operator_message(stand_in_api):
     with pytest.raises(RuntimeError, match="tidal/tidal-demo-r3 failed: job failed"):
-        run_trainer_job(PyTorchJobBackend(client=RecordingTrainingClient(succeed=False)), make_spec())
+        run_trainer_job(PyTorchJobBackend(client=RecordingTrainingClient(stand_in_api, succeed=False)), make_spec())

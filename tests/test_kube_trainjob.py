@@ -5,7 +5,10 @@ import copy
 from types import SimpleNamespace
 
 import pytest
+from kubernetes import client as k8s
 
+from tests.crd_schema import load_crd
+from tests.stand_in_api import StandInApi
 from tidal.kube import cluster, trainer_launch
 from tidal.kube.pytorchjob import build_pytorchjob, pytorchjob_to_dict
 from tidal.kube.trainer_job import TrainerJobFailed, TrainerJobSpec, run_trainer_job
@@ -119,16 +122,26 @@ def test_both_trainer_jobs_carry_the_kueue_queue_label_and_only_when_asked():
         assert cluster.QUEUE_LABEL not in build(make_spec())["metadata"]["labels"]
 
 
+@pytest.fixture
+def stand_in_api():
+    """A Kubernetes API server with Kubeflow Trainer v2.2.0 and its torch-distributed runtime installed."""
+    runtime_path = f"/apis/trainer.kubeflow.org/v1alpha1/clustertrainingruntimes/{RUNTIME}"
+    with StandInApi([load_crd("trainer-v2.2.0-trainjobs.json")], {runtime_path: {"metadata": {"name": RUNTIME}}}) as api:
+        yield api
+
+
 class StandInTrainerClient:
-    """Stands in for TrainerClient and the Kubernetes API server behind it (there is none here)."""
+    """Stands in for TrainerClient; its Kubernetes client speaks to the stand-in API server."""
 
-    def __init__(self, final_status="Complete"):
+    def __init__(self, api, final_status="Complete"):
+        self.api = api
         self.final_status = final_status
-        self.created, self.deleted, self.waits = [], [], []
-        self.backend = SimpleNamespace(custom_api=SimpleNamespace(create_namespaced_custom_object=self._create))
+        self.deleted, self.waits = [], []
+        self.backend = SimpleNamespace(custom_api=k8s.CustomObjectsApi(api.api_client()))
 
-    def _create(self, group, version, namespace, plural, body):
-        self.created.append((group, version, namespace, plural, body))
+    @property
+    def created(self):
+        return self.api.created
 
     def wait_for_job_status(self, name, status, timeout, polling_interval):
         self.waits.append(frozenset(status))
@@ -144,21 +157,21 @@ class StandInTrainerClient:
         self.deleted.append(name)
 
 
-def test_trainjob_backend_creates_waits_and_keeps_a_finished_job_with_a_stand_in_trainer_client(capsys):
-    client = StandInTrainerClient()
+def test_trainjob_backend_creates_strictly_waits_and_keeps_a_finished_job_with_a_stand_in_trainer_client(capsys, stand_in_api):
+    client = StandInTrainerClient(stand_in_api)
     backend = TrainJobBackend(client_factory=lambda namespace: client, polling_interval_s=1, start_timeout_s=5)
     outcome = run_trainer_job(backend, make_spec(), timeout_s=60)
     assert outcome.succeeded
-    ((group, version, namespace, plural, body),) = client.created
-    assert (group, version, namespace, plural) == ("trainer.kubeflow.org", "v1alpha1", "team-a", "trainjobs")
+    ((path, query, body),) = client.created
+    assert path == "/apis/trainer.kubeflow.org/v1alpha1/namespaces/team-a/trainjobs" and query["fieldValidation"] == "Strict"
     assert body["metadata"]["name"] == "tidal-demo-r003-abcde"
     assert client.waits == [frozenset({"Running", "Complete", "Failed"}), frozenset({"Complete", "Failed"})]
     assert "iteration 1" in capsys.readouterr().out
     assert client.deleted == []  # finalize deletes finished jobs at the end of the run
 
 
-def test_a_failed_trainjob_is_deleted_and_its_events_named_with_a_stand_in_trainer_client():
-    client = StandInTrainerClient(final_status="Failed")
+def test_a_failed_trainjob_is_deleted_and_its_events_named_with_a_stand_in_trainer_client(stand_in_api):
+    client = StandInTrainerClient(stand_in_api, final_status="Failed")
     backend = TrainJobBackend(client_factory=lambda namespace: client, polling_interval_s=1)
     with pytest.raises(TrainerJobFailed, match="OOMKilled: out of memory"):
         run_trainer_job(backend, make_spec(), timeout_s=60)
@@ -179,16 +192,16 @@ def test_finalize_deletes_each_recorded_job_with_its_own_kind_with_a_stand_in_jo
     assert deleted == [("pytorchjob", "tidal-run-r000-aaaaa"), ("trainjob", "tidal-run-r001-bbbbb")]
 
 
-def test_trainjob_is_a_trainer_backend_and_the_launcher_builds_it_with_the_queue_with_a_stand_in_trainer_client(tmp_path, monkeypatch):
+def test_trainjob_is_a_trainer_backend_and_the_launcher_builds_it_with_the_queue_with_a_stand_in_trainer_client(tmp_path, monkeypatch, stand_in_api):
     assert trainer_launch.TRAINER_BACKENDS == ("local", "trainjob", "pytorchjob")
     monkeypatch.setattr(trainer_launch, "nats_url_of", lambda config_path: "nats://tidal-nats:4222")
-    client = StandInTrainerClient()
+    client = StandInTrainerClient(stand_in_api)
     placement = trainer_launch.TrainerPlacement(
         backend="trainjob", accelerator="nvidia", namespace="team-a", pipeline_job_id="job-7", queue_name="q1"
     )
     trainer_launch.train_round_as_job(
         RunDir(tmp_path), str(tmp_path / "config.yaml"), 0, 2, placement, TrainJobBackend(client_factory=lambda ns: client)
     )
-    body = client.created[0][4]
+    body = client.created[0][2]
     assert body["metadata"]["labels"][cluster.QUEUE_LABEL] == "q1"
     assert trainer_launch.recorded_trainer_jobs(RunDir(tmp_path), with_kind=True) == [("team-a", body["metadata"]["name"], "trainjob")]

@@ -6,6 +6,8 @@ compiled pipeline and the trainer job refer to them by these names.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass, field
 
 # The Kubernetes version the manifests and jobs are validated against (offline schemas).
@@ -126,6 +128,28 @@ TIDAL_POD_LABEL = {"app.kubernetes.io/part-of": "tidal"}
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 """Kueue's LocalQueue label: on a trainer job (PyTorchJob, TrainJob) and on worker pods (Kueue's pod integration)."""
 """Pods with this label may reach NATS and MLflow (see manifests/base/networkpolicy.yaml)."""
+
+RUN_LABEL = "tidal.run"
+"""On each trainer job: the run directory's name, as :func:`label_value` makes it a label value."""
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+"""Kubernetes' label-value rule (at most 63 characters besides)."""
+MAX_LABEL_VALUE = 63
+LABEL_HASH_CHARS = 8
+
+
+def is_label_value(text: str) -> bool:
+    return len(text) <= MAX_LABEL_VALUE and LABEL_VALUE.fullmatch(text) is not None
+
+
+def label_value(text: str) -> str:
+    """``text`` itself when it is a valid label value; otherwise its allowed characters (others become '-'),
+    cut to fit, with a short hash of ``text`` so that two names that clean up alike keep different values."""
+    if is_label_value(text):
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:LABEL_HASH_CHARS]
+    cleaned = re.sub(r"[^-A-Za-z0-9_.]", "-", text)
+    cleaned = cleaned[: MAX_LABEL_VALUE - LABEL_HASH_CHARS - 1].strip("-_.")
+    return f"{cleaned}-{digest}" if cleaned else digest
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,12 @@ def prepare(
     overrides: str,
     kfp_ui_url: str,
     mlflow_ui_url: str,
+    trainer_backend: str,
     mlflow_run: dsl.Output[dsl.Markdown],
 ) -> NamedTuple("Prepared", run_dir=str, config_path=str, rounds=list[int], lanes=list[str], parent_run_id=str):
-    """Validate the config, stage data, create streams and KV bucket, open the MLflow parent run (tagged with this
-    KFP run's id and link); the run's page shows the MLflow run's link (artifact ``mlflow_run``)."""
+    """Check the cluster has what ``trainer_backend`` needs, validate the config, stage data, create streams and KV
+    bucket, open the MLflow parent run (tagged with this KFP run's id and link); the run's page shows the MLflow run's
+    link (artifact ``mlflow_run``)."""
     from collections import namedtuple
 
     from tidal.kube import parent_run, staging, steps
@@ -56,7 +58,9 @@ def prepare(
         overrides=overrides,
     )
     links = parent_run.RunLinks(kfp_ui_url=kfp_ui_url, mlflow_ui_url=mlflow_ui_url)
-    run = steps.prepare(config_yaml=config_yaml, config_path=config_path, run_dir=run_dir, job_id=job_id, knobs=knobs, links=links)
+    run = steps.prepare(
+        config_yaml=config_yaml, config_path=config_path, run_dir=run_dir, job_id=job_id, knobs=knobs, links=links, trainer_backend=trainer_backend
+    )
     with open(mlflow_run.path, "w") as fh:
         fh.write(parent_run.mlflow_run_markdown(run.run_dir))
     prepared = namedtuple("Prepared", ["run_dir", "config_path", "rounds", "lanes", "parent_run_id"])

@@ -285,6 +285,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
                     overrides=overrides,
                     kfp_ui_url=kfp_ui_url,
                     mlflow_ui_url=mlflow_ui_url,
+                    trainer_backend=trainer_backend,
                 )
             ),
             LONG_STEP_TIMEOUT_S,

@@ -31,6 +31,7 @@ from kubernetes import client as k8s
 from tidal.kube import cluster
 from tidal.kube.trainer_job import (
     POD_ANNOTATIONS,
+    STRICT,
     JobOutcome,
     TrainerJobSpec,
     container_resources,
@@ -44,7 +45,10 @@ from tidal.kube.trainer_job import (
     trainer_volumes,
 )
 
-API_VERSION = "kubeflow.org/v1"
+GROUP = "kubeflow.org"
+VERSION = "v1"
+API_VERSION = f"{GROUP}/{VERSION}"
+PLURAL = "pytorchjobs"
 KIND = "PyTorchJob"
 CONTAINER_NAME = "pytorch"
 REPLICA_TYPES = ("Master", "Worker")
@@ -344,8 +348,9 @@ class PyTorchJobBackend:
         return self._client
 
     def submit(self, spec: TrainerJobSpec) -> str:
-        job = build_pytorchjob(spec)
-        self.client.create_job(job=job, namespace=spec.namespace)
+        # Through the custom-objects API, not create_job: create_job cannot ask for strict field validation.
+        manifest = pytorchjob_to_dict(build_pytorchjob(spec))
+        self.client.custom_api.create_namespaced_custom_object(GROUP, VERSION, spec.namespace, PLURAL, manifest, field_validation=STRICT)
         return spec.name
 
     def stream_logs(self, name: str, namespace: str) -> None:

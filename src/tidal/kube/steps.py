@@ -21,7 +21,7 @@ from tidal.kube.parent_run import RunLinks, end_parent_run, log_to_parent_run, o
 from tidal.kube.pod_sandbox import as_separate_pod
 from tidal.kube.staging import PipelineKnobs, stage_config
 from tidal.kube.step_records import PipelineStepError, StepRecords, pipeline_run_dir
-from tidal.kube.trainer_launch import delete_trainer_jobs
+from tidal.kube.trainer_launch import check_trainer_backend, delete_trainer_jobs
 from tidal.kube.verbs import nats_url_of, run_tidal, tidal_executable
 from tidal.rundir import RunDir
 
@@ -49,8 +49,18 @@ class PreparedRun:
 
 
 @as_separate_pod("prepare")
-def prepare(config_yaml: str, config_path: str, run_dir: str, job_id: str, knobs: PipelineKnobs, links: RunLinks | None = None) -> PreparedRun:
-    """Validate the config, stage it and its data, create the streams and KV bucket, open the MLflow parent run."""
+def prepare(
+    config_yaml: str,
+    config_path: str,
+    run_dir: str,
+    job_id: str,
+    knobs: PipelineKnobs,
+    links: RunLinks | None = None,
+    trainer_backend: str = "local",
+) -> PreparedRun:
+    """Check the cluster runs what ``trainer_backend`` needs, validate the config, stage it and its data, create the
+    streams and KV bucket, open the MLflow parent run."""
+    check_trainer_backend(trainer_backend)
     run = pipeline_run_dir(run_dir, job_id)
     records = StepRecords(run).create()
     records.registered.unlink(missing_ok=True)  # this pipeline run has not succeeded (yet)

@@ -25,6 +25,9 @@ from tidal.kube.cluster import AcceleratorProfile
 POD_ANNOTATIONS = {"sidecar.istio.io/inject": "false"}
 """In an Istio-injected namespace (Kubeflow profiles) a sidecar keeps the Master pod running after
 ``torchrun`` exits, so the job never succeeds; trainer pods reach NATS and MLflow directly."""
+STRICT = "Strict"
+"""Field validation for every object Tidal creates: the API server refuses a field it does not know (its default,
+Warn, drops the field and creates the object without it)."""
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -153,10 +156,19 @@ def job_labels(spec: TrainerJobSpec) -> dict[str, str]:
 
 
 def name_violations(metadata: dict) -> list[str]:
+    """The name's rule and the label values': the API server refuses either."""
     name = metadata.get("name") or ""
+    problems = []
     if len(name) > 63 or not _DNS1035.match(name):
-        return [f"metadata.name: {name!r} must be a DNS-1035 label (lower-case letters, digits, '-', starting with a letter, at most 63 characters)"]
-    return []
+        problems.append(
+            f"metadata.name: {name!r} must be a DNS-1035 label (lower-case letters, digits, '-', starting with a letter, at most 63 characters)"
+        )
+    for key, value in (metadata.get("labels") or {}).items():
+        if not cluster.is_label_value(value):
+            problems.append(
+                f"metadata.labels.{key}: {value!r} is not a label value (at most 63 letters, digits, '-', '_', '.', starting and ending with a letter or digit)"
+            )
+    return problems
 
 
 # ---------------------------------------------------------------- submission

@@ -140,13 +140,26 @@ def train_round_as_job(run: RunDir, config_path: str, round_index: int, iteratio
         nats_url=nats_url_of(config_path),
         active_deadline_seconds=placement.deadline_s or None,
         owner=pod,
-        labels={"tidal.run": run.root.name[:63]},
+        labels={cluster.RUN_LABEL: cluster.label_value(run.root.name)},
         queue_name=placement.queue_name,
     )
     backend = job_backend or default_job_backend(placement.backend, placement.start_timeout_s)
     wait_s = placement.deadline_s + DEADLINE_MARGIN_S if placement.deadline_s else DEFAULT_TRAINER_WAIT_S
     record_trainer_job(run, spec.namespace, spec.name, round_index, placement.backend)  # before creating it: finalize deletes what is left
     run_trainer_job(backend, spec, timeout_s=wait_s)
+
+
+def check_trainer_backend(kind: str, api_client=None) -> None:
+    """At prepare, before anything is staged: a TrainJob needs Kubeflow Trainer >= v2.2 and its torch-distributed
+    runtime (:func:`tidal.kube.trainjob.check_trainer_installed`); the other backends are checked when used."""
+    if kind != "trainjob":
+        return
+    from kubernetes import client as k8s
+
+    from tidal.kube.trainjob import check_trainer_installed, cluster_api_client
+
+    api_client = api_client or cluster_api_client()
+    check_trainer_installed(k8s.ApiextensionsV1Api(api_client), k8s.CustomObjectsApi(api_client))
 
 
 def default_job_backend(kind: str, start_timeout_s: int = 3600):

@@ -30,6 +30,7 @@ from kubernetes import client as k8s
 from tidal.kube import cluster
 from tidal.kube.trainer_job import (
     POD_ANNOTATIONS,
+    STRICT,
     JobOutcome,
     TrainerJobSpec,
     container_resources,
@@ -48,7 +49,12 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "TrainJob"
 PLURAL = "trainjobs"
+CRD_NAME = f"{PLURAL}.{GROUP}"
 RUNTIME = "torch-distributed"
+RUNTIME_PLURAL = "clustertrainingruntimes"
+REQUIRED_SPEC_FIELDS = ("runtimePatches", "activeDeadlineSeconds")
+"""TrainJob fields Tidal sets that Kubeflow Trainer v2.2.0 added: an older API server drops them."""
+MIN_TRAINER = "Kubeflow Trainer >= v2.2"
 RUNTIME_KINDS = ("ClusterTrainingRuntime", "TrainingRuntime")
 NODE = "node"
 """The torch-distributed runtime's replicated job and its trainer container."""
@@ -251,6 +257,7 @@ class TrainJobBackend:
     def __init__(self, client_factory: Callable[[str], Any] | None = None, polling_interval_s: int = 15, start_timeout_s: int = 3600):
         self._client_factory = client_factory or _default_trainer_client
         self._clients: dict[str, Any] = {}
+        self._installs_checked: set[str] = set()
         self.polling_interval_s = polling_interval_s
         self.start_timeout_s = start_timeout_s
 
@@ -262,7 +269,10 @@ class TrainJobBackend:
     def submit(self, spec: TrainerJobSpec) -> str:
         manifest = build_trainjob(spec)
         api = self.client(spec.namespace).backend.custom_api
-        api.create_namespaced_custom_object(GROUP, VERSION, spec.namespace, PLURAL, manifest)
+        if spec.namespace not in self._installs_checked:
+            check_trainer_installed(k8s.ApiextensionsV1Api(api.api_client), api)
+            self._installs_checked.add(spec.namespace)
+        api.create_namespaced_custom_object(GROUP, VERSION, spec.namespace, PLURAL, manifest, field_validation=STRICT)
         return spec.name
 
     def stream_logs(self, name: str, namespace: str) -> None:
@@ -281,6 +291,57 @@ class TrainJobBackend:
 
     def delete(self, name: str, namespace: str) -> None:
         self.client(namespace).delete_job(name)
+
+
+class TrainerNotInstalled(RuntimeError):
+    """The cluster's Kubeflow Trainer cannot run Tidal's TrainJob; the message says what to install."""
+
+
+def missing_trainjob_fields(crd: dict) -> list[str]:
+    """The fields of :data:`REQUIRED_SPEC_FIELDS` the TrainJob CRD's served ``v1alpha1`` does not describe."""
+    served = [v for v in crd.get("spec", {}).get("versions", []) if v.get("name") == VERSION and v.get("served")]
+    if not served:
+        return [f"version {VERSION}"]
+    schema = served[0].get("schema", {}).get("openAPIV3Schema", {})
+    known = schema.get("properties", {}).get("spec", {}).get("properties", {})
+    return [f"spec.{field}" for field in REQUIRED_SPEC_FIELDS if field not in known]
+
+
+def check_trainer_installed(apiextensions_api: Any, custom_api: Any, runtime: str = RUNTIME) -> None:
+    """Refuse, in one line, a cluster whose Trainer would drop Tidal's TrainJob fields or lacks the runtime."""
+    crd = _read_or_none(lambda: apiextensions_api.read_custom_resource_definition(CRD_NAME))
+    if crd is None:
+        raise TrainerNotInstalled(f"no CRD {CRD_NAME}: install {MIN_TRAINER}, or use trainer_backend=pytorchjob")
+    missing = missing_trainjob_fields(_serialize(crd))
+    if missing:
+        raise TrainerNotInstalled(
+            f"the installed TrainJob CRD has no {', '.join(missing)}: Tidal needs {MIN_TRAINER} (upgrade it, or use trainer_backend=pytorchjob)"
+        )
+    if _read_or_none(lambda: custom_api.get_cluster_custom_object(GROUP, VERSION, RUNTIME_PLURAL, runtime)) is None:
+        raise TrainerNotInstalled(
+            f"no ClusterTrainingRuntime {runtime!r}: the Trainer's Helm chart leaves it out (runtimes.defaultEnabled=false); "
+            "install it as docs/kubernetes.md says"
+        )
+
+
+def cluster_api_client() -> k8s.ApiClient:
+    """The pod's service account on a cluster, else ``~/.kube/config`` (as ``TrainerClient`` connects)."""
+    from kubernetes import config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return k8s.ApiClient()
+
+
+def _read_or_none(read: Callable[[], Any]) -> Any:
+    try:
+        return read()
+    except k8s.ApiException as err:
+        if err.status == 404:
+            return None
+        raise
 
 
 def failure_message(trainer: Any, name: str, last: int = 3) -> str:
