@@ -316,17 +316,19 @@ def test_sync_mode_dynamic_sampling_replaces_groups_without_signal(tmp_path, wri
     assert summary["groups_generated"] == 2 * (6 + 2)
 
 
+# a group at a time with a slow reward: a kill lands in the middle of an iteration
+SLOW_GROUP_AT_A_TIME = {
+    "transport.ack_wait_seconds": 2.0,
+    "eval.enabled": False,
+    "rollout.groups_per_batch": 1,
+    "reward.functions": [{"name": "tests.rewards:slow_exact_match"}],
+}
+
+
 def test_a_killed_trainer_resumes_and_loses_no_group(tmp_path, write_config):
     """SIGKILL the trainer mid-iteration: groups are acked only after the step, so the restarted
     trainer gets the interrupted iteration's groups again and resumes from the last checkpoint."""
-    config = write_config(
-        {
-            "transport.ack_wait_seconds": 2.0,
-            "eval.enabled": False,
-            "rollout.groups_per_batch": 1,
-            "reward.functions": [{"name": "tests.rewards:slow_exact_match"}],
-        }
-    )
+    config = write_config(SLOW_GROUP_AT_A_TIME)
     run_dir = tmp_path / "run"
     proc = run_and_kill(config, run_dir, "trainer.pid", when=lambda run_dir: trained_in(run_dir, 1))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -352,14 +354,7 @@ def test_workers_that_left_on_a_dying_trainers_failed_state_are_started_again(tm
     from tidal.config import load_config
     from tidal.rundir import RunDir
 
-    config = write_config(
-        {
-            "transport.ack_wait_seconds": 2.0,
-            "eval.enabled": False,
-            "rollout.groups_per_batch": 1,
-            "reward.functions": [{"name": "tests.rewards:slow_exact_match"}],
-        }
-    )
+    config = write_config(SLOW_GROUP_AT_A_TIME)
     run_dir = tmp_path / "run"
     proc = start_run(config, run_dir)
     try:

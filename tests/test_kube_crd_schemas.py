@@ -8,9 +8,8 @@ import pytest
 
 from tests.crd_schema import load_crd, schema_errors
 from tests.test_kube_manifests import GATEWAY_OVERLAYS, build_overlay, by_kind
-from tidal.kube import cluster
+from tests.test_kube_trainjob import make_spec as trainjob_spec
 from tidal.kube.pytorchjob import build_pytorchjob, pytorchjob_to_dict
-from tidal.kube.trainer_job import TrainerJobSpec
 from tidal.kube.trainjob import build_trainjob
 
 TRAINJOB_CRD = "trainer-v2.2.0-trainjobs.json"
@@ -27,19 +26,8 @@ SPECS = {
 }
 
 
-def make_spec(profile="nvidia", nodes=1, accelerators=8, **extra):
-    return TrainerJobSpec(
-        name="tidal-demo-r003-abcde",
-        namespace="team-a",
-        config_path="/mnt/tidal/runs/demo/config.yaml",
-        run_dir="/mnt/tidal/runs/demo",
-        profile=cluster.PROFILES[profile],
-        nodes=nodes,
-        accelerators_per_node=accelerators,
-        iterations=20,
-        labels={"tidal.run": "demo"},
-        **extra,
-    )
+def make_spec(**params):
+    return trainjob_spec(labels={"tidal.run": "demo"}, **params)
 
 
 def trainjob(name):
