@@ -1,0 +1,110 @@
+"""Whatever a rollout worker started ends with it, however the worker ends: its reward and tool
+processes get the kernel's parent-death signal (even while user code holds the interpreter), and the
+launcher kills what is left of a dead worker's process group before it restarts it. Real processes,
+a real `tidal run`, a real SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+from tests.conftest import ROOT, read_jsonl, run_misbehaving_once
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, signal, threading, time
+    from tests.tools import descendants_of, started_at
+    from tidal.envs import ToolHost, ToolLimits, resolve_tool
+    from tidal.rewards.pool import reward_process
+
+    tools = ToolHost(["tests.tools:grip", "tests.tools:pid"], ToolLimits(timeout_seconds=600, cpu_seconds=None, processes=1))
+    pid = tools.isolate(resolve_tool("tests.tools:pid"))
+    # the tool process is started on a thread that ends at once: it must outlive that thread
+    first = threading.Thread(target=lambda: print(pid({}).text, flush=True))
+    first.start()
+    first.join()
+    time.sleep(1.0)
+    print(pid({}).text, flush=True)
+    rewards = reward_process(["tests.rewards:digit_count"], 60.0)
+    rewards.request({"fn": "tests.rewards:digit_count", "completion": "1", "answer": "1"})
+    print(rewards.proc.pid, flush=True)
+    threading.Thread(target=tools.isolate(resolve_tool("tests.tools:grip")), args=({},), daemon=True).start()
+    time.sleep(1.0)
+    print(json.dumps({pid: started_at(pid) for pid in descendants_of(os.getpid())}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def running(pid: int, started: str) -> bool:
+    """The process `pid` that started at `started` still runs (a zombie counts as ended; a reused pid is another process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return False
+    return stat[0] != "Z" and stat[19] == started
+
+
+def left_running(started: dict[int, str], seconds: float) -> list[int]:
+    """The processes of `started` (pid: start time) still running after waiting up to `seconds` for all to end."""
+    deadline = time.monotonic() + seconds
+    while any(running(p, s) for p, s in started.items()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p, s in started.items() if running(p, s)]
+
+
+def kill(pids: list[int]) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_workers_hosts_end_even_while_a_tool_holds_the_interpreter(tmp_path):
+    """A tool stuck in C code starves the host's own watcher thread: only the kernel's parent-death
+    signal ends it. The tool process was started on a thread that ended long before the worker."""
+    out, err = tmp_path / "out", tmp_path / "err"
+    with out.open("w") as stdout, err.open("w") as stderr:  # files, not pipes: a host left running would hold a pipe open
+        proc = subprocess.run([sys.executable, "-c", WORKER], stdout=stdout, stderr=stderr, cwd=ROOT, timeout=300)
+    assert proc.returncode == -9, err.read_text()[-2000:]
+    tool_first, tool_second, reward, descendants = out.read_text().splitlines()
+    assert tool_first == tool_second  # the tool process outlived the thread that started it
+    started = {int(pid): at for pid, at in json.loads(descendants).items()}
+    assert set(started) == {int(tool_first), int(reward)}  # the tool process, gripped, and the reward process
+    left = left_running(started, 30)
+    kill(left)
+    assert not left, f"still running after their worker was killed: {left}"
+
+
+def test_a_killed_worker_takes_its_reward_and_tool_processes_with_it_and_the_run_finishes(tmp_path, write_config):
+    """A tool SIGKILLs its worker mid-iteration and then holds its interpreter: every process the worker
+    had started (its tool and reward processes) ends, the launcher restarts the worker, no group is lost."""
+    iterations, prompts = 2, 4
+    config = write_config(
+        {
+            "rollout.env": "tests.tools:WorkerKiller",
+            "rollout.tools": ["tests.tools:kill_worker_once"],
+            "rollout.max_turns": 2,
+            "reward.functions": [{"name": "exact_match"}, {"name": "tests.rewards:digit_count", "weight": 0.0}],
+            "trainer.iterations": iterations,
+            "trainer.prompts_per_iteration": prompts,
+            "eval.enabled": False,
+        }
+    )
+    proc, run_dir, _ = run_misbehaving_once(config, tmp_path)
+    record = json.loads((tmp_path / "markers" / "worker-killed.json").read_text())
+    started = {int(pid): at for pid, at in record["started"].items()}
+    left = left_running(started, 30)
+    kill(left)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not left, f"processes of the killed worker {record['worker']} still running: {left}"
+    commands = " | ".join(record["commands"])
+    assert "-m tidal.envs.host" in commands and "-m tidal.rewards.host" in commands, commands  # the test tested both kinds
+    assert "rollout worker worker-0 exited with code -9; restarting" in (run_dir / "logs" / "launcher.log").read_text()
+    trained = Counter((r["iteration"], r["prompt_id"]) for r in read_jsonl(run_dir / "groups.jsonl"))
+    assert len(trained) == iterations * prompts and set(trained.values()) == {1}
