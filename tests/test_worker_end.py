@@ -6,21 +6,18 @@ a real `tidal run`, a real SIGKILL."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter
-from pathlib import Path
 
 from tests.conftest import ROOT, read_jsonl, run_misbehaving_once
+from tests.processes import kill, left_running
 
 WORKER = textwrap.dedent(
     """
     import json, os, signal, threading, time
-    from tests.tools import descendants_of, started_at
+    from tests.processes import descendants_of, started_at
     from tidal.envs import ToolHost, ToolLimits, resolve_tool
     from tidal.rewards.pool import reward_process
 
@@ -41,28 +38,6 @@ WORKER = textwrap.dedent(
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )
-
-
-def running(pid: int, started: str) -> bool:
-    """The process `pid` that started at `started` still runs (a zombie counts as ended; a reused pid is another process)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return False
-    return stat[0] != "Z" and stat[19] == started
-
-
-def left_running(started: dict[int, str], seconds: float) -> list[int]:
-    """The processes of `started` (pid: start time) still running after waiting up to `seconds` for all to end."""
-    deadline = time.monotonic() + seconds
-    while any(running(p, s) for p, s in started.items()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return [p for p, s in started.items() if running(p, s)]
-
-
-def kill(pids: list[int]) -> None:
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
 
 
 def test_a_killed_workers_hosts_end_even_while_a_tool_holds_the_interpreter(tmp_path):

@@ -10,6 +10,7 @@ import signal
 import time
 from pathlib import Path
 
+from tests.processes import command, descendants_of, started_at
 from tests.rewards import _first_call
 from tidal.envs import Environment, ParsedTurn, ToolCall
 
@@ -103,16 +104,6 @@ class Saboteur(Environment):
         return ParsedTurn(assistant_text, [ToolCall(name, {}) for name in SABOTAGE])
 
 
-def started_at(pid: int) -> str:
-    """A process's start time in clock ticks since boot (/proc/PID/stat field 22): with its pid, it names one process."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-
-
-def descendants_of(pid: int) -> list[int]:
-    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-    return [d for c in children for d in [c, *descendants_of(c)]]
-
-
 def grip() -> str:
     """Holds the interpreter in C for ever (a regular expression that backtracks without end): no
     other thread of its process runs, so only a signal ends it."""
@@ -127,7 +118,7 @@ def kill_worker_once() -> str:
         return "ok"
     worker = os.getppid()
     started = {pid: started_at(pid) for pid in descendants_of(worker)}
-    commands = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in started]
+    commands = [command(pid) for pid in started]
     record = Path(os.environ["TIDAL_TEST_MARKERS"]) / "worker-killed.json"
     record.write_text(json.dumps({"worker": worker, "started": started, "commands": commands}))
     os.kill(worker, signal.SIGKILL)
