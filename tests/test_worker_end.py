@@ -83,3 +83,29 @@ def test_a_killed_worker_takes_its_reward_and_tool_processes_with_it_and_the_run
     assert "rollout worker worker-0 exited with code -9; restarting" in (run_dir / "logs" / "launcher.log").read_text()
     trained = Counter((r["iteration"], r["prompt_id"]) for r in read_jsonl(run_dir / "groups.jsonl"))
     assert len(trained) == iterations * prompts and set(trained.values()) == {1}
+
+
+def test_a_worker_stopped_by_sigterm_ends_in_order_with_its_processes_and_the_run_finishes(tmp_path, write_config):
+    """SIGTERM (a preemption) mid-iteration: the worker stops in order (its task cancelled, its engine
+    shut down, exit code 143) instead of dying where it stands; its reward process ends with it; the
+    launcher restarts it and no group is lost."""
+    iterations, prompts = 2, 4
+    config = write_config(
+        {
+            "reward.functions": [{"name": "exact_match"}, {"name": "tests.rewards:terminates_worker_once", "weight": 0.0}],
+            "trainer.iterations": iterations,
+            "trainer.prompts_per_iteration": prompts,
+            "eval.enabled": False,
+        }
+    )
+    proc, run_dir, _ = run_misbehaving_once(config, tmp_path)
+    record = json.loads((tmp_path / "markers" / "worker-terminated.json").read_text())
+    started = {int(pid): at for pid, at in record["started"].items()}
+    left = left_running(started, 30)
+    kill(left)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert started and not left, f"processes of the stopped worker {record['worker']}: {started}, still running: {left}"
+    assert "tidal: rollout worker stopped by SIGTERM" in (run_dir / "logs" / "worker-0.log").read_text()
+    assert "rollout worker worker-0 exited with code 143; restarting" in (run_dir / "logs" / "launcher.log").read_text()
+    trained = Counter((r["iteration"], r["prompt_id"]) for r in read_jsonl(run_dir / "groups.jsonl"))
+    assert len(trained) == iterations * prompts and set(trained.values()) == {1}
