@@ -12,7 +12,7 @@ import textwrap
 from collections import Counter
 
 from tests.conftest import ROOT, read_jsonl, run_misbehaving_once
-from tests.processes import kill, left_running
+from tests.processes import kill, left_running, running
 
 WORKER = textwrap.dedent(
     """
@@ -38,6 +38,43 @@ WORKER = textwrap.dedent(
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )
+
+
+CLIENT = textwrap.dedent(
+    """
+    import json, subprocess, sys, time
+    from tests.processes import descendants_of, started_at
+    from tidal import reaper
+
+    reaper.start()
+    time.sleep(1.0)
+    # started after the watcher: a child that starts a grandchild (as vLLM's engine core starts its worker)
+    subprocess.Popen([sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '600']); time.sleep(600)"])
+    own_group = subprocess.Popen(["sleep", "601"], process_group=0)  # a role of a launcher: stopped by the launcher, not the watcher
+    while len(descendants_of(os.getpid())) < 4:  # the watcher, the child, its grandchild, own_group
+        time.sleep(0.05)
+    time.sleep(1.0)  # the watcher looks twice a second
+    print(json.dumps({"own_group": own_group.pid, "started": {p: started_at(p) for p in descendants_of(os.getpid())}}), flush=True)
+    os.kill(os.getpid(), 9)
+    """
+).replace("import json,", "import json, os,")
+
+
+def test_the_reaper_kills_what_its_process_started_after_it_in_its_group_once_it_is_killed(tmp_path):
+    """tidal.reaper (what a vLLM client starts before its engine): the processes started after it, a
+    grandchild among them, end when the client is SIGKILLed; one in a group of its own is left alone."""
+    out = tmp_path / "out"
+    with out.open("w") as stdout:
+        proc = subprocess.run([sys.executable, "-c", CLIENT], stdout=stdout, cwd=ROOT, timeout=300)
+    assert proc.returncode == -9
+    record = json.loads(out.read_text())
+    started = {int(pid): at for pid, at in record["started"].items()}
+    own_group = record["own_group"]
+    left = left_running({p: s for p, s in started.items() if p != own_group}, 30)
+    own_group_ran = running(own_group, started[own_group])
+    kill([*left, own_group])
+    assert len(started) == 4 and not left, f"{started}: still running {left}"
+    assert own_group_ran
 
 
 def test_a_killed_workers_hosts_end_even_while_a_tool_holds_the_interpreter(tmp_path):
