@@ -42,7 +42,7 @@ WORKER = textwrap.dedent(
 
 CLIENT = textwrap.dedent(
     """
-    import json, subprocess, sys, time
+    import json, os, signal, subprocess, sys, time
     from tests.processes import descendants_of, started_at
     from tidal import reaper
 
@@ -53,11 +53,11 @@ CLIENT = textwrap.dedent(
     own_group = subprocess.Popen(["sleep", "601"], process_group=0)  # a role of a launcher: stopped by the launcher, not the watcher
     while len(descendants_of(os.getpid())) < 4:  # the watcher, the child, its grandchild, own_group
         time.sleep(0.05)
-    time.sleep(1.0)  # the watcher looks twice a second
+    time.sleep(3.0)  # several of the watcher's looks (it looks twice a second)
     print(json.dumps({"own_group": own_group.pid, "started": {p: started_at(p) for p in descendants_of(os.getpid())}}), flush=True)
-    os.kill(os.getpid(), 9)
+    os.kill(os.getpid(), signal.SIGKILL)
     """
-).replace("import json,", "import json, os,")
+)
 
 
 def test_the_reaper_kills_what_its_process_started_after_it_in_its_group_once_it_is_killed(tmp_path):
