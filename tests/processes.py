@@ -91,17 +91,26 @@ def carrying(marker: bytes) -> dict[int, str]:
     return found
 
 
+def ends_with_session(pid: int, session: int) -> bool:
+    """A helper of the session process itself that ends when it does: the watcher of an engine it ran
+    (tidal.reaper SESSION) or multiprocessing's resource tracker (it exits when its parent's pipe closes)."""
+    try:
+        parent = stat_fields(pid)[1]
+    except OSError:  # it ended meanwhile
+        return False
+    cmd = command(pid)
+    return parent == str(session) and (cmd.endswith(f"-m tidal.reaper {session}") or "from multiprocessing.resource_tracker import main" in cmd)
+
+
 def session_leftovers(marker: bytes, session: int, seconds: float) -> dict[int, str]:
     """What a test session (the pytest process `session`) leaves running, after up to `seconds` for
-    it to end: processes carrying its marker or descended from it, but for watchers of the session
-    itself (tidal.reaper PID: it ends when the session does)."""
+    it to end: processes carrying its marker or descended from it, but for its own helpers (ends_with_session)."""
     if not Path("/proc").is_dir():  # no /proc to read: nothing can be listed
         return {}
-    watcher = f"-m tidal.reaper {session}"
     deadline = time.monotonic() + seconds
     while True:
         candidates = {**carrying(marker), **{p: start_time(p) for p in descendants_of(session)}}
-        left = {p: s for p, s in candidates.items() if p != session and running(p, s) and not command(p).endswith(watcher)}
+        left = {p: s for p, s in candidates.items() if p != session and running(p, s) and not ends_with_session(p, session)}
         if not left or time.monotonic() > deadline:
             return {p: command(p) for p in left}
         time.sleep(0.2)
