@@ -91,15 +91,19 @@ def carrying(marker: bytes) -> dict[int, str]:
     return found
 
 
+SESSION_HELPERS = (" -m tidal.envs.host ", " -m tidal.rewards.host ", "from multiprocessing.resource_tracker import main")
+
+
 def ends_with_session(pid: int, session: int) -> bool:
     """A helper of the session process itself that ends when it does: the watcher of an engine it ran
-    (tidal.reaper SESSION) or multiprocessing's resource tracker (it exits when its parent's pipe closes)."""
+    (tidal.reaper SESSION), a tool or reward process of its own (the kernel's parent-death signal) or
+    multiprocessing's resource tracker (it exits when its parent's pipe closes)."""
     try:
         parent = stat_fields(pid)[1]
     except OSError:  # it ended meanwhile
         return False
-    cmd = command(pid)
-    return parent == str(session) and (cmd.endswith(f"-m tidal.reaper {session}") or "from multiprocessing.resource_tracker import main" in cmd)
+    cmd = command(pid) + " "
+    return parent == str(session) and (cmd.endswith(f" -m tidal.reaper {session} ") or any(h in cmd for h in SESSION_HELPERS))
 
 
 def session_leftovers(marker: bytes, session: int, seconds: float) -> dict[int, str]:
