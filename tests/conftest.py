@@ -7,15 +7,31 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.processes import SESSION_ENV, kill, session_leftovers
 from tidal.config import config_from_dict
 from tidal.transport.server import EmbeddedNats
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_running():
+    """Every process the session's tests started has ended when the session does: each pytest process
+    (each xdist worker its own) marks its children's environment, and at the end any process still
+    carrying the mark, or still descended from it, is killed and fails the session."""
+    os.environ[SESSION_ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    yield
+    left = session_leftovers(f"{SESSION_ENV}={os.environ[SESSION_ENV]}".encode(), os.getpid(), seconds=30)
+    kill(list(left))
+    assert not left, "processes the tests started were still running at the end of the session (killed now):\n" + "\n".join(
+        f"{pid}: {cmd}" for pid, cmd in left.items()
+    )
 
 
 @pytest.fixture(scope="session")

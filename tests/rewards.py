@@ -83,3 +83,21 @@ def crashes_once(completion: str, answer: str) -> float:
 
 def exits_once(completion: str, answer: str) -> float:
     return exits(completion, answer) if _first_call("exits") else 0.0
+
+
+def terminates_worker_once(completion: str, answer: str) -> float:
+    """The first time in a run: notes every process its worker started ($TIDAL_TEST_MARKERS/worker-terminated.json,
+    pid: start time) and sends the worker SIGTERM, as a preemption would."""
+    if _first_call("terminate-worker"):
+        import json
+        import os
+        import signal
+        from pathlib import Path
+
+        from tests.processes import descendants_of, started_at
+
+        worker = os.getppid()
+        started = {pid: started_at(pid) for pid in descendants_of(worker)}
+        (Path(os.environ["TIDAL_TEST_MARKERS"]) / "worker-terminated.json").write_text(json.dumps({"worker": worker, "started": started}))
+        os.kill(worker, signal.SIGTERM)
+    return 0.0

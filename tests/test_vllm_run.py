@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, start_run, wait_until
+from tests.processes import command, descendants_of, kill, left_running, start_time
 from tidal.rollout.vllm_adapter import vllm_available
 
 pytestmark = [
@@ -136,3 +137,36 @@ def test_on_cpu_two_vllm_workers_start_with_no_memory_key_and_a_killed_one_loses
     assert len(trained) == ITERATIONS * PROMPTS and set(trained.values()) == {1}
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["iterations"] == ITERATIONS and summary["groups_trained"] == ITERATIONS * PROMPTS and summary["staleness_max"] == 0
+
+
+def engine_starting(run_dir: Path) -> bool:
+    """worker-0 has started vLLM's engine core and its worker process (the engine is not ready yet)."""
+    pid_file = run_dir / "logs" / "worker-0.pid"
+    return pid_file.is_file() and any(command(p).startswith("VLLM::Worker") for p in descendants_of(int(pid_file.read_text())))
+
+
+def test_a_worker_killed_while_its_engine_starts_leaves_no_vllm_process_and_the_run_finishes(tmp_path, tiny_config_dict):
+    """SIGKILL to the worker while vLLM's engine processes load the model: none of them is left running
+    (they would hold an engine's memory for good), the launcher restarts the worker, the run completes."""
+    config = vllm_run_config(tiny_config_dict, tmp_path / "config.yaml", eval={"enabled": False}, trainer={"iterations": 2})
+    run_dir = tmp_path / "run"
+    proc = start_run(config, run_dir)
+    try:
+        wait_until(lambda: engine_starting(run_dir), proc)
+        worker = int((run_dir / "logs" / "worker-0.pid").read_text())
+        started = {pid: start_time(pid) for pid in descendants_of(worker)}
+        commands = [command(pid) for pid in started]
+        os.kill(worker, signal.SIGKILL)
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    left = {pid: command(pid) for pid in left_running(started, 30)}
+    kill(list(left))
+    assert any(c.startswith("VLLM::EngineCore") for c in commands) and any(c.startswith("VLLM::Worker") for c in commands), commands
+    assert not left, f"processes of the killed worker still running: {left}"
+    assert proc.returncode == 0, err[-3000:]
+    assert re.search(r"rollout worker worker-0 exited with code -9; restarting", (run_dir / "logs" / "launcher.log").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["iterations"] == 2 and summary["groups_trained"] == 2 * PROMPTS

@@ -3,10 +3,14 @@ misbehaving ones run in a real tool process."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
+from pathlib import Path
 
+from tests.processes import command, descendants_of, started_at
 from tests.rewards import _first_call
 from tidal.envs import Environment, ParsedTurn, ToolCall
 
@@ -98,3 +102,33 @@ class Saboteur(Environment):
         if self.stats.turns:
             return ParsedTurn(assistant_text)
         return ParsedTurn(assistant_text, [ToolCall(name, {}) for name in SABOTAGE])
+
+
+def grip() -> str:
+    """Holds the interpreter in C for ever (a regular expression that backtracks without end): no
+    other thread of its process runs, so only a signal ends it."""
+    return str(re.fullmatch(r"(a+)+$", "a" * 64 + "b"))
+
+
+def kill_worker_once() -> str:
+    """The first time in a run: notes every process its worker started (pid and start time, in
+    $TIDAL_TEST_MARKERS/worker-killed.json), SIGKILLs the worker, then holds the interpreter (grip),
+    so only a signal can end this process."""
+    if not _first_call("kill-worker"):
+        return "ok"
+    worker = os.getppid()
+    started = {pid: started_at(pid) for pid in descendants_of(worker)}
+    commands = [command(pid) for pid in started]
+    record = Path(os.environ["TIDAL_TEST_MARKERS"]) / "worker-killed.json"
+    record.write_text(json.dumps({"worker": worker, "started": started, "commands": commands}))
+    os.kill(worker, signal.SIGKILL)
+    return grip()
+
+
+class WorkerKiller(Environment):
+    """Calls kill_worker_once on a trajectory's first turn; the second turn is the answer."""
+
+    def parse(self, assistant_text: str) -> ParsedTurn:
+        if self.stats.turns:
+            return ParsedTurn(assistant_text)
+        return ParsedTurn(assistant_text, [ToolCall("kill_worker_once", {})])

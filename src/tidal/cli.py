@@ -133,9 +133,16 @@ def train_command(args: argparse.Namespace) -> int:
 def worker_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     _role_setup()
+    import asyncio
+    import signal
+
     from tidal import roles
 
-    roles.run_async(roles.worker_role(cfg, RunDir(args.run_dir), args.nats_url, args.worker_id))
+    try:
+        roles.run_async(roles.worker_role(cfg, RunDir(args.run_dir), args.nats_url, args.worker_id))
+    except asyncio.CancelledError:  # SIGTERM: the worker stopped in order
+        print("tidal: rollout worker stopped by SIGTERM", file=sys.stderr)
+        return 128 + signal.SIGTERM
     return 0
 
 

@@ -8,8 +8,9 @@ reply over the byte cap fails that call (`HostCallError`) and the process is kil
 starts a new one.
 
 Host side, `serve`: the protocol has the process's real stdout to itself (user code that prints
-writes to stderr, the worker's log, at most `PRINT_CHARS` a call), the process exits when its parent
-is gone, it leaves no core file, and optional rlimits bound its memory (RLIMIT_AS, from the start)
+writes to stderr, the worker's log, at most `PRINT_CHARS` a call), the process ends with its parent
+(SIGKILL from the kernel on Linux, however the parent ended; a polling thread elsewhere), it leaves
+no core file, and optional rlimits bound its memory (RLIMIT_AS, from the start)
 and each call's CPU time (RLIMIT_CPU, re-armed before every call: SIGXCPU ends the process)."""
 
 from __future__ import annotations
@@ -25,10 +26,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from tidal.parentdeath import set_parent_death_signal
 
 STARTUP_SECONDS = 120.0  # importing a user's module may load a model of its own
 MAX_REPLY_BYTES = 8 << 20  # one reply line; a longer one is a broken host, replaced
 PRINT_CHARS = 64 << 10  # what user code may print per call; the rest is dropped, with a line saying how much
+PARENT_ENV = "TIDAL_HOST_PARENT"  # the pid a host belongs to: one whose parent is already gone when it starts exits
+
+# Every host process is started on this one thread, which lives as long as the process: the kernel's
+# parent-death signal follows the thread that started a child, and calls come from pool threads that may end.
+_spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-host-spawner")
 
 
 class HostStartError(ValueError):
@@ -102,7 +111,8 @@ class HostProcess:
                 self._spawn()
 
     def _spawn(self) -> None:
-        self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        self.proc = _spawner.submit(subprocess.Popen, self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env).result()
         self.reader = LineReader(self.proc.stdout.fileno(), self.max_reply_bytes)
         self.ready = False
         self.started += 1
@@ -159,10 +169,20 @@ class HostProcess:
 # --- the host's side ---------------------------------------------------------------------------
 
 
+def tie_to_parent() -> None:
+    """Makes this host end with the process that started it: the kernel's SIGKILL when its parent
+    is gone (Linux: also while user code holds the interpreter in C), and a polling thread that
+    exits (elsewhere, and a second line of defence). A parent already gone by now: exits at once."""
+    parent = int(os.environ.pop(PARENT_ENV, os.getppid()))
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(0)
+    die_with_parent(parent)
+
+
 def die_with_parent(parent: int) -> None:
-    """Exits when the worker is gone, even while a user function hangs (the closed stdin is seen only
-    between calls). A polling thread, not PR_SET_PDEATHSIG: that fires when the *thread* that started
-    the host ends, and workers score on pool threads."""
+    """Exits when the worker is gone, even while a user function hangs in Python (the closed stdin is
+    seen only between calls)."""
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -218,11 +238,11 @@ def serve(load: Callable[[], Callable[[dict], dict]], memory_mb: int | None = No
     """The host's main loop. `load()` imports the user's functions and returns the function that
     answers one call (a dict in, a JSON-able dict out); after it the host says `{"ready": true}`, or
     `{"fatal": message}` when it raised, and exits."""
+    tie_to_parent()
     protocol = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
     os.dup2(2, 1)
     prints = CappedPrints(sys.__stderr__, PRINT_CHARS)
     sys.stdout = sys.stderr = prints
-    die_with_parent(os.getppid())
     limit_memory(memory_mb)
     try:
         answer = load()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -214,7 +215,14 @@ def rollout_engine(cfg: TidalConfig, base_model: str) -> tuple[object, object, t
     return HFEngine.for_rollout(model, tokenizer, cfg.rollout), tokenizer, RolloutWorker
 
 
+def cancel_on_sigterm() -> None:
+    """SIGTERM (the launcher stopping, a preemption) cancels the running task: the worker's `finally`
+    blocks run (vLLM's engine shut down in order) instead of the process ending where it stands."""
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+
+
 async def worker_role(cfg: TidalConfig, run: RunDir, nats_url: str, worker_id: str) -> int:
+    cancel_on_sigterm()
     info = run.info()
     set_threads(split_cores(cfg)[1])
     # user rewards' process starts beside the model load; not before vLLM, whose engine processes

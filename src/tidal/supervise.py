@@ -67,16 +67,13 @@ def stop_on_signals():
 def _parent_death_signal():
     """Linux: a function that makes a child get SIGTERM when the launcher dies, even by SIGKILL, so
     no role or nats-server is left orphaned; None elsewhere."""
-    try:
-        import ctypes
+    from tidal.parentdeath import prctl, set_parent_death_signal
 
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    if prctl() is None:
         return None
-    pr_set_pdeathsig = 1
 
     def set_signal() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+        set_parent_death_signal(signal.SIGTERM)
 
     return set_signal
 
@@ -92,6 +89,18 @@ def child_options(lock: RunDirLock | None) -> dict:
     if preexec is not None:
         options["preexec_fn"] = preexec
     return options
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to what is left of the process group `proc` led (started with process_group 0), once
+    `proc` has exited: what it started and did not end, vLLM's engine processes among them. A
+    group id stays reserved while any member lives, so no newer process can own it."""
+    if proc.returncode is None:
+        raise ValueError(f"process {proc.pid} still runs: its group is ended after it exits")
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is empty (a pid not leading a group is one too)
+        pass
 
 
 def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
@@ -183,6 +192,14 @@ class RoleProcesses:
         for i in range(self.cfg.rollout.workers):
             self.start_worker(f"worker-{i}")
 
+    def leads_group(self) -> bool:
+        return self.options.get("process_group") == 0
+
+    def end(self, proc: subprocess.Popen) -> None:
+        """After a role exits: whatever it started goes with it (its group)."""
+        if self.leads_group():
+            end_group(proc)
+
     def start_worker(self, worker_id: str) -> None:
         self.worker_started[worker_id] = time.time()
         self.workers[worker_id] = self._spawn(["rollout-worker", "--worker-id", worker_id], worker_id, self.worker_threads)
@@ -203,12 +220,14 @@ class RoleProcesses:
             if code == 0 and self.trainer.poll() is None and self.worker_started[wid] < self.trainer_restarted_at:
                 # it exited on the state the interrupted trainer left, which the restart has since reopened
                 log.info("rollout worker %s exited on the interrupted trainer's run state; starting it again", wid)
+                self.end(proc)
                 self.start_worker(wid)
             elif code not in (None, 0) and self.trainer.poll() is None:
                 self.restarts[wid] = self.restarts.get(wid, 0) + 1
                 if self.restarts[wid] > MAX_WORKER_RESTARTS:
                     raise self.failed(wid, code, f"rollout worker {wid} ({self.restarts[wid]} times)")
                 log.warning("rollout worker %s exited with code %s; restarting (its work items are redelivered)", wid, code)
+                self.end(proc)
                 self.start_worker(wid)
         code = self.trainer.poll()
         if code is None:
@@ -221,6 +240,7 @@ class RoleProcesses:
             # the unacked groups of the interrupted iteration are redelivered to it.
             self.restarts["trainer"] = self.restarts.get("trainer", 0) + 1
             log.warning("trainer exited with %s; restarting from the last checkpoint", f"signal {-code}" if code < 0 else f"code {code}")
+            self.end(self.trainer)
             self.reopen_run()
             self.trainer_restarted_at = time.time()
             self.trainer = self._spawn(["train"], "trainer", self.trainer_threads)
@@ -236,6 +256,8 @@ class RoleProcesses:
         while any(p.poll() is None for p in procs) and time.time() < deadline:
             time.sleep(0.05)
         stop_processes(procs)
+        for p in procs:
+            self.end(p)
 
 
 class NatsSupervisor:

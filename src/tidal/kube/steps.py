@@ -11,6 +11,8 @@ records for later ones is in ``RUN_DIR/kube/`` (:mod:`tidal.kube.step_records`).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -126,13 +128,23 @@ def rollout_worker(run_dir: str, config_path: str, lane: str, round_index: int) 
         worker_id,
     ]
     print("+ " + " ".join(command), flush=True)
-    process = subprocess.Popen(command)
+    process = subprocess.Popen(command, process_group=0)
     try:
         supervise_worker(process, lambda: run_state(run, config_path))
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+        end_group(process)
+
+
+def end_group(process: subprocess.Popen) -> None:
+    """What the exited worker started and left (vLLM's engine processes): its process group, killed,
+    so they do not hold the pod's memory until the container ends."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def run_state(run: RunDir, config_path: str) -> str:

@@ -184,13 +184,12 @@ class VLLMEngine:
         check_head_size(model_dir, device)
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        start_reaper()
         try:
             llm = AsyncLLM.from_engine_args(engine_args(cfg, model_dir, device))
         except Exception as err:  # noqa: BLE001 - vLLM raises many types at start-up; the user needs one line
             raise VLLMStartError(start_failure_hint(err, device)) from err
-        engine = cls(llm, cfg, device)
-        start_reaper()
-        return engine
+        return cls(llm, cfg, device)
 
     @property
     def context_length(self) -> int:
@@ -331,35 +330,18 @@ class BlockingVLLMEngine:
         self.thread.join(timeout=10)
 
 
-_REAPER = """
-import os, sys, time, signal
-parent, children = int(sys.argv[1]), [int(p) for p in sys.argv[2:]]
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False
-while alive(parent) and any(alive(c) for c in children):
-    time.sleep(1.0)
-for c in children:
-    if alive(c):
-        os.kill(c, signal.SIGKILL)
-"""
+_reaper = None
 
 
 def start_reaper() -> None:
-    """vLLM's engine processes outlive a SIGKILLed client (holding memory, or a GPU): a watcher
-    process kills them once this process is gone."""
-    import os
-    import subprocess
-    import sys
+    """vLLM's engine processes outlive a client killed by SIGKILL (holding memory, or a GPU): a watcher
+    process (tidal.reaper) kills every descendant of this process once it is gone. One per process,
+    started before the first engine, so an engine still starting when the client dies goes too."""
+    global _reaper
+    if _reaper is None or _reaper.poll() is not None:
+        from tidal import reaper
 
-    import psutil  # a vLLM dependency
-
-    children = [str(c.pid) for c in psutil.Process().children(recursive=True)]
-    if children:
-        subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), *children], start_new_session=True)
+        _reaper = reaper.start()
 
 
 def _retie(state: dict, hf_config) -> dict:
