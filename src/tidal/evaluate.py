@@ -142,7 +142,7 @@ def open_engine(cfg: TidalConfig, model_dir: str | Path, kind: str) -> RolloutEn
     if cfg.model.lora is not None:  # snapshots are adapters on top of model_dir (without one: the base exactly)
         from tidal.model.lora import apply_lora
 
-        model = apply_lora(model, cfg.model.lora)
+        model = apply_lora(model, cfg.model.lora, cfg.seed)
     return HFEngine.for_rollout(model, tokenizer, cfg.rollout)
 
 

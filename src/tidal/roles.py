@@ -46,7 +46,7 @@ def load_policy(cfg: TidalConfig, base_model: str | Path) -> tuple[torch.nn.Modu
     """The base model and its tokenizer; under model.lora wrapped by peft (the adapter at its start: the base exactly)."""
     model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
     if cfg.model.lora is not None:
-        model = apply_lora(model, cfg.model.lora)
+        model = apply_lora(model, cfg.model.lora, cfg.seed)
     return model, tokenizer
 
 

@@ -376,9 +376,10 @@ class TransportConfig(_Strict):
 
 
 class WeightsConfig(_Strict):
-    """Retention of weight snapshots (weights/vNNNNNN). Never deleted, whatever these say: the current and the
-    previous published version (a worker may still be loading it; in bounded mode the whole staleness window),
-    the version the latest checkpoint resumes from, and the version an eval.every follower evaluates next."""
+    """Retention of weight snapshots (weights/vNNNNNN), and the check that each arrived. Never deleted, whatever
+    these say: the current and the previous published version (a worker may still be loading it; in bounded mode
+    the whole staleness window), the version the latest checkpoint resumes from, and the version an eval.every
+    follower evaluates next."""
 
     keep_last: int | None = Field(5, ge=1)  # the newest N snapshots; None: keep every snapshot
     keep_every: int | None = Field(None, ge=1)  # also keep every version divisible by N (milestones)

@@ -7,9 +7,10 @@ import torch
 from tidal.config import LoraConfig
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.nn.Module:
     """`model` wrapped by peft: its own weights frozen, the adapter (and `modules_to_save`) trainable.
-    The adapter's B starts at zero, so the wrapped model computes exactly the base model."""
+    The adapter's B starts at zero, so the wrapped model computes exactly the base model; its random A
+    is drawn from `seed` alone (not the process's RNG), so every process of a run starts alike."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -22,7 +23,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, peft_cfg)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return get_peft_model(model, peft_cfg)
     except ValueError as err:  # peft: "Target modules {...} not found in the base model"
         raise ValueError(f"model.lora.target_modules {list(cfg.target_modules)}: {str(err).splitlines()[0]}") from None
 
