@@ -3,6 +3,7 @@ store, the arrival check, and `tidal run` end to end."""
 
 import copy
 import json
+import re
 
 import numpy as np
 import pytest
@@ -278,13 +279,13 @@ def test_the_arrival_check_catches_an_engine_that_did_not_apply_a_version(tmp_pa
     engine = HFEngine(apply_lora(copy.deepcopy(base), LORA), tok.eos_token_id, tok.pad_token_id, 4)
     state, manifest = load_verified_with_manifest(v1)
     engine.load_state_dict(state)
-    check_arrival(engine, manifest, 1, 1e-3, "w0")  # the right adapter: passes
+    assert check_arrival(engine, manifest, 1, 1e-3, "w0") < 1e-5  # the right adapter: passes
     _, manifest2 = load_verified_with_manifest(v2)
     with pytest.raises(
         WeightsDidNotArriveError, match=r"^weights v2 did not arrive on worker w0: .* by up to [0-9.e-]+ \(weights.arrival_tolerance 0.001\)$"
     ):
         check_arrival(engine, manifest2, 2, 1e-3, "w0")  # still v1's adapter
-    check_arrival(engine, manifest2, 2, 0.0, "w0")  # tolerance 0: the check is off
+    assert check_arrival(engine, manifest2, 2, 0.0, "w0") is None  # tolerance 0: the check is off
 
     tensors = load_file(str(v2 / ADAPTER_FILE))
     name = next(k for k in tensors if "lora_B" in k)
@@ -326,6 +327,8 @@ def test_a_lora_periodic_run_ends_on_the_adapter_of_a_sync_run_and_resumes_onto_
     assert max((sync[k] - start[k]).abs().max().item() for k in start) > 1e-3  # training moved the adapter
     for name, tensor in sync.items():
         torch.testing.assert_close(periodic[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    worker_log = (tmp_path / "periodic" / "logs" / "worker-0.log").read_text()
+    assert all(re.search(rf"loaded weights v{v} in [\d.]+s \(probe log-probs within [\d.e+-]+ of the trainer's\)", worker_log) for v in range(3))
 
     # a run stopped after 2 iterations and resumed (adapter and its optimizer state from the checkpoint) ends there too
     resumed = tmp_path / "resumed"

@@ -237,20 +237,20 @@ async def snapshot_path(transport: Transport, version: int, weights_root: Path |
     return os.path.join(os.path.dirname(policy.uri), version_dir_name(version))
 
 
-def check_arrival(engine, manifest: dict, version: int, tolerance: float, worker_id: str) -> None:
-    """The engine's log-probs of the probe published with `version` against the trainer's; a difference above
-    `tolerance` is WeightsDidNotArriveError naming the version (the run stops). Nothing to check when the
-    manifest has no probe, the check is off (0) or the engine cannot compute log-probs itself."""
+def check_arrival(engine, manifest: dict, version: int, tolerance: float, worker_id: str) -> float | None:
+    """The engine's log-probs of the probe published with `version` against the trainer's: returns the largest
+    difference; one above `tolerance` is WeightsDidNotArriveError naming the version (the run stops). None:
+    nothing checked (the manifest has no probe, the check is off, or the engine cannot compute log-probs)."""
     probe = manifest.get("probe")
     if not probe or not tolerance or not hasattr(engine, "probe_logprobs"):
-        return
+        return None
     difference = probe_difference(probe["logprobs"], engine.probe_logprobs(probe["sequences"]))
     if not difference <= tolerance:
         raise WeightsDidNotArriveError(
             f"weights v{version} did not arrive on worker {worker_id}: its log-probs of the run's probe differ from the trainer's "
             f"by up to {difference:.3g} (weights.arrival_tolerance {tolerance:g})"
         )
-    log.debug("worker %s: weights v%d arrived (probe log-probs within %.2g of the trainer's)", worker_id, version, difference)
+    return difference
 
 
 class RolloutWorker:
@@ -296,9 +296,10 @@ class RolloutWorker:
         except (CorruptSnapshotError, ValueError) as err:
             self.backoff = await report_refusal(self.transport, self.health, version, str(err))
             return None
-        await asyncio.to_thread(check_arrival, self.engine, manifest, version, self.cfg.weights.arrival_tolerance, self.worker_id)
+        difference = await asyncio.to_thread(check_arrival, self.engine, manifest, version, self.cfg.weights.arrival_tolerance, self.worker_id)
         self.health.loaded(version)
-        log.info("worker %s loaded weights v%d in %.3fs", self.worker_id, version, time.time() - t0)
+        arrived = "" if difference is None else f" (probe log-probs within {difference:.1e} of the trainer's)"
+        log.info("worker %s loaded weights v%d in %.3fs%s", self.worker_id, version, time.time() - t0, arrived)
         return time.time() - t0
 
     async def _back_off(self, msgs: list) -> None:
