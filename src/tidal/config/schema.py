@@ -383,7 +383,7 @@ class WeightsConfig(_Strict):
 
     keep_last: int | None = Field(5, ge=1)  # the newest N snapshots; None: keep every snapshot
     keep_every: int | None = Field(None, ge=1)  # also keep every version divisible by N (milestones)
-    # The arrival check (HF engine): the trainer publishes each version with its log-probs of a fixed probe (a few
+    # The arrival check (HF engine, one trainer rank): the trainer publishes each version with its log-probs of a fixed probe (a few
     # token sequences fixed per run); a worker that loads the version computes the same log-probs and stops the run,
     # naming the version, when any token differs by more than `arrival_tolerance`. 0 turns the check off.
     arrival_tolerance: float = Field(1e-3, ge=0)
