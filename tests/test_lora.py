@@ -227,9 +227,11 @@ def test_an_adapter_version_is_peft_files_plus_a_manifest_and_peft_loads_it(tmp_
         assert (base(input_ids=ids).logits - loaded(input_ids=ids).logits).abs().max() > 1e-4  # the adapter matters
 
     engine = HFEngine(apply_lora(copy.deepcopy(base), LORA), tok.eos_token_id, tok.pad_token_id, 4)
+    base_storage = {n: p.data_ptr() for n, p in engine.model.named_parameters() if "lora_" not in n}
     engine.load_snapshot(path, 3)  # the engine sets the adapter in place on its base
     with torch.no_grad():
         torch.testing.assert_close(engine.model(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6, rtol=0)
+    assert base_storage == {n: p.data_ptr() for n, p in engine.model.named_parameters() if "lora_" not in n}  # the base was not reloaded
 
 
 def test_adapter_versions_are_hash_checked_signed_repaired_and_pruned_like_full_ones(tmp_path, signed):
