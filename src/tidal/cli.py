@@ -226,11 +226,15 @@ def _main(argv: list[str] | None) -> int:
     except Exception as err:
         import nats.errors
 
-        from tidal.protocol import NATS_LOST_EXIT
+        from tidal.protocol import NATS_LOST_EXIT, WEIGHTS_DID_NOT_ARRIVE_EXIT
         from tidal.supervise import RoleFailed
         from tidal.trainer.guard import SkippedStepsError
         from tidal.transport import NatsUnavailableError
+        from tidal.weights import WeightsDidNotArriveError
 
+        if isinstance(err, WeightsDidNotArriveError):
+            print(f"tidal: {err}", file=sys.stderr)
+            return WEIGHTS_DID_NOT_ARRIVE_EXIT
         if isinstance(err, (RoleFailed, SkippedStepsError)):
             print(f"tidal: {err}", file=sys.stderr)
             return 1

@@ -139,6 +139,10 @@ def open_engine(cfg: TidalConfig, model_dir: str | Path, kind: str) -> RolloutEn
 
         return BlockingVLLMEngine(cfg, model_dir)
     model, tokenizer = load_model_and_tokenizer(model_dir, cfg.model.dtype)
+    if cfg.model.lora is not None:  # snapshots are adapters on top of model_dir (without one: the base exactly)
+        from tidal.model.lora import apply_lora
+
+        model = apply_lora(model, cfg.model.lora, cfg.seed)
     return HFEngine.for_rollout(model, tokenizer, cfg.rollout)
 
 

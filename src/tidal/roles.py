@@ -19,6 +19,8 @@ from tidal.config import TidalConfig
 from tidal.data import load_dataset
 from tidal.devices import resolve_device
 from tidal.model.loading import load_model_and_tokenizer
+from tidal.model.lora import adapter_config, apply_lora
+from tidal.model.probe import make_probe
 from tidal.model.warm_start import prepare_base_model
 from tidal.protocol import GroupLimits, RunState
 from tidal.rewards import RewardScorer
@@ -41,12 +43,29 @@ from tidal.weights import WeightStore
 log = logging.getLogger(__name__)
 
 
-def build_learner(cfg: TidalConfig, base_model: str, strategy: Strategy | None = None, device: str | None = None) -> tuple[Learner, object]:
+def load_policy(cfg: TidalConfig, base_model: str | Path) -> tuple[torch.nn.Module, object]:
+    """The base model and its tokenizer; under model.lora wrapped by peft (the adapter at its start: the base exactly)."""
     model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
+    if cfg.model.lora is not None:
+        model = apply_lora(model, cfg.model.lora, cfg.seed)
+    return model, tokenizer
+
+
+def build_learner(cfg: TidalConfig, base_model: str, strategy: Strategy | None = None, device: str | None = None) -> tuple[Learner, object]:
+    model, tokenizer = load_policy(cfg, base_model)
     learner = Learner(
         cfg.trainer, model, tokenizer.pad_token_id, cfg.rollout.temperature, cfg.reward, cfg.rollout.max_new_tokens, strategy=strategy, device=device
     )
     return learner, tokenizer
+
+
+def trainer_weight_store(cfg: TidalConfig, run: RunDir, base_model: str, learner: Learner) -> WeightStore:
+    """The run's weight store as the trainer writes it: adapters under LoRA, each version with its probe log-probs
+    (one trainer rank only: a forward with no backward after it would leave FSDP's root unsharded)."""
+    adapter = adapter_config(learner.model, str(base_model)) if learner.lora else None
+    checked = cfg.weights.arrival_tolerance > 0 and learner.ctx.world_size == 1
+    probe = make_probe(cfg.seed, int(learner.model.get_input_embeddings().num_embeddings)) if checked else None
+    return WeightStore(run.weights, base_model, adapter, probe)
 
 
 def rank_device(cfg: TidalConfig, ctx: DistContext) -> str:
@@ -128,7 +147,7 @@ async def trainer_role(cfg: TidalConfig, run: RunDir, nats_url: str, iterations:
 
 async def follower_trainer(cfg, run: RunDir, info: RunInfo, ctx: DistContext, strategy: Strategy, device: str, iterations: int | None) -> list[dict]:
     learner, _ = build_learner(cfg, info.base_model, strategy, device)
-    store = WeightStore(run.weights, info.base_model)
+    store = trainer_weight_store(cfg, run, info.base_model, learner)
     source = BroadcastSource(None, ctx)
     return await train(cfg, learner, source, load_dataset(cfg.data, cfg.seed), store, run, None, iterations)
 
@@ -140,7 +159,7 @@ async def main_trainer(
         try:  # from here on, any failure (a model that does not load included) is written to the run state
             dataset = load_dataset(cfg.data, cfg.seed)
             learner, _ = build_learner(cfg, info.base_model, strategy, device)
-            store = WeightStore(run.weights, info.base_model)
+            store = trainer_weight_store(cfg, run, info.base_model, learner)
             tracker = run.tracker()
             status = await transport.run_status()
             if status is None or status.state is not RunState.RUNNING:
@@ -198,7 +217,7 @@ def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: Weig
 def sync_trainer(cfg: TidalConfig, run: RunDir, dataset, tracker, engine=None) -> list[dict]:
     """Sync mode in this process: generate, then train, all cores to each phase."""
     learner, tokenizer = build_learner(cfg, run.info().base_model)
-    store = WeightStore(run.weights, run.info().base_model)
+    store = trainer_weight_store(cfg, run, run.info().base_model, learner)
     source = in_process_source(cfg, learner, tokenizer, store, engine)
     return asyncio.run(train(cfg, learner, source, dataset, store, run, tracker))
 
@@ -211,7 +230,7 @@ def rollout_engine(cfg: TidalConfig, base_model: str) -> tuple[object, object, t
         from tidal.rollout.vllm_worker import VLLMRolloutWorker
 
         return VLLMEngine.create(cfg, base_model), load_tokenizer(base_model), VLLMRolloutWorker
-    model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
+    model, tokenizer = load_policy(cfg, base_model)  # under LoRA the base once, each version's adapter set in place
     return HFEngine.for_rollout(model, tokenizer, cfg.rollout), tokenizer, RolloutWorker
 
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tidal.config import TidalConfig
-from tidal.protocol import NATS_LOST_EXIT
+from tidal.protocol import NATS_LOST_EXIT, WEIGHTS_DID_NOT_ARRIVE_EXIT
 from tidal.rundir import RunDir, RunDirLock
 from tidal.threads import split_cores
 from tidal.transport.server import EmbeddedNats, reachable
@@ -217,6 +217,8 @@ class RoleProcesses:
         """True once the trainer is done; raises if a role failed for good."""
         for wid, proc in list(self.workers.items()):
             code = proc.poll()
+            if code == WEIGHTS_DID_NOT_ARRIVE_EXIT:  # a restart would load the same weights into the same engine
+                raise self.failed(wid, code, f"rollout worker {wid}")
             if code == 0 and self.trainer.poll() is None and self.worker_started[wid] < self.trainer_restarted_at:
                 # it exited on the state the interrupted trainer left, which the restart has since reopened
                 log.info("rollout worker %s exited on the interrupted trainer's run state; starting it again", wid)

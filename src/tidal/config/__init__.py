@@ -20,6 +20,7 @@ from tidal.config.schema import (  # noqa: F401
     ConfigError,
     DataConfig,
     EvalConfig,
+    LoraConfig,
     ModelConfig,
     RewardConfig,
     RewardFunctionConfig,

@@ -50,11 +50,24 @@ class WarmStartConfig(_Strict):
     seed: int | None = None  # None: the run's seed; a number: runs of any seed share this warm start
 
 
+class LoraConfig(_Strict):
+    """LoRA through peft: only the adapter (and `modules_to_save`) trains and holds optimizer state; the
+    reference policy is the base with the adapter disabled; each weight-store version holds the adapter
+    alone (peft's `adapter_model.safetensors` + `adapter_config.json`) on top of the run's base model."""
+
+    r: PositiveInt = 8  # the adapter's rank
+    alpha: float = Field(16.0, gt=0)  # scaling: the update is (alpha / r) * B A
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input while training (0: the trainer's and the engine's log-probs agree exactly)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # module names peft wraps
+    modules_to_save: list[str] | None = None  # whole modules trained and stored beside the adapter (e.g. lm_head)
+
+
 class ModelConfig(_Strict):
     name_or_path: str | None = None  # HF directory or hub id; None = the built-in tiny model
     tiny: TinyModelConfig = TinyModelConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: LoraConfig | None = None  # None: every weight trains; a block (even `lora: {}`): LoRA
 
 
 class DataConfig(_Strict):
@@ -363,12 +376,17 @@ class TransportConfig(_Strict):
 
 
 class WeightsConfig(_Strict):
-    """Retention of weight snapshots (weights/vNNNNNN). Never deleted, whatever these say: the current and the
-    previous published version (a worker may still be loading it; in bounded mode the whole staleness window),
-    the version the latest checkpoint resumes from, and the version an eval.every follower evaluates next."""
+    """Retention of weight snapshots (weights/vNNNNNN), and the check that each arrived. Never deleted, whatever
+    these say: the current and the previous published version (a worker may still be loading it; in bounded mode
+    the whole staleness window), the version the latest checkpoint resumes from, and the version an eval.every
+    follower evaluates next."""
 
     keep_last: int | None = Field(5, ge=1)  # the newest N snapshots; None: keep every snapshot
     keep_every: int | None = Field(None, ge=1)  # also keep every version divisible by N (milestones)
+    # The arrival check (HF engine, one trainer rank): the trainer publishes each version with its log-probs of a fixed probe (a few
+    # token sequences fixed per run); a worker that loads the version computes the same log-probs and stops the run,
+    # naming the version, when any token differs by more than `arrival_tolerance`. 0 turns the check off.
+    arrival_tolerance: float = Field(1e-3, ge=0)
 
 
 class TidalConfig(_Strict):
@@ -424,6 +442,20 @@ class TidalConfig(_Strict):
                 "rollout.vllm.weight_sync 'nccl' sends weights from the trainer to vLLM rollout workers: "
                 "it needs rollout.engine 'vllm' and mode 'periodic' (sync mode's engine loads from the weight store; bounded mode's workers load at their own boundaries)"
             )
+        if self.model.lora is not None:
+            refused = [
+                f"{key} {value!r}"
+                for key, value, ok in (
+                    ("rollout.engine", self.rollout.engine, self.rollout.engine == "hf"),
+                    ("rollout.vllm.weight_sync", self.rollout.vllm.weight_sync, self.rollout.vllm.weight_sync != "nccl"),
+                    ("trainer.strategy", self.trainer.strategy, self.trainer.strategy in ("single", "auto") and self.trainer.ranks == 1),
+                    ("trainer.ranks", self.trainer.ranks, self.trainer.ranks == 1),
+                    ("eval.engine", self.eval.engine, self.eval.engine in ("rollout", "hf")),
+                )
+                if not ok
+            ]
+            if refused:
+                raise _error(f"model.lora runs on one trainer process (trainer.strategy single) with the HF engine; not with {', '.join(refused)}")
         if self.trainer.ranks > 1 and self.mode == "sync":
             raise ValueError("trainer.ranks > 1 needs mode 'periodic' or 'bounded' (sync mode trains in the launcher's one process)")
         if self.trainer.ranks > 1 and self.trainer.strategy == "single":

@@ -84,9 +84,20 @@ class HFEngine:
         return cls(model, tokenizer.eos_token_id, tokenizer.pad_token_id, rollout_cfg.max_new_tokens, rollout_cfg.temperature)
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Full weights, or under LoRA (a peft model) the adapter's tensors, set in place on the base loaded once."""
         from tidal.model.loading import load_state_dict_tied
+        from tidal.model.lora import is_lora, load_adapter_state_dict
 
-        load_state_dict_tied(self.model, state_dict)
+        if is_lora(self.model):
+            load_adapter_state_dict(self.model, state_dict)
+        else:
+            load_state_dict_tied(self.model, state_dict)
+
+    def probe_logprobs(self, probe: list[dict]) -> list[list[float]]:
+        """This engine's log-probs of the arrival check's probe, at the rollout temperature."""
+        from tidal.model.probe import probe_logprobs
+
+        return probe_logprobs(self.model, probe, self.temperature)
 
     def load_snapshot(self, path, version: int | None = None) -> None:
         """Loads a weight-store snapshot after verifying its checksums."""

@@ -16,13 +16,14 @@ import numpy as np
 
 from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
+from tidal.model.probe import probe_difference
 from tidal.protocol import Group, ProtocolError, Sample, WorkItem, decode_work_item
 from tidal.rewards import RewardScorer, exact_match
 from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import Completion, GroupRequest, RolloutEngine, group_generator, group_seed
 from tidal.transport import Transport, keep_in_progress
 from tidal.transport.health import WorkerHealth, beat, report_refusal
-from tidal.weights import CorruptSnapshotError, load_verified, version_dir_name
+from tidal.weights import CorruptSnapshotError, WeightsDidNotArriveError, load_verified_with_manifest, version_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +237,22 @@ async def snapshot_path(transport: Transport, version: int, weights_root: Path |
     return os.path.join(os.path.dirname(policy.uri), version_dir_name(version))
 
 
+def check_arrival(engine, manifest: dict, version: int, tolerance: float, worker_id: str) -> float | None:
+    """The engine's log-probs of the probe published with `version` against the trainer's: returns the largest
+    difference; one above `tolerance` is WeightsDidNotArriveError naming the version (the run stops). None:
+    nothing checked (the manifest has no probe, the check is off, or the engine cannot compute log-probs)."""
+    probe = manifest.get("probe")
+    if not probe or not tolerance or not hasattr(engine, "probe_logprobs"):
+        return None
+    difference = probe_difference(probe["logprobs"], engine.probe_logprobs(probe["sequences"]))
+    if not difference <= tolerance:
+        raise WeightsDidNotArriveError(
+            f"weights v{version} did not arrive on worker {worker_id}: its log-probs of the run's probe differ from the trainer's "
+            f"by up to {difference:.3g} (weights.arrival_tolerance {tolerance:g})"
+        )
+    return difference
+
+
 class RolloutWorker:
     def __init__(
         self,
@@ -274,13 +291,15 @@ class RolloutWorker:
         path = await snapshot_path(self.transport, version, self.weights_root)
         t0 = time.time()
         try:
-            state = await asyncio.to_thread(load_verified, path)
+            state, manifest = await asyncio.to_thread(load_verified_with_manifest, path)
             await asyncio.to_thread(self.engine.load_state_dict, state)
         except (CorruptSnapshotError, ValueError) as err:
             self.backoff = await report_refusal(self.transport, self.health, version, str(err))
             return None
+        difference = await asyncio.to_thread(check_arrival, self.engine, manifest, version, self.cfg.weights.arrival_tolerance, self.worker_id)
         self.health.loaded(version)
-        log.info("worker %s loaded weights v%d in %.3fs", self.worker_id, version, time.time() - t0)
+        arrived = "" if difference is None else f" (probe log-probs within {difference:.1e} of the trainer's)"
+        log.info("worker %s loaded weights v%d in %.3fs%s", self.worker_id, version, time.time() - t0, arrived)
         return time.time() - t0
 
     async def _back_off(self, msgs: list) -> None:

@@ -17,10 +17,11 @@ log = logging.getLogger(__name__)
 
 
 def publish_weights(store: WeightStore, version: int, learner: Learner) -> None:
-    """Every rank gathers (a collective under fsdp2); rank 0 writes the snapshot."""
+    """Every rank gathers (a collective under fsdp2) and computes the probe's log-probs; rank 0 writes the snapshot."""
     state = learner.full_state_dict()
+    probe = learner.probe_logprobs(store.probe) if store.probe else None
     if learner.ctx.is_main:
-        store.publish(version, state)
+        store.publish(version, state, probe_logprobs=probe)
 
 
 def forget_unfinished(files: RunDir, store: WeightStore, start: int) -> None:

@@ -28,7 +28,9 @@ from tidal.algo import (
 )
 from tidal.config import RewardConfig, TrainerConfig
 from tidal.devices import resolve_device
+from tidal.model.lora import adapter_state_dict, is_lora, load_adapter_state_dict
 from tidal.model.packing import GroupTokenLogprobs, naive_token_logprobs, pack_groups, packed_token_logprobs, split_into_microbatches
+from tidal.model.probe import probe_logprobs
 from tidal.protocol import Group, Sample
 from tidal.trainer.assignment import assign_groups, group_token_count
 from tidal.trainer.distributed import SINGLE, all_reduce_max, all_reduce_sum
@@ -84,10 +86,15 @@ class Learner:
         self.pad_id = pad_id
         self.temperature = temperature
         model = model.to(self.device)
-        # the frozen copies are taken before the policy is sharded, and sharded alike (tri-model, one layout)
+        self.lora = is_lora(model)
+        # the frozen copies are taken before the policy is sharded, and sharded alike (tri-model, one layout);
+        # under LoRA the reference is the policy with its adapter disabled: no copy
         self.reference = None
         self.reference_device = resolve_device(cfg.reference_device, "trainer.reference_device") if cfg.reference_device else self.device
-        if cfg.kl_coef > 0:
+        self.reference_is_base = cfg.kl_coef > 0 and self.lora
+        if self.reference_is_base:
+            self.reference_device = self.device
+        elif cfg.kl_coef > 0:
             frozen = copy.deepcopy(model).to(self.reference_device).eval().requires_grad_(False)
             self.reference = self.strategy.wrap(frozen, trainable=False)
         self.old_policy = None
@@ -122,6 +129,16 @@ class Learner:
         self.version = version
         if self.old_policy is not None:
             self.old_policy.load_state_dict(self.model.state_dict())
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None or self.reference_is_base
+
+    def _reference_logprobs(self, packing: list[tuple]) -> list[torch.Tensor]:
+        if not self.reference_is_base:
+            return self._frozen_logprobs(self.reference, packing, self.reference_device, "reference")
+        with self.model.disable_adapter():
+            return self._frozen_logprobs(self.model, packing, self.device, "reference")
 
     def _frozen_logprobs(self, model, groups: list[tuple], device: str, role: str) -> list[torch.Tensor]:
         self.forwards[role] += 1
@@ -168,7 +185,7 @@ class Learner:
 
     def _contributes_no_gradient(self, group: Group) -> bool:
         """Zero advantage everywhere and no KL term: the gradient is exactly zero, skip the forward."""
-        if self.reference is not None:
+        if self.has_reference:
             return False
         lengths = torch.tensor([len(s.token_ids) for s in group.samples])
         rewards = self.shaped_rewards(group, lengths)
@@ -206,7 +223,7 @@ class Learner:
         self.forwards["policy"] += 1
         outs = token_logprobs(self.model, packing, self.temperature, cfg.attention, self.device, with_entropy=True)
         old = self._frozen_logprobs(self.old_policy, packing, self.device, "old") if self.old_policy is not None else None
-        ref = self._frozen_logprobs(self.reference, packing, self.reference_device, "reference") if self.reference is not None else None
+        ref = self._reference_logprobs(packing) if self.has_reference else None
         numerator = None
         n_tokens = 0
         for i, (group, out) in enumerate(zip(groups, outs)):
@@ -294,12 +311,22 @@ class Learner:
         return metrics
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Full weights (every rank reads them from the weight store); each rank keeps its shard."""
-        self.strategy.load_full_state_dict(self.model, state_dict)
+        """Full weights (every rank reads them from the weight store; each rank keeps its shard), or under LoRA the adapter."""
+        if self.lora:
+            load_adapter_state_dict(self.model, state_dict)
+        else:
+            self.strategy.load_full_state_dict(self.model, state_dict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full weights on rank 0 ({} elsewhere). A collective under fsdp2: every rank calls it."""
+        """What the weight store keeps of the policy: the full weights on rank 0 ({} elsewhere; a collective
+        under fsdp2: every rank calls it), or under LoRA the adapter's tensors."""
+        if self.lora:
+            return adapter_state_dict(self.model)
         return self.strategy.full_state_dict(self.model)
+
+    def probe_logprobs(self, probe: list[dict]) -> list[list[float]]:
+        """The policy's log-probs of the arrival check's probe (a forward: every rank calls it)."""
+        return probe_logprobs(self.model, probe, self.temperature)
 
     # Optimizer state as plain tensors (safetensors) so a restarted trainer resumes without pickle;
     # under a sharding strategy each rank saves and loads only its own shard.

@@ -73,7 +73,9 @@ class TorchOptimizerLayout:
     ctx: DistContext
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas, weight_decay=self.cfg.weight_decay)
+        # only what trains holds optimizer state (under LoRA: the adapter)
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.cfg.lr, betas=self.cfg.betas, weight_decay=self.cfg.weight_decay)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

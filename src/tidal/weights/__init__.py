@@ -1,4 +1,6 @@
-"""Versioned weight snapshots: `weights/v000042/` = safetensors + manifest, written atomically."""
+"""Versioned weight snapshots, written atomically: `weights/v000042/` = model.safetensors + manifest.json
+(full weights), or under LoRA adapter_model.safetensors + adapter_config.json + manifest.json (peft's
+file names, on top of the base model the manifest names)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ if TYPE_CHECKING:  # torch is imported where tensors are written or read: the la
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"  # peft's save_pretrained names: PeftModel.from_pretrained(base, version_dir) loads a version
+ADAPTER_CONFIG_FILE = "adapter_config.json"
 MANIFEST_FILE = "manifest.json"
 # Files copied from the base model so every snapshot is itself a loadable HF model directory.
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -26,6 +30,15 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 
 class CorruptSnapshotError(RuntimeError):
     """A snapshot's files do not match its manifest."""
+
+
+class WeightsDidNotArriveError(RuntimeError):
+    """An engine that loaded a version computes other log-probs of the run's probe than the trainer published with it."""
+
+
+def tensors_file(manifest: dict) -> str:
+    """The file holding a snapshot's tensors: the adapter under LoRA, else the full weights."""
+    return ADAPTER_FILE if manifest.get("kind") == "lora" else WEIGHTS_FILE
 
 
 def version_dir_name(version: int) -> str:
@@ -91,18 +104,34 @@ def unique_tensors(state_dict: dict[str, torch.Tensor], to_cpu: bool = True) -> 
 
 
 class WeightStore:
-    def __init__(self, root: str | Path, base_model_dir: str | Path | None = None):
+    """`adapter_config` (peft's adapter_config.json as a dict): every version is an adapter on top of
+    `base_model_dir`, which is stored once and named in each manifest. `probe` (tidal.model.probe):
+    the sequences whose log-probs `publish` records with each version for the arrival check."""
+
+    def __init__(self, root: str | Path, base_model_dir: str | Path | None = None, adapter_config: dict | None = None, probe: list | None = None):
         self.root = Path(root)
         self.base_model_dir = Path(base_model_dir) if base_model_dir else None
+        self.adapter_config = adapter_config
+        self.probe = probe
         self.written: dict[int, str] = {}  # version -> sha256 of the weights this store published
+        self.probes: dict[int, dict] = {}  # version -> the probe record published with it (a rewrite keeps it)
 
     def path(self, version: int) -> Path:
         return self.root / version_dir_name(version)
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> Path:
-        """Writes into a temp dir, then renames: readers see a whole snapshot or none."""
+    @property
+    def tensors_file(self) -> str:
+        return ADAPTER_FILE if self.adapter_config is not None else WEIGHTS_FILE
+
+    def publish(
+        self, version: int, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None, probe_logprobs: list | None = None
+    ) -> Path:
+        """Writes into a temp dir, then renames: readers see a whole snapshot or none. `probe_logprobs`:
+        the trainer's log-probs of `self.probe` at these weights, recorded in the manifest."""
+        if probe_logprobs is not None:
+            self.probes[version] = {"sequences": self.probe, "logprobs": probe_logprobs}
         tmp, manifest = self._write_temp(version, state_dict, dtype)
-        self.written[version] = manifest["files"][WEIGHTS_FILE]
+        self.written[version] = manifest["files"][self.tensors_file]
         return self._commit(version, tmp)
 
     def repair(self, version: int, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> bool:
@@ -116,8 +145,10 @@ class WeightStore:
         except CorruptSnapshotError as err:
             damage = str(err)
         expected = self.written.get(version) or manifest_sha256(self.path(version))
+        if version not in self.probes and (old := readable_manifest(self.path(version))) and "probe" in old:
+            self.probes[version] = old["probe"]
         tmp, manifest = self._write_temp(version, state_dict, dtype)
-        if manifest["files"][WEIGHTS_FILE] != expected:
+        if manifest["files"][self.tensors_file] != expected:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CorruptSnapshotError(
                 f"{damage}; it cannot be rewritten: the trainer's weights are no longer v{version}"
@@ -138,18 +169,26 @@ class WeightStore:
         # same weights to give the same bytes (the version is in the manifest)
         from safetensors.torch import save_file
 
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        if self.base_model_dir and self.base_model_dir.is_dir():
+        save_file(tensors, str(tmp / self.tensors_file), metadata={"format": "pt"})
+        extra: dict = {}
+        if self.adapter_config is not None:  # the base is stored once, not copied into each version
+            (tmp / ADAPTER_CONFIG_FILE).write_text(json.dumps(self.adapter_config, indent=2, sort_keys=True))
+            extra = {"kind": "lora", "base_model": str(self.base_model_dir) if self.base_model_dir else None}
+        elif self.base_model_dir and self.base_model_dir.is_dir():
             for name in SIDE_FILES:
                 if (self.base_model_dir / name).is_file():
                     shutil.copy2(self.base_model_dir / name, tmp / name)
+        files = [self.tensors_file] + ([ADAPTER_CONFIG_FILE] if self.adapter_config is not None else [])
         manifest = {
             "version": version,
-            "files": {WEIGHTS_FILE: sha256_of(tmp / WEIGHTS_FILE)},
+            **extra,
+            "files": {name: sha256_of(tmp / name) for name in files},
             "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
             "num_tensors": len(tensors),
             "created": time.time(),
         }
+        if version in self.probes:
+            manifest["probe"] = self.probes[version]
         key = signing_key_from_env()
         if key:
             manifest["hmac"] = manifest_signature(manifest, key)
@@ -221,11 +260,19 @@ class WeightStore:
 
 
 def load_verified(path: str | Path) -> dict[str, torch.Tensor]:
-    """Loads a snapshot after verify_snapshot."""
+    """Loads a snapshot's tensors (the full weights, or the adapter) after verify_snapshot."""
+    return load_verified_with_manifest(path)[0]
+
+
+def load_verified_with_manifest(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """load_verified, and the verified manifest."""
     from safetensors.torch import load_file
 
-    verify_snapshot(path)
-    return load_file(str(Path(path) / WEIGHTS_FILE))
+    manifest = verify_snapshot(path)
+    name = tensors_file(manifest)
+    if name not in manifest["files"]:
+        raise CorruptSnapshotError(f"snapshot {path}: its manifest does not cover {name}")
+    return load_file(str(Path(path) / name)), manifest
 
 
 def verify_snapshot(path: str | Path) -> dict:
@@ -252,9 +299,18 @@ def verify_snapshot(path: str | Path) -> dict:
     return manifest
 
 
-def manifest_sha256(path: Path) -> str | None:
-    """The weights file's sha256 as the manifest records it; None when the manifest is unreadable."""
+def readable_manifest(path: Path) -> dict | None:
     try:
-        return json.loads((path / MANIFEST_FILE).read_text())["files"][WEIGHTS_FILE]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def manifest_sha256(path: Path) -> str | None:
+    """The tensors file's sha256 as the manifest records it; None when the manifest is unreadable."""
+    manifest = readable_manifest(path)
+    try:
+        return manifest["files"][tensors_file(manifest)]
+    except (KeyError, TypeError):
         return None
