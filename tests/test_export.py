@@ -18,7 +18,7 @@ import yaml
 from tests.conftest import run_cli
 from tidal import cli
 from tidal.transport.server import free_port
-from tidal.weights import WeightStore, manifest_signature, sha256_of, version_dir_name
+from tidal.weights import SIGNING_KEY_ENV, WeightStore, sha256_of, version_dir_name
 
 # a prompt, an answer line and a chat turn: what the policy reads and writes
 TEXTS = ["12+34=", "7*8=56", "tools: calc\n<u>931*140=\n<a>"]
@@ -165,35 +165,32 @@ def test_heldout_accuracy_is_the_versions_curve_point_else_the_final_summary_els
     assert [heldout_accuracy(run, v) for v in (2, 3)] == [None, 0.25]
 
 
-def write_stand_in_adapter_version(run_dir: Path, version: int) -> Path:
-    """A LoRA version as the store keeps one: peft's save_pretrained files and a manifest of their
-    sha256s signed with the run's key (what the weight store writes for model.safetensors)."""
-    from peft import LoraConfig, get_peft_model
-
+def write_adapter_version(run_dir: Path, version: int, monkeypatch) -> Path:
+    """A LoRA version written by the weight store as a LoRA run's trainer writes one (peft's files, a
+    manifest signed with the run's key), with an adapter moved away from its zero start."""
+    from tidal.config import LoraConfig
     from tidal.model.loading import load_model_and_tokenizer
+    from tidal.model.lora import adapter_config, adapter_state_dict, apply_lora
 
-    base, _ = load_model_and_tokenizer(run_json(run_dir)["base_model"])
-    torch.manual_seed(0)
-    lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    folder = run_dir / "weights" / version_dir_name(version)
-    lora.save_pretrained(folder)
-    (folder / "README.md").unlink()  # peft's model card: not part of the version
-    files = {name: sha256_of(folder / name) for name in ("adapter_model.safetensors", "adapter_config.json")}
-    record = {"version": version, "files": files, "dtype": "float32", "num_tensors": 8, "created": time.time()}
-    record["hmac"] = manifest_signature(record, (run_dir / "weights-key").read_text().strip().encode())
-    (folder / "manifest.json").write_text(json.dumps(record, indent=1))
-    WeightStore(run_dir / "weights").point_latest(version)
-    return folder
+    base_dir = run_json(run_dir)["base_model"]
+    model = apply_lora(load_model_and_tokenizer(base_dir)[0], LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]), seed=0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
+    monkeypatch.setenv(SIGNING_KEY_ENV, (run_dir / "weights-key").read_text().strip())
+    store = WeightStore(run_dir / "weights", base_dir, adapter_config(model, base_dir))
+    return store.publish(version, adapter_state_dict(model))
 
 
-def test_a_stand_in_adapter_version_exports_as_base_plus_adapter_and_merged(tool_run, tmp_path, capsys):
+def test_an_adapter_version_exports_as_base_plus_adapter_and_merged(tool_run, tmp_path, capsys, monkeypatch):
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
     from tidal.model.loading import load_model_and_tokenizer
 
     run = copy_of_run(tool_run, tmp_path / "run")
-    snapshot = write_stand_in_adapter_version(run, 4)
+    snapshot = write_adapter_version(run, 4, monkeypatch)
     base, tokenizer = load_model_and_tokenizer(run_json(run)["base_model"])
     reference = token_logprobs(PeftModel.from_pretrained(base, str(snapshot)).eval(), tokenizer)
     base_logprobs = token_logprobs(load_model_and_tokenizer(run_json(run)["base_model"])[0].eval(), tokenizer)
