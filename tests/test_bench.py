@@ -128,10 +128,16 @@ def test_tidal_bench_trainer_shows_fsdp2_halving_memory_per_rank(tmp_path):
     args = ["--strategies", "single,fsdp2", "--hidden", "64", "--layers", "2", "--groups", "4", "--iterations", "1", "--json", str(out)]
     proc = run_cli("bench", "trainer", *args)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    results = json.loads(out.read_text())["results"]
-    assert sorted(results) == ["fsdp2@1", "fsdp2@2", "single@1"]
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert sorted(results) == ["fsdp2@1", "fsdp2@2", "single@1", "single@1+lora"]
     single, sharded = results["single@1"], results["fsdp2@2"]
     assert all(r["tokens_per_s"] > 0 and r["trained_tokens"] > 0 for r in results.values())
     assert results["fsdp2@1"]["resident_bytes_per_rank"] == single["resident_bytes_per_rank"]  # one rank holds everything
     assert 0.45 < sharded["resident_bytes_per_rank"] / single["resident_bytes_per_rank"] < 0.6  # about half per rank at 2
     assert "share them" in proc.stdout and "fsdp2@2" in proc.stdout
+    # LoRA: the frozen base stays resident, only the adapter has gradients and optimizer moments
+    (full,), (lora,) = single["ranks"], results["single@1+lora"]["ranks"]
+    assert lora["param_bytes"] > full["param_bytes"]  # the base plus the adapter
+    assert lora["grad_bytes"] + lora["optimizer_bytes"] < 0.5 * (full["grad_bytes"] + full["optimizer_bytes"])
+    assert "model.lora runs on one trainer process" in report["skipped"]["fsdp2@2+lora"]

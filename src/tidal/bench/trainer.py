@@ -1,10 +1,14 @@
 """Trainer strategies side by side: trained tokens/s and memory per rank for single, fsdp2 and
-deepspeed at 1 and 2 ranks, on the same model and the same groups (one run).
+deepspeed at 1 and 2 ranks, full fine-tuning and LoRA, on the same model and the same groups (one run).
 
-    tidal bench trainer [--strategies single,fsdp2,deepspeed] [--ranks 1,2] [--hidden 256] [--layers 4]
-                        [--groups 16] [--group-size 8] [--prompt-len 48] [--response-len 48] [--iterations 4]
-                        [--warmup 1] [--json out.json]
+    tidal bench trainer [--strategies single,fsdp2,deepspeed] [--ranks 1,2] [--weights full,lora] [--lora-r 16]
+                        [--hidden 256] [--layers 4] [--groups 16] [--group-size 8] [--prompt-len 48]
+                        [--response-len 48] [--iterations 4] [--warmup 1] [--json out.json]
     (or: python benchmarks/trainer.py ...)
+
+A LoRA row (`single@1+lora`) trains a rank-`--lora-r` adapter on every linear layer of the same model,
+as `model.lora` does; a combination `model.lora` refuses (a sharding strategy, several ranks) is listed
+as skipped with the config's own refusal.
 
 Each configuration runs in its own processes (torchrun for 2 ranks, gloo on CPU). Memory per rank
 is what the layout keeps resident: parameters + gradients + optimizer state of this rank's shard
@@ -80,6 +84,11 @@ def worker(args) -> None:
         hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2, max_position_embeddings=512
     )
     model = build_tiny_model(tiny, tok)
+    if args.lora_r:
+        from tidal.config import LoraConfig
+        from tidal.model.lora import apply_lora
+
+        model = apply_lora(model, LoraConfig(r=args.lora_r, alpha=2.0 * args.lora_r), seed=0)
     cfg = TrainerConfig(strategy=args.strategy, device="cpu", warmup_steps=0, token_budget=args.token_budget)
     learner = Learner(cfg, model, tok.pad_token_id, strategy=build_strategy(cfg, ctx), device="cpu")
     vocab = int(model.get_input_embeddings().num_embeddings)
@@ -106,14 +115,14 @@ def worker(args) -> None:
     shutdown()
 
 
-def run_configuration(strategy: str, ranks: int, args, workdir: Path) -> dict:
-    out = workdir / f"{strategy}-{ranks}.json"
+def run_configuration(strategy: str, ranks: int, lora_r: int, args, workdir: Path) -> dict:
+    out = workdir / f"{strategy}-{ranks}-{lora_r}.json"
     launcher = [sys.executable, "-m"]
     if ranks > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m"]
     options = ["--hidden", args.hidden, "--layers", args.layers, "--groups", args.groups, "--group-size", args.group_size]
     options += ["--prompt-len", args.prompt_len, "--response-len", args.response_len, "--iterations", args.iterations, "--warmup", args.warmup]
-    options += ["--token-budget", args.token_budget]
+    options += ["--token-budget", args.token_budget, "--lora-r", lora_r]
     cmd = [*launcher, "tidal.bench.trainer", "--worker", "--strategy", strategy, "--out", str(out), *map(str, options)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))})
     if proc.returncode != 0:
@@ -125,8 +134,15 @@ def run_configuration(strategy: str, ranks: int, args, workdir: Path) -> dict:
     return result
 
 
-def available(strategy: str) -> str | None:
-    """Why `strategy` cannot run here, or None."""
+def available(strategy: str, ranks: int = 1, lora: bool = False) -> str | None:
+    """Why `strategy` (with LoRA) cannot run here, or None."""
+    if lora:
+        from tidal.config import ConfigError, config_from_dict
+
+        try:
+            config_from_dict({"model": {"lora": {}}, "trainer": {"strategy": strategy, "ranks": ranks}, "mode": "periodic"})
+        except ConfigError as err:  # the config's own refusal, without the echo of the dict above
+            return str(err).split("<root>: ")[-1].split(" (got ")[0]
     if strategy == "deepspeed":
         import importlib.util
 
@@ -139,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="tidal bench trainer", description=__doc__.splitlines()[0])
     ap.add_argument("--strategies", default="single,fsdp2,deepspeed")
     ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--weights", default="full,lora", help="full (every weight trains), lora (an adapter), or both")
+    ap.add_argument("--lora-r", type=int, default=16, help="the adapter's rank in the lora rows")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--groups", type=int, default=16)
@@ -155,22 +173,28 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
+    kinds = [k.strip() for k in args.weights.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - {"full", "lora"})
+    if unknown:
+        raise SystemExit(f"--weights: {', '.join(unknown)} is not full or lora")
     configurations = []
-    for strategy in [s.strip() for s in args.strategies.split(",") if s.strip()]:
-        for ranks in [int(r) for r in args.ranks.split(",")]:
-            if strategy == "single" and ranks > 1:
-                continue  # one process by definition
-            configurations.append((strategy, ranks))
+    for kind in kinds:
+        for strategy in [s.strip() for s in args.strategies.split(",") if s.strip()]:
+            for ranks in [int(r) for r in args.ranks.split(",")]:
+                if strategy == "single" and ranks > 1:
+                    continue  # one process by definition
+                configurations.append((strategy, ranks, kind == "lora"))
     cores = os.cpu_count() or 1
     print(f"{cores} CPU core(s); ranks of one configuration share them, so 2 ranks show the cost of sharding here, not a speed-up")
     results, skipped = {}, {}
     with tempfile.TemporaryDirectory(prefix="tidal-bench-trainer-") as tmp:
-        for strategy, ranks in configurations:
-            reason = available(strategy)
+        for strategy, ranks, lora in configurations:
+            name = f"{strategy}@{ranks}" + ("+lora" if lora else "")
+            reason = available(strategy, ranks, lora)
             if reason:
-                skipped[f"{strategy}@{ranks}"] = reason
+                skipped[name] = reason
                 continue
-            results[f"{strategy}@{ranks}"] = run_configuration(strategy, ranks, args, Path(tmp))
+            results[name] = run_configuration(strategy, ranks, args.lora_r if lora else 0, args, Path(tmp))
     base = results.get("single@1")
     mib = 1024 * 1024
     for name, r in results.items():
@@ -178,11 +202,11 @@ def main(argv: list[str] | None = None) -> None:
         if base:
             ratios = f"  tokens/s x{r['tokens_per_s'] / base['tokens_per_s']:.2f}, resident/rank x{r['resident_bytes_per_rank'] / base['resident_bytes_per_rank']:.2f}"
         print(
-            f"{name:12s} {r['tokens_per_s']:8.0f} trained tokens/s  resident/rank {r['resident_bytes_per_rank'] / mib:7.1f} MiB "
+            f"{name:17s} {r['tokens_per_s']:8.0f} trained tokens/s  resident/rank {r['resident_bytes_per_rank'] / mib:7.1f} MiB "
             f"(params+grads+optimizer)  peak RSS/rank {r['peak_rss_bytes_per_rank'] / mib:7.1f} MiB{ratios}"
         )
     for name, reason in skipped.items():
-        print(f"{name:12s} skipped: {reason}")
+        print(f"{name:17s} skipped: {reason}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"results": results, "skipped": skipped, "cores": cores, "options": vars(args)}, indent=1))
 
