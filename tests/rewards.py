@@ -16,6 +16,16 @@ def slow_exact_match(completion: str, answer: str) -> float:
     return exact_match(completion, answer)
 
 
+def paced_exact_match(completion: str, answer: str) -> float:
+    """Slower still: an iteration outlasts a rollout worker's start, so one can join mid-run."""
+    import time
+
+    from tidal.rewards import exact_match
+
+    time.sleep(0.15)
+    return exact_match(completion, answer)
+
+
 def median_baseline(rewards, *, std_normalize):
     """A user's advantage estimator, named `tests.rewards:median_baseline` in a config."""
     return rewards - rewards.median()

@@ -139,6 +139,13 @@ def test_apply_plan_replaces_auto_and_keeps_what_the_user_fixed(tiny_config_dict
     assert chosen_sync.split is None and sync.trainer.threads == 3  # the fastest thread count for generate + train
 
 
+def test_apply_plan_keeps_auto_workers_within_max_workers(tiny_config_dict):
+    unbounded = config_from_dict({**tiny_config_dict, "rollout": {**tiny_config_dict["rollout"], "workers": "auto"}})
+    assert apply_plan(unbounded, profile())[0].rollout.workers > 1  # the bound below changes the choice
+    bounded = unbounded.model_copy(update={"rollout": unbounded.rollout.model_copy(update={"max_workers": 1})}, deep=True)
+    assert apply_plan(bounded, profile())[0].rollout.workers == 1
+
+
 def test_a_run_with_auto_measures_once_applies_the_split_and_saves_it(tmp_path, write_config):
     """A real `tidal run`: the planner measures (real model, real processes), the roles get its split
     through the saved config.yaml, and the profile is cached for the next run of this config."""

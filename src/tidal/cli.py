@@ -1,4 +1,4 @@
-"""`tidal run | rollout-worker | train | eval | bench | plan | chaos | ui | report | export | compile | submit`.
+"""`tidal run | scale | rollout-worker | train | eval | bench | plan | chaos | ui | report | export | compile | submit`.
 
 Every subcommand dispatches the same way: its parser sets ``func``, the handler that takes the
 parsed arguments and returns the exit status; `_main` calls it and turns the errors every
@@ -87,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         "CONFIG [--faults ...] [--runs N] [--json PATH]",
         chaos_command,
     )
-    from tidal import export, report, ui
+    from tidal import export, report, scale, ui
 
+    scale.register(sub)
     ui.register(sub)
     report.register(sub)
     export.register(sub)

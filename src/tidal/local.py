@@ -221,6 +221,7 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True,
 def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_config: bool, lock: RunDirLock) -> dict:
     t_start = time.time()
     setup_logging(run.log("launcher"))
+    run.workers_request.unlink(missing_ok=True)  # an earlier launch's `tidal scale`: this one starts at rollout.workers
     check_saved_config(cfg, run, force_new_config)
     # every role of the run (children inherit it) signs or checks snapshot manifests with the run's key
     os.environ[SIGNING_KEY_ENV] = run_signing_key(run.root)

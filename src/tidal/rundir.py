@@ -49,6 +49,20 @@ class RunDirLock:
         self.fd = fd
         return self
 
+    def held(self) -> bool:
+        """Whether a launcher (or a process it started) holds the lock now; asks without taking it for long."""
+        path = self.run_dir / LOCK_FILE
+        if not path.is_file():
+            return False
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing also lets go of a shared lock just taken
+        return False
+
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
@@ -176,6 +190,7 @@ class RunDir:
       groups.jsonl       one record per trained or discarded group
       eval.jsonl         the held-out curve (one record per evaluated version)
       summary.json       the result of a finished `tidal run`
+      workers.request    the rollout worker count `tidal scale` asked the running launcher for
       weights/           the weight store (one snapshot per version)
       checkpoint/        optimizer checkpoints (vNNNNNN/ folders)
       logs/              one log (and pid file) per process of the run
@@ -198,6 +213,7 @@ class RunDir:
     metrics = property(lambda self: Records(self.root / "metrics.jsonl"))
     groups = property(lambda self: Records(self.root / "groups.jsonl"))
     evals = property(lambda self: Records(self.root / "eval.jsonl"))
+    workers_request = property(lambda self: self.root / "workers.request")
 
     def log(self, process: str) -> Path:
         return self.logs / f"{process}.log"
@@ -207,6 +223,19 @@ class RunDir:
 
     def records(self, name: str) -> Records:
         return Records(self.root / name)
+
+    def request_workers(self, count: int) -> None:
+        """Asks the running launcher for `count` rollout workers (written atomically: it never reads half a number)."""
+        tmp = self.workers_request.with_name(f".{self.workers_request.name}.{os.getpid()}")
+        tmp.write_text(f"{count}\n")
+        tmp.replace(self.workers_request)
+
+    def requested_workers(self) -> int | None:
+        """The rollout worker count `tidal scale` asked for; None when nothing was asked."""
+        try:
+            return int(self.workers_request.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
 
     @property
     def started(self) -> bool:

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 MAX_WORKER_RESTARTS = 3
 MAX_TRAINER_RESTARTS = 2
 MAX_NATS_RESTARTS = 3
+RETIRE_GRACE_SECONDS = 60.0  # a worker stopped by `tidal scale` that has not exited by then is killed
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -149,7 +150,10 @@ def local_accelerator_env(cfg: TidalConfig, environ: dict[str, str] | None = Non
 
 class RoleProcesses:
     """Trainer and rollout workers as child processes; dead workers are restarted (their work is
-    redelivered). Each reads its threads from the run's config.yaml (resolved by `tidal run`)."""
+    redelivered). Each reads its threads from the run's config.yaml (resolved by `tidal run`), so a
+    worker that joins on `tidal scale` gets the per-worker threads the run resolved at its start.
+    The worker count follows RUN_DIR/workers.request: workers join as `worker-K` with K continuing,
+    and the highest-numbered ones leave on SIGTERM (retiring: their exit is not a crash to restart)."""
 
     def __init__(self, run: RunDir, nats_url: str, cfg: TidalConfig, env: dict | None = None, options: dict | None = None, reopen_run=None):
         self.run, self.nats_url, self.cfg = run, nats_url, cfg
@@ -161,6 +165,9 @@ class RoleProcesses:
         trainer_total, self.worker_threads = split_cores(cfg)
         self.trainer_threads = max(1, trainer_total // cfg.trainer.ranks)  # per rank
         self.workers: dict[str, subprocess.Popen] = {}
+        self.retiring: dict[str, tuple[subprocess.Popen, float]] = {}  # worker id -> (process, when it was told to stop)
+        self.target_workers = cfg.rollout.workers
+        self.refused_request: int | None = None
         self.worker_started: dict[str, float] = {}
         self.trainer_restarted_at = 0.0
         self.restarts: dict[str, int] = {}
@@ -204,6 +211,52 @@ class RoleProcesses:
         self.worker_started[worker_id] = time.time()
         self.workers[worker_id] = self._spawn(["rollout-worker", "--worker-id", worker_id], worker_id, self.worker_threads)
 
+    def follow_request(self) -> None:
+        """Takes up a new worker count from RUN_DIR/workers.request (`tidal scale` checked it; a count
+        out of range written by other means is refused here, in the log)."""
+        wanted = self.run.requested_workers()
+        if wanted is None or wanted in (self.target_workers, self.refused_request):
+            return
+        bound = self.cfg.rollout.max_workers
+        if wanted < 1 or (bound is not None and wanted > bound):
+            log.warning("ignored a request for %d rollout worker(s): the run allows 1 to %s", wanted, bound or "any number")
+            self.refused_request = wanted
+            return
+        log.info("scaling rollout workers: %d -> %d", self.target_workers, wanted)
+        self.target_workers = wanted
+
+    def scale(self) -> None:
+        """Starts or stops workers until `target_workers` run. A new worker waits until the retiring
+        one of the same id has exited (two processes of one id would share its log and heartbeat)."""
+        while len(self.workers) > self.target_workers:
+            wid = f"worker-{len(self.workers) - 1}"
+            proc = self.workers.pop(wid)
+            log.info("stopping rollout worker %s (SIGTERM; its unacked work items are redelivered)", wid)
+            if proc.poll() is None:
+                proc.terminate()
+            self.retiring[wid] = (proc, time.time())
+        while len(self.workers) < self.target_workers:
+            wid = f"worker-{len(self.workers)}"
+            if wid in self.retiring:
+                return
+            if self.devices and wid not in self.devices:
+                log.warning("rollout worker %s has no device of its own in the placement: it shares every visible device", wid)
+            log.info("starting rollout worker %s", wid)
+            self.start_worker(wid)
+
+    def reap_retiring(self) -> None:
+        """Retiring workers that exited are done (their group ended); one past the grace is killed."""
+        for wid, (proc, since) in list(self.retiring.items()):
+            code = proc.poll()
+            if code is None and time.time() - since > RETIRE_GRACE_SECONDS:
+                log.warning("rollout worker %s did not exit on SIGTERM; killing it", wid)
+                proc.kill()
+                code = proc.wait()
+            if code is not None:
+                log.info("rollout worker %s stopped (exit code %s); not restarted", wid, code)
+                self.end(proc)
+                del self.retiring[wid]
+
     def failed(self, role: str, code: int, what: str) -> RoleFailed:
         """The error for a role that failed for good; when NATS is down, that is what it says."""
         if not reachable(self.nats_url):
@@ -215,6 +268,10 @@ class RoleProcesses:
 
     def check(self) -> bool:
         """True once the trainer is done; raises if a role failed for good."""
+        self.reap_retiring()
+        if self.trainer.poll() is None:
+            self.follow_request()
+            self.scale()
         for wid, proc in list(self.workers.items()):
             code = proc.poll()
             if code == WEIGHTS_DID_NOT_ARRIVE_EXIT:  # a restart would load the same weights into the same engine
@@ -254,7 +311,8 @@ class RoleProcesses:
     def stop(self, grace: float = 15.0) -> None:
         """Waits up to `grace` seconds for every role to exit by itself, then stops the rest."""
         deadline = time.time() + grace
-        procs = [p for p in [self.trainer, *self.workers.values()] if p is not None]
+        retiring = [p for p, _ in self.retiring.values()]
+        procs = [p for p in [self.trainer, *self.workers.values(), *retiring] if p is not None]
         while any(p.poll() is None for p in procs) and time.time() < deadline:
             time.sleep(0.05)
         stop_processes(procs)

@@ -179,6 +179,7 @@ class ToolLatencyConfig(_Strict):
 class RolloutConfig(_Strict):
     engine: Literal["hf", "vllm"] = "hf"
     workers: PositiveInt | Literal["auto"] = 1  # auto: the capacity planner's split (tidal plan)
+    max_workers: PositiveInt | None = None  # the most workers `tidal scale` may set in a running run; unset: no bound
     group_size: int = Field(8, gt=1)
     max_new_tokens: int = Field(12, gt=0)
     temperature: float = Field(1.0, gt=0)
@@ -237,6 +238,12 @@ class RolloutConfig(_Strict):
         if repeated:
             raise _error(f"{repeated} listed more than once")
         return names
+
+    @model_validator(mode="after")
+    def _workers_within_max(self) -> RolloutConfig:
+        if isinstance(self.workers, int) and self.max_workers is not None and self.workers > self.max_workers:
+            raise _error(f"rollout.workers ({self.workers}) is above rollout.max_workers ({self.max_workers})")
+        return self
 
     @model_validator(mode="after")
     def _agent_keys_need_an_env(self) -> RolloutConfig:

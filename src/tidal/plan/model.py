@@ -205,7 +205,8 @@ def apply_plan(cfg: TidalConfig, profile: Profile) -> tuple[TidalConfig, Predict
     else:
         fixed = {"workers": cfg.rollout.workers, "worker_threads": cfg.rollout.threads, "trainer_threads": cfg.trainer.threads}
         fixed = {k: v for k, v in fixed.items() if isinstance(v, int)}
-        options = [s for s in candidate_splits(profile.cores) if all(getattr(s, k) == v for k, v in fixed.items())]
+        bound = cfg.rollout.max_workers or profile.cores
+        options = [s for s in candidate_splits(profile.cores) if s.workers <= bound and all(getattr(s, k) == v for k, v in fixed.items())]
         options = options or [Split(fixed.get("workers", 1), fixed.get("worker_threads", 1), fixed.get("trainer_threads", 1))]
         chosen = min((predict_periodic(profile, s, planned_tail(cfg)) for s in options), key=lambda p: p.iteration_seconds)
         rollout = {"workers": chosen.split.workers, "threads": chosen.split.worker_threads}

@@ -1,0 +1,108 @@
+"""`tidal scale`: the rollout pool of a running `tidal run` grows and shrinks, and nothing is lost."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import read_jsonl, run_cli, start_run, trained_in, wait_until
+from tests.test_distributed import deterministic_config
+from tidal.config import ConfigError, config_from_dict
+
+ITERATIONS = 5
+PROMPTS = 6  # the tiny config's trainer.prompts_per_iteration
+
+
+def paced_config(write_config) -> Path:
+    """Deterministic rollouts, a group at a time, a slow reward: a worker joins and leaves mid-run."""
+    rewards = [{"name": "tests.rewards:paced_exact_match"}, {"name": "tests.rewards:digit_count", "weight": 0.1}]
+    return deterministic_config(
+        write_config,
+        **{
+            "transport.ack_wait_seconds": 2.0,
+            "rollout.groups_per_batch": 1,
+            "rollout.max_workers": 2,
+            "trainer.iterations": ITERATIONS,
+            "weights.keep_last": None,  # the start stays, to show training moved the weights
+            "reward.functions": rewards,
+        },
+    )
+
+
+def loaded_versions(run_dir: Path, worker: str) -> list[int]:
+    log = run_dir / "logs" / f"{worker}.log"
+    return [int(v) for v in re.findall(rf"worker {worker} loaded weights v(\d+)", log.read_text())] if log.is_file() else []
+
+
+def groups_of(run_dir: Path, worker: str) -> list[dict]:
+    """The trained groups `worker` generated (groups.jsonl gets an iteration's records at its boundary)."""
+    return [r for r in read_jsonl(run_dir / "groups.jsonl") if r["worker_id"] == worker]
+
+
+def scale(run_dir: Path, workers: int):
+    return run_cli("scale", str(run_dir), str(workers))
+
+
+def final_weights(run_dir: Path, version: int = ITERATIONS) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "weights" / f"v{version:06d}" / "model.safetensors"))
+
+
+def test_a_worker_joins_and_leaves_a_running_run_and_every_group_is_trained_once(tmp_path, write_config):
+    """1 worker, `tidal scale 2` once it has loaded weights; once worker-1's groups of an iteration are
+    trained, `tidal scale 1` in the middle of the next one (its unacked work is redelivered); the run
+    trains every group once and ends at the weights of an unscaled run."""
+    config = paced_config(write_config)
+    reference = run_cli("run", str(config), "--run-dir", str(tmp_path / "ref"), "--no-progress")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    proc = start_run(config, run_dir)
+    try:
+        wait_until(lambda: loaded_versions(run_dir, "worker-0"), proc)
+        refused = scale(run_dir, 3)
+        assert refused.returncode == 2 and "above the run's rollout.max_workers (2)" in refused.stderr
+        assert scale(run_dir, 0).returncode == 2
+        grown = scale(run_dir, 2)
+        assert grown.returncode == 0, grown.stderr
+        wait_until(lambda: groups_of(run_dir, "worker-1"), proc)
+        contributed_to = max(r["iteration"] for r in groups_of(run_dir, "worker-1"))
+        wait_until(lambda: trained_in(run_dir, contributed_to + 1), proc)
+        assert scale(run_dir, 1).returncode == 0
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert contributed_to + 1 < ITERATIONS  # worker-1 left before the last iteration
+    keys = [(r["iteration"], r["prompt_id"]) for r in read_jsonl(run_dir / "groups.jsonl")]
+    assert len(keys) == len(set(keys)) == ITERATIONS * PROMPTS
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["groups_trained"] == ITERATIONS * PROMPTS and summary["staleness_max"] == 0
+    launcher = (run_dir / "logs" / "launcher.log").read_text()
+    assert "scaling rollout workers: 1 -> 2" in launcher and "scaling rollout workers: 2 -> 1" in launcher
+    assert "rollout worker worker-1 stopped (exit code 143)" in launcher
+    assert "rollout worker stopped by SIGTERM" in (run_dir / "logs" / "worker-1.log").read_text()
+    assert "worker-1 exited with code" not in launcher  # not taken for a crash
+    assert launcher.count("starting rollout worker worker-1") == 1  # and not started again
+    assert (run_dir / "weights" / "latest").read_text().strip() == str(ITERATIONS)
+    start = final_weights(run_dir, 0)
+    scaled, unscaled = final_weights(run_dir), final_weights(tmp_path / "ref")
+    assert max((scaled[k] - start[k]).abs().max().item() for k in start) > 1e-4  # training moved the weights
+    # the same groups, trained in another order (the learner accumulates them as they arrive): equal up to float rounding
+    for name, tensor in unscaled.items():
+        torch.testing.assert_close(scaled[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    after = scale(run_dir, 2)
+    assert after.returncode == 2 and f"no `tidal run` is running in {run_dir}" in after.stderr
+
+
+def test_a_config_whose_workers_exceed_max_workers_is_refused(tiny_config_dict):
+    with pytest.raises(ConfigError, match=r"rollout.workers \(3\) is above rollout.max_workers \(2\)"):
+        config_from_dict({**tiny_config_dict, "rollout": {**tiny_config_dict["rollout"], "workers": 3, "max_workers": 2}})
+
+
+def test_scale_refuses_a_run_directory_without_a_run(tmp_path):
+    refused = scale(tmp_path, 2)
+    assert refused.returncode == 2 and f"{tmp_path} holds no run (no config.yaml)" in refused.stderr
