@@ -93,6 +93,21 @@ def test_a_killed_workers_hosts_end_even_while_a_tool_holds_the_interpreter(tmp_
     assert not left, f"still running after their worker was killed: {left}"
 
 
+def processes_left_by(tmp_path, marker: str) -> tuple[dict, dict[int, float], list]:
+    """The misbehaving role's record (written just before the worker was stopped), the processes it had
+    started, and those still running a while later (killed here, so the test leaves nothing behind)."""
+    record = json.loads((tmp_path / "markers" / f"{marker}.json").read_text())
+    started = {int(pid): at for pid, at in record["started"].items()}
+    left = left_running(started, 30)
+    kill(left)
+    return record, started, left
+
+
+def assert_each_group_trained_once(run_dir, groups: int) -> None:
+    trained = Counter((r["iteration"], r["prompt_id"]) for r in read_jsonl(run_dir / "groups.jsonl"))
+    assert len(trained) == groups and set(trained.values()) == {1}
+
+
 def test_a_killed_worker_takes_its_reward_and_tool_processes_with_it_and_the_run_finishes(tmp_path, write_config):
     """A tool SIGKILLs its worker mid-iteration and then holds its interpreter: every process the worker
     had started (its tool and reward processes) ends, the launcher restarts the worker, no group is lost."""
@@ -109,17 +124,13 @@ def test_a_killed_worker_takes_its_reward_and_tool_processes_with_it_and_the_run
         }
     )
     proc, run_dir, _ = run_misbehaving_once(config, tmp_path)
-    record = json.loads((tmp_path / "markers" / "worker-killed.json").read_text())
-    started = {int(pid): at for pid, at in record["started"].items()}
-    left = left_running(started, 30)
-    kill(left)
+    record, started, left = processes_left_by(tmp_path, "worker-killed")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not left, f"processes of the killed worker {record['worker']} still running: {left}"
     commands = " | ".join(record["commands"])
     assert "-m tidal.envs.host" in commands and "-m tidal.rewards.host" in commands, commands  # the test tested both kinds
     assert "rollout worker worker-0 exited with code -9; restarting" in (run_dir / "logs" / "launcher.log").read_text()
-    trained = Counter((r["iteration"], r["prompt_id"]) for r in read_jsonl(run_dir / "groups.jsonl"))
-    assert len(trained) == iterations * prompts and set(trained.values()) == {1}
+    assert_each_group_trained_once(run_dir, iterations * prompts)
 
 
 def test_a_worker_stopped_by_sigterm_ends_in_order_with_its_processes_and_the_run_finishes(tmp_path, write_config):
@@ -136,13 +147,9 @@ def test_a_worker_stopped_by_sigterm_ends_in_order_with_its_processes_and_the_ru
         }
     )
     proc, run_dir, _ = run_misbehaving_once(config, tmp_path)
-    record = json.loads((tmp_path / "markers" / "worker-terminated.json").read_text())
-    started = {int(pid): at for pid, at in record["started"].items()}
-    left = left_running(started, 30)
-    kill(left)
+    record, started, left = processes_left_by(tmp_path, "worker-terminated")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert started and not left, f"processes of the stopped worker {record['worker']}: {started}, still running: {left}"
     assert "tidal: rollout worker stopped by SIGTERM" in (run_dir / "logs" / "worker-0.log").read_text()
     assert "rollout worker worker-0 exited with code 143; restarting" in (run_dir / "logs" / "launcher.log").read_text()
-    trained = Counter((r["iteration"], r["prompt_id"]) for r in read_jsonl(run_dir / "groups.jsonl"))
-    assert len(trained) == iterations * prompts and set(trained.values()) == {1}
+    assert_each_group_trained_once(run_dir, iterations * prompts)
