@@ -9,7 +9,6 @@ or with `--merge` as one plain model with the adapter merged in."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -73,25 +72,9 @@ def signing_key(run: RunDir) -> str | None:
     return path.read_text().strip() if path.is_file() else os.environ.get(SIGNING_KEY_ENV) or None
 
 
-@contextlib.contextmanager
-def signed_with(key: str | None):
-    """verify_snapshot reads the key from the environment: set for the call, then restored."""
-    before = os.environ.get(SIGNING_KEY_ENV)
-    if key:
-        os.environ[SIGNING_KEY_ENV] = key
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(SIGNING_KEY_ENV, None)
-        else:
-            os.environ[SIGNING_KEY_ENV] = before
-
-
 def verified_manifest(snapshot: Path, key: str | None) -> dict:
     try:
-        with signed_with(key):
-            return verify_snapshot(snapshot)
+        return verify_snapshot(snapshot, key.encode() if key else None)
     except CorruptSnapshotError as err:
         raise ExportError(f"{err}; not exported") from None
 

@@ -275,8 +275,9 @@ def load_verified_with_manifest(path: str | Path) -> tuple[dict[str, torch.Tenso
     return load_file(str(Path(path) / name)), manifest
 
 
-def verify_snapshot(path: str | Path) -> dict:
-    """Every file's sha256 against the manifest; returns the manifest. CorruptSnapshotError names what is wrong."""
+def verify_snapshot(path: str | Path, key: bytes | None = None) -> dict:
+    """Every file's sha256 against the manifest, and its signature with `key` (default: the environment's
+    run key); returns the manifest. CorruptSnapshotError names what is wrong."""
     path = Path(path)
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():
@@ -286,7 +287,7 @@ def verify_snapshot(path: str | Path) -> dict:
         files = manifest["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise CorruptSnapshotError(f"snapshot {path}: unreadable manifest ({err})") from None
-    key = signing_key_from_env()
+    key = key or signing_key_from_env()
     if key and not hmac.compare_digest(str(manifest.get("hmac", "")), manifest_signature(manifest, key)):
         what = "is not signed" if "hmac" not in manifest else "has a signature that does not match"
         raise CorruptSnapshotError(f"snapshot {path}: its manifest {what} with this run's key ({SIGNING_KEY_ENV}): not written by this run's trainer")
