@@ -290,8 +290,9 @@ def running_round(server, monkeypatch):
     return cfg
 
 
-def test_a_worker_may_not_move_the_policy_consume_rollouts_or_publish_work(server, compiled_env, monkeypatch, running_round):
+def test_a_worker_may_not_move_the_policy_consume_rollouts_or_publish_work(server, compiled_env, monkeypatch, running_round, caplog):
     cfg = running_round
+    caplog.set_level("WARNING", logger="tidal.transport")
     as_pod(monkeypatch, server, role_env(compiled_env, "exec-rollout-worker"))
 
     async def attempts():
@@ -304,10 +305,9 @@ def test_a_worker_may_not_move_the_policy_consume_rollouts_or_publish_work(serve
             "work": lambda: t.publish_work(item(7)),
             "rollouts": lambda: _pull_rollouts(t),
         }.items():
-            started = time.monotonic()
             with pytest.raises(NatsPermissionError) as refused:
                 await attempt()
-            outcomes[what] = (str(refused.value), time.monotonic() - started)
+            outcomes[what] = (str(refused.value), [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()])
         # nor through a consumer of its own, nor by reading ROLLOUTS messages by sequence
         js, names = t.js, t.names
         mark = len(_violations(t))
@@ -325,10 +325,10 @@ def test_a_worker_may_not_move_the_policy_consume_rollouts_or_publish_work(serve
         return outcomes, later
 
     outcomes, later = asyncio.run(attempts())
-    policy_message, seconds = outcomes["policy"]
+    policy_message, retries = outcomes["policy"]
     # (nats-py lowercases the server's message)
     assert "tidal-worker" in policy_message and f'"$kv.{stream_names(RUN)["kv_bucket"]}.policy"'.lower() in policy_message.lower()
-    assert seconds < 15, "a refusal must be reported at once, not after the outage retries"
+    assert retries == [], "a refusal must be reported at once, not retried as an outage"
     assert ".msg.next." in outcomes["rollouts"][0].lower() and '.trainer"' in outcomes["rollouts"][0].lower()
     later = [v.lower() for v in later]
     assert any(".consumer.durable.create." in v for v in later), later
@@ -375,7 +375,7 @@ def test_the_pipeline_steps_may_not_publish_the_policy_or_work(server, compiled_
 
 
 @pytest.mark.parametrize("credentials", ["none", "wrong password", "another role's password"])
-def test_the_clusters_nats_refuses_clients_without_their_roles_password(server, monkeypatch, credentials):
+def test_the_clusters_nats_refuses_clients_without_their_roles_password(server, monkeypatch, credentials, caplog):
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     if credentials != "none":
         monkeypatch.setenv(cluster.NATS_USER_ENV, cluster.nats_user("trainer"))
@@ -383,10 +383,11 @@ def test_the_clusters_nats_refuses_clients_without_their_roles_password(server, 
         monkeypatch.setenv(cluster.NATS_PASSWORD_ENV, password)
     else:
         monkeypatch.delenv(cluster.NATS_USER_ENV, raising=False)
-    started = time.monotonic()
+    caplog.set_level("WARNING", logger="tidal.transport")
     with pytest.raises(NatsUnavailableError, match="refused the connection: .*(wrong password for user tidal-trainer|has none)"):
         asyncio.run(delete_run(server.url, RUN))
-    assert time.monotonic() - started < 10, "refused credentials are reported at once, not after every reconnect attempt"
+    refusals = [r for r in caplog.records if "authorization violation" in r.getMessage().lower()]
+    assert len(refusals) == 1, "refused credentials are reported at once, not after every reconnect attempt"
 
 
 def test_the_server_does_not_start_without_every_roles_password(tmp_path):

@@ -18,7 +18,11 @@ from tidal.rollout.vllm_adapter import nccl_update_info
 from tidal.trainer.weight_push import NcclWeightPush, call_with_deadline
 from tidal.transport import Transport, weight_handshake
 
-TIMEOUT = 8.0  # generous: a loaded machine (a parallel test run) connects and polls slowly
+# A push returns as soon as every lane is ready, so the wait for lanes that do come is long: a loaded
+# machine (a parallel test run in CI) connects and polls slowly. Only tests where a lane never comes wait
+# out their (short) deadline.
+TIMEOUT = 60.0
+NEVER_READY_TIMEOUT = 3.0
 GPU_ENGINE = SimpleNamespace(device="cuda")  # only its device is read: the vLLM calls are stood in
 
 
@@ -27,7 +31,7 @@ class StandInBroadcast:
     lane has entered the matching `receive` (a barrier of trainer + lanes)."""
 
     def __init__(self, lanes: int, fail: bool = False):
-        self.barrier = threading.Barrier(lanes + 1, timeout=10)
+        self.barrier = threading.Barrier(lanes + 1, timeout=TIMEOUT)
         self.fail = fail
         self.opened: list[dict] = []
         self.sent: list[dict] = []
@@ -55,8 +59,8 @@ async def connect(url: str) -> Transport:
     return await Transport.connect(url, "handshake", TransportConfig(), create=True)
 
 
-def make_push(transport: Transport, lanes: int, broadcast: StandInBroadcast) -> NcclWeightPush:
-    return NcclWeightPush(transport, lanes, 1, TIMEOUT, broadcast.open, nccl_update_info, ("127.0.0.1", 29555))
+def make_push(transport: Transport, lanes: int, broadcast: StandInBroadcast, timeout: float = TIMEOUT) -> NcclWeightPush:
+    return NcclWeightPush(transport, lanes, 1, timeout, broadcast.open, nccl_update_info, ("127.0.0.1", 29555))
 
 
 async def worker(url: str, lane: int, versions: list[int], broadcast: StandInBroadcast, joined: str | None = None) -> list[dict | None]:
@@ -108,7 +112,7 @@ def test_every_lane_says_ready_before_the_stand_in_broadcast_and_gets_each_versi
 def test_a_missing_lane_turns_nccl_off_and_everyone_uses_the_store(nats_server):
     async def main():
         t = await connect(nats_server.url)
-        push = make_push(t, 2, broadcast)
+        push = make_push(t, 2, broadcast, NEVER_READY_TIMEOUT)
         first, (got,), _ = await push_while(push, 0, worker(nats_server.url, 0, [0], broadcast))  # lane 1 never comes
         second, _, off = await push_while(push, 1)
         await t.close()
@@ -251,7 +255,7 @@ def test_a_ready_left_from_an_earlier_offer_does_not_count(nats_server):
     async def main():
         t = await connect(nats_server.url)
         await t.put(f"{weight_handshake.READY_PREFIX}0", {"version": 0, "offer": "an-earlier-trainers-offer"})
-        pushed = await make_push(t, 1, broadcast).push(0, state(0.0))
+        pushed = await make_push(t, 1, broadcast, NEVER_READY_TIMEOUT).push(0, state(0.0))
         await t.close()
         return pushed
 
