@@ -67,6 +67,11 @@ def test_tidal_run_via_kfp_local_two_rounds(tmp_path):
     (model,) = client.search_registered_models(filter_string="name = 'tidal-run'")
     (version,) = model.latest_versions
     assert version.tags["tidal.weights"].endswith("v000002")
+    # what is registered is the exported model directory (`tidal export`), tagged with the version and its held-out accuracy
+    assert (version.tags["tidal.export"], version.tags["tidal.version"], version.tags["tidal.iteration"]) == ("full", "2", "1")
+    assert float(version.tags["tidal.heldout_accuracy"]) == parent.data.metrics["eval/accuracy"]
+    exported = run_dir / "exports" / "v000002-final"
+    assert {"config.json", "model.safetensors", "tokenizer_config.json", "tidal_export.json"} <= {p.name for p in exported.iterdir()}
     assert not (tmp_path / "mlruns").exists()  # artifacts stay in the run directory
 
     # finalize, the exit handler, ended the MLflow run (FINISHED above) and deleted the run's streams and KV bucket

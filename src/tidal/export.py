@@ -196,8 +196,9 @@ def move_into_place(tmp: Path, out: Path) -> None:
     os.rename(tmp, out)
 
 
-def export_version(run: RunDir, out: str | Path, version: int | None = None, merge: bool = False) -> Exported:
-    """Writes `version` (default: the latest) of the run as a model directory at `out`: whole or not at all."""
+def export_version(run: RunDir, out: str | Path, version: int | None = None, merge: bool = False, accuracy: float | None = None) -> Exported:
+    """Writes `version` (default: the latest) of the run as a model directory at `out`: whole or not at all.
+    `accuracy`: its held-out accuracy when the caller knows it (a pipeline's evaluate step), else looked up in the run."""
     out = Path(out)
     refuse_used_out(out)
     info = run.info()
@@ -215,7 +216,7 @@ def export_version(run: RunDir, out: str | Path, version: int | None = None, mer
             write_adapter(snapshot, info.base_model, manifest, model_dtype(run), tmp, out)
         else:
             write_merged(snapshot, info.base_model, model_dtype(run), tmp)
-        record = export_record(info, version, kind, manifest, heldout_accuracy(run, version))
+        record = export_record(info, version, kind, manifest, heldout_accuracy(run, version) if accuracy is None else accuracy)
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=1))
         move_into_place(tmp, out)
     finally:

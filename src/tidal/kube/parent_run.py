@@ -117,12 +117,14 @@ def log_to_parent_run(run: RunDir, metrics: dict[str, float] | None = None, step
 FINAL_MODEL_ARTIFACT = "final_model"
 
 
-def register_final_model(run: RunDir, registered_model_name: str, weights: Path) -> str:
-    """Log the snapshot ``weights`` to the parent run and register it as a version of ``registered_model_name``."""
+def register_final_model(run: RunDir, registered_model_name: str, exported: Path, record: dict, weights: Path) -> str:
+    """Log the exported model directory to the parent run and register it as a version of
+    ``registered_model_name``, tagged like `tidal export --register` and with the snapshot it came from."""
+    from tidal.export import registry_tags
+
     parent = ParentRun.of(run)
-    return tracking.register_model(
-        parent.tracking_uri, parent.run_id, registered_model_name, weights, FINAL_MODEL_ARTIFACT, tags={"tidal.weights": str(weights)}
-    )
+    tags = {**registry_tags(record), "tidal.weights": str(weights)}
+    return tracking.register_model(parent.tracking_uri, parent.run_id, registered_model_name, exported, FINAL_MODEL_ARTIFACT, tags=tags)
 
 
 def end_parent_run(run: RunDir, succeeded: bool) -> list[str]:

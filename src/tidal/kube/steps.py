@@ -227,7 +227,7 @@ def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int
         raise PipelineStepError(f"'tidal eval' printed no numeric metrics: {output[-500:]!r}")
     log_to_parent_run(run, metrics={f"eval/{k}": v for k, v in metrics.items()}, step=round_index)
     records = StepRecords(run)
-    records.write(records.eval_file(round_index), {"round": round_index, "metrics": metrics})
+    records.write(records.eval_file(round_index), {"round": round_index, "metrics": metrics, "weights": weights_path})
     try:
         core_hooks.end_round(run, config_path, job_id or "local", round_index)
     except core_hooks.RoundSequenceError as err:
@@ -268,16 +268,36 @@ def final_metrics(run_dir: str, job_id: str) -> dict[str, float]:
 
 @as_separate_pod("register-model")
 def register_model(run_dir: str, registered_model_name: str) -> str:
-    """Log the final snapshot to the parent run and register it in the MLflow model registry."""
+    """Export the final snapshot as a model directory (`tidal export`: full weights, or base + adapter for a
+    LoRA run), log it to the parent run and register it in the MLflow model registry."""
+    from tidal.export import EXPORT_RECORD, export_version
+
     run = RunDir(Path(run_dir))
-    _, latest_path = core_hooks.latest_snapshot(run)
+    version, latest_path = core_hooks.latest_snapshot(run)
     core_hooks.verify_snapshot(latest_path)
-    latest = Path(latest_path)
-    version = register_final_model(run, registered_model_name, latest)
+    out = run.root / "exports" / f"{Path(latest_path).name}-final"
+    if out.exists():  # a retried step: the export before it was whole (export_version renames a finished folder into place)
+        exported_path, record = out, json.loads((out / EXPORT_RECORD).read_text())
+    else:
+        exported = export_version(run, out, version, accuracy=last_evaluated_accuracy(run, latest_path))
+        exported_path, record = exported.path, exported.record
+    model_version = register_final_model(run, registered_model_name, exported_path, record, Path(latest_path))
     records = StepRecords(run)
-    records.write(records.registered, {"model": registered_model_name, "version": version, "weights": str(latest)})
-    print(f"registered {registered_model_name} version {version} from {latest}", flush=True)
-    return version
+    records.write(
+        records.registered, {"model": registered_model_name, "version": model_version, "weights": latest_path, "export": str(exported_path)}
+    )
+    print(f"registered {registered_model_name} version {model_version}: {exported_path} ({record['kind']}, from {latest_path})", flush=True)
+    return model_version
+
+
+def last_evaluated_accuracy(run: RunDir, weights_path: str) -> float | None:
+    """The held-out accuracy the evaluate step measured for `weights_path`, if it did."""
+    records = StepRecords(run)
+    for path in reversed(records.evaluations()):
+        record = records.read(path)
+        if record.get("weights") == weights_path and "accuracy" in record["metrics"]:
+            return float(record["metrics"]["accuracy"])
+    return None
 
 
 @as_separate_pod("finalize")
