@@ -57,6 +57,28 @@ class PipelineKnobs:
         return result + parse_override_lines(self.overrides)
 
 
+WORKER_POOLS = ("fixed", "elastic")
+DEFAULT_TERMINATION_GRACE_S = 120
+"""How long a preempted or scaled-down pool pod may take to stop: its worker hands back its work items and
+shuts its engine down (a spot node's notice is often 30 s to 2 min)."""
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """The run form's settings of an elastic worker pool (:mod:`tidal.kube.worker_pool`)."""
+
+    min_workers: int = 1
+    max_workers: int = 0
+    """0: the run's rollout.workers (the ``rollout_workers`` parameter)."""
+    lag_threshold: int = 0
+    """Pending work items per worker; 0: ceil(prompts_per_iteration / max_workers)."""
+    node_selector: str = ""
+    """Extra node labels of the pool's pods, ``key=value,...`` (a spot or preemptible GPU pool's)."""
+    toleration_key: str = ""
+    """A taint key the pool's pods tolerate (a spot pool's taint), besides the accelerator's."""
+    termination_grace_s: int = DEFAULT_TERMINATION_GRACE_S
+
+
 def stage_config(run: RunDir, config_yaml: str, config_path: str, overrides: list[str]) -> str:
     """Validate the config with the overrides applied and write the resolved one into the run directory.
 
