@@ -326,7 +326,9 @@ def test_the_nats_service_has_the_monitoring_port_keda_reads(overlay):
     assert {"name": "monitor", "containerPort": worker_pool.NATS_MONITOR_PORT} in container["ports"]
     assert f"http_port: {worker_pool.NATS_MONITOR_PORT}" in by_kind(objects, "ConfigMap")["tidal-nats-config"]["data"]["nats.conf"]
     # what the ScaledObject's trigger names: the Service, in the run's namespace, at that port
-    assert worker_pool.PoolSpec.monitoring_endpoint.fget(SimpleNamespace(namespace="tidal")) == f"tidal-nats.tidal.svc:{worker_pool.NATS_MONITOR_PORT}"
+    assert (
+        worker_pool.PoolSpec.monitoring_endpoint.fget(SimpleNamespace(namespace="tidal")) == f"tidal-nats.tidal.svc:{worker_pool.NATS_MONITOR_PORT}"
+    )
 
 
 @pytest.mark.parametrize("name", OVERLAYS)

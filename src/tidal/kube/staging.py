@@ -127,6 +127,28 @@ def stage_config(run: RunDir, config_yaml: str, config_path: str, overrides: lis
     return str(run.config)
 
 
+ELASTIC_NCCL_OFF = (
+    "worker_pool=elastic: rollout.vllm.weight_sync 'nccl' set to 'store' "
+    "(the NCCL group needs a fixed lane per worker; pool workers load each version from the weight store)"
+)
+
+
+def stage_for_pool(run: RunDir, config_yaml: str, config_path: str, overrides: list[str], worker_pool: str) -> str:
+    """:func:`stage_config`; with an elastic pool, the NCCL weight transfer turned off, in one warning line: its
+    group is fixed when the run starts (one lane per worker), and a pool's workers come and go."""
+    staged = stage_config(run, config_yaml, config_path, overrides)
+    if worker_pool == "elastic" and nccl_weight_sync(staged):
+        print(f"warning: {ELASTIC_NCCL_OFF}", flush=True)
+        staged = stage_config(run, config_yaml, config_path, [*overrides, "rollout.vllm.weight_sync=store"])
+    return staged
+
+
+def nccl_weight_sync(config_path: str) -> bool:
+    from tidal.config import load_config
+
+    return load_config(config_path).rollout.vllm.weight_sync == "nccl"
+
+
 DATA_PATH_KEYS = ("path", "eval_path")
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from tidal.kube import cluster, core_hooks
 from tidal.kube.parent_run import RunLinks, end_parent_run, log_to_parent_run, open_parent_run, register_final_model
 from tidal.kube.pod_sandbox import as_separate_pod
-from tidal.kube.staging import WORKER_POOLS, PipelineKnobs, PoolSettings, stage_config
+from tidal.kube.staging import WORKER_POOLS, PipelineKnobs, PoolSettings, stage_for_pool
 from tidal.kube.step_records import PipelineStepError, StepRecords, pipeline_run_dir
 from tidal.kube.trainer_launch import check_trainer_backend, delete_trainer_jobs
 from tidal.kube.verbs import run_tidal
@@ -75,11 +75,7 @@ def prepare(
     records.registered.unlink(missing_ok=True)  # this pipeline run has not succeeded (yet)
     for earlier in records.evaluations():  # nor evaluated: the run metrics are this run's
         earlier.unlink()
-    overrides = knobs.config_overrides()
-    staged = stage_config(run, config_yaml, config_path, overrides)
-    if worker_pool == "elastic" and nccl_weight_sync(staged):
-        print(f"warning: {ELASTIC_NCCL_OFF}", flush=True)
-        staged = stage_config(run, config_yaml, config_path, [*overrides, "rollout.vllm.weight_sync=store"])
+    staged = stage_for_pool(run, config_yaml, config_path, knobs.config_overrides(), worker_pool)
     parent = open_parent_run(run, staged, job_id, links or RunLinks())
     core_hooks.prepare_run(run, staged, parent.tracking_uri, parent.run_id, shared_roots=(cluster.DATA_MOUNT_PATH,))
     warning = core_hooks.reset_rounds(run, staged, job_id or "local")
@@ -92,18 +88,6 @@ def prepare(
         lanes=lanes,
         parent_run_id=parent.run_id,
     )
-
-
-ELASTIC_NCCL_OFF = (
-    "worker_pool=elastic: rollout.vllm.weight_sync 'nccl' set to 'store' "
-    "(the NCCL group needs a fixed lane per worker; pool workers load each version from the weight store)"
-)
-
-
-def nccl_weight_sync(config_path: str) -> bool:
-    from tidal.config import load_config
-
-    return load_config(config_path).rollout.vllm.weight_sync == "nccl"
 
 
 @as_separate_pod("worker-pool")
