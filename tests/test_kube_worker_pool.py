@@ -430,3 +430,58 @@ def test_the_pipeline_has_the_pool_parameters_with_defaults_and_the_rounds_wait_
     assert inside["prepare"]["inputs"]["parameters"]["worker_pool"] == {"componentInputParameter": "pipelinechannel--worker_pool"}
     executor = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-worker-pool"]
     assert {e["name"]: e["fieldPath"] for e in executor["fieldPathAsEnv"]} == {"TIDAL_POD_NAME": "metadata.name"}
+
+
+# ---------------------------------------------------------------- a pool pod's entry with a real worker and NATS
+
+POD_NAME = "tidal-pool-run-9-1a2b3c-7d9f8c6b5d-x2k4q"
+
+
+def wait_for(condition, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the pool worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+def test_a_pool_pod_runs_a_real_worker_per_round_waits_between_rounds_and_passes_sigterm_on(tmp_path, nats_server, tiny_config_dict):
+    """``python -m tidal.kube.pool_worker`` as the container would run it (POD_NAME from the downward API): round 0's
+    worker heartbeats under the pod's name, ends with its round while the pod stays, round 1 gets a new worker
+    process under the same id, and the pod's SIGTERM stops that worker in order (status 143, the worker's)."""
+    from tidal.config import load_config
+    from tidal.kube import core_hooks
+    from tidal.protocol import KVKey
+    from tidal.transport import run_in_session
+
+    config_path = tmp_path / "runs" / "run-9" / "config.yaml"
+    config_path.parent.mkdir(parents=True)
+    config_path.write_text(yaml.safe_dump(dict(tiny_config_dict, transport={"nats_url": nats_server.url})))
+    run, cfg = RunDir(config_path.parent), load_config(config_path)
+    core_hooks.prepare_run(run, str(config_path), f"sqlite:///{tmp_path / 'mlflow.db'}", "")
+    core_hooks.open_round(run, str(config_path), 0)
+
+    def heartbeat():
+        return run_in_session(nats_server.url, run.run_id, cfg.transport, lambda t: t.get(KVKey.worker(POD_NAME)))
+
+    log = tmp_path / "pod.log"
+    command = [sys.executable, "-m", "tidal.kube.pool_worker", "--config", str(config_path), "--run-dir", str(run.root)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "POD_NAME": POD_NAME})
+    try:
+        wait_for(lambda: heartbeat() is not None, proc, log)
+        first = heartbeat()["incarnation"]
+        run.nats(nats_server.url, cfg.transport).record_run_state("round_done")
+        wait_for(lambda: "the rollout worker ended with its round; waiting for the next one" in log.read_text(), proc, log)
+        assert proc.poll() is None  # between rounds the pod waits: exiting would make the Deployment restart it
+        core_hooks.open_round(run, str(config_path), 1)
+        wait_for(lambda: heartbeat()["incarnation"] != first, proc, log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 143, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "passing it on to the rollout worker" in text and "rollout worker stopped by SIGTERM" in text
+    assert text.count("rollout-worker " + str(config_path)) == 2  # one worker process per round

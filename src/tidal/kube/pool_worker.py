@@ -70,6 +70,8 @@ def serve(
         if code not in (0, None):
             print(f"the rollout worker exited with status {code} while the run was {current_state()!r}; starting another", flush=True)
             time.sleep(poll_s)
+        else:
+            print("the rollout worker ended with its round; waiting for the next one", flush=True)
     return 128 + signal.SIGTERM
 
 

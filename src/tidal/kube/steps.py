@@ -122,7 +122,11 @@ def start_worker_pool(
     run = RunDir(Path(run_dir))
     config = load_config(config_path)
     minimum, maximum, lag = pool.pool_sizes(
-        settings.min_workers, settings.max_workers, settings.lag_threshold, config.rollout.workers, config.trainer.prompts_per_iteration
+        settings.min_workers,
+        settings.max_workers,
+        settings.lag_threshold,
+        pool.most_workers(config.rollout.workers),
+        config.trainer.prompts_per_iteration,
     )
     if api_client is None:
         from tidal.kube.trainjob import cluster_api_client

@@ -104,6 +104,11 @@ def parse_node_selector(text: str) -> dict[str, str]:
     return selector
 
 
+def most_workers(workers) -> int:
+    """The staged ``rollout.workers`` (prepare sets it from ``rollout_workers``): a number, or a range's ``max``."""
+    return workers if isinstance(workers, int) else int(workers.max)
+
+
 def pool_sizes(min_workers: int, max_workers: int, lag_threshold: int, rollout_workers: int, prompts_per_iteration: int) -> tuple[int, int, int]:
     """``(min, max, lagThreshold)``. ``max_workers`` 0: ``rollout_workers`` (the config's, after the run form's
     override). ``lag_threshold`` 0: the items per worker that put the whole pool to work at an iteration's
