@@ -21,6 +21,7 @@ from kubernetes import client as k8s
 
 from tests.crd_schema import load_crd, schema_errors
 from tests.stand_in_api import StandInApi
+from tests.test_kube_pipeline import FakeKfpApi, kfp_api_server  # noqa: F401 (a fixture)
 from tidal.kube import cluster, pool_worker, staging, steps, worker_pool
 from tidal.kube.staging import PoolSettings
 from tidal.kube.step_records import PipelineStepError
@@ -485,3 +486,28 @@ def test_a_pool_pod_runs_a_real_worker_per_round_waits_between_rounds_and_passes
     text = log.read_text()
     assert "passing it on to the rollout worker" in text and "rollout worker stopped by SIGTERM" in text
     assert text.count("rollout-worker " + str(config_path)) == 2  # one worker process per round
+
+
+ELASTIC_PARAMS = {
+    "worker_pool": "elastic",
+    "pool_min_workers": 0,
+    "pool_max_workers": 8,
+    "pool_lag_threshold": 4,
+    "pool_node_selector": "cloud.google.com/gke-spot=true",
+    "pool_toleration_key": "cloud.google.com/gke-spot",
+    "pool_termination_grace_s": 60,
+}
+
+
+@pytest.mark.parametrize("pool", ["fixed", "elastic"])
+def test_submit_sends_the_pool_parameters_the_compiled_pipeline_declares_with_mocked_kfp_api_server(pool, kfp_api_server, monkeypatch):  # noqa: F811
+    from tidal.kube.submit import submit_run
+
+    monkeypatch.setenv("KFP_TOKEN", "t")
+    params = ELASTIC_PARAMS if pool == "elastic" else {"worker_pool": "fixed"}
+    submit_run(str(Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"), host=kfp_api_server, params=params)
+    (create_run,) = [r for r in FakeKfpApi.requests if r[:2] == ("POST", "/apis/v2beta1/runs")]
+    body = create_run[3]
+    sent = body["runtime_config"]["parameters"]
+    declared = body["pipeline_spec"]["pipeline_spec"]["root"]["inputDefinitions"]["parameters"]
+    assert {name: sent[name] for name in params} == params and set(params) <= set(declared)
