@@ -21,6 +21,7 @@ from kubernetes import client as k8s
 
 from tests.crd_schema import load_crd, schema_errors
 from tests.stand_in_api import StandInApi
+from tests.test_kube_nats_auth import RUN, running_round, server  # noqa: F401 (fixtures)
 from tests.test_kube_pipeline import FakeKfpApi, kfp_api_server  # noqa: F401 (a fixture)
 from tidal.kube import cluster, pool_worker, staging, steps, worker_pool
 from tidal.kube.staging import PoolSettings
@@ -511,3 +512,33 @@ def test_submit_sends_the_pool_parameters_the_compiled_pipeline_declares_with_mo
     sent = body["runtime_config"]["parameters"]
     declared = body["pipeline_spec"]["pipeline_spec"]["root"]["inputDefinitions"]["parameters"]
     assert {name: sent[name] for name in params} == params and set(params) <= set(declared)
+
+
+# ---------------------------------------------------------------- what KEDA's scaler reads, from a real nats-server
+
+
+def keda_lag(jsz: dict, account: str, stream: str, consumer: str) -> int:
+    """KEDA's nats_jetstream_scaler.go: the account's stream's consumer, ``num_pending + num_ack_pending``."""
+    (details,) = [a for a in jsz["account_details"] if account in (a["name"], a["id"])]
+    (found,) = [s for s in details["stream_detail"] if s["name"] == stream]
+    (detail,) = [c for c in found["consumer_detail"] if c["name"] == consumer]
+    return detail["num_pending"] + detail["num_ack_pending"]
+
+
+def test_the_monitoring_endpoint_reports_the_work_streams_lag_where_kedas_scaler_looks(server, running_round):  # noqa: F811
+    """The cluster's own nats.conf and auth.conf on a real nats-server, the trainer's two work items published: the
+    URL KEDA builds from the trigger (``/jsz?acc=<account>&consumers=true&config=true``) shows them as lag."""
+    import json
+    import re
+    import urllib.request
+
+    from tidal.transport import stream_names
+
+    http_port = re.search(r"(?m)^http_port: (\d+)$", (server.dir / "nats.conf").read_text()).group(1)
+    spec = pool_spec(stream=stream_names(RUN)["work_stream"])
+    (trigger,) = worker_pool.build_scaled_object(spec)["spec"]["triggers"]
+    metadata = trigger["metadata"]
+    url = f"http://127.0.0.1:{http_port}/jsz?acc={metadata['account']}&consumers=true&config=true"
+    with urllib.request.urlopen(url, timeout=60) as answer:
+        jsz = json.load(answer)
+    assert keda_lag(jsz, metadata["account"], metadata["stream"], metadata["consumer"]) == 2
