@@ -542,3 +542,12 @@ def test_the_monitoring_endpoint_reports_the_work_streams_lag_where_kedas_scaler
     with urllib.request.urlopen(url, timeout=60) as answer:
         jsz = json.load(answer)
     assert keda_lag(jsz, metadata["account"], metadata["stream"], metadata["consumer"]) == 2
+
+
+def test_a_negative_grace_period_is_refused_naming_the_parameter(staged_run):
+    run, config_path = staged_run
+    with pytest.raises(PipelineStepError, match=r"^pool_termination_grace_s must be 0 or more seconds, got -5$"):
+        steps.start_worker_pool(
+            "elastic", str(run.root), config_path, "team-a", "nvidia", "", 1, "8", "32Gi", PoolSettings(termination_grace_s=-5), api_client=object()
+        )
+    assert not worker_pool.pool_record(run).exists()

@@ -119,6 +119,8 @@ def start_worker_pool(
     from tidal.kube.trainer_launch import current_namespace
     from tidal.transport.streams import stream_names
 
+    if settings.termination_grace_s < 0:
+        raise PipelineStepError(f"pool_termination_grace_s must be 0 or more seconds, got {settings.termination_grace_s}")
     run = RunDir(Path(run_dir))
     config = load_config(config_path)
     minimum, maximum, lag = pool.pool_sizes(
