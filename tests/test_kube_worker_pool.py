@@ -551,3 +551,39 @@ def test_a_negative_grace_period_is_refused_naming_the_parameter(staged_run):
             "elastic", str(run.root), config_path, "team-a", "nvidia", "", 1, "8", "32Gi", PoolSettings(termination_grace_s=-5), api_client=object()
         )
     assert not worker_pool.pool_record(run).exists()
+
+
+def pool_pod_nats_env() -> dict:
+    """The NATS env of the pool Deployment's container, as tests/test_kube_nats_auth.py's as_pod takes it."""
+    (container,) = worker_pool.build_deployment(pool_spec())["spec"]["template"]["spec"]["containers"]
+    env = {}
+    for e in container["env"]:
+        if e["name"].startswith("NATS_"):
+            ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+            env[e["name"]] = ("secret", ref["name"], ref["key"]) if ref else e["value"]
+    return env
+
+
+def test_a_pool_pod_pulls_work_and_heartbeats_under_its_name_as_the_worker_user_on_the_clusters_nats(server, running_round, monkeypatch):  # noqa: F811
+    import asyncio
+
+    from tests.test_kube_nats_auth import as_pod
+    from tidal.protocol import decode_work_item
+    from tidal.transport import Transport, permission_violations
+    from tidal.transport.health import WorkerHealth
+
+    as_pod(monkeypatch, server, pool_pod_nats_env())
+    assert os.environ[cluster.NATS_USER_ENV] == cluster.nats_user("worker")
+
+    async def pool_worker_part():
+        t = await Transport.connect(server.url, RUN, running_round, create=False)
+        msgs = await t.fetch(await t.work_subscription(), 2, timeout=2.0, linger=0.2)
+        for m in msgs:
+            await m.ack()
+        await t.put_worker_health(WorkerHealth(POD_NAME).record())
+        await asyncio.sleep(0.3)
+        refused = permission_violations(t.nc)
+        await t.close()
+        return sorted(decode_work_item(m.data).prompt_id for m in msgs), refused
+
+    assert asyncio.run(pool_worker_part()) == ([0, 1], [])
