@@ -587,3 +587,18 @@ def test_a_pool_pod_pulls_work_and_heartbeats_under_its_name_as_the_worker_user_
         return sorted(decode_work_item(m.data).prompt_id for m in msgs), refused
 
     assert asyncio.run(pool_worker_part()) == ([0, 1], [])
+
+
+def test_a_sigterm_that_comes_while_a_worker_starts_still_reaches_it(tmp_path):
+    out = tmp_path / "worker.log"
+    sigterm = SigtermForward()
+    started = []
+
+    def start():
+        sigterm.received = True  # what the pod's handler records when SIGTERM comes before the worker runs
+        started.append(fake_worker(out))
+        return started[-1]
+
+    code = pool_worker.serve(lambda: "running", start, sigterm, poll_s=0.1, end_grace_s=5.0)
+    assert code == 143  # the worker's handler ran, or SIGTERM's default action ended it (reported as 128 + 15)
+    assert len(started) == 1 and started[0].returncode in (143, -signal.SIGTERM)

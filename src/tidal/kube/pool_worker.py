@@ -66,7 +66,7 @@ def serve(
         code = supervise_round(start(), current_state, sigterm, poll_s, end_grace_s)
         reap_orphans()
         if sigterm.received:
-            return code if code else 128 + signal.SIGTERM
+            return exit_status(code) or 128 + signal.SIGTERM
         if code not in (0, None):
             print(f"the rollout worker exited with status {code} while the run was {current_state()!r}; starting another", flush=True)
             time.sleep(poll_s)
@@ -75,11 +75,18 @@ def serve(
     return 128 + signal.SIGTERM
 
 
+def exit_status(code: int) -> int:
+    """A child's status as a shell reports it: killed by signal N (Popen's -N) is 128 + N."""
+    return 128 - code if code < 0 else code
+
+
 def supervise_round(process: subprocess.Popen, current_state, sigterm: SigtermForward, poll_s: float, end_grace_s: float) -> int:
     """One worker process, SIGTERM passed on to it; stopped if it outlives its round by ``end_grace_s``."""
     over_since = None
     try:
         with forward_sigterm(process) as forwarded:
+            if sigterm.received:  # it came while this worker was starting, before the handler that passes it on
+                process.send_signal(signal.SIGTERM)
             while True:
                 try:
                     code = process.wait(timeout=poll_s)
