@@ -136,7 +136,7 @@ def test_the_deployment_is_owned_by_the_run_and_its_pods_are_workers_that_get_si
     assert {t["key"] for t in pod["tolerations"]} == {"nvidia.com/gpu", "cloud.google.com/gke-spot"}
     (container,) = pod["containers"]
     # no shell in between: the pool worker is the container's first process, and the pod's SIGTERM is its
-    assert container["command"][:3] == ["python", "-m", "tidal.kube.pool_worker"]
+    assert container["command"][:3] == ["python3", "-m", "tidal.kube.pool_worker"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
@@ -448,7 +448,7 @@ def wait_for(condition, proc: subprocess.Popen, log: Path, timeout: float = 300)
 
 
 def test_a_pool_pod_runs_a_real_worker_per_round_waits_between_rounds_and_passes_sigterm_on(tmp_path, nats_server, tiny_config_dict):
-    """``python -m tidal.kube.pool_worker`` as the container would run it (POD_NAME from the downward API): round 0's
+    """``python3 -m tidal.kube.pool_worker`` as the container would run it (POD_NAME from the downward API): round 0's
     worker heartbeats under the pod's name, ends with its round while the pod stays, round 1 gets a new worker
     process under the same id, and the pod's SIGTERM stops that worker in order (status 143, the worker's)."""
     from tidal.config import load_config

@@ -1,4 +1,4 @@
-"""The first process of an elastic pool's rollout-worker pod: ``python -m tidal.kube.pool_worker``.
+"""The first process of an elastic pool's rollout-worker pod: ``python3 -m tidal.kube.pool_worker``.
 
 A pod of the pool's Deployment lives across rounds (KEDA adds and removes pods; the pipeline's rounds
 come and go), but ``tidal rollout-worker`` exits when its round is over. So this process, PID 1 of the
@@ -111,7 +111,7 @@ def supervise_round(process: subprocess.Popen, current_state, sigterm: SigtermFo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tidal.kube.pool_worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python3 -m tidal.kube.pool_worker", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the run's staged config.yaml")
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)

@@ -160,8 +160,9 @@ def pool_env() -> list[k8s.V1EnvVar]:
 
 
 def pool_command(spec: PoolSpec) -> list[str]:
-    """The container's entry is the pool worker itself (no shell between): it is PID 1 and gets the pod's SIGTERM."""
-    return ["python", "-m", "tidal.kube.pool_worker", "--config", spec.config_path, "--run-dir", spec.run_dir]
+    """The container's entry is the pool worker itself (no shell between): it is PID 1 and gets the pod's SIGTERM.
+    ``python3``: the interpreter's name in every Tidal image (the CUDA image's venv, python:3.11-slim, vllm-ascend's)."""
+    return ["python3", "-m", "tidal.kube.pool_worker", "--config", spec.config_path, "--run-dir", spec.run_dir]
 
 
 def build_deployment(spec: PoolSpec) -> dict:
