@@ -9,4 +9,5 @@ from tidal.kube.components import (  # noqa: F401
     rollout_worker,
     train,
     weight_sync,
+    worker_pool,
 )

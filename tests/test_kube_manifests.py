@@ -5,12 +5,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import kubernetes_validate
 import pytest
 import yaml
 
-from tidal.kube import cluster, trainjob
+from tidal.kube import cluster, trainjob, worker_pool
 from tidal.kube.pipeline import compile_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,7 +208,7 @@ def test_nats_has_jetstream_on_a_pvc_and_auth_from_the_secret(overlay):
     }
 
 
-def test_rbac_allows_trainer_jobs_and_nothing_more(overlay):
+def test_rbac_allows_trainer_jobs_and_the_worker_pool_and_nothing_more(overlay):
     _, objects = overlay
     (role,) = by_kind(objects, "Role").values()
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rules"]}
@@ -216,12 +217,20 @@ def test_rbac_allows_trainer_jobs_and_nothing_more(overlay):
         (("trainer.kubeflow.org",), ("trainjobs",)): {"create", "get", "list", "watch", "delete"},
         (("trainer.kubeflow.org",), ("trainingruntimes",)): {"get", "list"},  # TrainerClient looks the runtime up
         (("",), ("pods", "pods/log")): {"get", "list", "watch"},
+        # worker_pool=elastic: the run's Deployment and ScaledObject, created by the pool step and deleted by finalize
+        (("apps",), ("deployments",)): {"create", "get", "delete"},
+        ((worker_pool.KEDA_GROUP,), (worker_pool.KEDA_PLURAL,)): {"create", "get", "delete"},
     }
     (cluster_role,) = by_kind(objects, "ClusterRole").values()
     assert cluster_role["rules"] == [
         {"apiGroups": ["trainer.kubeflow.org"], "resources": ["clustertrainingruntimes"], "verbs": ["get", "list"]},
-        # the launcher's check of the installed Trainer: this one CRD, read only
-        {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "resourceNames": [trainjob.CRD_NAME], "verbs": ["get"]},
+        # the launcher's check of the installed Trainer and the pool step's of KEDA: these CRDs, read only
+        {
+            "apiGroups": ["apiextensions.k8s.io"],
+            "resources": ["customresourcedefinitions"],
+            "resourceNames": [trainjob.CRD_NAME, worker_pool.KEDA_CRD],
+            "verbs": ["get"],
+        },
     ]
     (binding,) = by_kind(objects, "RoleBinding").values()
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name} for name in cluster.PIPELINE_SERVICE_ACCOUNTS]
@@ -284,7 +293,8 @@ def test_a_second_namespace_on_the_cluster_binds_its_accounts_under_its_own_name
 
 
 def test_only_tidal_pods_reach_nats_and_mlflow(overlay):
-    """And, on the overlays with the Kubeflow gateway, the gateway's pods reach MLflow (its UI), nothing else."""
+    """And, on the overlays with the Kubeflow gateway, the gateway's pods reach MLflow (its UI); KEDA's namespace
+    reaches NATS's monitoring port (its nats-jetstream scaler), nothing else."""
     name, objects = overlay
     policies = by_kind(objects, "NetworkPolicy")
     gateway = {
@@ -297,8 +307,45 @@ def test_only_tidal_pods_reach_nats_and_mlflow(overlay):
         expected = [[{"podSelector": {"matchLabels": cluster.TIDAL_POD_LABEL}}]]
         if service == "tidal-mlflow" and name in GATEWAY_OVERLAYS:
             expected.append([gateway])
+        if service == "tidal-nats":
+            expected.append([{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": platform_settings(objects)["KEDA_NAMESPACE"]}}}])
         assert peers == expected, (name, service)
-        assert all(rule["ports"] == [{"port": 4222 if service == "tidal-nats" else 5000, "protocol": "TCP"}] for rule in policy["spec"]["ingress"])
+        ports = [rule["ports"] for rule in policy["spec"]["ingress"]]
+        if service == "tidal-nats":
+            assert ports == [[{"port": 4222, "protocol": "TCP"}], [{"port": worker_pool.NATS_MONITOR_PORT, "protocol": "TCP"}]]
+        else:
+            assert all(p == [{"port": 5000, "protocol": "TCP"}] for p in ports)
+
+
+def test_the_nats_service_has_the_monitoring_port_keda_reads(overlay):
+    _, objects = overlay
+    service = by_kind(objects, "Service")["tidal-nats"]
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert ports["monitor"]["port"] == worker_pool.NATS_MONITOR_PORT and ports["monitor"]["targetPort"] == "monitor"
+    container = by_kind(objects, "StatefulSet")["tidal-nats"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "monitor", "containerPort": worker_pool.NATS_MONITOR_PORT} in container["ports"]
+    assert f"http_port: {worker_pool.NATS_MONITOR_PORT}" in by_kind(objects, "ConfigMap")["tidal-nats-config"]["data"]["nats.conf"]
+    # what the ScaledObject's trigger names: the Service, in the run's namespace, at that port
+    assert (
+        worker_pool.PoolSpec.monitoring_endpoint.fget(SimpleNamespace(namespace="tidal")) == f"tidal-nats.tidal.svc:{worker_pool.NATS_MONITOR_PORT}"
+    )
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_keda_namespace_is_a_parameter_of_an_overlay_of_ones_own(name, tmp_path):
+    """KEDA installed elsewhere than `keda`: merge KEDA_NAMESPACE into tidal-platform and include components/platform again."""
+    objects = kustomize_on_top_of(
+        name,
+        tmp_path,
+        configMapGenerator=[
+            {"name": "tidal-platform", "behavior": "merge", "options": {"disableNameSuffixHash": True}, "literals": ["KEDA_NAMESPACE=autoscaling"]}
+        ],
+        components=["manifests/components/platform"],
+    )
+    policy = by_kind(objects, "NetworkPolicy")["tidal-nats-clients"]
+    peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "autoscaling"}}} in peers
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}} not in peers
 
 
 GATEWAY_OVERLAYS = {"gpu", "ascend"}

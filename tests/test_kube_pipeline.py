@@ -470,7 +470,7 @@ def test_a_step_without_a_tracking_uri_fails_naming_the_secret_instead_of_loggin
 @pytest.mark.parametrize("accelerator", sorted(cluster.PROFILES))
 def test_finalize_is_the_exit_handler_of_everything_the_run_does(tmp_path, accelerator):
     """KFP runs an exit task after the group it guards ends, succeeded, failed or cancelled: finalize must guard
-    prepare (it creates the streams), the rounds (trainer jobs, workers) and the model registration."""
+    prepare (it creates the streams), the worker pool, the rounds (trainer jobs, workers) and the model registration."""
     from tidal.kube.pipeline import compile_pipeline
 
     spec, platform = yaml.safe_load_all(compile_pipeline(tmp_path / "p.yaml", accelerator).read_text())
@@ -482,7 +482,7 @@ def test_finalize_is_the_exit_handler_of_everything_the_run_does(tmp_path, accel
     # no dsl.PipelineTaskFinalStatus input: KFP backends before 2.14 cannot resolve it (finalize reads the run directory)
     assert "status" not in finalize["inputs"]["parameters"]
     inside = spec["components"][root[guarded]["componentRef"]["name"]]["dag"]["tasks"]
-    assert set(inside) == {"prepare", "tidal-grpo-loop", "register-model"}
+    assert set(inside) == {"prepare", "worker-pool", "tidal-grpo-loop", "register-model"}
     # it reads only pipeline parameters (a KFP rule for exit tasks), and finds the run directory as prepare does
     params = finalize["inputs"]["parameters"]
     assert params["run_dir"] == {"componentInputParameter": "run_dir"}
@@ -519,7 +519,7 @@ def test_loops_and_branches_have_their_own_display_names(compiled):
     assert len(loops) == 2 and len(set(loops)) == 2
 
 
-RETRIED = {"prepare", "open-round", "weight-sync", "evaluate", "finalize"}
+RETRIED = {"prepare", "worker-pool", "open-round", "weight-sync", "evaluate", "finalize"}
 
 
 def test_only_steps_that_can_run_again_are_retried_and_bookkeeping_steps_have_a_timeout(compiled):

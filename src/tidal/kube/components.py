@@ -36,6 +36,7 @@ def prepare(
     kfp_ui_url: str,
     mlflow_ui_url: str,
     trainer_backend: str,
+    worker_pool: str,
     mlflow_run: dsl.Output[dsl.Markdown],
 ) -> NamedTuple("Prepared", run_dir=str, config_path=str, rounds=list[int], lanes=list[str], parent_run_id=str):
     """Check the cluster has what ``trainer_backend`` needs, validate the config, stage data, create streams and KV
@@ -59,12 +60,66 @@ def prepare(
     )
     links = parent_run.RunLinks(kfp_ui_url=kfp_ui_url, mlflow_ui_url=mlflow_ui_url)
     run = steps.prepare(
-        config_yaml=config_yaml, config_path=config_path, run_dir=run_dir, job_id=job_id, knobs=knobs, links=links, trainer_backend=trainer_backend
+        config_yaml=config_yaml,
+        config_path=config_path,
+        run_dir=run_dir,
+        job_id=job_id,
+        knobs=knobs,
+        links=links,
+        trainer_backend=trainer_backend,
+        worker_pool=worker_pool,
     )
     with open(mlflow_run.path, "w") as fh:
         fh.write(parent_run.mlflow_run_markdown(run.run_dir))
     prepared = namedtuple("Prepared", ["run_dir", "config_path", "rounds", "lanes", "parent_run_id"])
     return prepared(run.run_dir, run.config_path, run.rounds, run.lanes, run.parent_run_id)
+
+
+@component
+def worker_pool(
+    worker_pool: str,
+    run_dir: str,
+    config_path: str,
+    namespace: str,
+    accelerator: str,
+    image: str,
+    accelerators: int,
+    cpu: str,
+    memory: str,
+    min_workers: int,
+    max_workers: int,
+    lag_threshold: int,
+    node_selector: str,
+    toleration_key: str,
+    termination_grace_s: int,
+    queue_name: str,
+):
+    """worker_pool=elastic: the run's rollout-worker Deployment and its KEDA ScaledObject (scaled on the WORK stream);
+    fixed: nothing (each round runs its own rollout-worker tasks)."""
+    from tidal.kube import steps
+    from tidal.kube.staging import PoolSettings
+
+    settings = PoolSettings(
+        min_workers=min_workers,
+        max_workers=max_workers,
+        lag_threshold=lag_threshold,
+        node_selector=node_selector,
+        toleration_key=toleration_key,
+        termination_grace_s=termination_grace_s,
+    )
+    steps.start_worker_pool(
+        worker_pool=worker_pool,
+        run_dir=run_dir,
+        config_path=config_path,
+        namespace=namespace,
+        accelerator=accelerator,
+        image=image,
+        accelerators=accelerators,
+        cpu=cpu,
+        memory=memory,
+        settings=settings,
+        queue_name=queue_name,
+    )
 
 
 @component

@@ -2,7 +2,7 @@
 
 ::
 
-    exit handler ┌ prepare ─▶ training loop (rounds one after another: ParallelFor, parallelism 1)
+    exit handler ┌ prepare ─▶ (worker_pool=elastic: the run's worker Deployment + KEDA ScaledObject) ─▶ training loop (rounds one after another: ParallelFor, parallelism 1)
                  │              └─ round: open_round ─▶ lanes ∥ (trainer | rollout-0 … rollout-N-1) ─▶ weight_sync ─▶ evaluate
                  │           ─▶ register_model (the final snapshot, in the MLflow registry)
                  └ finalize, however the run ended: delete leftover trainer jobs, end the MLflow run, delete streams and KV
@@ -30,6 +30,7 @@ from tidal.kube import cluster
 from tidal.kube import components as c
 from tidal.kube.cluster import AcceleratorProfile
 from tidal.kube.ir_check import driver_resolution_violations
+from tidal.kube.staging import DEFAULT_TERMINATION_GRACE_S
 
 PIPELINE_NAME = "tidal-grpo"
 DEFAULT_CONFIG_PATH = "/opt/tidal/examples/arithmetic.yaml"
@@ -264,8 +265,9 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
         registered_model_name,
         kfp_ui_url,
         mlflow_ui_url,
+        pool,
     ):
-        """prepare -> rounds -> register the model (inside the exit handler)."""
+        """prepare -> (the elastic worker pool) -> rounds -> register the model (inside the exit handler)."""
         prepared = retried(
             on_cluster(
                 prepare(
@@ -286,10 +288,33 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
                     kfp_ui_url=kfp_ui_url,
                     mlflow_ui_url=mlflow_ui_url,
                     trainer_backend=trainer_backend,
+                    worker_pool=pool["worker_pool"],
                 )
             ),
             LONG_STEP_TIMEOUT_S,
         )
+        # always runs (a dsl.If here would keep the loop from depending on it); with worker_pool=fixed it returns at once
+        pool_task = pool_step(
+            worker_pool=pool["worker_pool"],
+            run_dir=prepared.outputs["run_dir"],
+            config_path=prepared.outputs["config_path"],
+            namespace=namespace,
+            accelerator=profile.name,
+            image=step_image,
+            accelerators=worker_accelerators,
+            cpu=worker_cpu,
+            memory=worker_memory,
+            min_workers=pool["pool_min_workers"],
+            max_workers=pool["pool_max_workers"],
+            lag_threshold=pool["pool_lag_threshold"],
+            node_selector=pool["pool_node_selector"],
+            toleration_key=pool["pool_toleration_key"],
+            termination_grace_s=pool["pool_termination_grace_s"],
+            queue_name=queue_name,
+        )
+        retried(on_cluster(pool_task, nats_role=None)).set_display_name("worker pool (Deployment + KEDA ScaledObject)")
+        # the run's owner object is read from this pod's ownerReferences
+        kubernetes.use_field_path_as_env(pool_task, env_name="TIDAL_POD_NAME", field_path="metadata.name")
         loop = training_loop(
             run_dir=prepared.outputs["run_dir"],
             config_path=prepared.outputs["config_path"],
@@ -309,7 +334,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
             trainer_start_timeout_s=trainer_start_timeout_s,
             namespace=namespace,
         )
-        loop.set_caching_options(False).set_display_name("training loop")
+        loop.set_caching_options(False).set_display_name("training loop").after(pool_task)
         registered = register_model(run_dir=prepared.outputs["run_dir"], registered_model_name=registered_model_name)
         on_cluster(registered, nats_role=None).after(loop)
 
@@ -347,6 +372,13 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
         registered_model_name: str = "tidal-policy",
         kfp_ui_url: str = "",
         mlflow_ui_url: str = "",
+        worker_pool: str = "fixed",
+        pool_min_workers: int = 1,
+        pool_max_workers: int = 0,
+        pool_lag_threshold: int = 0,
+        pool_node_selector: str = "",
+        pool_toleration_key: str = "",
+        pool_termination_grace_s: int = DEFAULT_TERMINATION_GRACE_S,
     ):
         """Parameters: config_yaml (config text; wins over config_path), config_path (a config in the image),
         run_dir (default /mnt/tidal/runs/<job id>), rounds × iterations_per_round iterations in all,
@@ -356,7 +388,12 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
         trainer_image (default: the steps' image), trainer_cpu / trainer_memory: requests of each trainer replica;
         trainer_deadline_s: the trainer job's activeDeadlineSeconds (0: none); trainer_start_timeout_s: how long
         the job may stay Pending before the round fails; kfp_ui_url / mlflow_ui_url: where people open KFP and MLflow
-        (the MLflow run is tagged with this run's KFP link and the run shows its MLflow link; empty: the run id only)."""
+        (the MLflow run is tagged with this run's KFP link and the run shows its MLflow link; empty: the run id only);
+        worker_pool: fixed (rollout_workers worker tasks per round) or elastic (one Deployment for the run, scaled by KEDA
+        on the WORK stream's pending items between pool_min_workers and pool_max_workers, 0: rollout_workers, one pod more per
+        pool_lag_threshold items, 0: prompts_per_iteration / max); pool_node_selector (label=value,...) and
+        pool_toleration_key place the pool on spot or preemptible nodes; pool_termination_grace_s: how long a
+        preempted pod's worker has to hand back its work items."""
         # The exit handler: runs however the run ends; it may only read pipeline parameters (KFP rule), so it
         # finds the run directory as prepare does (run_dir, else /mnt/tidal/runs/<job id>).
         cleanup = finalize(run_dir=run_dir, job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, namespace=namespace)
@@ -391,13 +428,22 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
                 registered_model_name=registered_model_name,
                 kfp_ui_url=kfp_ui_url,
                 mlflow_ui_url=mlflow_ui_url,
+                pool=dict(
+                    worker_pool=worker_pool,
+                    pool_min_workers=pool_min_workers,
+                    pool_max_workers=pool_max_workers,
+                    pool_lag_threshold=pool_lag_threshold,
+                    pool_node_selector=pool_node_selector,
+                    pool_toleration_key=pool_toleration_key,
+                    pool_termination_grace_s=pool_termination_grace_s,
+                ),
             )
 
     return tidal_pipeline
 
 
 # Component handles used above (module level so the pipeline reads like the diagram).
-prepare, open_round, rollout_worker, train = c.prepare, c.open_round, c.rollout_worker, c.train
+prepare, open_round, rollout_worker, train, pool_step = c.prepare, c.open_round, c.rollout_worker, c.train, c.worker_pool
 weight_sync, evaluate, register_model, finalize = c.weight_sync, c.evaluate, c.register_model, c.finalize
 
 

@@ -57,6 +57,28 @@ class PipelineKnobs:
         return result + parse_override_lines(self.overrides)
 
 
+WORKER_POOLS = ("fixed", "elastic")
+DEFAULT_TERMINATION_GRACE_S = 120
+"""How long a preempted or scaled-down pool pod may take to stop: its worker hands back its work items and
+shuts its engine down (a spot node's notice is often 30 s to 2 min)."""
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """The run form's settings of an elastic worker pool (:mod:`tidal.kube.worker_pool`)."""
+
+    min_workers: int = 1
+    max_workers: int = 0
+    """0: the run's rollout.workers (the ``rollout_workers`` parameter)."""
+    lag_threshold: int = 0
+    """Pending work items per worker; 0: ceil(prompts_per_iteration / max_workers)."""
+    node_selector: str = ""
+    """Extra node labels of the pool's pods, ``key=value,...`` (a spot or preemptible GPU pool's)."""
+    toleration_key: str = ""
+    """A taint key the pool's pods tolerate (a spot pool's taint), besides the accelerator's."""
+    termination_grace_s: int = DEFAULT_TERMINATION_GRACE_S
+
+
 def stage_config(run: RunDir, config_yaml: str, config_path: str, overrides: list[str]) -> str:
     """Validate the config with the overrides applied and write the resolved one into the run directory.
 
@@ -103,6 +125,28 @@ def stage_config(run: RunDir, config_yaml: str, config_path: str, overrides: lis
         raise PipelineStepError(str(err)) from None
     run.config.write_text(dump_config(config))
     return str(run.config)
+
+
+ELASTIC_NCCL_OFF = (
+    "worker_pool=elastic: rollout.vllm.weight_sync 'nccl' set to 'store' "
+    "(the NCCL group needs a fixed lane per worker; pool workers load each version from the weight store)"
+)
+
+
+def stage_for_pool(run: RunDir, config_yaml: str, config_path: str, overrides: list[str], worker_pool: str) -> str:
+    """:func:`stage_config`; with an elastic pool, the NCCL weight transfer turned off, in one warning line: its
+    group is fixed when the run starts (one lane per worker), and a pool's workers come and go."""
+    staged = stage_config(run, config_yaml, config_path, overrides)
+    if worker_pool == "elastic" and nccl_weight_sync(staged):
+        print(f"warning: {ELASTIC_NCCL_OFF}", flush=True)
+        staged = stage_config(run, config_yaml, config_path, [*overrides, "rollout.vllm.weight_sync=store"])
+    return staged
+
+
+def nccl_weight_sync(config_path: str) -> bool:
+    from tidal.config import load_config
+
+    return load_config(config_path).rollout.vllm.weight_sync == "nccl"
 
 
 DATA_PATH_KEYS = ("path", "eval_path")

@@ -11,8 +11,6 @@ records for later ones is in ``RUN_DIR/kube/`` (:mod:`tidal.kube.step_records`).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -21,20 +19,26 @@ from pathlib import Path
 from tidal.kube import cluster, core_hooks
 from tidal.kube.parent_run import RunLinks, end_parent_run, log_to_parent_run, open_parent_run, register_final_model
 from tidal.kube.pod_sandbox import as_separate_pod
-from tidal.kube.staging import PipelineKnobs, stage_config
+from tidal.kube.staging import WORKER_POOLS, PipelineKnobs, PoolSettings, stage_for_pool
 from tidal.kube.step_records import PipelineStepError, StepRecords, pipeline_run_dir
 from tidal.kube.trainer_launch import check_trainer_backend, delete_trainer_jobs
-from tidal.kube.verbs import nats_url_of, run_tidal, tidal_executable
+from tidal.kube.verbs import run_tidal
+from tidal.kube.worker_process import end_group, forward_sigterm, start_worker, worker_command
 from tidal.rundir import RunDir
 
 TRAINER_LANE = "trainer"
 WORKER_LANE_PREFIX = "rollout-"
 
 
-def worker_lanes(rollout_workers: int) -> list[str]:
-    """The round's parallel lanes: the trainer first (kfp.local runs two lanes at a time), then workers."""
+def worker_lanes(rollout_workers: int, worker_pool: str = "fixed") -> list[str]:
+    """The round's parallel lanes: the trainer first (kfp.local runs two lanes at a time), then workers; with an
+    elastic pool the trainer alone (the pool's Deployment runs the workers)."""
+    if worker_pool not in WORKER_POOLS:
+        raise PipelineStepError(f"worker_pool must be one of {', '.join(WORKER_POOLS)}, got {worker_pool!r}")
     if rollout_workers < 1:
         raise PipelineStepError(f"rollout_workers must be at least 1, got {rollout_workers}")
+    if worker_pool == "elastic":
+        return [TRAINER_LANE]
     return [TRAINER_LANE] + [f"{WORKER_LANE_PREFIX}{i}" for i in range(rollout_workers)]
 
 
@@ -59,16 +63,19 @@ def prepare(
     knobs: PipelineKnobs,
     links: RunLinks | None = None,
     trainer_backend: str = "local",
+    worker_pool: str = "fixed",
 ) -> PreparedRun:
     """Check the cluster runs what ``trainer_backend`` needs, validate the config, stage it and its data, create the
-    streams and KV bucket, open the MLflow parent run."""
+    streams and KV bucket, open the MLflow parent run. With ``worker_pool=elastic``, the NCCL weight transfer is
+    turned off (it needs a fixed lane per worker; pool workers load each version from the weight store)."""
+    lanes = worker_lanes(knobs.rollout_workers, worker_pool)
     check_trainer_backend(trainer_backend)
     run = pipeline_run_dir(run_dir, job_id)
     records = StepRecords(run).create()
     records.registered.unlink(missing_ok=True)  # this pipeline run has not succeeded (yet)
     for earlier in records.evaluations():  # nor evaluated: the run metrics are this run's
         earlier.unlink()
-    staged = stage_config(run, config_yaml, config_path, knobs.config_overrides())
+    staged = stage_for_pool(run, config_yaml, config_path, knobs.config_overrides(), worker_pool)
     parent = open_parent_run(run, staged, job_id, links or RunLinks())
     core_hooks.prepare_run(run, staged, parent.tracking_uri, parent.run_id, shared_roots=(cluster.DATA_MOUNT_PATH,))
     warning = core_hooks.reset_rounds(run, staged, job_id or "local")
@@ -78,9 +85,86 @@ def prepare(
         run_dir=str(run.root),
         config_path=staged,
         rounds=list(range(knobs.rounds)),
-        lanes=worker_lanes(knobs.rollout_workers),
+        lanes=lanes,
         parent_run_id=parent.run_id,
     )
+
+
+@as_separate_pod("worker-pool")
+def start_worker_pool(
+    worker_pool: str,
+    run_dir: str,
+    config_path: str,
+    namespace: str,
+    accelerator: str,
+    image: str,
+    accelerators: int,
+    cpu: str,
+    memory: str,
+    settings: PoolSettings,
+    queue_name: str = "",
+    api_client=None,
+) -> list[str]:
+    """``worker_pool=elastic``: check KEDA is installed, then create the run's rollout-worker Deployment and its
+    ScaledObject (recorded first: finalize deletes them), owned by the run's owner object. ``fixed``: nothing."""
+    if worker_pool not in WORKER_POOLS:
+        raise PipelineStepError(f"worker_pool must be one of {', '.join(WORKER_POOLS)}, got {worker_pool!r}")
+    if worker_pool == "fixed":
+        print("worker_pool=fixed: each round runs its own rollout-worker tasks; no pool to create", flush=True)
+        return []
+    from kubernetes import client as k8s
+
+    from tidal.config import load_config
+    from tidal.kube import worker_pool as pool
+    from tidal.kube.trainer_launch import current_namespace
+    from tidal.transport.streams import stream_names
+
+    if settings.termination_grace_s < 0:
+        raise PipelineStepError(f"pool_termination_grace_s must be 0 or more seconds, got {settings.termination_grace_s}")
+    run = RunDir(Path(run_dir))
+    config = load_config(config_path)
+    minimum, maximum, lag = pool.pool_sizes(
+        settings.min_workers,
+        settings.max_workers,
+        settings.lag_threshold,
+        pool.most_workers(config.rollout.workers),
+        config.trainer.prompts_per_iteration,
+    )
+    if api_client is None:
+        from tidal.kube.trainjob import cluster_api_client
+
+        api_client = cluster_api_client()
+    pool.check_keda_installed(k8s.ApiextensionsV1Api(api_client))
+    namespace = namespace or current_namespace()
+    spec = pool.PoolSpec(
+        name=pool.pool_name(run.root.name),
+        namespace=namespace,
+        run_label=cluster.label_value(run.root.name),
+        config_path=config_path,
+        run_dir=str(run.root),
+        stream=stream_names(core_hooks.run_id_of(run))["work_stream"],
+        profile=cluster.accelerator_profile(accelerator),
+        image=image or cluster.accelerator_profile(accelerator).image,
+        min_workers=minimum,
+        max_workers=maximum,
+        lag_threshold=lag,
+        accelerators=accelerators,
+        cpu=cpu,
+        memory=memory,
+        node_selector=pool.parse_node_selector(settings.node_selector),
+        tolerations=(cluster.Toleration(key=settings.toleration_key),) if settings.toleration_key else (),
+        termination_grace_s=settings.termination_grace_s,
+        queue_name=queue_name,
+        owner=pool.run_owner(k8s.CoreV1Api(api_client), pool.step_pod_name(), namespace),
+    )
+    if spec.owner is None:
+        print("no owner object found for this step's pod: the pool is deleted by finalize only", flush=True)
+    pool.record_pool(run, spec.namespace, spec.name)
+    done = pool.create_pool(spec, api_client)
+    done.append(f"pool of {minimum} to {maximum} rollout workers, one more per {lag} pending work items of {spec.stream}")
+    for line in done:
+        print(line, flush=True)
+    return done
 
 
 # ---------------------------------------------------------------- a round
@@ -116,35 +200,15 @@ def rollout_worker(run_dir: str, config_path: str, lane: str, round_index: int) 
     if not lane.startswith(WORKER_LANE_PREFIX):
         raise PipelineStepError(f"lane {lane!r} is not a rollout worker lane")
     run = RunDir(Path(run_dir))
-    worker_id = f"r{round_index:03d}-{lane}"
-    command = tidal_executable() + [
-        "rollout-worker",
-        config_path,
-        "--run-dir",
-        str(run.root),
-        "--nats-url",
-        nats_url_of(config_path),
-        "--worker-id",
-        worker_id,
-    ]
-    print("+ " + " ".join(command), flush=True)
-    process = subprocess.Popen(command, process_group=0)
+    process = start_worker(worker_command(config_path, str(run.root), f"r{round_index:03d}-{lane}"))
     try:
-        supervise_worker(process, lambda: run_state(run, config_path))
+        with forward_sigterm(process) as sigterm:
+            supervise_worker(process, lambda: run_state(run, config_path), terminated=lambda: sigterm.received)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
         end_group(process)
-
-
-def end_group(process: subprocess.Popen) -> None:
-    """What the exited worker started and left (vLLM's engine processes): its process group, killed,
-    so they do not hold the pod's memory until the container ends."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_state(run: RunDir, config_path: str) -> str:
@@ -156,14 +220,19 @@ def run_state(run: RunDir, config_path: str) -> str:
     return state or "unknown"
 
 
-def supervise_worker(process: subprocess.Popen, current_state, poll_s: float = STATE_POLL_SECONDS, grace_s: float = WORKER_GRACE_SECONDS) -> None:
-    """Wait for the worker; stop it once the round is over; raise if it failed while the round was live."""
+def supervise_worker(
+    process: subprocess.Popen, current_state, poll_s: float = STATE_POLL_SECONDS, grace_s: float = WORKER_GRACE_SECONDS, terminated=lambda: False
+) -> None:
+    """Wait for the worker; stop it once the round is over; raise if it failed while the round was live.
+    ``terminated()``: this pod got SIGTERM, which was passed on to the worker (:mod:`tidal.kube.worker_process`)."""
     over_since = None
     while True:
         try:
             code = process.wait(timeout=poll_s)
         except subprocess.TimeoutExpired:
             code = None
+        if code is not None and terminated():
+            raise PipelineStepError(f"this pod got SIGTERM; the rollout worker stopped in order (status {code})")
         state = current_state()
         if code is not None:
             if code != 0 and state not in core_hooks.ROUND_OVER_STATES:
@@ -301,9 +370,9 @@ def last_evaluated_accuracy(run: RunDir, weights_path: str) -> float | None:
 
 
 @as_separate_pod("finalize")
-def finalize_run(run_dir: str, job_id: str, namespace: str = "", job_backend=None) -> list[str]:
+def finalize_run(run_dir: str, job_id: str, namespace: str = "", job_backend=None, pool_api_client=None) -> list[str]:
     """Whatever became of the run (the exit handler runs after success, failure and cancellation): delete
-    trainer jobs that are left, end the MLflow parent run FINISHED (register_model got to the end) or
+    trainer jobs that are left and the elastic worker pool, end the MLflow parent run FINISHED (register_model got to the end) or
     FAILED, and delete the run's NATS streams and KV bucket. Every part is tried; the step fails
     afterwards if one failed, naming it. Returns what it did, one line per action. Weights, checkpoints
     and the config stay on the volume.
@@ -323,6 +392,7 @@ def finalize_run(run_dir: str, job_id: str, namespace: str = "", job_backend=Non
             problems.append(f"{what}: {type(err).__name__}: {err}")
 
     attempt("deleting trainer jobs", lambda: delete_trainer_jobs(run, job_backend))
+    attempt("deleting the worker pool", lambda: delete_worker_pool(run, pool_api_client))
     attempt("ending the MLflow run", lambda: end_parent_run(run, succeeded))
     attempt("deleting the NATS streams and KV bucket", lambda: delete_run_transport(run))
     for line in done:
@@ -330,6 +400,12 @@ def finalize_run(run_dir: str, job_id: str, namespace: str = "", job_backend=Non
     if problems:
         raise PipelineStepError("finalize could not clean up everything:\n  - " + "\n  - ".join(problems))
     return done
+
+
+def delete_worker_pool(run: RunDir, api_client=None) -> list[str]:
+    from tidal.kube.worker_pool import delete_pool
+
+    return delete_pool(run, api_client)
 
 
 def delete_run_transport(run: RunDir) -> list[str]:
