@@ -115,7 +115,7 @@ class TorchOptimizerLayout:
             if p.requires_grad:
                 full = p.full_tensor() if hasattr(p, "full_tensor") else p  # fsdp2: a collective per parameter
                 if self.ctx.is_main:
-                    out[name] = full.detach().cpu()
+                    out[name] = full.detach().cpu().clone()  # a copy: the next step must not change what is being written
         return out
 
     def load_partial_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
