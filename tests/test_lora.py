@@ -80,7 +80,7 @@ def nudge_adapter(model, scale: float = 0.05, seed: int = 2) -> None:
     "overrides, named",
     [
         ({"rollout": {"engine": "vllm"}}, "rollout.engine 'vllm'"),
-        ({"rollout": {"vllm": {"weight_sync": "nccl"}}}, "rollout.vllm.weight_sync 'nccl'"),
+        ({"rollout": {"engine": "vllm", "vllm": {"weight_sync": "nccl"}}}, "rollout.vllm.weight_sync 'nccl'"),
         ({"eval": {"engine": "vllm"}}, "eval.engine 'vllm'"),
     ],
 )
