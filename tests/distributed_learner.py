@@ -15,6 +15,9 @@ parameter); with max_grad_norm 1e9 that is the same 1/N-scaled gradient.
 --frozen adds a KL reference and an old policy (two optimizer steps per iteration, on halves of the
 groups), so the frozen copies' layout and the old policy's per-iteration copy are compared too.
 
+--lora trains a peft LoRA adapter on the tiny model; weights.safetensors (and resumed.safetensors)
+then hold the adapter under peft's names, grads.safetensors the adapter's gradients.
+
 --resume-check (any strategy): after the second iteration, the optimizer shards and full weights go
 through safetensors files into a fresh learner (the base model, a new strategy);
 it trains the remaining iterations beside the original and its weights are written to
@@ -35,12 +38,15 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from tidal.config import TinyModelConfig, TrainerConfig  # noqa: E402
+from tidal.config import LoraConfig, TinyModelConfig, TrainerConfig  # noqa: E402
+from tidal.model.lora import apply_lora  # noqa: E402
 from tidal.model.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from tidal.protocol import Group, Sample  # noqa: E402
 from tidal.trainer.distributed import all_reduce_sum, context_from_env, init_process_group, shutdown  # noqa: E402
 from tidal.trainer.learner import Learner  # noqa: E402
 from tidal.trainer.strategy import build_strategy  # noqa: E402
+
+LORA = LoraConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
 
 
 def fixed_groups(iteration: int, count: int = 6) -> list[Group]:
@@ -116,6 +122,7 @@ def main() -> None:
     ap.add_argument("--resume-check", action="store_true", help="also resume a fresh learner from the second iteration's shards")
     ap.add_argument("--frozen", action="store_true", help="a KL reference and an old policy: two optimizer steps per iteration")
     ap.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
+    ap.add_argument("--lora", action="store_true", help="a LoRA adapter (peft): only it trains; weights.safetensors holds the adapter")
     args = ap.parse_args()
     ctx = context_from_env()
     torch.set_num_threads(1)
@@ -123,7 +130,8 @@ def main() -> None:
     torch.manual_seed(0)
     tok = build_char_tokenizer()
     tiny = TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
-    model = build_tiny_model(tiny, tok)
+    lora = LORA if args.lora else None
+    model = make_model(tiny, tok, lora)
     extra = {}
     if args.strategy == "deepspeed":
         # every weight of the tiny model is under ZeRO-3's default persistence threshold: partition them all
@@ -165,7 +173,7 @@ def main() -> None:
                 if first and ctx.is_main:
                     save_file({n: g.contiguous() for n, g in grads.items()}, str(out / "grads.safetensors"))
         if args.resume_check and it == 1:
-            learners.append(resumed_learner(learner, cfg, ctx, tiny, tok, out))
+            learners.append(resumed_learner(learner, cfg, ctx, tiny, tok, out, lora))
     weights = learner.full_state_dict()
     resumed = learners[-1].full_state_dict() if args.resume_check else {}
     # real micro-batches per rank in the first iteration (padding ones are not counted)
@@ -179,7 +187,13 @@ def main() -> None:
     shutdown()
 
 
-def resumed_learner(learner: Learner, cfg: TrainerConfig, ctx, tiny: TinyModelConfig, tok, out: Path) -> Learner:
+def make_model(tiny: TinyModelConfig, tok, lora: LoraConfig | None) -> torch.nn.Module:
+    """The tiny model from seed 0; with `lora`, wrapped by peft (the adapter's A from seed 0 too)."""
+    model = build_tiny_model(tiny, tok)
+    return apply_lora(model, lora, seed=0) if lora is not None else model
+
+
+def resumed_learner(learner: Learner, cfg: TrainerConfig, ctx, tiny: TinyModelConfig, tok, out: Path, lora: LoraConfig | None) -> Learner:
     """What a restarted trainer does: each rank's optimizer shard and rank 0's full weights go
     through safetensors files; a fresh learner over the base model (a new strategy) loads them."""
     shard = out / f"optimizer-rank{ctx.rank}.safetensors"
@@ -193,7 +207,7 @@ def resumed_learner(learner: Learner, cfg: TrainerConfig, ctx, tiny: TinyModelCo
     if ctx.distributed:
         dist.barrier()
     torch.manual_seed(0)  # the base model again (the reference is a copy of it), then the checkpoint's weights
-    fresh = Learner(cfg, build_tiny_model(tiny, tok), tok.pad_token_id, strategy=build_strategy(cfg, ctx), device="cpu")
+    fresh = Learner(cfg, make_model(tiny, tok, lora), tok.pad_token_id, strategy=build_strategy(cfg, ctx), device="cpu")
     fresh.load_weights(load_file(str(out / "checkpoint-weights.safetensors")))
     fresh.load_optimizer_tensors(load_file(str(shard)))
     return fresh

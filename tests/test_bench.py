@@ -125,12 +125,27 @@ def test_the_modes_and_trl_benchmarks_time_a_run_and_compare_modes_by_one_functi
 
 def test_tidal_bench_trainer_shows_fsdp2_halving_memory_per_rank(tmp_path):
     out = tmp_path / "trainer.json"
-    args = ["--strategies", "single,fsdp2", "--hidden", "64", "--layers", "2", "--groups", "4", "--iterations", "1", "--json", str(out)]
+    args = [
+        "--strategies",
+        "single,fsdp2",
+        "--hidden",
+        "64",
+        "--layers",
+        "2",
+        "--groups",
+        "4",
+        "--iterations",
+        "1",
+        "--sync-reps",
+        "2",
+        "--json",
+        str(out),
+    ]
     proc = run_cli("bench", "trainer", *args)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     results = report["results"]
-    assert sorted(results) == ["fsdp2@1", "fsdp2@2", "single@1", "single@1+lora"]
+    assert sorted(results) == ["fsdp2@1", "fsdp2@1+lora", "fsdp2@2", "fsdp2@2+lora", "single@1", "single@1+lora"]
     single, sharded = results["single@1"], results["fsdp2@2"]
     assert all(r["tokens_per_s"] > 0 and r["trained_tokens"] > 0 for r in results.values())
     assert results["fsdp2@1"]["resident_bytes_per_rank"] == single["resident_bytes_per_rank"]  # one rank holds everything
@@ -140,4 +155,12 @@ def test_tidal_bench_trainer_shows_fsdp2_halving_memory_per_rank(tmp_path):
     (full,), (lora,) = single["ranks"], results["single@1+lora"]["ranks"]
     assert lora["param_bytes"] > full["param_bytes"]  # the base plus the adapter
     assert lora["grad_bytes"] + lora["optimizer_bytes"] < 0.5 * (full["grad_bytes"] + full["optimizer_bytes"])
-    assert "model.lora runs on one trainer process" in report["skipped"]["fsdp2@2+lora"]
+    assert report["skipped"] == {}
+    # fsdp2 shards the frozen base and the adapter: less per rank than LoRA on one process
+    assert results["fsdp2@2+lora"]["resident_bytes_per_rank"] < 0.6 * results["single@1+lora"]["resident_bytes_per_rank"]
+    # weight sync: every row wrote and loaded versions; a LoRA version is the adapter alone, of any layout
+    assert all(r["snapshot_seconds"] > 0 and r["load_seconds"] > 0 for r in results.values())
+    assert {r["version_bytes"] for n, r in results.items() if "+lora" in n} == {results["single@1+lora"]["version_bytes"]}
+    assert results["single@1+lora"]["version_bytes"] < 0.5 * single["version_bytes"]
+    assert single["version_bytes"] == results["fsdp2@2"]["version_bytes"]  # rank 0 gathered the whole model
+    assert "snapshot" in proc.stdout and "load" in proc.stdout

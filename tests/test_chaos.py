@@ -66,6 +66,46 @@ def test_tidal_chaos_kills_a_worker_and_reports_nothing_lost(tmp_path, write_con
     print(proc.stdout)
 
 
+def test_tidal_chaos_runs_a_lora_config_on_its_adapter_versions(tmp_path, write_config):
+    """Under model.lora a version is the adapter alone: the corrupted snapshot and the final weights
+    compared are adapter_model.safetensors."""
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]}
+    config = write_config({"model.lora": lora, "trainer.lr": 2e-2, "reward.functions": [{"name": "tests.rewards:slow_exact_match"}]})
+    out = tmp_path / "chaos.json"
+    proc = run_cli(
+        "chaos",
+        str(config),
+        "--faults",
+        "snapshot-corrupt",
+        "--runs",
+        "1",
+        "--iterations",
+        "3",
+        "--references",
+        "1",
+        "--json",
+        str(out),
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "snapshot-corrupt #0: ok at +" in proc.stdout, proc.stdout  # the adapter in use was corrupted (not: the run ended first)
+    (fault,) = [FaultSummary(**f) for f in json.loads(out.read_text())["faults"]]
+    assert (fault.fault, fault.runs, fault.groups_lost, fault.groups_twice, fault.hangs, fault.failed_runs) == ("snapshot-corrupt", 1, 0, 0, 0, 0)
+    assert fault.worst_weights_rel_diff is not None and fault.worst_weights_rel_diff <= 1e-4
+
+
+def test_a_versions_tensors_are_its_full_weights_or_its_adapter(tmp_path):
+    from tidal.chaos import tensor_file
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter_model.safetensors").write_bytes(b"")
+    assert tensor_file(tmp_path / "full").name == "model.safetensors"
+    assert tensor_file(tmp_path / "lora").name == "adapter_model.safetensors"
+    assert tensor_file(tmp_path / "missing").name == "model.safetensors"  # nothing there: final_weights reports no weights
+
+
 def test_an_unknown_fault_is_named():
     proc = run_cli("chaos", "examples/arithmetic.yaml", "--faults", "worker-kill,disk-melt")
     assert proc.returncode == 2 and "unknown fault(s) disk-melt" in proc.stderr

@@ -80,9 +80,7 @@ def nudge_adapter(model, scale: float = 0.05, seed: int = 2) -> None:
     "overrides, named",
     [
         ({"rollout": {"engine": "vllm"}}, "rollout.engine 'vllm'"),
-        ({"trainer": {"strategy": "fsdp2"}}, "trainer.strategy 'fsdp2'"),
-        ({"trainer": {"strategy": "deepspeed"}}, "trainer.strategy 'deepspeed'"),
-        ({"trainer": {"ranks": 2}}, "trainer.ranks 2"),
+        ({"rollout": {"engine": "vllm", "vllm": {"weight_sync": "nccl"}}}, "rollout.vllm.weight_sync 'nccl'"),
         ({"eval": {"engine": "vllm"}}, "eval.engine 'vllm'"),
     ],
 )
@@ -92,6 +90,12 @@ def test_lora_refuses_what_it_does_not_run_on_in_one_line_naming_the_keys(overri
     message = str(err.value)
     assert named in message and "model.lora" in message
     assert len(message.strip().splitlines()) == 1, message
+
+
+@pytest.mark.parametrize("trainer", [{"strategy": "fsdp2", "ranks": 2}, {"strategy": "deepspeed", "ranks": 2, "zero_stage": 3}, {"ranks": 2}])
+def test_lora_runs_on_several_trainer_ranks(trainer):
+    cfg = config_from_dict({"model": {"lora": {}}, "trainer": trainer})
+    assert cfg.model.lora is not None and cfg.trainer.ranks == 2
 
 
 def test_lora_is_off_by_default_and_a_block_turns_it_on():
@@ -187,6 +191,47 @@ def test_the_learner_makes_the_update_a_hand_driven_peft_model_makes():
     assert moved > 1e-3
     for name, tensor in expected.items():
         torch.testing.assert_close(trained[name], tensor, atol=1e-3 * cfg.lr, rtol=0, msg=name)
+
+
+def test_several_updates_per_iteration_keep_the_old_policy_as_a_second_adapter_not_a_copy():
+    """updates_per_iteration 2: the old policy is a frozen second adapter on the same base, set from the
+    trained adapter at each iteration's start; its log-probs are those of the adapter at that start."""
+    from tidal.model.lora import load_adapter_state_dict
+    from tidal.model.packing import naive_token_logprobs
+    from tidal.trainer.learner import as_packing_group
+
+    model, base, tok = lora_model()
+    base_numel = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    learner = Learner(TrainerConfig(lr=1e-2, warmup_steps=0, updates_per_iteration=2), model, tok.pad_token_id)
+    params = dict(learner.model.named_parameters())
+    assert sum(p.numel() for n, p in params.items() if "lora_" not in n) == base_numel  # no second base
+    old = [n for n in params if ".old." in n]
+    assert len(old) == len([n for n in params if ".default." in n]) and not any(params[n].requires_grad for n in old)
+    names = {id(p): n for n, p in params.items()}
+    assert not any(".old." in names[id(p)] for group in learner.optimizer.param_groups for p in group["params"])
+
+    rng = np.random.default_rng(4)
+    first, second = make_group(rng, 3, [4, 5, 2], [1.0, 0.0, 0.5]), make_group(rng, 4, [3, 6], [0.0, 1.0])
+    learner.begin_iteration(0)
+    learner.train_on_group(first)
+    learner.step()
+    start = learner.full_state_dict()  # the adapter at the start of iteration 1, in peft's names
+    assert start.keys() == adapter_state_dict(apply_lora(copy.deepcopy(base), LORA)).keys()  # the old adapter is not stored
+    learner.begin_iteration(1)
+    learner.train_on_group(first)
+    assert learner.step()["ratio_max"] == pytest.approx(1.0, abs=1e-6)  # the first step: old == policy
+    learner.train_on_group(second)
+    assert learner.step()["ratio_max"] > 1.0 + 1e-6  # the second: the policy moved away from the old adapter
+
+    at_start = apply_lora(copy.deepcopy(base), LORA).eval()
+    load_adapter_state_dict(at_start, start)
+    packing = [as_packing_group(second)]
+    with torch.no_grad():
+        expected = naive_token_logprobs(at_start, packing, 1.0)[0].logprobs
+        policy = naive_token_logprobs(learner.model, packing, 1.0)[0].logprobs
+    old_logprobs = learner._frozen_logprobs(learner.old_policy, packing, "cpu", "old")[0]
+    torch.testing.assert_close(old_logprobs, expected[:, : old_logprobs.shape[1]], atol=1e-5, rtol=0)
+    assert (policy - expected).abs().max() > 1e-4  # the trained adapter did move
 
 
 # ---------------------------------------------------------------- the weight store
@@ -362,3 +407,23 @@ def test_a_tampered_re_signed_adapter_stops_the_run_at_that_version(tmp_path, wr
     assert last.startswith("tidal: rollout worker worker-0 failed: weights v2 did not arrive on worker worker-0"), second.stderr[-3000:]
     assert "Traceback" not in second.stderr
     assert not (run_dir / "weights" / "v000003").exists()  # nothing was trained on what the engine generated
+
+
+def test_a_lora_run_on_two_fsdp2_ranks_ends_on_the_adapter_of_one_rank(tmp_path, write_config):
+    """Rank 0 gathers the adapter from its shards and publishes it; the reference (adapter disabled) and
+    the old adapter (two updates per iteration) run under fsdp2; each rank writes its optimizer shard
+    (resuming from the shards: tests/test_distributed.py, test_lora_on_two_ranks_ends_on_the_adapter_of_one_process)."""
+    config = write_config({**RUN, "trainer.iterations": 3, "trainer.updates_per_iteration": 2})
+    for ranks in (1, 2):
+        proc = run_cli("run", str(config), "--run-dir", str(tmp_path / f"r{ranks}"), "--set", f"trainer.ranks={ranks}", "--no-progress")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trainer rank 1 of 2 on cpu, strategy fsdp2" in (tmp_path / "r2" / "logs" / "trainer.log").read_text()
+    start, one, two = adapter_of(tmp_path / "r1", 0), adapter_of(tmp_path / "r1", 3), adapter_of(tmp_path / "r2", 3)
+    assert max((one[k] - start[k]).abs().max().item() for k in start) > 1e-3  # training moved the adapter
+    for name, tensor in one.items():
+        torch.testing.assert_close(two[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    assert sorted(p.name for p in (tmp_path / "r2" / "checkpoint" / "v000003").iterdir()) == [
+        "optimizer-rank0-of-2.safetensors",
+        "optimizer-rank1-of-2.safetensors",
+        "state.json",
+    ]

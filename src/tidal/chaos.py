@@ -7,7 +7,8 @@ caches, and their difference is the spread to expect):
 - groups lost: expected (iteration, prompt) pairs never trained (groups.jsonl);
 - groups trained twice: records beyond one per pair;
 - hang: the run did not end within --hang-seconds;
-- weights: the final snapshot's largest difference, relative to the reference's largest weight;
+- weights: the final snapshot's largest difference, relative to the reference's largest weight
+  (under model.lora the snapshot is the adapter, and so is the comparison);
 - extra seconds: the run's time from its first iteration boundary to its end (a resume included)
   minus the reference's: start-up, which varies by seconds from run to run, is left out.
 
@@ -36,6 +37,7 @@ from pathlib import Path
 from statistics import median
 
 from tidal.rundir import RunDir
+from tidal.weights import ADAPTER_FILE, WEIGHTS_FILE
 
 FAULTS = ("worker-kill", "worker-stop", "trainer-kill", "nats-kill", "launcher-kill", "snapshot-corrupt")
 FAST = {"rollout.deterministic": "true", "eval.enabled": "false", "rollout.groups_per_batch": "1"}
@@ -166,7 +168,7 @@ def corrupt_snapshot_in_use(run_dir: Path) -> bool:
         latest = int((run_dir / "weights" / "latest").read_text())
     except (OSError, ValueError):
         return False
-    path = run_dir / "weights" / f"v{latest:06d}" / "model.safetensors"
+    path = tensor_file(run_dir / "weights" / f"v{latest:06d}")
     try:
         blob = bytearray(path.read_bytes())
     except OSError:
@@ -222,10 +224,17 @@ def stop_everything(proc: subprocess.Popen, run_dir: Path) -> None:
     proc.wait()
 
 
+def tensor_file(version: Path) -> Path:
+    """A weight version's tensors: the full weights, or under model.lora the adapter."""
+    full = version / WEIGHTS_FILE
+    return full if full.is_file() or not (version / ADAPTER_FILE).is_file() else version / ADAPTER_FILE
+
+
 def final_weights(run_dir: Path, iterations: int) -> dict | None:
+    """The last version's tensors (under model.lora the adapter, compared like full weights)."""
     from safetensors.torch import load_file
 
-    path = run_dir / "weights" / f"v{iterations:06d}" / "model.safetensors"
+    path = tensor_file(run_dir / "weights" / f"v{iterations:06d}")
     return load_file(str(path)) if path.is_file() else None
 
 

@@ -3,12 +3,17 @@ deepspeed at 1 and 2 ranks, full fine-tuning and LoRA, on the same model and the
 
     tidal bench trainer [--strategies single,fsdp2,deepspeed] [--ranks 1,2] [--weights full,lora] [--lora-r 16]
                         [--hidden 256] [--layers 4] [--groups 16] [--group-size 8] [--prompt-len 48]
-                        [--response-len 48] [--iterations 4] [--warmup 1] [--json out.json]
+                        [--response-len 48] [--iterations 4] [--warmup 1] [--sync-reps 5] [--json out.json]
     (or: python benchmarks/trainer.py ...)
 
-A LoRA row (`single@1+lora`) trains a rank-`--lora-r` adapter on every linear layer of the same model,
-as `model.lora` does; a combination `model.lora` refuses (a sharding strategy, several ranks) is listed
-as skipped with the config's own refusal.
+A LoRA row (`fsdp2@2+lora`) trains a rank-`--lora-r` adapter on every linear layer of the same model,
+as `model.lora` does; a combination the config refuses is listed as skipped with the config's own refusal.
+
+Weight sync per version (`--sync-reps` versions, the median): `snapshot` is the trainer's side (every
+rank gathers the weights, or under LoRA the adapter; rank 0 serializes, hashes, signs and renames the
+version into place), `load` a rollout worker's (the HF engine verifies, reads and sets the tensors in
+place on its model), `version` the bytes of the version's tensor file. `--hidden 128 --layers 4` is the
+model of examples/arithmetic.yaml and arithmetic-lora.yaml.
 
 Each configuration runs in its own processes (torchrun for 2 ranks, gloo on CPU). Memory per rank
 is what the layout keeps resident: parameters + gradients + optimizer state of this rank's shard
@@ -70,7 +75,7 @@ def worker(args) -> None:
     import torch
 
     from tidal.config import TinyModelConfig, TrainerConfig
-    from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+    from tidal.model.tiny import build_char_tokenizer
     from tidal.trainer.distributed import all_reduce_max, all_reduce_sum, context_from_env, init_process_group, shutdown
     from tidal.trainer.learner import Learner
     from tidal.trainer.strategy import build_strategy
@@ -83,12 +88,7 @@ def worker(args) -> None:
     tiny = TinyModelConfig(
         hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2, max_position_embeddings=512
     )
-    model = build_tiny_model(tiny, tok)
-    if args.lora_r:
-        from tidal.config import LoraConfig
-        from tidal.model.lora import apply_lora
-
-        model = apply_lora(model, LoraConfig(r=args.lora_r, alpha=2.0 * args.lora_r), seed=0)
+    model = fresh_policy(tiny, tok, args.lora_r)
     cfg = TrainerConfig(strategy=args.strategy, device="cpu", warmup_steps=0, token_budget=args.token_budget)
     learner = Learner(cfg, model, tok.pad_token_id, strategy=build_strategy(cfg, ctx), device="cpu")
     vocab = int(model.get_input_embeddings().num_embeddings)
@@ -106,13 +106,68 @@ def worker(args) -> None:
             tokens += metrics["trained_tokens"]
     memory["optimizer_bytes"] = resident_bytes(learner)["optimizer_bytes"]  # after a step: the moments exist
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    sync = weight_sync_seconds(learner, lambda: fresh_policy(tiny, tok, args.lora_r), tok, args.sync_reps)
     fields = ["param_bytes", "grad_bytes", "optimizer_bytes", "peak_rss_bytes"]
     mine = [memory["param_bytes"], memory["grad_bytes"], memory["optimizer_bytes"], peak_rss]
     per_rank = all_reduce_sum([v if r == ctx.rank else 0.0 for r in range(ctx.world_size) for v in mine], ctx)
     if ctx.is_main:
         ranks = [dict(zip(fields, per_rank[r * len(fields) : (r + 1) * len(fields)])) for r in range(ctx.world_size)]
-        Path(args.out).write_text(json.dumps({"seconds": seconds, "trained_tokens": tokens, "ranks": ranks}))
+        Path(args.out).write_text(json.dumps({"seconds": seconds, "trained_tokens": tokens, "ranks": ranks, **sync}))
     shutdown()
+
+
+def fresh_policy(tiny, tok, lora_r: int):
+    """The base from seed 0, under LoRA wrapped by peft: the trainer's policy, and the model a rollout worker loads versions into."""
+    import torch
+
+    from tidal.model.tiny import build_tiny_model
+
+    torch.manual_seed(0)
+    model = build_tiny_model(tiny, tok)
+    if lora_r:
+        from tidal.config import LoraConfig
+        from tidal.model.lora import apply_lora
+
+        model = apply_lora(model, LoraConfig(r=lora_r, alpha=2.0 * lora_r), seed=0)
+    return model
+
+
+def weight_sync_seconds(learner, worker_model, tok, reps: int) -> dict:
+    """Seconds per weight version, the median of `reps`: the trainer's snapshot (every rank gathers,
+    rank 0 serializes, hashes, signs and renames into place: `publish_weights`, without the probe) and a
+    rollout worker's load of it (the HF engine: verify the sha256s and signature, read, set in place;
+    the arrival check's probe forward is not counted). Bytes: the version's tensor file."""
+    import secrets
+    from statistics import median
+
+    from tidal.model.lora import adapter_config
+    from tidal.rollout.engine import HFEngine
+    from tidal.trainer.distributed import all_reduce_max, barrier
+    from tidal.weights import SIGNING_KEY_ENV, WeightStore
+
+    os.environ.setdefault(SIGNING_KEY_ENV, secrets.token_hex(16))  # signed like a run's versions; the key lives and dies with this process
+    main = learner.ctx.is_main
+    with tempfile.TemporaryDirectory(prefix="tidal-bench-sync-") as tmp:
+        base = Path(tmp) / "base"
+        store = WeightStore(Path(tmp) / "weights", base, adapter_config(learner.peft_model, str(base)) if learner.lora else None)
+        snapshot, paths = [], []
+        for rep in range(reps):
+            barrier(learner.ctx)
+            t0 = time.perf_counter()
+            state = learner.full_state_dict()
+            if main:
+                paths.append(store.publish(rep + 1, state))
+            snapshot.append(all_reduce_max([time.perf_counter() - t0], learner.ctx)[0])
+        if not main:
+            return {}
+        engine = HFEngine(worker_model(), tok.eos_token_id, tok.pad_token_id, 1)
+        load = []
+        for rep, path in enumerate(paths):
+            t0 = time.perf_counter()
+            engine.load_snapshot(path, rep + 1)
+            load.append(time.perf_counter() - t0)
+        version_bytes = (paths[0] / store.tensors_file).stat().st_size
+    return {"snapshot_seconds": median(snapshot), "load_seconds": median(load), "version_bytes": version_bytes}
 
 
 def run_configuration(strategy: str, ranks: int, lora_r: int, args, workdir: Path) -> dict:
@@ -122,7 +177,7 @@ def run_configuration(strategy: str, ranks: int, lora_r: int, args, workdir: Pat
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m"]
     options = ["--hidden", args.hidden, "--layers", args.layers, "--groups", args.groups, "--group-size", args.group_size]
     options += ["--prompt-len", args.prompt_len, "--response-len", args.response_len, "--iterations", args.iterations, "--warmup", args.warmup]
-    options += ["--token-budget", args.token_budget, "--lora-r", lora_r]
+    options += ["--token-budget", args.token_budget, "--lora-r", lora_r, "--sync-reps", args.sync_reps]
     cmd = [*launcher, "tidal.bench.trainer", "--worker", "--strategy", strategy, "--out", str(out), *map(str, options)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))})
     if proc.returncode != 0:
@@ -166,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iterations", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--token-budget", type=int, default=4096)
+    ap.add_argument("--sync-reps", type=int, default=5, help="weight versions written and loaded per configuration (the median is reported)")
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--strategy", help=argparse.SUPPRESS)
@@ -203,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
             ratios = f"  tokens/s x{r['tokens_per_s'] / base['tokens_per_s']:.2f}, resident/rank x{r['resident_bytes_per_rank'] / base['resident_bytes_per_rank']:.2f}"
         print(
             f"{name:17s} {r['tokens_per_s']:8.0f} trained tokens/s  resident/rank {r['resident_bytes_per_rank'] / mib:7.1f} MiB "
-            f"(params+grads+optimizer)  peak RSS/rank {r['peak_rss_bytes_per_rank'] / mib:7.1f} MiB{ratios}"
+            f"(params+grads+optimizer)  peak RSS/rank {r['peak_rss_bytes_per_rank'] / mib:7.1f} MiB  "
+            f"version {r['version_bytes'] / mib:6.2f} MiB: snapshot {r['snapshot_seconds'] * 1000:6.1f} ms, load {r['load_seconds'] * 1000:6.1f} ms{ratios}"
         )
     for name, reason in skipped.items():
         print(f"{name:17s} skipped: {reason}")

@@ -455,14 +455,12 @@ class TidalConfig(_Strict):
                 for key, value, ok in (
                     ("rollout.engine", self.rollout.engine, self.rollout.engine == "hf"),
                     ("rollout.vllm.weight_sync", self.rollout.vllm.weight_sync, self.rollout.vllm.weight_sync != "nccl"),
-                    ("trainer.strategy", self.trainer.strategy, self.trainer.strategy in ("single", "auto") and self.trainer.ranks == 1),
-                    ("trainer.ranks", self.trainer.ranks, self.trainer.ranks == 1),
                     ("eval.engine", self.eval.engine, self.eval.engine in ("rollout", "hf")),
                 )
                 if not ok
             ]
             if refused:
-                raise _error(f"model.lora runs on one trainer process (trainer.strategy single) with the HF engine; not with {', '.join(refused)}")
+                raise _error(f"model.lora runs with the HF engine; not with {', '.join(refused)}")
         if self.trainer.ranks > 1 and self.mode == "sync":
             raise ValueError("trainer.ranks > 1 needs mode 'periodic' or 'bounded' (sync mode trains in the launcher's one process)")
         if self.trainer.ranks > 1 and self.trainer.strategy == "single":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from tidal.config import LoraConfig
@@ -36,11 +38,61 @@ def is_lora(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under the names peft's `save_pretrained` writes (no adapter name)."""
+def adapter_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under the names peft's `save_pretrained` writes (no adapter name); from
+    `state` (the model's own keys, e.g. the trainable parameters gathered over ranks) when given, else
+    from the model's state dict."""
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
+    return {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model, state_dict=state).items()}
+
+
+def adapter_keys(model: torch.nn.Module) -> dict[str, str]:
+    """peft's file name of each adapter tensor -> the model's own parameter name (with the adapter name)."""
+    from peft import get_peft_model_state_dict
+
+    names = [name for name, _ in model.named_parameters()]
+    tagged = {name: torch.tensor(i) for i, name in enumerate(names)}
+    return {key: names[int(index)] for key, index in get_peft_model_state_dict(model, state_dict=tagged).items()}
+
+
+OLD_ADAPTER = "old"
+
+
+def add_old_adapter(model: torch.nn.Module) -> None:
+    """A second, frozen adapter beside the trained one, for the old (proximal) policy: a copy of the
+    adapter alone, the base shared. Its values are set from the trained adapter at every iteration
+    (`adapter_pairs`); peft leaves the active adapter as it was and the new one without gradients."""
+    model.add_adapter(OLD_ADAPTER, copy.deepcopy(model.peft_config["default"]))
+    model.set_adapter("default")  # the trained adapter stays the active, trainable one
+    for name, p in model.named_parameters():
+        if f".{OLD_ADAPTER}." in name:
+            p.requires_grad_(False)
+
+
+def adapter_pairs(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+    """(old adapter's parameter, trained adapter's parameter) for every tensor of the adapter."""
+    params = dict(model.named_parameters())
+    return [(params[name], params[name.replace(f".{OLD_ADAPTER}.", ".default.")]) for name in params if f".{OLD_ADAPTER}." in name]
+
+
+class AdapterForward:
+    """`model` computing with one of its adapters instead of the active one (peft's `adapter_names`
+    forward argument, which needs eval mode), for no-grad forward passes: the old policy under LoRA."""
+
+    def __init__(self, model: torch.nn.Module, adapter: str):
+        self.model, self.adapter = model, adapter
+
+    def __call__(self, **kwargs):
+        training = self.model.training
+        self.model.eval()
+        try:
+            return self.model(**kwargs, adapter_names=[self.adapter] * kwargs["input_ids"].shape[0])
+        finally:
+            self.model.train(training)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
 
 
 def adapter_config(model: torch.nn.Module, base_model: str | None) -> dict:

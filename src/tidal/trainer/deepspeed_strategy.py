@@ -236,7 +236,9 @@ class DeepSpeedStrategy:
             raise ValueError("the deepspeed strategy wraps one trainable model (the policy)")
         if self.cfg.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             enable_activation_checkpointing(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas, weight_decay=self.cfg.weight_decay)
+        # only what trains (under LoRA the adapter) is in the optimizer; ZeRO partitions the frozen base too
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=self.cfg.lr, betas=self.cfg.betas, weight_decay=self.cfg.weight_decay)
         engine, *_ = self.deepspeed.initialize(model=model, optimizer=optimizer, config=copy.deepcopy(self.config))
         set_gradient_divisor(engine.optimizer, 1.0)
         self.engine, self.optimizer = engine, optimizer
@@ -335,6 +337,45 @@ class DeepSpeedStrategy:
             load_state_dict_tied(module, state)
         if model is self.policy:
             self.engine.optimizer.refresh_fp32_params()
+
+    def trainable_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """A collective under ZeRO-3 (each parameter gathered in turn): rank 0 gets the full values."""
+        main = dist.get_rank() == 0
+        out = {}
+        for name, p in self._module(model).named_parameters():
+            if not p.requires_grad:
+                continue
+            if hasattr(p, "ds_id"):
+                with self.deepspeed.zero.GatheredParameters([p]):
+                    value = p.detach().cpu().clone() if main else None
+            else:
+                value = p.detach().cpu().clone() if main else None
+            if main:
+                out[name] = value
+        return out
+
+    def load_partial_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Every rank passes the full values of some parameters; each keeps its part, with no
+        communication, and the optimizer's fp32 master partitions follow."""
+        module = self._module(model)
+        if partitioned(module):
+            load_partitioned(module, state, strict=False)
+        else:
+            unexpected = module.load_state_dict(state, strict=False).unexpected_keys
+            if unexpected:
+                raise ValueError(f"weights do not fit the model: unexpected {sorted(unexpected)[:5]}")
+        if model is self.policy:
+            self.engine.optimizer.refresh_fp32_params()
+
+    def copy_parameter(self, target: torch.nn.Parameter, source: torch.nn.Parameter) -> None:
+        """This rank's part: under ZeRO-3 the partition (and the full value of a parameter kept whole)."""
+        with torch.no_grad():
+            if hasattr(target, "ds_tensor"):
+                target.ds_tensor.copy_(source.ds_tensor)
+                if target.data.numel() == target.ds_numel and source.data.numel() == source.ds_numel:
+                    target.data.copy_(source.data)
+            else:
+                target.copy_(source)
 
     # --- optimizer shards ---
 

@@ -28,7 +28,7 @@ from tidal.algo import (
 )
 from tidal.config import RewardConfig, TrainerConfig
 from tidal.devices import resolve_device
-from tidal.model.lora import adapter_state_dict, is_lora, load_adapter_state_dict
+from tidal.model.lora import OLD_ADAPTER, AdapterForward, adapter_keys, adapter_pairs, adapter_state_dict, add_old_adapter, is_lora
 from tidal.model.packing import GroupTokenLogprobs, naive_token_logprobs, pack_groups, packed_token_logprobs, split_into_microbatches
 from tidal.model.probe import probe_logprobs
 from tidal.protocol import Group, Sample
@@ -98,9 +98,16 @@ class Learner:
             frozen = copy.deepcopy(model).to(self.reference_device).eval().requires_grad_(False)
             self.reference = self.strategy.wrap(frozen, trainable=False)
         self.old_policy = None
-        if cfg.updates_per_iteration > 1:
+        self.old_adapter: list[tuple] = []  # under LoRA: (old adapter's parameter, trained one's), copied each iteration
+        if cfg.updates_per_iteration > 1 and self.lora:
+            add_old_adapter(model)  # the old policy is a second adapter on the same base: no copy of the base
+        elif cfg.updates_per_iteration > 1:
             self.old_policy = self.strategy.wrap(copy.deepcopy(model).eval().requires_grad_(False), trainable=False)
+        self.peft_model = model if self.lora else None  # the unwrapped peft model (its names are the model's own)
         self.model = self.strategy.wrap(model, trainable=True)
+        if cfg.updates_per_iteration > 1 and self.lora:
+            self.old_adapter = adapter_pairs(model)
+            self.old_policy = AdapterForward(self.model, OLD_ADAPTER)
         self.optimizer = self.strategy.make_optimizer(self.model)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_then_constant(cfg.warmup_steps))
         self.forwards = {"policy": 0, "old": 0, "reference": 0}
@@ -127,7 +134,10 @@ class Learner:
     def begin_iteration(self, version: int = 0) -> None:
         """The old (proximal) policy is the weights at the start of iteration `version`."""
         self.version = version
-        if self.old_policy is not None:
+        if self.old_adapter:
+            for old, trained in self.old_adapter:
+                self.strategy.copy_parameter(old, trained)
+        elif self.old_policy is not None:
             self.old_policy.load_state_dict(self.model.state_dict())
 
     @property
@@ -313,15 +323,20 @@ class Learner:
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Full weights (every rank reads them from the weight store; each rank keeps its shard), or under LoRA the adapter."""
         if self.lora:
-            load_adapter_state_dict(self.model, state_dict)
+            keys = adapter_keys(self.peft_model)
+            if set(state_dict) != set(keys):
+                missing, unexpected = sorted(set(keys) - set(state_dict)), sorted(set(state_dict) - set(keys))
+                raise ValueError(f"the adapter does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            self.strategy.load_partial_state_dict(self.model, {keys[k]: v for k, v in state_dict.items()})
         else:
             self.strategy.load_full_state_dict(self.model, state_dict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """What the weight store keeps of the policy: the full weights on rank 0 ({} elsewhere; a collective
         under fsdp2: every rank calls it), or under LoRA the adapter's tensors."""
-        if self.lora:
-            return adapter_state_dict(self.model)
+        if self.lora:  # the trained parameters gathered (a collective under fsdp2 and ZeRO-3), in peft's names
+            state = self.strategy.trainable_state_dict(self.model)
+            return adapter_state_dict(self.peft_model, state) if self.ctx.is_main else {}
         return self.strategy.full_state_dict(self.model)
 
     def probe_logprobs(self, probe: list[dict]) -> list[list[float]]:

@@ -51,6 +51,16 @@ class Strategy(Protocol):
 
     def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None: ...
 
+    def trainable_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """A collective: the full values of the parameters that train (under LoRA the adapter), by the
+        model's own names, on the CPU on rank 0 ({} on the others)."""
+
+    def load_partial_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Every rank passes the full values of some parameters (the adapter); each keeps its part."""
+
+    def copy_parameter(self, target: torch.nn.Parameter, source: torch.nn.Parameter) -> None:
+        """target = source for two parameters laid out alike (this rank's part only, no communication)."""
+
     def optimizer_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """This rank's optimizer state as `param_name::field` -> tensor (safetensors, no pickle)."""
 
@@ -98,6 +108,36 @@ class TorchOptimizerLayout:
 
     def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def trainable_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p  # fsdp2: a collective per parameter
+                if self.ctx.is_main:
+                    out[name] = full.detach().cpu().clone()  # a copy: the next step must not change what is being written
+        return out
+
+    def load_partial_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        params = dict(model.named_parameters())
+        unexpected = sorted(set(state) - set(params))
+        if unexpected:
+            raise ValueError(f"weights do not fit the model: unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for name, value in state.items():
+                params[name].copy_(self.shard_of(value, params[name]))
+
+    def copy_parameter(self, target: torch.nn.Parameter, source: torch.nn.Parameter) -> None:
+        with torch.no_grad():
+            target.copy_(source)  # fsdp2: two DTensors sharded alike, a local copy
+
+    def shard_of(self, full: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+        """`full` (the whole value) laid out like `param`: under fsdp2 this rank's shard, cut locally."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if not isinstance(param, DTensor):
+            return full.to(param.device, param.dtype)
+        return distribute_tensor(full.to(param.to_local().device, param.dtype), param.device_mesh, param.placements, src_data_rank=None)
 
     def like_param(self, local: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
         return local.to(param.device, copy=True)
