@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.conftest import embedded_nats_url, read_jsonl, run_cli, run_processes, start_run, wait_until
 from tidal.rundir import latest_checkpoint
+from tidal.supervise import last_error_line
 
 SLOW = {"eval.enabled": False, "rollout.groups_per_batch": 1, "reward.functions": [{"name": "tests.rewards:slow_exact_match"}]}
 
@@ -194,3 +195,13 @@ def test_an_unreachable_nats_url_is_one_clear_line_before_anything_starts(tmp_pa
     assert proc.returncode == 75 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "cannot reach NATS at nats://127.0.0.1:1 (transport.nats_url): is it running?" in proc.stderr
     assert not (tmp_path / "run" / "run.json").exists()  # refused before the warm start and the MLflow run
+
+
+def test_a_role_s_one_line_error_is_found_past_what_its_shutdown_prints_after_it():
+    record = "2026-12-03 08:20:01,123 tidal.rollout.vllm_worker INFO worker worker-0 loaded weights v2 in 0.020s"
+    error = "tidal: weights v3 did not arrive on worker worker-0: its log-probs differ"
+    noise = ["nanobind: leaked 4 instances!", ' - leaked instance 0x7f19 of type "triton._C.libtriton.ir.attribute"', "  warnings.warn('x')"]
+    assert last_error_line([record, error, *noise]) == "weights v3 did not arrive on worker worker-0: its log-probs differ"
+    assert last_error_line([record, error]) == "weights v3 did not arrive on worker worker-0: its log-probs differ"
+    assert last_error_line([error, record, *noise]) is None  # the role went on logging: the error is not its last word
+    assert last_error_line([record, "Traceback (most recent call last):", '  File "x.py", line 1']) is None

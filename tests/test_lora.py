@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import run_cli
 from tidal.algo import grpo_advantages, kl_estimate, token_logprobs_from_logits
 from tidal.config import ConfigError, LoraConfig, TinyModelConfig, TrainerConfig, config_from_dict
+from tidal.config.schema import vllm_max_lora_rank
 from tidal.model.lora import adapter_config, adapter_state_dict, apply_lora
-from tidal.model.probe import make_probe, probe_logprobs
+from tidal.model.probe import arrival_tolerance, make_probe, probe_logprobs
 from tidal.model.tiny import build_char_tokenizer, build_tiny_model
 from tidal.protocol import Group, Sample
 from tidal.rollout.engine import HFEngine
@@ -79,9 +80,10 @@ def nudge_adapter(model, scale: float = 0.05, seed: int = 2) -> None:
 @pytest.mark.parametrize(
     "overrides, named",
     [
-        ({"rollout": {"engine": "vllm"}}, "rollout.engine 'vllm'"),
         ({"rollout": {"engine": "vllm", "vllm": {"weight_sync": "nccl"}}}, "rollout.vllm.weight_sync 'nccl'"),
-        ({"eval": {"engine": "vllm"}}, "eval.engine 'vllm'"),
+        ({"rollout": {"engine": "vllm"}, "model": {"lora": {"r": 513}}}, "model.lora.r 513 is above the largest rank vLLM serves (512)"),
+        ({"rollout": {"engine": "vllm"}, "model": {"lora": {"modules_to_save": ["lm_head"]}}}, "model.lora.modules_to_save ['lm_head']: vLLM"),
+        ({"eval": {"engine": "vllm"}, "model": {"lora": {"modules_to_save": ["lm_head"]}}}, "set eval.engine to 'hf'"),
     ],
 )
 def test_lora_refuses_what_it_does_not_run_on_in_one_line_naming_the_keys(overrides, named):
@@ -96,6 +98,24 @@ def test_lora_refuses_what_it_does_not_run_on_in_one_line_naming_the_keys(overri
 def test_lora_runs_on_several_trainer_ranks(trainer):
     cfg = config_from_dict({"model": {"lora": {}}, "trainer": trainer})
     assert cfg.model.lora is not None and cfg.trainer.ranks == 2
+
+
+def test_lora_runs_on_vllm_with_the_smallest_max_rank_vllm_accepts_that_holds_r():
+    cfg = config_from_dict({"model": {"lora": {"r": 12}}, "rollout": {"engine": "vllm"}})
+    assert cfg.model.lora.r == 12 and cfg.eval.engine == "rollout"
+    assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 12, 16, 17, 300, 512)] == [1, 8, 8, 16, 16, 32, 320, 512]
+    assert config_from_dict({"model": {"lora": {"modules_to_save": ["lm_head"]}}}).model.lora.modules_to_save == [
+        "lm_head"
+    ]  # the HF engine serves it
+
+
+def test_the_arrival_tolerance_defaults_per_engine_and_by_the_coarser_dtype():
+    assert config_from_dict({}).weights.arrival_tolerance is None
+    assert arrival_tolerance(None, "hf", "bfloat16") == 1e-3
+    assert arrival_tolerance(None, "vllm", "float32", "float32") == 1e-3
+    assert arrival_tolerance(None, "vllm", "float16", "float32") == 0.1
+    assert arrival_tolerance(None, "vllm", "float32", "bfloat16") == 0.5
+    assert arrival_tolerance(0.02, "vllm", "bfloat16") == 0.02 and arrival_tolerance(0.0, "hf") == 0.0  # as set; 0: off
 
 
 def test_lora_is_off_by_default_and_a_block_turns_it_on():

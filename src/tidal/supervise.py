@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -118,10 +119,23 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
             p.wait()
 
 
+_LOG_RECORD = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}")  # a line of the role's own log (tidal.logs' format)
+
+
 def one_line_error(path: Path) -> str | None:
-    """The role's own one-line error (`tidal: ...`, what its CLI prints for a known failure) when its log ends with one."""
-    lines = tail(path, 1).strip()
-    return lines.removeprefix("tidal: ").removeprefix("error: ") if lines.startswith("tidal: ") else None
+    """The role's own one-line error (`tidal: ...`, what its CLI prints for a known failure) when it is the
+    last thing the role wrote: what follows it may only be output of the interpreter's and its children's
+    shutdown (vLLM's environment prints triton's nanobind leak reports there), no record of the role's log."""
+    return last_error_line(tail(path, 400).splitlines())
+
+
+def last_error_line(lines: list[str]) -> str | None:
+    for line in reversed(lines):
+        if line.startswith("tidal: "):
+            return line.strip().removeprefix("tidal: ").removeprefix("error: ")
+        if _LOG_RECORD.match(line):
+            return None
+    return None
 
 
 def tail(path: Path, lines: int = 25) -> str:

@@ -55,11 +55,11 @@ class LoraConfig(_Strict):
     reference policy is the base with the adapter disabled; each weight-store version holds the adapter
     alone (peft's `adapter_model.safetensors` + `adapter_config.json`) on top of the run's base model."""
 
-    r: PositiveInt = 8  # the adapter's rank
+    r: PositiveInt = 8  # the adapter's rank (vLLM serves it at the smallest max rank it accepts above: 1, 8, 16, 32, ... 512)
     alpha: float = Field(16.0, gt=0)  # scaling: the update is (alpha / r) * B A
     dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input while training (0: the trainer's and the engine's log-probs agree exactly)
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # module names peft wraps
-    modules_to_save: list[str] | None = None  # whole modules trained and stored beside the adapter (e.g. lm_head)
+    modules_to_save: list[str] | None = None  # whole modules trained and stored beside the adapter (e.g. lm_head); HF engine only
 
 
 class ModelConfig(_Strict):
@@ -139,6 +139,16 @@ class VLLMConfig(_Strict):
     # nccl: how long the trainer waits for every engine to be ready (the first wait spans engine
     # start-up), and for one broadcast, before it turns NCCL off for the run
     nccl_timeout_seconds: float = Field(600.0, gt=0)
+
+
+# vLLM's max_lora_rank choices (vllm.config.lora.MaxLoRARanks; tests/test_vllm_lora.py keeps them equal): an engine
+# serves adapters up to its max rank, so a run's adapter gets the smallest that holds model.lora.r
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(r: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds an adapter of rank `r`."""
+    return next(rank for rank in VLLM_LORA_RANKS if rank >= r)
 
 
 # what tidal.envs registers itself (tests/test_envs.py keeps these equal): names that need no import
@@ -390,10 +400,12 @@ class WeightsConfig(_Strict):
 
     keep_last: int | None = Field(5, ge=1)  # the newest N snapshots; None: keep every snapshot
     keep_every: int | None = Field(None, ge=1)  # also keep every version divisible by N (milestones)
-    # The arrival check (HF engine, one trainer rank): the trainer publishes each version with its log-probs of a fixed probe (a few
-    # token sequences fixed per run); a worker that loads the version computes the same log-probs and stops the run,
-    # naming the version, when any token differs by more than `arrival_tolerance`. 0 turns the check off.
-    arrival_tolerance: float = Field(1e-3, ge=0)
+    # The arrival check (one trainer rank): the trainer publishes each version with its log-probs of a fixed probe (a few
+    # token sequences fixed per run, at temperature 1); a rollout worker that loads the version computes the same log-probs
+    # with its engine and stops the run, naming the version, when any token differs by more than `arrival_tolerance`.
+    # None: per engine, 1e-3 on the HF engine; on vLLM by the coarser of the dtype it serves (rollout.vllm.dtype, or the
+    # model's own with 'auto') and model.dtype: 1e-3 for float32, 0.1 for float16, 0.5 for bfloat16. 0 turns the check off.
+    arrival_tolerance: float | None = Field(None, ge=0)
 
 
 class TidalConfig(_Strict):
@@ -442,6 +454,22 @@ class TidalConfig(_Strict):
             )
         return self
 
+    def _lora_fits_vllm(self) -> None:
+        """model.lora on a vLLM engine (rollout or held-out eval): the adapter must be one vLLM can serve."""
+        lora = self.model.lora
+        engines = [
+            key for key, kind in (("rollout.engine", self.rollout.engine), ("eval.engine", self.eval.engine)) if kind == "vllm"
+        ]  # eval follows rollout
+        if not engines:
+            return
+        if lora.r > VLLM_LORA_RANKS[-1]:
+            raise _error(f"model.lora.r {lora.r} is above the largest rank vLLM serves ({VLLM_LORA_RANKS[-1]}); lower it or use the HF engine")
+        if lora.modules_to_save:
+            raise _error(
+                f"model.lora.modules_to_save {lora.modules_to_save}: vLLM serves adapters without whole modules (only classifier heads); "
+                f"leave it out or set {' and '.join(engines)} to 'hf'"
+            )
+
     @model_validator(mode="after")
     def _nccl_needs_vllm_workers(self) -> TidalConfig:
         if self.rollout.vllm.weight_sync == "nccl" and (self.rollout.engine != "vllm" or self.mode != "periodic"):
@@ -450,17 +478,11 @@ class TidalConfig(_Strict):
                 "it needs rollout.engine 'vllm' and mode 'periodic' (sync mode's engine loads from the weight store; bounded mode's workers load at their own boundaries)"
             )
         if self.model.lora is not None:
-            refused = [
-                f"{key} {value!r}"
-                for key, value, ok in (
-                    ("rollout.engine", self.rollout.engine, self.rollout.engine == "hf"),
-                    ("rollout.vllm.weight_sync", self.rollout.vllm.weight_sync, self.rollout.vllm.weight_sync != "nccl"),
-                    ("eval.engine", self.eval.engine, self.eval.engine in ("rollout", "hf")),
+            if self.rollout.vllm.weight_sync == "nccl":
+                raise _error(
+                    "model.lora's adapters reach vLLM through the weight store (no adapter-only NCCL transfer); not with rollout.vllm.weight_sync 'nccl'"
                 )
-                if not ok
-            ]
-            if refused:
-                raise _error(f"model.lora runs with the HF engine; not with {', '.join(refused)}")
+            self._lora_fits_vllm()
         if self.trainer.ranks > 1 and self.mode == "sync":
             raise ValueError("trainer.ranks > 1 needs mode 'periodic' or 'bounded' (sync mode trains in the launcher's one process)")
         if self.trainer.ranks > 1 and self.trainer.strategy == "single":

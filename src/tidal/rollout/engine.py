@@ -94,10 +94,10 @@ class HFEngine:
             load_state_dict_tied(self.model, state_dict)
 
     def probe_logprobs(self, probe: list[dict]) -> list[list[float]]:
-        """This engine's log-probs of the arrival check's probe, at the rollout temperature."""
+        """This engine's log-probs of the arrival check's probe (temperature 1, as the trainer's)."""
         from tidal.model.probe import probe_logprobs
 
-        return probe_logprobs(self.model, probe, self.temperature)
+        return probe_logprobs(self.model, probe)
 
     def load_snapshot(self, path, version: int | None = None) -> None:
         """Loads a weight-store snapshot after verifying its checksums."""

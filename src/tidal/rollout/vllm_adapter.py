@@ -8,6 +8,10 @@ NCCL weight transfer, which Ascend does not use). Nothing else in Tidal imports 
   token prompt, prefix caching on, every trajectory in flight at once.
 - `TidalWorkerExtension`: mixed into every vLLM worker process (`worker_extension_cls`); it loads a
   weight-store snapshot after verifying its checksums, so no tensor crosses a process boundary.
+- LoRA (`model.lora`): the engine starts with LoRA on; each version's adapter directory is verified,
+  then added as an adapter of its own (`add_lora`, id version + 1), the previous one removed, and
+  every request of that version names it (`lora_request`). The base is never reloaded.
+- The arrival check's probe: prompt log-probs of prompt + response with the version's adapter.
 - NCCL weight transfer (GPU only; never run on CPU): `nccl_join`/`nccl_receive` on the engine side,
   `NcclWeightSender` on trainer rank 0; the handshake is tidal.transport.weight_handshake.
 """
@@ -19,10 +23,12 @@ import contextlib
 import importlib.util
 import json
 import logging
+import time
 import uuid
 from pathlib import Path
 
 from tidal.config import TidalConfig
+from tidal.config.schema import vllm_max_lora_rank
 from tidal.rollout.engine import Completion, GroupRequest, TrajectoryTokens, Turn, turn_seed
 
 log = logging.getLogger(__name__)
@@ -112,6 +118,7 @@ def engine_args(cfg: TidalConfig, model_dir: str | Path, device: str = "cpu"):
         "enable_prefix_caching": True if cfg.rollout.env is not None else None,
         # NCCL needs CUDA; elsewhere (CPU, Ascend) the workers always load from the weight store.
         "weight_transfer_config": {"backend": "nccl"} if v.weight_sync == "nccl" and device == "cuda" else None,
+        **lora_engine_args(cfg),
     }
     return AsyncEngineArgs(
         model=str(model_dir),
@@ -124,6 +131,36 @@ def engine_args(cfg: TidalConfig, model_dir: str | Path, device: str = "cpu"):
         disable_log_stats=True,
         **{k: val for k, val in optional.items() if val is not None},
     )
+
+
+ADAPTERS_HELD = 2  # the version that generates and the next one, added before the previous is removed
+
+
+def lora_engine_args(cfg: TidalConfig) -> dict:
+    """LoRA on, with room for the run's adapter rank (rounded up to a rank vLLM accepts), when model.lora is set."""
+    if cfg.model.lora is None:
+        return {}
+    return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(cfg.model.lora.r), "max_loras": ADAPTERS_HELD, "max_cpu_loras": ADAPTERS_HELD}
+
+
+def adapter_request(version: int, path: str | Path, replace: bool = False):
+    """The LoRARequest of weight version `version`: ids are unique per version (vLLM keys adapters by id)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=f"tidal-v{version}", lora_int_id=version + 1, lora_path=str(path), load_inplace=replace)
+
+
+def probe_params():
+    """One token generated: what is wanted is the prompt's log-probs (the token itself, no alternatives)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def response_logprobs(prompt_logprobs: list, prompt_len: int, response_ids: list[int]) -> list[float]:
+    """The log-probs of the response tokens out of a request's prompt log-probs over prompt + response."""
+    return [prompt_logprobs[prompt_len + i][token].logprob for i, token in enumerate(response_ids)]
 
 
 def sampling_params(cfg: TidalConfig, n: int, seed: int | None = None, greedy: bool = False, max_tokens: int | None = None):
@@ -175,6 +212,7 @@ class VLLMEngine:
         self.llm = llm
         self.cfg = cfg
         self.device = device  # vLLM's platform device type: cpu, cuda, npu
+        self.lora_request = None  # under model.lora: the adapter of the version loaded (None: the base)
 
     @classmethod
     def create(cls, cfg: TidalConfig, model_dir: str | Path) -> VLLMEngine:
@@ -185,10 +223,14 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         start_reaper()
+        t0 = time.perf_counter()
+        args = engine_args(cfg, model_dir, device)
         try:
-            llm = AsyncLLM.from_engine_args(engine_args(cfg, model_dir, device))
+            llm = AsyncLLM.from_engine_args(args)
         except Exception as err:  # noqa: BLE001 - vLLM raises many types at start-up; the user needs one line
             raise VLLMStartError(start_failure_hint(err, device)) from err
+        lora = f" with LoRA (max rank {args.max_lora_rank}, {args.max_loras} adapters)" if args.enable_lora else ""
+        log.info("vLLM engine started on %s in %.1fs%s", device, time.perf_counter() - t0, lora)
         return cls(llm, cfg, device)
 
     @property
@@ -196,16 +238,36 @@ class VLLMEngine:
         """The longest sequence (prompt and generated tokens) a request may reach."""
         return self.llm.model_config.max_model_len
 
-    async def _request(self, prompt_ids: list[int], params, tag: str) -> list[Completion]:
-        """One request on a token prompt; its samples once all are finished."""
+    @property
+    def dtype(self) -> str:
+        """The dtype the engine computes in ("float32", "bfloat16", ...)."""
+        return str(self.llm.model_config.dtype).removeprefix("torch.")
+
+    async def _final(self, prompt_ids: list[int], params, tag: str):
+        """One request on a token prompt, with the loaded version's adapter; its final output."""
         from vllm.inputs.engine import tokens_input
 
         final = None
-        async for out in self.llm.generate(tokens_input(list(prompt_ids)), params, request_id=f"{tag}-{uuid.uuid4().hex[:8]}"):
+        request_id = f"{tag}-{uuid.uuid4().hex[:8]}"
+        async for out in self.llm.generate(tokens_input(list(prompt_ids)), params, request_id=request_id, lora_request=self.lora_request):
             final = out
         if final is None or not final.finished:
             raise RuntimeError(f"request {tag} ended without a final output")
-        return to_samples(final)
+        return final
+
+    async def _request(self, prompt_ids: list[int], params, tag: str) -> list[Completion]:
+        """One request on a token prompt; its samples once all are finished."""
+        return to_samples(await self._final(prompt_ids, params, tag))
+
+    async def probe_logprobs(self, probe: list[dict]) -> list[list[float]]:
+        """The arrival check's probe: each response token's log-prob given what precedes it (temperature 1),
+        from the prompt log-probs of one request per sequence, with the loaded version's adapter."""
+
+        async def one(seq: dict) -> list[float]:
+            final = await self._final([*seq["prompt_ids"], *seq["response_ids"]], probe_params(), "probe")
+            return response_logprobs(final.prompt_logprobs, len(seq["prompt_ids"]), seq["response_ids"])
+
+        return list(await asyncio.gather(*(one(seq) for seq in probe)))
 
     async def generate_group(
         self, request: GroupRequest, seed: int | None = None, tag: str = "g", greedy: bool = False, max_tokens: int | None = None
@@ -267,14 +329,46 @@ class VLLMEngine:
             await self.llm.resume_generation()
 
     async def load_snapshot(self, path: str | Path) -> dict:
-        """Every worker process loads `path` (checksums first); the prefix cache is then dropped.
+        """Every worker process loads `path` (checksums first); the prefix cache is then dropped. Under
+        model.lora, `path` is an adapter version: see load_adapter.
 
-        Returns {"loaded": n} or {"error": msg, "partial": bool}; partial means tensors were loaded
-        before the failure and the caller must reload a good version."""
+        Returns {"loaded": n, "probe": the manifest's probe record or None} or {"error": msg, "partial": bool};
+        partial means tensors were loaded before the failure and the caller must reload a good version."""
+        if self.cfg.model.lora is not None:
+            return await self.load_adapter(path)
         async with self.swapping_weights():
             results = await self.llm.collective_rpc("tidal_load_weights", args=(str(path),))
         bad = [r for r in results if "error" in r]
         return bad[0] if bad else results[0]
+
+    async def load_adapter(self, path: str | Path) -> dict:
+        """An adapter version, without a restart: its files verified here (checksums, signature), then added
+        to the engine as an adapter of its own; once added, it names every request and the previous one goes.
+        A refused or failed one leaves the previous adapter serving ("partial" is always False)."""
+        from tidal.weights import CorruptSnapshotError, verify_snapshot
+
+        try:
+            manifest = await asyncio.to_thread(verify_snapshot, path)
+        except CorruptSnapshotError as err:
+            return {"error": str(err), "partial": False}
+        if manifest.get("kind") != "lora":
+            return {"error": f"snapshot {path} holds full weights, not an adapter (model.lora is set)", "partial": False}
+        version, previous = int(manifest["version"]), self.lora_request
+        request = adapter_request(version, path, replace=previous is not None and previous.lora_int_id == version + 1)
+        try:
+            await self.llm.add_lora(request)
+        except Exception as err:  # noqa: BLE001 - vLLM raises what its loader raised (shapes, names, ranks)
+            first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+            return {"error": f"adapter {path} does not load into vLLM: {first[:300]}", "partial": False}
+        self.lora_request = request
+        if previous is not None and previous.lora_int_id != request.lora_int_id:
+            await self.llm.remove_lora(previous.lora_int_id)
+        log.info("vLLM serves adapter v%d (LoRA id %d; the engine holds ids %s)", version, request.lora_int_id, sorted(await self.adapters()))
+        return {"loaded": manifest.get("num_tensors"), "probe": manifest.get("probe")}
+
+    async def adapters(self) -> set[int]:
+        """The ids of the adapters the engine holds (for tests and debugging)."""
+        return await self.llm.list_loras()
 
     async def weights_digest(self) -> list[str]:
         """A digest of the weights each worker process holds (for tests and debugging)."""
@@ -363,10 +457,10 @@ class TidalWorkerExtension:
     prefixed so they never shadow the worker's own (vLLM has its own `update_weights`)."""
 
     def tidal_load_weights(self, path: str) -> dict:
-        from tidal.weights import CorruptSnapshotError, load_verified
+        from tidal.weights import CorruptSnapshotError, load_verified_with_manifest
 
         try:
-            state = load_verified(path)
+            state, manifest = load_verified_with_manifest(path)
         except CorruptSnapshotError as err:
             return {"error": str(err), "partial": False}
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, initialize_layerwise_reload
@@ -384,7 +478,7 @@ class TidalWorkerExtension:
         missing = expected - set(loaded or expected)
         if missing:
             return {"error": f"snapshot {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}", "partial": True}
-        return {"loaded": len(state)}
+        return {"loaded": len(state), "probe": manifest.get("probe")}
 
     def tidal_weights_digest(self) -> str:
         import hashlib

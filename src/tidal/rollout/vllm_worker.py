@@ -18,12 +18,13 @@ from pathlib import Path
 
 from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
+from tidal.model.probe import arrival_tolerance
 from tidal.protocol import Group, WorkItem, decode_work_item
 from tidal.rewards import RewardScorer
 from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
-from tidal.rollout.worker import build_group, decode_work, model_context, snapshot_path, version_to_generate
+from tidal.rollout.worker import build_group, compare_probe, decode_work, model_context, snapshot_path, version_to_generate
 from tidal.transport import Transport, keep_in_progress, weight_handshake
 from tidal.transport.health import WorkerHealth, beat, report_refusal
 
@@ -111,7 +112,7 @@ class VLLMRolloutWorker:
         assert not self.inflight, "weights change only with nothing in flight"
         t0 = time.time()
         path = await self._policy_uri(version)
-        source = "over NCCL"
+        source, probe = "over NCCL", None
         if not (self.nccl and await self._receive_nccl(version)):
             source = "from the weight store"
             result = await self.engine.load_snapshot(path)
@@ -120,10 +121,22 @@ class VLLMRolloutWorker:
                 if result.get("partial") and self.version is not None:
                     await self.engine.load_snapshot(await self._policy_uri(self.version))
                 return False
+            probe = result.get("probe")
+        loaded = time.time() - t0
+        difference = await self._check_arrival(version, probe)
         self.health.loaded(version)
         self.load_seconds += time.time() - t0
-        log.info("worker %s loaded weights v%d in %.3fs %s", self.worker_id, version, time.time() - t0, source)
+        arrived = "" if difference is None else f" (probe log-probs within {difference:.1e} of the trainer's)"
+        log.info("worker %s loaded weights v%d in %.3fs %s%s", self.worker_id, version, loaded, source, arrived)
         return True
+
+    async def _check_arrival(self, version: int, probe: dict | None) -> float | None:
+        """The arrival check on the version just loaded (from the store; a transfer over NCCL is not probed):
+        WeightsDidNotArriveError when the engine's log-probs of the probe differ from the trainer's."""
+        tolerance = arrival_tolerance(self.cfg.weights.arrival_tolerance, "vllm", self.engine.dtype, self.cfg.model.dtype)
+        if not probe or not tolerance:
+            return None
+        return compare_probe(probe, await self.engine.probe_logprobs(probe["sequences"]), version, tolerance, self.worker_id)
 
     # --- one group -------------------------------------------------------------------------------
 

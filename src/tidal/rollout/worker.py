@@ -16,7 +16,7 @@ import numpy as np
 
 from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
-from tidal.model.probe import probe_difference
+from tidal.model.probe import arrival_tolerance, probe_difference
 from tidal.protocol import Group, ProtocolError, Sample, WorkItem, decode_work_item
 from tidal.rewards import RewardScorer, exact_match
 from tidal.rollout.agent import AgentLoop
@@ -244,7 +244,13 @@ def check_arrival(engine, manifest: dict, version: int, tolerance: float, worker
     probe = manifest.get("probe")
     if not probe or not tolerance or not hasattr(engine, "probe_logprobs"):
         return None
-    difference = probe_difference(probe["logprobs"], engine.probe_logprobs(probe["sequences"]))
+    return compare_probe(probe, engine.probe_logprobs(probe["sequences"]), version, tolerance, worker_id)
+
+
+def compare_probe(probe: dict, engine_logprobs: list[list[float]], version: int, tolerance: float, worker_id: str) -> float:
+    """The largest difference between the engine's log-probs of the probe and the trainer's (`probe` as the
+    manifest records it); above `tolerance` it is WeightsDidNotArriveError naming the version."""
+    difference = probe_difference(probe["logprobs"], engine_logprobs)
     if not difference <= tolerance:
         raise WeightsDidNotArriveError(
             f"weights v{version} did not arrive on worker {worker_id}: its log-probs of the run's probe differ from the trainer's "
@@ -296,7 +302,8 @@ class RolloutWorker:
         except (CorruptSnapshotError, ValueError) as err:
             self.backoff = await report_refusal(self.transport, self.health, version, str(err))
             return None
-        difference = await asyncio.to_thread(check_arrival, self.engine, manifest, version, self.cfg.weights.arrival_tolerance, self.worker_id)
+        tolerance = arrival_tolerance(self.cfg.weights.arrival_tolerance, "hf")
+        difference = await asyncio.to_thread(check_arrival, self.engine, manifest, version, tolerance, self.worker_id)
         self.health.loaded(version)
         arrived = "" if difference is None else f" (probe log-probs within {difference:.1e} of the trainer's)"
         log.info("worker %s loaded weights v%d in %.3fs%s", self.worker_id, version, time.time() - t0, arrived)

@@ -341,7 +341,7 @@ class Learner:
 
     def probe_logprobs(self, probe: list[dict]) -> list[list[float]]:
         """The policy's log-probs of the arrival check's probe (a forward: every rank calls it)."""
-        return probe_logprobs(self.model, probe, self.temperature)
+        return probe_logprobs(self.model, probe)
 
     # Optimizer state as plain tensors (safetensors) so a restarted trainer resumes without pickle;
     # under a sharding strategy each rank saves and loads only its own shard.
