@@ -52,6 +52,7 @@ class WorkerHealth:
     refused_version: int | None = None
     refused_error: str = ""
     refusals: int = 0  # consecutive refusals of refused_version
+    left: bool = False  # its last heartbeat: it stopped and handed back its work items (those it still lists were not)
     held: Callable[[], list] = list  # the WorkItems it holds now (pulled, not yet answered)
     # set when it takes new items: the next heartbeat goes out at once, so a worker killed right after
     # a pull has them listed (else they wait for ack_wait)
@@ -81,6 +82,7 @@ class WorkerHealth:
             "refused_version": self.refused_version,
             "refused_error": self.refused_error,
             "refusals": self.refusals,
+            "left": self.left,
             "holding": [[item.iteration, item.prompt_id] for item in self.held()],
         }
 
