@@ -23,7 +23,7 @@ def paced_config(write_config, name: str = "config.yaml", **extra) -> Path:
         "eval.enabled": False,
         "transport.ack_wait_seconds": 2.0,
         "rollout.groups_per_batch": 1,
-        "rollout.max_workers": 2,
+        "rollout.workers": {"min": 1, "max": 2},
         "trainer.iterations": ITERATIONS,
         "weights.keep_last": None,  # the start stays, to show training moved the weights
         "reward.functions": rewards,
@@ -61,7 +61,7 @@ def test_a_worker_joins_and_leaves_a_running_run_and_every_group_is_trained_once
     try:
         wait_until(lambda: loaded_versions(run_dir, "worker-0"), proc)
         refused = scale(run_dir, 3)
-        assert refused.returncode == 2 and "above the run's rollout.max_workers (2)" in refused.stderr
+        assert refused.returncode == 2 and "3 rollout workers is outside the run's rollout.workers range [1, 2]" in refused.stderr
         assert scale(run_dir, 0).returncode == 2
         grown = scale(run_dir, 2)
         assert grown.returncode == 0, grown.stderr
@@ -102,6 +102,38 @@ def test_a_config_whose_workers_exceed_max_workers_is_refused(tiny_config_dict):
         config_from_dict({**tiny_config_dict, "rollout": {**tiny_config_dict["rollout"], "workers": 3, "max_workers": 2}})
 
 
+def rollout(tiny_config_dict, **keys):
+    return config_from_dict({**tiny_config_dict, "rollout": {**tiny_config_dict["rollout"], **keys}}).rollout
+
+
+def test_workers_take_a_number_auto_or_a_range_and_max_workers_reads_as_a_range(tiny_config_dict):
+    assert (rollout(tiny_config_dict, workers=3).initial_workers, rollout(tiny_config_dict, workers=3).worker_bounds) == (3, (1, None))
+    ranged = rollout(tiny_config_dict, workers={"min": 2, "max": 4})
+    assert (ranged.initial_workers, ranged.worker_bounds, ranged.most_workers, ranged.workers_planned) == (2, (2, 4), 4, False)
+    assert rollout(tiny_config_dict, workers={"min": 1, "max": 4, "start": 3}).initial_workers == 3
+    assert rollout(tiny_config_dict, workers={"max": 4, "start": "auto"}).workers_planned
+    legacy = rollout(tiny_config_dict, workers=2, max_workers=3)
+    assert legacy.workers == rollout(tiny_config_dict, workers={"min": 1, "max": 3, "start": 2}).workers
+    assert (legacy.initial_workers, legacy.worker_bounds) == (2, (1, 3))
+    assert "max_workers" not in config_from_dict({**tiny_config_dict, "rollout": {"workers": 2, "max_workers": 3}}).model_dump()["rollout"]
+
+
+@pytest.mark.parametrize(
+    ("keys", "error"),
+    [
+        ({"workers": {"min": 3, "max": 2}}, r"rollout.workers: min \(3\) is above max \(2\)"),
+        ({"workers": {"min": 1, "max": 2, "start": 5}}, r"rollout.workers: start \(5\) is outside \[min 1, max 2\]"),
+        ({"workers": {"min": 1}}, r"rollout.workers: max: Field required"),
+        ({"workers": "many"}, r"rollout.workers: a number of at least 1, 'auto' or a range \{min: 1, max: 4\}, not 'many'"),
+        ({"workers": {"min": 1, "max": 2}, "max_workers": 3}, r"rollout.max_workers and a range in rollout.workers: write the bound once"),
+    ],
+)
+def test_a_wrong_worker_range_is_one_line_naming_the_key(tiny_config_dict, keys, error):
+    with pytest.raises(ConfigError, match=error) as refused:
+        config_from_dict({**tiny_config_dict, "rollout": {**tiny_config_dict["rollout"], **keys}})
+    assert "literal" not in str(refused.value) and "constrained-int" not in str(refused.value)
+
+
 def test_scale_refuses_a_run_directory_without_a_run(tmp_path):
     refused = scale(tmp_path, 2)
     assert refused.returncode == 2 and f"{tmp_path} holds no run (no config.yaml)" in refused.stderr
@@ -129,7 +161,9 @@ def test_a_worker_preempted_by_sigterm_hands_back_its_items_and_another_worker_r
     reference = run_cli("run", str(config), "--run-dir", str(tmp_path / "ref"), "--no-progress")
     assert reference.returncode == 0, reference.stderr[-3000:]
     run_dir = tmp_path / "run"
-    faulted = paced_config(write_config, "preempted.yaml", **{"rollout.workers": 2, "transport.ack_wait_seconds": 3600.0})
+    faulted = paced_config(
+        write_config, "preempted.yaml", **{"rollout.workers": {"min": 1, "max": 2, "start": 2}, "transport.ack_wait_seconds": 3600.0}
+    )
     proc = start_run(faulted, run_dir)
     try:
         wait_until(lambda: len(taken_lines(run_dir, "worker-1")) >= 2 and trained_in(run_dir, 1), proc)

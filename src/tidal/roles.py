@@ -124,7 +124,7 @@ async def nccl_weight_push(cfg: TidalConfig, transport: Transport) -> NcclWeight
     v = cfg.rollout.vllm
     return NcclWeightPush(
         transport,
-        cfg.rollout.workers,
+        cfg.rollout.initial_workers,
         v.tensor_parallel_size,
         v.nccl_timeout_seconds,
         vllm_adapter.NcclWeightSender,
