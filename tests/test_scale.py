@@ -188,6 +188,9 @@ def test_a_worker_preempted_by_sigterm_hands_back_its_items_and_another_worker_r
         for it, p, n in pairs(line.split("redelivered")[1])
     }
     assert all(redelivered.get(key) == 2 for key in handed), (handed, redelivered)
+    launcher = (run_dir / "logs" / "launcher.log").read_text()
+    assert "rollout worker worker-1 was stopped by SIGTERM (preempted); starting a replacement" in launcher
+    assert "worker-1 exited with code" not in launcher  # a preemption is not a crash
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "asking again for" not in trainer_log and "has sent no heartbeat" not in trainer_log
     records = read_jsonl(run_dir / "groups.jsonl")

@@ -25,6 +25,7 @@ MAX_TRAINER_RESTARTS = 2
 MAX_NATS_RESTARTS = 3
 RETIRE_GRACE_SECONDS = 60.0  # a worker stopped by `tidal scale` that has not exited by then is killed
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PREEMPTED_EXIT = 128 + signal.SIGTERM  # a rollout worker that stopped in order on SIGTERM (tidal.cli)
 
 
 class RoleFailed(RuntimeError):
@@ -279,6 +280,12 @@ class RoleProcesses:
             if code == 0 and self.trainer.poll() is None and self.worker_started[wid] < self.trainer_restarted_at:
                 # it exited on the state the interrupted trainer left, which the restart has since reopened
                 log.info("rollout worker %s exited on the interrupted trainer's run state; starting it again", wid)
+                self.end(proc)
+                self.start_worker(wid)
+            elif code == PREEMPTED_EXIT and self.trainer.poll() is None:
+                # SIGTERM from outside the launcher (a preemption notice): the worker handed back its work
+                # and left in order; the pool keeps its size, and a preemption is not a crash to count
+                log.info("rollout worker %s was stopped by SIGTERM (preempted); starting a replacement", wid)
                 self.end(proc)
                 self.start_worker(wid)
             elif code not in (None, 0) and self.trainer.poll() is None:
