@@ -193,6 +193,24 @@ def test_the_elastic_pool_is_the_balance_point_its_floor_and_the_queue_depth_tha
     assert slow_floor.max == 8 and slow_floor.min > 1  # one worker alone would be far more than 1.5x slower
 
 
+def test_tidal_plan_prints_the_elastic_pool_for_its_best_split_and_writes_it(tmp_path):
+    from tests.conftest import run_cli
+
+    out = tmp_path / "plan.json"
+    proc = run_cli("plan", "examples/arithmetic.yaml", "--profile", str(RECORDED), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = json.loads(out.read_text())
+    pool = written["elastic_pool"]
+    prof = Profile.from_json(written["profile"])
+    best = min((p for p in written["predictions"]), key=lambda p: p["iteration_seconds"])["split"]
+    expected = recommend_pool(prof, best["worker_threads"], best["trainer_threads"], 64, "auto")  # the example: 64 prompts, tail auto
+    assert (pool["min"], pool["max"], pool["lag_threshold"]) == (expected.min, expected.max, expected.lag_threshold)
+    lines = proc.stdout.splitlines()
+    (head,) = [i for i, line in enumerate(lines) if line.startswith("elastic pool")]
+    assert f"rollout.workers: {{min: {expected.min}, max: {expected.max}}}" in lines[head]
+    assert [line.strip() for line in lines[head + 1 : head + 4]] == list(expected.reasons)
+
+
 def test_a_run_with_auto_measures_once_applies_the_split_and_saves_it(tmp_path, write_config):
     """A real `tidal run`: the planner measures (real model, real processes), the roles get its split
     through the saved config.yaml, and the profile is cached for the next run of this config."""
@@ -211,3 +229,13 @@ def test_a_run_with_auto_measures_once_applies_the_split_and_saves_it(tmp_path, 
     plans = list((Path(cache) / "plans").glob("*.json"))
     assert plans and Profile.from_json(json.loads(plans[0].read_text())).generate_seconds
     load_config(tmp_path / "run" / "config.yaml")  # the saved config is a valid one
+    # an elastic pool starting `auto`: the cached profile's count within the range, the range kept, the pool's advice printed
+    elastic = write_config({"rollout.workers": {"min": 1, "max": 2, "start": "auto"}, "trainer.iterations": 2, "eval.enabled": False}, "elastic.yaml")
+    proc = start_run(elastic, tmp_path / "elastic")
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    workers = yaml.safe_load((tmp_path / "elastic" / "config.yaml").read_text())["rollout"]["workers"]
+    assert workers["min"] == 1 and workers["max"] == 2 and workers["start"] in (1, 2)
+    advice = [line for line in out.splitlines() if "elastic pool" in line]
+    assert len(advice) == 1 and "rollout.workers: {min: " in advice[0] and "pending work item(s) per worker" in advice[0]
+    assert all(f"  {figure} " in out for figure in ("min", "max", "lag threshold"))

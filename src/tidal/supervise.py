@@ -25,7 +25,8 @@ MAX_TRAINER_RESTARTS = 2
 MAX_NATS_RESTARTS = 3
 RETIRE_GRACE_SECONDS = 60.0  # a worker stopped by `tidal scale` that has not exited by then is killed
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-PREEMPTED_EXIT = 128 + signal.SIGTERM  # a rollout worker that stopped in order on SIGTERM (tidal.cli)
+# a rollout worker ended by SIGTERM: in order (tidal.cli's exit code), or by the signal itself while it was still starting
+PREEMPTED_EXITS = (128 + signal.SIGTERM, -signal.SIGTERM)
 
 
 class RoleFailed(RuntimeError):
@@ -282,7 +283,7 @@ class RoleProcesses:
                 log.info("rollout worker %s exited on the interrupted trainer's run state; starting it again", wid)
                 self.end(proc)
                 self.start_worker(wid)
-            elif code == PREEMPTED_EXIT and self.trainer.poll() is None:
+            elif code in PREEMPTED_EXITS and self.trainer.poll() is None:
                 # SIGTERM from outside the launcher (a preemption notice): the worker handed back its work
                 # and left in order; the pool keeps its size, and a preemption is not a crash to count
                 log.info("rollout worker %s was stopped by SIGTERM (preempted); starting a replacement", wid)
