@@ -83,8 +83,9 @@ def test_tidal_chaos_scales_the_pool_during_a_run_and_nothing_is_lost(tmp_path, 
     out = tmp_path / "chaos.json"
     work = tmp_path / "work"
     proc = run_cli(
-        *("chaos", str(config), "--faults", "scale", "--runs", "1", "--iterations", "3", "--references", "1"),
-        *("--scale-events", "3", "--json", str(out), "--work-dir", str(work)),
+        *("chaos", str(config), "--faults", "scale", "--runs", "1", "--iterations", "10", "--references", "1"),
+        # seed 1 puts the join early in the run: a joining worker takes many seconds to start on a loaded machine
+        *("--scale-events", "2", "--seed", "1", "--json", str(out), "--work-dir", str(work)),
         timeout=1800,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -92,11 +93,12 @@ def test_tidal_chaos_scales_the_pool_during_a_run_and_nothing_is_lost(tmp_path, 
     assert (fault.fault, fault.runs, fault.groups_lost, fault.groups_twice, fault.hangs, fault.failed_runs) == ("scale", 1, 0, 0, 0, 0)
     assert fault.worst_weights_rel_diff is not None and fault.worst_weights_rel_diff <= 1e-4
     events = fault.outcomes[0]["events"]
-    assert len(events) >= 2 and "join 1->2" in events[0] and "leave 2->1" in events[1], events
+    assert len(events) == 2 and "join 1->2" in events[0] and "leave 2->1" in events[1], events
     records = [json.loads(line) for line in (work / "scale-0" / "groups.jsonl").read_text().splitlines()]
     assert records and all(r["policy_version"] == r["iteration"] for r in records)  # periodic: staleness 0
     launcher = (work / "scale-0" / "logs" / "launcher.log").read_text()
     assert "scaling rollout workers: 1 -> 2" in launcher and "scaling rollout workers: 2 -> 1" in launcher
+    assert "worker worker-1 took " in (work / "scale-0" / "logs" / "worker-1.log").read_text()  # it joined and worked before it left
     assert "scale" in proc.stdout and "events:" in proc.stdout
 
 

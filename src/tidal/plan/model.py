@@ -239,6 +239,9 @@ def recommend_pool(
     why_lag = (
         f"lag threshold {lag}: an iteration queues {prompts_per_iteration} work items at once; more than {lag} pending per worker "
         f"(WORK queue depth / workers) means fewer than {most} workers share them and generation sets the iteration time: add a worker"
+        if most > 1
+        else f"lag threshold {lag}: an iteration queues {prompts_per_iteration} work items at once and one worker keeps up, "
+        "so the depth per worker never calls for a second"
     )
     return ElasticPool(fewest, most, lag, (why_min, why_max, why_lag))
 
