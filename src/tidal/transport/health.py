@@ -169,6 +169,8 @@ def describe_workers(records: list[dict], now: float, after: float = SILENT_AFTE
     for r in sorted(records, key=lambda r: r["worker_id"]):
         age = now - r["time"]
         state = f"silent for {age:.0f}s" if age > after else f"alive ({age:.1f}s ago)"
+        if r.get("left"):
+            state = f"left {age:.0f}s ago, its work handed back"
         line = f"worker {r['worker_id']} (pid {r['pid']} on {r['host']}): {state}, holds v{r['version']}, {r['groups_published']} groups published"
         if r.get("refused_version") is not None:
             line += f", refused v{r['refused_version']} {r['refusals']}x: {r['refused_error']}"
