@@ -84,8 +84,9 @@ def test_tidal_chaos_scales_the_pool_during_a_run_and_nothing_is_lost(tmp_path, 
     work = tmp_path / "work"
     proc = run_cli(
         *("chaos", str(config), "--faults", "scale", "--runs", "1", "--iterations", "10", "--references", "1"),
-        # seed 1 puts the join early in the run: a joining worker takes many seconds to start on a loaded machine
-        *("--scale-events", "2", "--seed", "1", "--json", str(out), "--work-dir", str(work)),
+        # seed 4 draws both events early (at 10 % and 24 % of the span): the join comes early, and the leave,
+        # which waits until the joined worker takes work (many seconds on a loaded machine), before the run ends
+        *("--scale-events", "2", "--seed", "4", "--json", str(out), "--work-dir", str(work)),
         timeout=1800,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

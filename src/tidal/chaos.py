@@ -255,22 +255,23 @@ def scale_events(
     proc: subprocess.Popen, run_dir: Path, rng: random.Random, span: float, count: int, start: int, bounds: tuple[int, int]
 ) -> list[tuple[float, str]]:
     """`count` pool events at seeded random points of the next `span` seconds (fewer when the run ends
-    first): (seconds after the start of the span, what was done). After a join the next event waits
-    until the new worker has taken work, so a later leave or preemption hits a worker that generates,
-    not one still loading."""
-    t0, workers, done = time.time(), start, []
+    first): (seconds after the start of the span, what was done). After a join the events still to come
+    wait, keeping their spacing, until the new worker has taken work, so a later leave or preemption
+    hits a worker that generates, not one still loading."""
+    t0, workers, done, delay = time.time(), start, [], 0.0
     for at in sorted(rng.uniform(0.0, span) for _ in range(count)):
-        time.sleep(max(0.0, t0 + at - time.time()))
+        time.sleep(max(0.0, t0 + delay + at - time.time()))
         if proc.poll() is not None:
             break
-        before = workers
+        before, fired = workers, time.time()
         workers, what = apply_scale_event(scale_event(rng, workers, bounds, len(done)), run_dir, workers, rng)
-        done.append((time.time() - t0, what))
+        done.append((fired - t0, what))
         if workers > before:
-            joined, settle_by = f"worker-{before}", time.time() + JOIN_SETTLE_SECONDS
+            joined, settle_by = f"worker-{before}", fired + JOIN_SETTLE_SECONDS
             pulls = took_work(run_dir, joined)
             while proc.poll() is None and took_work(run_dir, joined) == pulls and time.time() < settle_by:
                 time.sleep(0.1)
+            delay += time.time() - fired
     return done
 
 
