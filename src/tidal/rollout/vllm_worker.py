@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +24,16 @@ from tidal.rewards import RewardScorer
 from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
-from tidal.rollout.worker import build_group, decode_work, hand_back, log_taken, model_context, snapshot_path, version_to_generate
+from tidal.rollout.worker import (
+    build_group,
+    decode_work,
+    hand_back,
+    log_taken,
+    model_context,
+    raise_if_stop_requested,
+    snapshot_path,
+    version_to_generate,
+)
 from tidal.transport import Transport, keep_in_progress, weight_handshake
 from tidal.transport.health import WorkerHealth, beat, report_refusal
 
@@ -44,8 +54,10 @@ class VLLMRolloutWorker:
         worker_id: str,
         weights_root: Path | None = None,
         scorer: RewardScorer | None = None,
+        stop_requested: Callable[[], bool] = lambda: False,
     ):
         self.weights_root = weights_root
+        self.stop_requested = stop_requested  # SIGTERM came (roles.cancel_on_sigterm): stop pulling
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = tokenizer
@@ -233,6 +245,7 @@ class VLLMRolloutWorker:
         leaving = "failing"
         try:
             while True:
+                raise_if_stop_requested(self.stop_requested)
                 if not self.inflight and time.time() - last_check > 1.0:
                     last_check = time.time()
                     if await self._stopping():

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -231,6 +232,12 @@ async def hand_back(transport: Transport, health: WorkerHealth, held: list[tuple
         )
 
 
+def raise_if_stop_requested(stop_requested: Callable[[], bool]) -> None:
+    """SIGTERM came but its cancellation was lost on the way (see roles.cancel_on_sigterm): cancel here."""
+    if stop_requested():
+        raise asyncio.CancelledError("SIGTERM")
+
+
 def log_taken(worker_id: str, pulled: list) -> None:
     """One line per pull: the items taken, and which of them came back to the queue (delivery > 1)."""
     again = [(it.iteration, it.prompt_id, n) for m, it in pulled if (n := delivery_count(m)) > 1]
@@ -307,8 +314,10 @@ class RolloutWorker:
         worker_id: str,
         weights_root: Path | None = None,
         scorer: RewardScorer | None = None,
+        stop_requested: Callable[[], bool] = lambda: False,
     ):
         self.weights_root = weights_root
+        self.stop_requested = stop_requested  # SIGTERM came (roles.cancel_on_sigterm): stop pulling
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = tokenizer
@@ -379,6 +388,7 @@ class RolloutWorker:
         prompt_tokens = 16  # until the first prompts are seen: the longest encoded prompt sizes later pulls
         idle_since = time.time()
         while True:
+            raise_if_stop_requested(self.stop_requested)
             if await self.transport.stopping():
                 await publisher.drain()
                 log.info("worker %s: the run or round is over, exiting", self.worker_id)
@@ -431,6 +441,7 @@ class RolloutWorker:
                     g.worker_idle_seconds = idle if published == 0 else 0.0
                     published += 1
                 publisher.submit(list(zip(groups, msgs[published - len(groups) : published])))
+                raise_if_stop_requested(self.stop_requested)  # the rest of the items go back, not into another engine call
             idle_since = time.time()
 
 
