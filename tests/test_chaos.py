@@ -1,11 +1,12 @@
 """`tidal chaos`: its accounting, and one real fault run end to end."""
 
 import json
+import random
 
 import torch
 
 from tests.conftest import run_cli
-from tidal.chaos import FaultSummary, RunOutcome, format_table, group_accounting, relative_difference, summarize
+from tidal.chaos import FaultSummary, RunOutcome, format_table, group_accounting, relative_difference, scale_event, summarize
 
 
 def test_group_accounting_counts_missing_and_repeated_groups():
@@ -104,6 +105,42 @@ def test_a_versions_tensors_are_its_full_weights_or_its_adapter(tmp_path):
     assert tensor_file(tmp_path / "full").name == "model.safetensors"
     assert tensor_file(tmp_path / "lora").name == "adapter_model.safetensors"
     assert tensor_file(tmp_path / "missing").name == "model.safetensors"  # nothing there: final_weights reports no weights
+
+
+def test_scale_events_join_then_leave_then_stay_within_the_bounds():
+    rng = random.Random(0)
+    assert scale_event(rng, 1, (1, 3), 0) == "join" and scale_event(rng, 2, (1, 3), 1) == "leave"
+    assert scale_event(rng, 3, (1, 3), 0) == "leave"  # at the top: the first event cannot be a join
+    assert scale_event(rng, 2, (2, 2), 0) == "preempt"  # a fixed pool: only preemptions
+    later = [scale_event(rng, w, (1, 3), 2 + i) for i, w in enumerate([1, 3] * 50)]
+    assert set(later[0::2]) == {"join", "preempt"} and set(later[1::2]) == {"leave", "preempt"}
+
+
+def test_tidal_chaos_scales_the_pool_during_a_run_and_nothing_is_lost(tmp_path, write_config):
+    """Workers join, leave and are preempted at seeded points of a real run: every group is trained
+    once by the version of its iteration and the run ends at the weights of an unscaled one."""
+    config = write_config({"reward.functions": [{"name": "tests.rewards:paced_exact_match"}], "rollout.workers": {"min": 1, "max": 2}})
+    out = tmp_path / "chaos.json"
+    work = tmp_path / "work"
+    proc = run_cli(
+        *("chaos", str(config), "--faults", "scale", "--runs", "1", "--iterations", "10", "--references", "1"),
+        # seed 4 draws both events early (at 10 % and 24 % of the span): the join comes early, and the leave,
+        # which waits until the joined worker takes work (many seconds on a loaded machine), before the run ends
+        *("--scale-events", "2", "--seed", "4", "--json", str(out), "--work-dir", str(work)),
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (fault,) = [FaultSummary(**f) for f in json.loads(out.read_text())["faults"]]
+    assert (fault.fault, fault.runs, fault.groups_lost, fault.groups_twice, fault.hangs, fault.failed_runs) == ("scale", 1, 0, 0, 0, 0)
+    assert fault.worst_weights_rel_diff is not None and fault.worst_weights_rel_diff <= 1e-4
+    events = fault.outcomes[0]["events"]
+    assert len(events) == 2 and "join 1->2" in events[0] and "leave 2->1" in events[1], events
+    records = [json.loads(line) for line in (work / "scale-0" / "groups.jsonl").read_text().splitlines()]
+    assert records and all(r["policy_version"] == r["iteration"] for r in records)  # periodic: staleness 0
+    launcher = (work / "scale-0" / "logs" / "launcher.log").read_text()
+    assert "scaling rollout workers: 1 -> 2" in launcher and "scaling rollout workers: 2 -> 1" in launcher
+    assert "worker worker-1 took " in (work / "scale-0" / "logs" / "worker-1.log").read_text()  # it joined and worked before it left
+    assert "scale" in proc.stdout and "events:" in proc.stdout
 
 
 def test_an_unknown_fault_is_named():

@@ -31,6 +31,9 @@ def test_a_silent_worker_is_named_with_how_long_and_what_it_held():
     assert "worker w0 (pid 1 on h): alive (0.5s ago), holds v3" in text
     assert "worker w1 (pid 2 on h): silent for 40s, holds vNone, 0 groups published, refused v2 1x: snapshot x" in text
     assert describe_workers([], now) == "no rollout worker has sent a heartbeat"
+    gone = WorkerHealth("w2", pid=3, host="h")
+    gone.left = True
+    assert "worker w2 (pid 3 on h): left 12s ago, its work handed back" in describe_workers([gone.record(now - 12)], now)
 
 
 def worker(worker_id: str, holding: list[tuple[int, int]]) -> WorkerHealth:

@@ -10,7 +10,19 @@ import pytest
 import yaml
 
 from tidal.config import ConfigError, config_from_dict, load_config
-from tidal.plan.model import Profile, Split, apply_plan, best_split, candidate_splits, predict_periodic, predict_sync, wants_plan
+from tidal.plan.model import (
+    FLOOR_SLOWDOWN,
+    Profile,
+    Split,
+    apply_plan,
+    best_split,
+    candidate_splits,
+    format_pool,
+    predict_periodic,
+    predict_sync,
+    recommend_pool,
+    wants_plan,
+)
 from tidal.threads import split_cores
 
 RECORDED = Path(__file__).parent / "data" / "plan_recorded.json"
@@ -142,8 +154,61 @@ def test_apply_plan_replaces_auto_and_keeps_what_the_user_fixed(tiny_config_dict
 def test_apply_plan_keeps_auto_workers_within_max_workers(tiny_config_dict):
     unbounded = config_from_dict({**tiny_config_dict, "rollout": {**tiny_config_dict["rollout"], "workers": "auto"}})
     assert apply_plan(unbounded, profile())[0].rollout.workers > 1  # the bound below changes the choice
-    bounded = unbounded.model_copy(update={"rollout": unbounded.rollout.model_copy(update={"max_workers": 1})}, deep=True)
-    assert apply_plan(bounded, profile())[0].rollout.workers == 1
+    bounded = config_from_dict({**tiny_config_dict, "rollout": {**tiny_config_dict["rollout"], "workers": "auto", "max_workers": 1}})
+    assert apply_plan(bounded, profile())[0].rollout.initial_workers == 1
+
+
+def test_a_range_starting_auto_starts_the_planners_count_within_it_and_keeps_the_range(tiny_config_dict):
+    def resolved(workers):
+        cfg = config_from_dict({**tiny_config_dict, "rollout": {**tiny_config_dict["rollout"], "workers": workers}})
+        return apply_plan(cfg, profile())[0].rollout
+
+    best = resolved("auto").workers
+    assert best == 2  # this profile's best split, unbounded; the ranges below hold it or clip it
+    within = resolved({"min": 1, "max": 3, "start": "auto"})
+    assert (within.initial_workers, within.worker_bounds) == (best, (1, 3))
+    above = resolved({"min": 3, "max": 3, "start": "auto"})
+    assert (above.initial_workers, above.worker_bounds) == (3, (3, 3))
+    below = resolved({"min": 1, "max": 1, "start": "auto"})
+    assert (below.initial_workers, below.worker_bounds) == (1, (1, 1))
+
+
+def test_the_elastic_pool_is_the_balance_point_its_floor_and_the_queue_depth_that_calls_for_a_worker():
+    # one engine generates an iteration in 2.0 s at 1 thread, the trainer trains it in 1.6 s at 1 thread:
+    # ceil(2.0 / 1.6) = 2 workers keep up with it, and 3 would fit the 4 cores beside the trainer's 1
+    pool = recommend_pool(profile(), worker_threads=1, trainer_threads=1, prompts_per_iteration=8)
+    predicted = {w: predict_periodic(profile(), Split(w, 1, 1)).iteration_seconds for w in (1, 2)}
+    assert pool.max == 2 and "no slower than the trainer" in pool.reasons[1]
+    assert pool.min == min(w for w, t in predicted.items() if t <= FLOOR_SLOWDOWN * predicted[2])
+    assert pool.lag_threshold == 4  # ceil(8 items / 2 workers)
+    assert [r.split(" ")[0] for r in pool.reasons] == ["min", "max", "lag"]
+    assert f"rollout.workers: {{min: {pool.min}, max: 2}}" in format_pool(pool, 1)
+    # a trainer of 3 threads trains it in 0.8 s (3 workers would keep up), but 1 worker fits beside it
+    small = recommend_pool(profile(), worker_threads=1, trainer_threads=3, prompts_per_iteration=8)
+    assert (small.min, small.max, small.lag_threshold) == (1, 1, 8) and "fit the 4 cores" in small.reasons[1]
+    # fewer work items than the balance point: no more workers than items
+    few = recommend_pool(profile(cores=16), worker_threads=1, trainer_threads=1, prompts_per_iteration=1)
+    assert few.max == 1 and "nothing to do" in few.reasons[1]
+    slow_floor = recommend_pool(profile(cores=16, generate_seconds={1: 8.0}, train_seconds={1: 1.0}), 1, 1, 16)
+    assert slow_floor.max == 8 and slow_floor.min > 1  # one worker alone would be far more than 1.5x slower
+
+
+def test_tidal_plan_prints_the_elastic_pool_for_its_best_split_and_writes_it(tmp_path):
+    from tests.conftest import run_cli
+
+    out = tmp_path / "plan.json"
+    proc = run_cli("plan", "examples/arithmetic.yaml", "--profile", str(RECORDED), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = json.loads(out.read_text())
+    pool = written["elastic_pool"]
+    prof = Profile.from_json(written["profile"])
+    best = min((p for p in written["predictions"]), key=lambda p: p["iteration_seconds"])["split"]
+    expected = recommend_pool(prof, best["worker_threads"], best["trainer_threads"], 64, "auto")  # the example: 64 prompts, tail auto
+    assert (pool["min"], pool["max"], pool["lag_threshold"]) == (expected.min, expected.max, expected.lag_threshold)
+    lines = proc.stdout.splitlines()
+    (head,) = [i for i, line in enumerate(lines) if line.startswith("elastic pool")]
+    assert f"rollout.workers: {{min: {expected.min}, max: {expected.max}}}" in lines[head]
+    assert [line.strip() for line in lines[head + 1 : head + 4]] == list(expected.reasons)
 
 
 def test_a_run_with_auto_measures_once_applies_the_split_and_saves_it(tmp_path, write_config):
@@ -164,3 +229,13 @@ def test_a_run_with_auto_measures_once_applies_the_split_and_saves_it(tmp_path, 
     plans = list((Path(cache) / "plans").glob("*.json"))
     assert plans and Profile.from_json(json.loads(plans[0].read_text())).generate_seconds
     load_config(tmp_path / "run" / "config.yaml")  # the saved config is a valid one
+    # an elastic pool starting `auto`: the cached profile's count within the range, the range kept, the pool's advice printed
+    elastic = write_config({"rollout.workers": {"min": 1, "max": 2, "start": "auto"}, "trainer.iterations": 2, "eval.enabled": False}, "elastic.yaml")
+    proc = start_run(elastic, tmp_path / "elastic")
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    workers = yaml.safe_load((tmp_path / "elastic" / "config.yaml").read_text())["rollout"]["workers"]
+    assert workers["min"] == 1 and workers["max"] == 2 and workers["start"] in (1, 2)
+    advice = [line for line in out.splitlines() if "elastic pool" in line]
+    assert len(advice) == 1 and "rollout.workers: {min: " in advice[0] and "pending work item(s) per worker" in advice[0]
+    assert all(f"  {figure} " in out for figure in ("min", "max", "lag threshold"))

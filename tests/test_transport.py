@@ -322,3 +322,44 @@ def test_the_worker_publisher_acks_an_item_only_after_its_group_is_published_and
         await t.close()
 
     asyncio.run(scenario())
+
+
+def test_a_leaving_worker_hands_back_its_items_for_immediate_redelivery_and_says_it_left(nats_server):
+    """hand_back NAKs what a worker holds: another worker gets the items at once, on their second
+    delivery (the ack deadline here is an hour away, so nothing else could have redelivered them), and
+    the leaving worker's last heartbeat lists nothing for the trainer to ask again."""
+    from tidal.rollout.worker import delivery_count, hand_back
+    from tidal.transport.health import WorkerHealth, watch_workers
+
+    async def scenario():
+        cfg = TransportConfig(ack_wait_seconds=3600.0)
+        t = await Transport.connect(nats_server.url, "hand-back", cfg)
+        leaving = await Transport.connect(nats_server.url, "hand-back", cfg, create=False)
+        try:
+            for i in range(3):
+                await t.publish_work(item(i))
+            taken = await leaving.fetch(await leaving.work_subscription(), 2, timeout=5)
+            held = [(m, decode_work_item(m.data)) for m in taken]
+            health = WorkerHealth("worker-1")
+            health.held = lambda: [it for _, it in held]
+            await leaving.put_worker_health(health.record())
+            await hand_back(leaving, health, held, "stopping (SIGTERM)")
+            sub = await t.work_subscription()
+            got = {}
+            for _ in range(3):  # each pull waits up to a minute (generous): without the hand-back they would not come for an hour
+                if len(got) == 3:
+                    break
+                for m in await t.fetch(sub, 3, timeout=60):
+                    got[decode_work_item(m.data).prompt_id] = delivery_count(m)
+                    await m.ack()
+            handed = {it.prompt_id for _, it in held}
+            assert got == {i: 2 if i in handed else 1 for i in range(3)}
+            (record,) = await t.worker_health()
+            assert record["left"] is True and record["holding"] == []
+            _, silent, again = watch_workers({}, [record], now=0.0, after=-1.0)
+            assert silent == [record] and again == []
+        finally:
+            await leaving.close()
+            await t.close()
+
+    asyncio.run(scenario())

@@ -135,8 +135,8 @@ def test_a_killed_worker_takes_its_reward_and_tool_processes_with_it_and_the_run
 
 def test_a_worker_stopped_by_sigterm_ends_in_order_with_its_processes_and_the_run_finishes(tmp_path, write_config):
     """SIGTERM (a preemption) mid-iteration: the worker stops in order (its task cancelled, its engine
-    shut down, exit code 143) instead of dying where it stands; its reward process ends with it; the
-    launcher restarts it and no group is lost."""
+    shut down, its work handed back, exit code 143) instead of dying where it stands; its reward process
+    ends with it; the launcher replaces it and no group is lost."""
     iterations, prompts = 2, 4
     config = write_config(
         {
@@ -151,5 +151,8 @@ def test_a_worker_stopped_by_sigterm_ends_in_order_with_its_processes_and_the_ru
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert started and not left, f"processes of the stopped worker {record['worker']}: {started}, still running: {left}"
     assert "tidal: rollout worker stopped by SIGTERM" in (run_dir / "logs" / "worker-0.log").read_text()
-    assert "rollout worker worker-0 exited with code 143; restarting" in (run_dir / "logs" / "launcher.log").read_text()
+    launcher = (run_dir / "logs" / "launcher.log").read_text()
+    assert "rollout worker worker-0 was stopped by SIGTERM (preempted); starting a replacement" in launcher
+    assert "worker-0 exited with code" not in launcher  # a preemption is not counted as a crash
+    assert "worker worker-0 stopping (SIGTERM): handed back" in (run_dir / "logs" / "worker-0.log").read_text()
     assert_each_group_trained_once(run_dir, iterations * prompts)

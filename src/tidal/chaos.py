@@ -15,7 +15,10 @@ caches, and their difference is the spread to expect):
 Faults: worker-kill (SIGKILL a rollout worker), worker-stop (SIGSTOP, then SIGCONT after
 --stop-seconds), trainer-kill, nats-kill (the embedded nats-server), launcher-kill (SIGKILL `tidal
 run` itself, then run it again on the run directory), snapshot-corrupt (flip a byte of the snapshot
-in use, then SIGKILL the worker, so its replacement has to load it).
+in use, then SIGKILL the worker, so its replacement has to load it), scale (several seeded events
+through the run: a worker joins (`tidal scale` up), leaves (`tidal scale` down: the launcher's
+SIGTERM to the highest-numbered worker) or is preempted (SIGTERM to a random worker, which the
+launcher replaces); the pool stays within the config's rollout.workers range).
 
 The exit status is 1 when any run lost a group, trained one twice, hung or ended at other weights.
 """
@@ -39,7 +42,7 @@ from statistics import median
 from tidal.rundir import RunDir
 from tidal.weights import ADAPTER_FILE, WEIGHTS_FILE
 
-FAULTS = ("worker-kill", "worker-stop", "trainer-kill", "nats-kill", "launcher-kill", "snapshot-corrupt")
+FAULTS = ("worker-kill", "worker-stop", "trainer-kill", "nats-kill", "launcher-kill", "snapshot-corrupt", "scale")
 FAST = {"rollout.deterministic": "true", "eval.enabled": "false", "rollout.groups_per_batch": "1"}
 
 
@@ -56,6 +59,7 @@ class RunOutcome:
     hang: bool
     weights_rel_diff: float | None
     error: str = ""
+    events: list[str] = field(default_factory=list)  # scale: what happened when (`+4.2s join 1->2`)
 
     def ok(self, tolerance: float) -> bool:
         weights_match = self.weights_rel_diff is not None and self.weights_rel_diff <= tolerance
@@ -206,6 +210,73 @@ def inject(fault: str, proc: subprocess.Popen, run_dir: Path, stop_seconds: floa
     raise ValueError(f"unknown fault {fault!r}: one of {', '.join(FAULTS)}")
 
 
+def pool_bounds(cfg) -> tuple[int, int]:
+    """The worker counts the scale fault moves between: the config's range, else 1 to its start + 2."""
+    fewest, most = cfg.rollout.worker_bounds
+    return fewest, most or cfg.rollout.initial_workers + 2
+
+
+def scale_event(rng: random.Random, workers: int, bounds: tuple[int, int], index: int) -> str:
+    """The next pool event: the first a join and the second a leave where the bounds allow, then any of
+    join, leave and preempt (a SIGTERM the launcher answers with a replacement) that they allow."""
+    fewest, most = bounds
+    allowed = [kind for kind, ok in (("join", workers < most), ("leave", workers > fewest)) if ok]
+    if index < 2:
+        preferred = "join" if index == 0 else "leave"
+        return preferred if preferred in allowed else (allowed or ["preempt"])[0]
+    return rng.choice([*allowed, "preempt"])
+
+
+def apply_scale_event(kind: str, run_dir: Path, workers: int, rng: random.Random) -> tuple[int, str]:
+    """(the pool's size after it, what was done, or why nothing was)."""
+    from tidal.scale import request_scale
+
+    if kind == "preempt":
+        target = f"worker-{rng.randrange(workers)}"
+        return workers, f"preempt {target}" if signal_pid(pid_of(run_dir, target), signal.SIGTERM) else f"preempt {target}: not running"
+    wanted = workers + (1 if kind == "join" else -1)
+    try:
+        request_scale(run_dir, wanted)
+    except ValueError as err:
+        return workers, f"{kind} {workers}->{wanted} refused: {err}"
+    return wanted, f"{kind} {workers}->{wanted}"
+
+
+JOIN_SETTLE_SECONDS = 120.0  # the longest the scale fault waits for a joined worker to take work
+
+
+def took_work(run_dir: Path, worker: str) -> int:
+    """How many pulls `worker`'s log records (its current process's and earlier ones')."""
+    try:
+        return RunDir(run_dir).log(worker).read_text(errors="replace").count(f"worker {worker} took ")
+    except OSError:
+        return 0
+
+
+def scale_events(
+    proc: subprocess.Popen, run_dir: Path, rng: random.Random, span: float, count: int, start: int, bounds: tuple[int, int]
+) -> list[tuple[float, str]]:
+    """`count` pool events at seeded random points of the next `span` seconds (fewer when the run ends
+    first): (seconds after the start of the span, what was done). After a join the events still to come
+    wait, keeping their spacing, until the new worker has taken work, so a later leave or preemption
+    hits a worker that generates, not one still loading."""
+    t0, workers, done, delay = time.time(), start, [], 0.0
+    for at in sorted(rng.uniform(0.0, span) for _ in range(count)):
+        time.sleep(max(0.0, t0 + delay + at - time.time()))
+        if proc.poll() is not None:
+            break
+        before, fired = workers, time.time()
+        workers, what = apply_scale_event(scale_event(rng, workers, bounds, len(done)), run_dir, workers, rng)
+        done.append((fired - t0, what))
+        if workers > before:
+            joined, settle_by = f"worker-{before}", fired + JOIN_SETTLE_SECONDS
+            pulls = took_work(run_dir, joined)
+            while proc.poll() is None and took_work(run_dir, joined) == pulls and time.time() < settle_by:
+                time.sleep(0.1)
+            delay += time.time() - fired
+    return done
+
+
 def wait_for(proc: subprocess.Popen, deadline: float) -> int | None:
     try:
         return proc.wait(timeout=max(1.0, deadline - time.time()))
@@ -215,8 +286,8 @@ def wait_for(proc: subprocess.Popen, deadline: float) -> int | None:
 
 def stop_everything(proc: subprocess.Popen, run_dir: Path) -> None:
     """After a hang: the launcher's process group, and whatever it left (pid files)."""
-    for name in ("trainer", "worker-0", "worker-1", "nats-server"):
-        signal_pid(pid_of(run_dir, name), signal.SIGKILL)
+    for pid_file in sorted(RunDir(run_dir).logs.glob("*.pid")):
+        signal_pid(pid_of(run_dir, pid_file.stem), signal.SIGKILL)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -281,7 +352,9 @@ def run_one(
     rng: random.Random,
     hang_seconds: float,
     stop_seconds: float,
+    pool: tuple[int, tuple[int, int], int] = (1, (1, 3), 4),
 ) -> RunOutcome:
+    """`pool`: the scale fault's starting workers, bounds and number of events."""
     iterations, per_iteration = expected
     t0 = time.time()
     proc = tidal_run(config, run_dir, overrides)
@@ -290,9 +363,16 @@ def run_one(
     while not RunDir(run_dir).metrics.read() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     first = time.time()
-    time.sleep(rng.uniform(0.0, 0.8 * max(0.5, reference.seconds - reference.first_boundary)))
-    at = time.time() - first
-    injected_at = at if proc.poll() is None and inject(fault, proc, run_dir, stop_seconds) else None
+    span = 0.8 * max(0.5, reference.seconds - reference.first_boundary)
+    events: list[str] = []
+    if fault == "scale":
+        happened = scale_events(proc, run_dir, rng, span, pool[2], pool[0], pool[1])
+        events = [f"+{at:.1f}s {what}" for at, what in happened]
+        injected_at = happened[0][0] if happened else None
+    else:
+        time.sleep(rng.uniform(0.0, span))
+        at = time.time() - first
+        injected_at = at if proc.poll() is None and inject(fault, proc, run_dir, stop_seconds) else None
     returncode = wait_for(proc, deadline)
     error = "" if returncode in (0, None) else (proc.stderr.read() or "").strip()[-500:]
     if fault == "launcher-kill" and injected_at is not None and returncode is not None:
@@ -308,7 +388,7 @@ def run_one(
     lost, twice = group_accounting(RunDir(run_dir).groups.read(), iterations, per_iteration)
     weights = final_weights(run_dir, iterations)
     diff = None if weights is None else relative_difference(weights, reference.weights)
-    return RunOutcome(fault, index, injected_at, returncode, end - t0, end - first, lost, twice, hang, diff, error)
+    return RunOutcome(fault, index, injected_at, returncode, end - t0, end - first, lost, twice, hang, diff, error, events)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -322,6 +402,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=1e-4, help="weights match: largest difference over the largest weight (default 1e-4)")
     p.add_argument("--hang-seconds", type=float, default=None, help="a run not done by then is a hang (default: 4x the reference + 120 s)")
     p.add_argument("--stop-seconds", type=float, default=10.0, help="how long worker-stop keeps the worker stopped (default 10)")
+    p.add_argument("--scale-events", type=int, default=4, help="pool events (joins, leaves, preemptions) per run of the scale fault (default 4)")
     p.add_argument("--work-dir", type=Path, default=None, help="where the run directories go (default: a temporary folder, removed)")
     p.add_argument("--references", type=int, choices=(1, 2), default=2, help="uninterrupted reference runs (2: also their spread; default 2)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -331,6 +412,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown fault(s) {', '.join(unknown)}: choose from {', '.join(FAULTS)}")
     if args.runs < 1 or args.iterations < 2:
         p.error("--runs must be at least 1 and --iterations at least 2 (a fault needs a run under way)")
+    if args.scale_events < 1:
+        p.error("--scale-events must be at least 1")
     return args
 
 
@@ -341,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [f"{k}={v}" for k, v in FAST.items()] + [f"trainer.iterations={args.iterations}"] + args.overrides
     cfg = load_config(args.config, overrides)
     expected = (cfg.trainer.iterations, cfg.trainer.prompts_per_iteration)
+    if "scale" in args.faults.split(",") and cfg.mode == "sync":
+        raise SystemExit("tidal chaos: the scale fault changes the rollout pool; the config is in sync mode, which has none")
+    pool = (cfg.rollout.initial_workers, pool_bounds(cfg), args.scale_events)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="tidal-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
@@ -365,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                     rng,
                     hang_seconds,
                     args.stop_seconds,
+                    pool,
                 )
                 extra = o.tail_seconds - reference_tail
                 state = "ok" if o.ok(args.tolerance) else "FAILED"
@@ -372,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"  {fault} #{i}: {state} {at}, rc {o.returncode}, lost {o.groups_lost}, twice {o.groups_twice}, "
                     f"weights {o.weights_rel_diff if o.weights_rel_diff is None else f'{o.weights_rel_diff:.1e}'}, extra {extra:+.1f}s"
+                    + (f"\n    events: {', '.join(o.events)}" if o.events else "")
                     + (f"\n    {o.error.splitlines()[-1]}" if o.error else ""),
                     flush=True,
                 )

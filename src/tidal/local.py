@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from tidal.config import ConfigError, TidalConfig, dump_config, load_config, training_changes
 from tidal.logs import setup_logging
-from tidal.plan import apply_plan, cached_profile, wants_plan
+from tidal.plan import apply_plan, cached_profile, format_pool, planned_tail, recommend_pool, wants_plan
 from tidal.preflight import check_before_start
 from tidal.rundir import RunDir, RunDirError, RunDirLock, RunInfo, new_nats_token, new_run_id, run_signing_key
 from tidal.summary import agent_before_after, at_k_before_after, result_table, summarize
@@ -111,7 +111,7 @@ def start_curve_eval(cfg: TidalConfig, run: RunDir, options: dict | None = None)
     if not (cfg.eval.enabled and cfg.eval.every):
         return None
     cmd = [sys.executable, "-m", "tidal.cli", "eval", str(run.config), "--run-dir", str(run.root), "--follow"]
-    threads = str(max(1, (os.cpu_count() or 1) // (cfg.rollout.workers + 2)))
+    threads = str(max(1, (os.cpu_count() or 1) // (cfg.rollout.initial_workers + 2)))
     with run.log("eval").open("ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": threads}, **(options or {}))
 
@@ -192,6 +192,13 @@ def resolved_config(cfg: TidalConfig, run: RunDir, base_model: str) -> TidalConf
         where = f"sync, {cfg.trainer.threads} thread(s)" if chosen.split is None else str(chosen.split)
         print(f"tidal: capacity planner: {where}, {chosen.iteration_seconds:.2f} s/iteration predicted (tidal plan shows every split)", flush=True)
         log.info("capacity planner: %s; profile %s", where, profile)
+        if chosen.split is not None and cfg.rollout.worker_bounds[1] is not None:
+            pool = recommend_pool(
+                profile, chosen.split.worker_threads, chosen.split.trainer_threads, cfg.trainer.prompts_per_iteration, planned_tail(cfg)
+            )
+            advice = format_pool(pool, chosen.split.worker_threads)
+            print(f"tidal: {advice}", flush=True)
+            log.info("capacity planner: %s", advice)
     cfg = resolve_threads(cfg)
     run.config.write_text(dump_config(cfg))
     return cfg

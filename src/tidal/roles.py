@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -124,7 +125,7 @@ async def nccl_weight_push(cfg: TidalConfig, transport: Transport) -> NcclWeight
     v = cfg.rollout.vllm
     return NcclWeightPush(
         transport,
-        cfg.rollout.workers,
+        cfg.rollout.initial_workers,
         v.tensor_parallel_size,
         v.nccl_timeout_seconds,
         vllm_adapter.NcclWeightSender,
@@ -234,14 +235,23 @@ def rollout_engine(cfg: TidalConfig, base_model: str) -> tuple[object, object, t
     return HFEngine.for_rollout(model, tokenizer, cfg.rollout), tokenizer, RolloutWorker
 
 
-def cancel_on_sigterm() -> None:
+def cancel_on_sigterm() -> Callable[[], bool]:
     """SIGTERM (the launcher stopping, a preemption) cancels the running task: the worker's `finally`
-    blocks run (vLLM's engine shut down in order) instead of the process ending where it stands."""
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    blocks run (vLLM's engine shut down in order) instead of the process ending where it stands.
+    Returns whether SIGTERM came: a cancellation can be lost (Python 3.11's wait_for, inside the NATS
+    client, swallows one that meets a message arriving), so the worker also checks this between pulls."""
+    task, requested = asyncio.current_task(), []
+
+    def on_sigterm() -> None:
+        requested.append(True)
+        task.cancel()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
+    return lambda: bool(requested)
 
 
 async def worker_role(cfg: TidalConfig, run: RunDir, nats_url: str, worker_id: str) -> int:
-    cancel_on_sigterm()
+    stop_requested = cancel_on_sigterm()
     info = run.info()
     set_threads(split_cores(cfg)[1])
     # user rewards' process starts beside the model load; not before vLLM, whose engine processes
@@ -250,7 +260,9 @@ async def worker_role(cfg: TidalConfig, run: RunDir, nats_url: str, worker_id: s
     engine, tokenizer, worker_class = rollout_engine(cfg, info.base_model)
     try:
         async with session(nats_url, info.run_id, cfg.transport) as transport:
-            worker = worker_class(cfg, engine, tokenizer, transport, worker_id, weights_root=run.weights, scorer=scorer)
+            worker = worker_class(
+                cfg, engine, tokenizer, transport, worker_id, weights_root=run.weights, scorer=scorer, stop_requested=stop_requested
+            )
             await worker.run()
     finally:
         engine.shutdown()  # vLLM's engine processes would otherwise outlive the worker

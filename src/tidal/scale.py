@@ -38,9 +38,9 @@ def request_scale(run_dir: str | Path, count: int) -> str:
     cfg = load_config(run.config)
     if cfg.mode == "sync":
         raise ValueError(f"the run in {run.root} is in sync mode: it has no rollout workers")
-    bound = cfg.rollout.max_workers
-    if bound is not None and count > bound:
-        raise ValueError(f"{count} rollout workers is above the run's rollout.max_workers ({bound})")
+    fewest, most = cfg.rollout.worker_bounds
+    if most is not None and not fewest <= count <= most:
+        raise ValueError(f"{count} rollout workers is outside the run's rollout.workers range [{fewest}, {most}]")
     run.request_workers(count)
     return f"tidal: asked the launcher of {run.root} for {count} rollout worker(s) (its logs/launcher.log says when they run)"
 

@@ -26,6 +26,8 @@ MAX_TRAINER_RESTARTS = 2
 MAX_NATS_RESTARTS = 3
 RETIRE_GRACE_SECONDS = 60.0  # a worker stopped by `tidal scale` that has not exited by then is killed
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# a rollout worker ended by SIGTERM: in order (tidal.cli's exit code), or by the signal itself while it was still starting
+PREEMPTED_EXITS = (128 + signal.SIGTERM, -signal.SIGTERM)
 
 
 class RoleFailed(RuntimeError):
@@ -154,9 +156,9 @@ def local_accelerator_env(cfg: TidalConfig, environ: dict[str, str] | None = Non
     if kind is None or cfg.rollout.engine != "vllm" or cfg.rollout.vllm.placement == "shared":
         return {}
     devices = visible_device_ids(kind, environ, visible[kind])
-    placement = accelerator_placement(devices, cfg.rollout.workers, cfg.rollout.vllm.tensor_parallel_size, cfg.trainer.ranks)
+    placement = accelerator_placement(devices, cfg.rollout.initial_workers, cfg.rollout.vllm.tensor_parallel_size, cfg.trainer.ranks)
     if placement is None:
-        log.info("%d %s device(s) for the trainer and %d worker(s): every role shares them", len(devices), kind, cfg.rollout.workers)
+        log.info("%d %s device(s) for the trainer and %d worker(s): every role shares them", len(devices), kind, cfg.rollout.initial_workers)
         return {}
     log.info("device placement (%s): %s", kind, placement)
     return {role: {VISIBLE_DEVICES_ENV[kind]: ",".join(ids)} for role, ids in placement.items()}
@@ -180,7 +182,7 @@ class RoleProcesses:
         self.trainer_threads = max(1, trainer_total // cfg.trainer.ranks)  # per rank
         self.workers: dict[str, subprocess.Popen] = {}
         self.retiring: dict[str, tuple[subprocess.Popen, float]] = {}  # worker id -> (process, when it was told to stop)
-        self.target_workers = cfg.rollout.workers
+        self.target_workers = cfg.rollout.initial_workers
         self.refused_request: int | None = None
         self.worker_started: dict[str, float] = {}
         self.trainer_restarted_at = 0.0
@@ -210,7 +212,7 @@ class RoleProcesses:
     def start(self) -> None:
         self.run.logs.mkdir(parents=True, exist_ok=True)
         self.trainer = self._spawn(["train"], "trainer", self.trainer_threads)
-        for i in range(self.cfg.rollout.workers):
+        for i in range(self.cfg.rollout.initial_workers):
             self.start_worker(f"worker-{i}")
 
     def leads_group(self) -> bool:
@@ -231,9 +233,9 @@ class RoleProcesses:
         wanted = self.run.requested_workers()
         if wanted is None or wanted in (self.target_workers, self.refused_request):
             return
-        bound = self.cfg.rollout.max_workers
-        if wanted < 1 or (bound is not None and wanted > bound):
-            log.warning("ignored a request for %d rollout worker(s): the run allows 1 to %s", wanted, bound or "any number")
+        fewest, most = self.cfg.rollout.worker_bounds
+        if wanted < fewest or (most is not None and wanted > most):
+            log.warning("ignored a request for %d rollout worker(s): the run allows %d to %s", wanted, fewest, most or "any number")
             self.refused_request = wanted
             return
         log.info("scaling rollout workers: %d -> %d", self.target_workers, wanted)
@@ -293,6 +295,12 @@ class RoleProcesses:
             if code == 0 and self.trainer.poll() is None and self.worker_started[wid] < self.trainer_restarted_at:
                 # it exited on the state the interrupted trainer left, which the restart has since reopened
                 log.info("rollout worker %s exited on the interrupted trainer's run state; starting it again", wid)
+                self.end(proc)
+                self.start_worker(wid)
+            elif code in PREEMPTED_EXITS and self.trainer.poll() is None:
+                # SIGTERM from outside the launcher (a preemption notice): the worker handed back its work
+                # and left in order; the pool keeps its size, and a preemption is not a crash to count
+                log.info("rollout worker %s was stopped by SIGTERM (preempted); starting a replacement", wid)
                 self.end(proc)
                 self.start_worker(wid)
             elif code not in (None, 0) and self.trainer.poll() is None:

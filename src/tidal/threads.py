@@ -21,7 +21,7 @@ def split_cores(cfg: TidalConfig, cores: int | None = None) -> tuple[int, int]:
     run` replaces `auto` by the capacity planner's figures before any role starts; a role started
     another way (a pod) reads `auto` as an even split."""
     cores = cores or os.cpu_count() or 1
-    workers = cfg.rollout.workers if isinstance(cfg.rollout.workers, int) else 1
+    workers = cfg.rollout.initial_workers
     trainer = cfg.trainer.threads if isinstance(cfg.trainer.threads, int) else max(1, cores // (workers + 1))
     rollout = cfg.rollout.threads if isinstance(cfg.rollout.threads, int) else max(1, (cores - trainer) // workers)
     return trainer, rollout
@@ -49,7 +49,7 @@ def resolve_threads(cfg: TidalConfig, cores: int | None = None) -> TidalConfig:
     per_rank = max(1, trainer // cfg.trainer.ranks)
     tail = None
     if cfg.mode == "periodic":
-        tail = tail_thread_total(cfg.trainer.tail_threads, per_rank * cfg.trainer.ranks, cfg.rollout.workers * worker, cores)
+        tail = tail_thread_total(cfg.trainer.tail_threads, per_rank * cfg.trainer.ranks, cfg.rollout.initial_workers * worker, cores)
     return cfg.model_copy(
         update={
             "trainer": cfg.trainer.model_copy(update={"threads": per_rank * cfg.trainer.ranks, "tail_threads": tail}),

@@ -33,4 +33,5 @@ from tidal.config.schema import (  # noqa: F401
     VLLMConfig,
     WarmStartConfig,
     WeightsConfig,
+    WorkerRange,
 )

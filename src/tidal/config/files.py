@@ -120,7 +120,7 @@ NON_TRAINING_KEYS = (
     "trainer.max_skipped_steps",  # raised to resume a run that failed on it
     "reward.timeout_seconds",
     "rollout.workers",
-    "rollout.max_workers",
+    "rollout.workers.",  # the range form's min, max and start
     "rollout.threads",
     "rollout.groups_per_batch",
     "rollout.sync_groups_per_call",

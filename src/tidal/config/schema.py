@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -186,10 +186,33 @@ class ToolLatencyConfig(_Strict):
     p99_over_p50: float = Field(10.0, ge=1)
 
 
+class WorkerRange(_Strict):
+    """An elastic rollout pool: `tidal run` starts `start` workers and `tidal scale` moves the count
+    anywhere in [min, max] while the run goes on (workers join and leave at any moment)."""
+
+    min: PositiveInt = 1  # the fewest workers `tidal scale` may leave running
+    max: PositiveInt  # the most workers `tidal scale` may start (tidal plan recommends both)
+    # workers at start: unset, `min`; auto, the capacity planner's count (tidal plan) clipped to [min, max]
+    start: PositiveInt | Literal["auto"] | None = None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> WorkerRange:
+        if self.min > self.max:
+            raise _error(f"min ({self.min}) is above max ({self.max})")
+        if isinstance(self.start, int) and not self.min <= self.start <= self.max:
+            raise _error(f"start ({self.start}) is outside [min {self.min}, max {self.max}]")
+        return self
+
+
 class RolloutConfig(_Strict):
     engine: Literal["hf", "vllm"] = "hf"
-    workers: PositiveInt | Literal["auto"] = 1  # auto: the capacity planner's split (tidal plan)
-    max_workers: PositiveInt | None = None  # the most workers `tidal scale` may set in a running run; unset: no bound
+    workers: PositiveInt | Literal["auto"] | WorkerRange = Field(
+        1,
+        description="rollout workers: a number; `auto`, the capacity planner's split (tidal plan); or a range `{min: 1, max: 4}` "
+        "(optionally `start: N` or `start: auto`): an elastic pool `tidal scale` moves within [min, max] (see [Modes](modes.md#an-elastic-rollout-pool)). "
+        "A number can be changed by `tidal scale` to any count of at least 1. "
+        "The older `rollout.max_workers: M` reads as `{min: 1, max: M, start: <rollout.workers>}`.",
+    )
     group_size: int = Field(8, gt=1)
     max_new_tokens: int = Field(12, gt=0)
     temperature: float = Field(1.0, gt=0)
@@ -249,11 +272,59 @@ class RolloutConfig(_Strict):
             raise _error(f"{repeated} listed more than once")
         return names
 
-    @model_validator(mode="after")
-    def _workers_within_max(self) -> RolloutConfig:
-        if isinstance(self.workers, int) and self.max_workers is not None and self.workers > self.max_workers:
-            raise _error(f"rollout.workers ({self.workers}) is above rollout.max_workers ({self.max_workers})")
-        return self
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _one_form_of_workers(cls, value: Any) -> Any:
+        """One clear error per form (pydantic would list why every form of the union failed)."""
+        if isinstance(value, dict):
+            try:
+                return WorkerRange.model_validate(value)
+            except ValidationError as err:
+                raise _error("; ".join((f"{'.'.join(map(str, e['loc']))}: " if e["loc"] else "") + e["msg"] for e in err.errors())) from None
+        if value == "auto" or isinstance(value, WorkerRange) or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        if isinstance(value, str) and value.isdigit() and int(value) >= 1:
+            return int(value)
+        raise _error(f"a number of at least 1, 'auto' or a range {{min: 1, max: 4}}, not {value!r}")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _max_workers_is_a_range(cls, data: Any) -> Any:
+        """rollout.max_workers (before the range form): `workers: N, max_workers: M` is `workers: {min: 1, max: M, start: N}`."""
+        if not isinstance(data, dict) or data.get("max_workers") is None:
+            return data
+        data = dict(data)
+        bound, workers = data.pop("max_workers"), data.get("workers", 1)
+        if isinstance(workers, dict) or isinstance(workers, WorkerRange):
+            raise _error("rollout.max_workers and a range in rollout.workers: write the bound once, as rollout.workers: {min: 1, max: M}")
+        if isinstance(workers, int) and isinstance(bound, int) and workers > bound:
+            raise _error(f"rollout.workers ({workers}) is above rollout.max_workers ({bound})")
+        data["workers"] = {"min": 1, "max": bound, "start": workers}
+        return data
+
+    @property
+    def worker_bounds(self) -> tuple[int, int | None]:
+        """(fewest, most) rollout workers `tidal scale` may set; most None: no bound."""
+        if isinstance(self.workers, WorkerRange):
+            return self.workers.min, self.workers.max
+        return 1, None
+
+    @property
+    def initial_workers(self) -> int:
+        """Workers a run starts with (`auto` not yet resolved by `tidal run`: 1, or the range's min)."""
+        if isinstance(self.workers, WorkerRange):
+            return self.workers.start if isinstance(self.workers.start, int) else self.workers.min
+        return self.workers if isinstance(self.workers, int) else 1
+
+    @property
+    def most_workers(self) -> int:
+        """The most workers that may run at once as far as the config says (a range's max, else the start)."""
+        return self.worker_bounds[1] or self.initial_workers
+
+    @property
+    def workers_planned(self) -> bool:
+        """Whether `tidal run` asks the capacity planner for the worker count (`auto`, or a range's `start: auto`)."""
+        return self.workers == "auto" or (isinstance(self.workers, WorkerRange) and self.workers.start == "auto")
 
     @model_validator(mode="after")
     def _agent_keys_need_an_env(self) -> RolloutConfig:
@@ -426,7 +497,7 @@ class TidalConfig(_Strict):
         auto = [
             k
             for k, v in (
-                ("rollout.workers", self.rollout.workers),
+                ("rollout.workers", "auto" if self.rollout.workers_planned else None),
                 ("rollout.threads", self.rollout.threads),
                 ("trainer.threads", self.trainer.threads),
             )

@@ -3,6 +3,17 @@ threads, `model` and `measure`) or an accelerator node's devices (`devices`); `t
 `command`. What the launcher uses is re-exported here."""
 
 from tidal.plan.measure import cached_profile
-from tidal.plan.model import Prediction, Profile, Split, apply_plan, wants_plan
+from tidal.plan.model import ElasticPool, Prediction, Profile, Split, apply_plan, format_pool, planned_tail, recommend_pool, wants_plan
 
-__all__ = ["Prediction", "Profile", "Split", "apply_plan", "cached_profile", "wants_plan"]
+__all__ = [
+    "ElasticPool",
+    "Prediction",
+    "Profile",
+    "Split",
+    "apply_plan",
+    "cached_profile",
+    "format_pool",
+    "planned_tail",
+    "recommend_pool",
+    "wants_plan",
+]

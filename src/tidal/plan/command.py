@@ -31,7 +31,19 @@ from pathlib import Path
 
 from tidal.config import ConfigError, load_config
 from tidal.plan.measure import calibration, measure_child, measure_profile
-from tidal.plan.model import Prediction, Profile, Split, best_sync_threads, candidate_splits, planned_tail, predict_periodic, predict_sync, scaled
+from tidal.plan.model import (
+    Prediction,
+    Profile,
+    Split,
+    best_sync_threads,
+    candidate_splits,
+    format_pool,
+    planned_tail,
+    predict_periodic,
+    predict_sync,
+    recommend_pool,
+    scaled,
+)
 
 
 def format_plan(profile: Profile, predictions: list[Prediction], sync: Prediction, sync_threads: int) -> str:
@@ -104,7 +116,12 @@ def main(argv: list[str] | None = None) -> None:
         f"--set trainer.threads={best.split.trainer_threads}, or `auto` for each",
         flush=True,
     )
+    pool = recommend_pool(profile, best.split.worker_threads, best.split.trainer_threads, cfg.trainer.prompts_per_iteration, tail)
+    print(format_pool(pool, best.split.worker_threads), flush=True)
     if args.json_path:
         Path(args.json_path).write_text(
-            json.dumps({"profile": asdict(profile), "predictions": [asdict(p) for p in predictions], "sync": asdict(sync)}, indent=1)
+            json.dumps(
+                {"profile": asdict(profile), "predictions": [asdict(p) for p in predictions], "sync": asdict(sync), "elastic_pool": asdict(pool)},
+                indent=1,
+            )
         )

@@ -161,7 +161,7 @@ def run_figures(run_dir: Path) -> RunFigures:
     for g in run.groups.read():
         if g["iteration"] in kept:
             calls_per_iteration[g["iteration"]].add((g["worker_id"], g["gen_start"]))
-    workers = cfg.rollout.workers if isinstance(cfg.rollout.workers, int) else 1
+    workers = cfg.rollout.initial_workers
     return RunFigures(
         tensor_parallel=cfg.rollout.vllm.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1,
         trainer_ranks=cfg.trainer.ranks,

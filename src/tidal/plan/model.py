@@ -5,6 +5,7 @@ simulation of the periodic pipeline; sync mode beside it). Pure: no measurement,
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from tidal.config import TidalConfig
@@ -161,7 +162,7 @@ def run_split(cfg: TidalConfig, cores: int) -> Split | None:
     if cfg.mode == "sync":
         return None
     trainer, worker = split_cores(cfg, cores)
-    return Split(cfg.rollout.workers, worker, trainer)
+    return Split(cfg.rollout.initial_workers, worker, trainer)
 
 
 def scaled(p: Prediction, factor: float) -> Prediction:
@@ -187,11 +188,78 @@ def best_sync_threads(profile: Profile) -> int:
     return min(profile.generate_seconds, key=lambda t: predict_sync(profile, t).iteration_seconds)
 
 
+@dataclass(frozen=True)
+class ElasticPool:
+    """What the planner recommends for an elastic rollout pool (rollout.workers {min, max}), each with its reason."""
+
+    min: int
+    max: int
+    lag_threshold: int  # pending WORK items per worker above which a worker should join
+    reasons: tuple[str, str, str]  # one line each: min, max, lag threshold
+
+
+FLOOR_SLOWDOWN = 1.5  # the pool's min keeps the predicted iteration within this factor of the max's
+
+
+def recommend_pool(
+    profile: Profile, worker_threads: int, trainer_threads: int, prompts_per_iteration: int, tail_threads: int | str | None = None
+) -> ElasticPool:
+    """An elastic pool for workers of `worker_threads` beside a trainer of `trainer_threads`:
+    - max: the balance point, the fewest workers that generate an iteration (one engine's seconds over
+      the workers) no slower than the trainer trains it: past it, a worker only waits for the trainer.
+      Never more than fit the cores without sharing them, nor more than an iteration's work items;
+    - min: the fewest workers whose predicted iteration is within FLOOR_SLOWDOWN of the max's;
+    - lag threshold: an iteration queues prompts_per_iteration items at once; with more than
+      ceil(prompts / max) of them pending per worker, fewer than max workers share the iteration and
+      generation, not the trainer, sets its time: one more worker is worth starting."""
+    gen_alone, train_alone = _at(profile.generate_seconds, worker_threads), _at(profile.train_seconds, trainer_threads)
+    fit = max(1, (profile.cores - trainer_threads) // worker_threads)
+    balance = max(1, math.ceil(gen_alone / max(train_alone, 1e-9)))
+    most = max(1, min(balance, fit, prompts_per_iteration))
+    if most == balance:
+        why_max = (
+            f"max {most}: {most} worker(s) generate an iteration ({gen_alone:.2f} s of one engine's work, / {most}) no slower than "
+            f"the trainer trains it ({train_alone:.2f} s); more would wait for the trainer"
+        )
+    elif most == fit:
+        why_max = (
+            f"max {most}: {fit} worker(s) of {worker_threads} thread(s) fit the {profile.cores} cores beside the trainer's {trainer_threads}; "
+            f"the trainer would keep up with {balance} ({gen_alone:.2f} s of generation against {train_alone:.2f} s of training), "
+            "but more workers would share cores and slow the trainer"
+        )
+    else:
+        why_max = f"max {most}: an iteration has {prompts_per_iteration} work items; a worker beyond one per item would have nothing to do"
+    predicted = {w: predict_periodic(profile, Split(w, worker_threads, trainer_threads), tail_threads).iteration_seconds for w in range(1, most + 1)}
+    fewest = min(w for w, t in predicted.items() if t <= FLOOR_SLOWDOWN * predicted[most])
+    why_min = (
+        f"min {fewest}: the fewest workers whose predicted iteration ({predicted[fewest]:.2f} s) is within {FLOOR_SLOWDOWN:g}x "
+        f"of the max's ({predicted[most]:.2f} s)"
+    )
+    lag = -(-prompts_per_iteration // most)
+    why_lag = (
+        f"lag threshold {lag}: an iteration queues {prompts_per_iteration} work items at once; more than {lag} pending per worker "
+        f"(WORK queue depth / workers) means fewer than {most} workers share them and generation sets the iteration time: add a worker"
+        if most > 1
+        else f"lag threshold {lag}: an iteration queues {prompts_per_iteration} work items at once and one worker keeps up, "
+        "so the depth per worker never calls for a second"
+    )
+    return ElasticPool(fewest, most, lag, (why_min, why_max, why_lag))
+
+
+def format_pool(pool: ElasticPool, worker_threads: int) -> str:
+    """The elastic pool's recommendation: the setting, then one line of reasoning per figure."""
+    head = (
+        f"elastic pool (workers of {worker_threads} thread(s)): rollout.workers: {{min: {pool.min}, max: {pool.max}}}, "
+        f"add a worker above {pool.lag_threshold} pending work item(s) per worker"
+    )
+    return "\n".join([head, *(f"  {line}" for line in pool.reasons)])
+
+
 # --- measuring --------------------------------------------------------------------------------
 
 
 def wants_plan(cfg: TidalConfig) -> bool:
-    return "auto" in (cfg.rollout.workers, cfg.trainer.threads, cfg.rollout.threads)
+    return cfg.rollout.workers_planned or "auto" in (cfg.trainer.threads, cfg.rollout.threads)
 
 
 def apply_plan(cfg: TidalConfig, profile: Profile) -> tuple[TidalConfig, Prediction]:
@@ -203,13 +271,16 @@ def apply_plan(cfg: TidalConfig, profile: Profile) -> tuple[TidalConfig, Predict
         trainer = {"threads": threads if cfg.trainer.threads == "auto" else cfg.trainer.threads}
         chosen = predict_sync(profile, trainer["threads"] or profile.cores)
     else:
-        fixed = {"workers": cfg.rollout.workers, "worker_threads": cfg.rollout.threads, "trainer_threads": cfg.trainer.threads}
+        workers = None if cfg.rollout.workers_planned else cfg.rollout.initial_workers
+        fixed = {"workers": workers, "worker_threads": cfg.rollout.threads, "trainer_threads": cfg.trainer.threads}
         fixed = {k: v for k, v in fixed.items() if isinstance(v, int)}
-        bound = cfg.rollout.max_workers or profile.cores
-        options = [s for s in candidate_splits(profile.cores) if s.workers <= bound and all(getattr(s, k) == v for k, v in fixed.items())]
-        options = options or [Split(fixed.get("workers", 1), fixed.get("worker_threads", 1), fixed.get("trainer_threads", 1))]
+        fewest, most = cfg.rollout.worker_bounds
+        within = [s for s in candidate_splits(profile.cores) if fewest <= s.workers <= (most or profile.cores)]
+        options = [s for s in within if all(getattr(s, k) == v for k, v in fixed.items())]
+        options = options or [Split(fixed.get("workers", fewest), fixed.get("worker_threads", 1), fixed.get("trainer_threads", 1))]
         chosen = min((predict_periodic(profile, s, planned_tail(cfg)) for s in options), key=lambda p: p.iteration_seconds)
-        rollout = {"workers": chosen.split.workers, "threads": chosen.split.worker_threads}
+        count = chosen.split.workers if most is None else cfg.rollout.workers.model_copy(update={"start": chosen.split.workers})
+        rollout = {"workers": count, "threads": chosen.split.worker_threads}
         trainer = {"threads": chosen.split.trainer_threads}
     resolved = cfg.model_copy(
         update={"rollout": cfg.rollout.model_copy(update=rollout), "trainer": cfg.trainer.model_copy(update=trainer)}, deep=True

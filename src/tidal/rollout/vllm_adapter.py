@@ -86,9 +86,9 @@ def available_memory_bytes() -> int:
 
 
 def engines_on_this_machine(cfg: TidalConfig) -> int:
-    """vLLM engines a local run starts at once: one per rollout worker, plus the held-out curve's."""
+    """vLLM engines a local run may run at once: one per rollout worker (an elastic pool's most), plus the held-out curve's."""
     curve = cfg.eval.enabled and cfg.eval.every and (cfg.eval.engine == "vllm" or (cfg.eval.engine == "rollout" and cfg.rollout.engine == "vllm"))
-    return cfg.rollout.workers + (1 if curve else 0)
+    return cfg.rollout.most_workers + (1 if curve else 0)
 
 
 def cpu_kv_cache_bytes(available: int, engines: int, share: float = 0.4, floor: int = 2**28, ceiling: int = 8 * 2**30) -> int:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,7 +25,17 @@ from tidal.rewards import RewardScorer
 from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
-from tidal.rollout.worker import build_group, compare_probe, decode_work, model_context, snapshot_path, version_to_generate
+from tidal.rollout.worker import (
+    build_group,
+    compare_probe,
+    decode_work,
+    hand_back,
+    log_taken,
+    model_context,
+    raise_if_stop_requested,
+    snapshot_path,
+    version_to_generate,
+)
 from tidal.transport import Transport, keep_in_progress, weight_handshake
 from tidal.transport.health import WorkerHealth, beat, report_refusal
 
@@ -45,8 +56,10 @@ class VLLMRolloutWorker:
         worker_id: str,
         weights_root: Path | None = None,
         scorer: RewardScorer | None = None,
+        stop_requested: Callable[[], bool] = lambda: False,
     ):
         self.weights_root = weights_root
+        self.stop_requested = stop_requested  # SIGTERM came (roles.cancel_on_sigterm): stop pulling
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = tokenizer
@@ -192,7 +205,8 @@ class VLLMRolloutWorker:
         timeout = 0.05 if self.inflight else (0.25 if self.nccl else 1.0)
         pulled = await decode_work(self.transport, await self.transport.fetch(sub, free, timeout=timeout), self.worker_id)
         self.backlog.extend(pulled)
-        if pulled:  # a heartbeat at once lists them (not on every poll while a backlog waits)
+        if pulled:
+            log_taken(self.worker_id, pulled)  # a heartbeat at once lists them (not on every poll while a backlog waits)
             self.health.changed.set()
 
     async def _start_ready(self) -> None:
@@ -242,12 +256,15 @@ class VLLMRolloutWorker:
         keep_alive = asyncio.create_task(self._keep_alive())
         heartbeat = asyncio.create_task(beat(self.transport, self.health))
         last_check = 0.0
+        leaving = "failing"
         try:
             while True:
+                raise_if_stop_requested(self.stop_requested)
                 if not self.inflight and time.time() - last_check > 1.0:
                     last_check = time.time()
                     if await self._stopping():
                         log.info("worker %s: run is over, exiting", self.worker_id)
+                        leaving = ""
                         return
                 if self.nccl and not self.inflight:
                     await self._take_offer()
@@ -258,11 +275,16 @@ class VLLMRolloutWorker:
                     await self._finished(done)
                 else:
                     await self._finished({t for t in self.inflight if t.done()})
+        except asyncio.CancelledError:
+            leaving = "stopping (SIGTERM)"
+            raise
         finally:
             keep_alive.cancel()
             heartbeat.cancel()
             for task in self.inflight:
                 task.cancel()
-            for m, _ in self.backlog:
-                await m.nak()
+            held = [(m, decode_work_item(m.data)) for m in self.inflight.values()] + list(self.backlog)
+            if held or leaving:
+                await hand_back(self.transport, self.health, held, leaving or "exiting")
+            self.backlog.clear()
             self.score_pool.shutdown(wait=False)

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -199,6 +200,56 @@ def model_context(engine) -> int | None:
 
 
 FETCH_LINGER_SECONDS = 0.02  # the trainer publishes an iteration's work items one after another
+HAND_BACK_SECONDS = 5.0  # a leaving worker's NAKs and last heartbeat wait this long for NATS
+
+
+def delivery_count(msg) -> int:
+    """How many times JetStream has delivered `msg` (1: first delivery; more: handed back, or its ack deadline passed)."""
+    try:
+        return int(msg.metadata.num_delivered)
+    except (AttributeError, TypeError, ValueError):
+        return 1
+
+
+async def hand_back(transport: Transport, health: WorkerHealth, held: list[tuple[object, WorkItem]], why: str) -> None:
+    """A worker leaving before its work is done (SIGTERM: a preemption notice or `tidal scale`; an error):
+    every work item it holds goes back to the queue at once (NAK: JetStream redelivers it now, not after
+    transport.ack_wait_seconds), and its last heartbeat says it left and lists only the items that could
+    not be handed back, so the trainer asks again for those alone. With NATS unreachable nothing is lost:
+    the items come back through the heartbeat and the ack deadline, as a killed worker's do."""
+    outcomes = await asyncio.gather(*(asyncio.wait_for(m.nak(), HAND_BACK_SECONDS) for m, _ in held), return_exceptions=True)
+    back = [(it.iteration, it.prompt_id) for (_, it), o in zip(held, outcomes) if not isinstance(o, BaseException)]
+    kept = [it for (_, it), o in zip(held, outcomes) if isinstance(o, BaseException)]
+    health.held, health.left = (lambda: kept), True
+    try:
+        await asyncio.wait_for(transport.put_worker_health(health.record()), HAND_BACK_SECONDS)
+    except Exception as err:  # noqa: BLE001 - the heartbeat's silence tells the trainer instead
+        log.warning("worker %s: its last heartbeat was not sent (%s)", health.worker_id, err)
+    log.info("worker %s %s: handed back %d work item(s) for redelivery %s", health.worker_id, why, len(back), back)
+    if kept:
+        log.warning(
+            "worker %s could not hand back %s: they come back through its heartbeat", health.worker_id, [(k.iteration, k.prompt_id) for k in kept]
+        )
+
+
+def raise_if_stop_requested(stop_requested: Callable[[], bool]) -> None:
+    """SIGTERM came but its cancellation was lost on the way (see roles.cancel_on_sigterm): cancel here."""
+    if stop_requested():
+        raise asyncio.CancelledError("SIGTERM")
+
+
+def log_taken(worker_id: str, pulled: list) -> None:
+    """One line per pull: the items taken, and which of them came back to the queue (delivery > 1)."""
+    again = [(it.iteration, it.prompt_id, n) for m, it in pulled if (n := delivery_count(m)) > 1]
+    log.info(
+        "worker %s took %d work item(s) %s%s",
+        *(
+            worker_id,
+            len(pulled),
+            [(it.iteration, it.prompt_id) for _, it in pulled],
+            f"; redelivered (iteration, prompt, delivery): {again}" if again else "",
+        ),
+    )
 
 
 async def decode_work(transport: Transport, msgs: list, worker_id: str) -> list[tuple[object, WorkItem]]:
@@ -269,8 +320,10 @@ class RolloutWorker:
         worker_id: str,
         weights_root: Path | None = None,
         scorer: RewardScorer | None = None,
+        stop_requested: Callable[[], bool] = lambda: False,
     ):
         self.weights_root = weights_root
+        self.stop_requested = stop_requested  # SIGTERM came (roles.cancel_on_sigterm): stop pulling
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = tokenizer
@@ -320,12 +373,20 @@ class RolloutWorker:
         # every work item this worker holds (pulled, not yet acked) has its ack deadline extended
         keep_alive = asyncio.create_task(keep_in_progress(lambda: [m for m, _ in self.held.values()], self.cfg.transport.ack_wait_seconds / 3))
         publisher = GroupPublisher(self.transport, self.health, self.held)
+        leaving = "failing"
         try:
             await self._serve(publisher)
+            leaving = ""
+        except asyncio.CancelledError:
+            leaving = "stopping (SIGTERM)"
+            raise
         finally:
             keep_alive.cancel()
             heartbeat.cancel()
             publisher.discard()
+            if leaving:
+                await hand_back(self.transport, self.health, list(self.held.values()), leaving)
+                self.held.clear()
             if self.agent is not None:
                 self.agent.close()  # its tools' process
 
@@ -334,6 +395,7 @@ class RolloutWorker:
         prompt_tokens = 16  # until the first prompts are seen: the longest encoded prompt sizes later pulls
         idle_since = time.time()
         while True:
+            raise_if_stop_requested(self.stop_requested)
             if await self.transport.stopping():
                 await publisher.drain()
                 log.info("worker %s: the run or round is over, exiting", self.worker_id)
@@ -348,6 +410,7 @@ class RolloutWorker:
             publisher.raise_if_failed()
             if not pulled:
                 continue
+            log_taken(self.worker_id, pulled)
             iteration = pulled[0][1].iteration
             for m, it in pulled:
                 if it.iteration != iteration:
@@ -385,6 +448,7 @@ class RolloutWorker:
                     g.worker_idle_seconds = idle if published == 0 else 0.0
                     published += 1
                 publisher.submit(list(zip(groups, msgs[published - len(groups) : published])))
+                raise_if_stop_requested(self.stop_requested)  # the rest of the items go back, not into another engine call
             idle_since = time.time()
 
 

@@ -244,6 +244,10 @@ class QueueSource:
         silent = {r["worker_id"]: r for r in silent_records}
         for wid in silent.keys() - self.silent:
             r = silent[wid]
+            if r.get("left"):
+                listed = f"; it could not hand back {r['holding']}, asked for again" if r.get("holding") else ""
+                log.info("worker %s (pid %s on %s) left: it handed back its work items%s", wid, r["pid"], r["host"], listed)
+                continue
             log.warning(
                 "worker %s (pid %s on %s) has sent no heartbeat for %.0fs: the work items its last one listed are asked for again, "
                 "any other goes to another worker within transport.ack_wait_seconds (%.0fs)",

@@ -52,6 +52,7 @@ class WorkerHealth:
     refused_version: int | None = None
     refused_error: str = ""
     refusals: int = 0  # consecutive refusals of refused_version
+    left: bool = False  # its last heartbeat: it stopped and handed back its work items (those it still lists were not)
     held: Callable[[], list] = list  # the WorkItems it holds now (pulled, not yet answered)
     # set when it takes new items: the next heartbeat goes out at once, so a worker killed right after
     # a pull has them listed (else they wait for ack_wait)
@@ -81,6 +82,7 @@ class WorkerHealth:
             "refused_version": self.refused_version,
             "refused_error": self.refused_error,
             "refusals": self.refusals,
+            "left": self.left,
             "holding": [[item.iteration, item.prompt_id] for item in self.held()],
         }
 
@@ -167,6 +169,8 @@ def describe_workers(records: list[dict], now: float, after: float = SILENT_AFTE
     for r in sorted(records, key=lambda r: r["worker_id"]):
         age = now - r["time"]
         state = f"silent for {age:.0f}s" if age > after else f"alive ({age:.1f}s ago)"
+        if r.get("left"):
+            state = f"left {age:.0f}s ago, its work handed back"
         line = f"worker {r['worker_id']} (pid {r['pid']} on {r['host']}): {state}, holds v{r['version']}, {r['groups_published']} groups published"
         if r.get("refused_version") is not None:
             line += f", refused v{r['refused_version']} {r['refusals']}x: {r['refused_error']}"
