@@ -192,7 +192,9 @@ class RewardFunctionConfig(_Strict):
             if stray:
                 raise _error(f"reward.functions[{label}]: {', '.join(stray)} only for type 'judge'")
             if (self.url is None) == (self.serve is None):
-                raise _error(f"reward.functions[{label}]: a reward_model needs exactly one of url (a running server) and serve (tidal run starts one)")
+                raise _error(
+                    f"reward.functions[{label}]: a reward_model needs exactly one of url (a running server) and serve (tidal run starts one)"
+                )
             if self.protocol == "vllm_classify" and not self.model:
                 raise _error(f"reward.functions[{label}]: protocol 'vllm_classify' needs model (the served model's name)")
         if self.type == "judge":
@@ -229,7 +231,9 @@ def _check_judge_template(template: str, label: str) -> None:
         raise _error(f"reward.functions[{label}].prompt_template is not a valid template ({err}); write literal braces as {{{{ }}}}") from None
     unknown = sorted(fields - {"prompt", "completion", "answer"})
     if unknown or "completion" not in fields:
-        raise _error(f"reward.functions[{label}].prompt_template may use {{prompt}} {{completion}} {{answer}} and must use {{completion}}; found {unknown}")
+        raise _error(
+            f"reward.functions[{label}].prompt_template may use {{prompt}} {{completion}} {{answer}} and must use {{completion}}; found {unknown}"
+        )
 
 
 class RewardConfig(_Strict):

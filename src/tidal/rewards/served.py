@@ -313,7 +313,14 @@ class ServedReward:
             self.stats.failed += 1
             self.window.record(True)
             self.last_error = reason
-            log.warning("reward %s: a request of %d sample(s) to %s failed after %d attempt(s): %s (scored 0)", self.cfg.label, len(rows), self.url, attempt + 1, reason)
+            log.warning(
+                "reward %s: a request of %d sample(s) to %s failed after %d attempt(s): %s (scored 0)",
+                self.cfg.label,
+                len(rows),
+                self.url,
+                attempt + 1,
+                reason,
+            )
             return [None] * len(rows)
 
     def check_error_rate(self) -> None:

@@ -74,11 +74,13 @@ def build_app(model: RewardModel):
     def health() -> dict:
         return {"ok": True}
 
-    def get_reward(request: RewardRequest) -> dict:
+    def get_reward(request):
         rewards = model.score(request.query)
         if not all(math.isfinite(r) for r in rewards):
             raise HTTPException(status_code=500, detail="the model gave a non-finite reward")
         return {"rewards": rewards, "scores": rewards}
+
+    get_reward.__annotations__ = {"request": RewardRequest, "return": dict}  # the class itself: this module's annotations are strings
 
     app.post("/")(get_reward)
     app.post("/get_reward")(get_reward)
@@ -151,7 +153,9 @@ class RewardServer:
                 raise RoleFailed(f"reward server for {self.label!r} exited with code {self.proc.returncode} while starting: see {self.log_file}")
             if time.time() > deadline:
                 self.stop()
-                raise RoleFailed(f"reward server for {self.label!r} did not answer on port {self.port} within {READY_TIMEOUT_SECONDS:g}s: see {self.log_file}")
+                raise RoleFailed(
+                    f"reward server for {self.label!r} did not answer on port {self.port} within {READY_TIMEOUT_SECONDS:g}s: see {self.log_file}"
+                )
             time.sleep(0.2)
         log.info("reward server for %s ready on %s (pid %d)", self.label, self.url, self.proc.pid)
 
