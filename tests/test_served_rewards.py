@@ -396,3 +396,29 @@ def _all_processes() -> list[str]:
             except OSError:
                 pass
     return found
+
+
+# --- the built-in tiny reward model ---------------------------------------------------------------------
+
+
+def test_the_reward_models_examples_are_one_right_and_one_wrong_answer_per_problem():
+    import random
+
+    from tidal.data import Problem
+    from tidal.model.reward_model import labelled_examples, wrong_answers
+    from tidal.rewards import exact_match
+
+    rng = random.Random(0)
+    assert all(wrong_answers(a, rng) != str(a) for a in [0, 5, 11, 99, 100, 121, 198] for _ in range(50))
+    problems = [Problem(i, f"{i}+{i}=", str(2 * i)) for i in range(200)]
+    rows = labelled_examples(problems, rng)
+    assert len(rows) == 400 and sum(label for _, _, label in rows) == 200
+    assert all(exact_match(completion, p.answer) == label for (_, completion, label), p in zip(rows, [p for p in problems for _ in (0, 1)]))
+
+
+def test_the_built_in_reward_model_is_for_the_tiny_arithmetic_model_only(tiny_config):
+    from tidal.model.reward_model import prepare_reward_model
+
+    cfg = tiny_config.model_copy(update={"model": tiny_config.model.model_copy(update={"name_or_path": "/models/qwen"})})
+    with pytest.raises(ValueError, match=r"reward.functions\[\].serve.model is unset: the built-in reward model is for the tiny model"):
+        prepare_reward_model(cfg, "/models/qwen")

@@ -260,7 +260,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
         bar = ProgressBar(cfg.trainer.iterations, show_progress)
         extra: dict = {}
         curve = start_curve_eval(cfg, run, child_options(lock))
-        reward_servers = RewardServers(cfg, run.logs, child_options(lock))
+        reward_servers = RewardServers(cfg, run.logs, child_options(lock), info.base_model)
         try:
             # every role reads the urls of the reward servers started here from its environment
             os.environ.update(reward_servers.start())

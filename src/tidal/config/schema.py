@@ -110,8 +110,10 @@ class ServeRewardModelConfig(_Strict):
     """`tidal run` starts a reward server (`tidal serve-reward`) for this entry, beside nats-server,
     and stops it with the run; the entry's url is then the server's."""
 
-    model: str  # a Hugging Face directory of an AutoModelForSequenceClassification
-    port: int | None = Field(None, gt=0, lt=65536)  # None: a free port
+    # a Hugging Face directory of an AutoModelForSequenceClassification; None: the built-in tiny reward
+    # model of the arithmetic task (trained from the warm start on right vs wrong answers, cached)
+    model: str | None = None
+    port: int | None = Field(None, gt=0, lt=65536)  # the server's port on 127.0.0.1; None: a free one
     batch_size: int = Field(64, gt=0)  # rows per forward pass on the server
     output: Literal["logit", "sigmoid"] = "logit"  # the reward: the model's first logit, or its sigmoid
 
@@ -147,11 +149,10 @@ class RewardFunctionConfig(_Strict):
     # reward_parts and the logs (default: the type)
     name: str | None = None
     weight: float = 1.0
-    # reward_model and judge:
-    # reward_model: the endpoint (OpenRLHF: the POST url; vllm_classify: the server's base url, /classify
+    # reward_model: the endpoint (openrlhf: the POST url; vllm_classify: the server's base url, /classify
     # is added); judge: the base url of an OpenAI-compatible API (/chat/completions is added)
     url: str | None = None
-    model: str | None = None  # the served model's name (vllm_classify and judge requests carry it)
+    model: str | None = None  # vllm_classify and judge: the served model's name, sent with each request
     # reward_model: openrlhf ({"query", "prompts", "labels"} -> {"rewards"}) or vllm_classify (vLLM's /classify)
     protocol: Literal["openrlhf", "vllm_classify"] = "openrlhf"
     batch_size: int = Field(32, gt=0)  # samples per request (reward_model; a judge request is one sample); across groups
@@ -163,17 +164,16 @@ class RewardFunctionConfig(_Strict):
     # the run stops, naming the endpoint, when more than this share of the last `error_window` requests
     # failed after their retries (a failed request scores its samples 0, counted in reward_errors)
     max_error_rate: float = Field(0.2, ge=0, le=1)
-    error_window: int = Field(20, gt=0)
+    error_window: int = Field(20, gt=0)  # requests the error rate is measured over (the latest ones)
     serve: ServeRewardModelConfig | None = None  # reward_model only: `tidal run` serves `serve.model` itself
-    # judge only:
-    prompt_template: str = DEFAULT_JUDGE_TEMPLATE  # fields {prompt} {completion} {answer}; literal braces as {{ }}
-    # how the judge's reply becomes a score: number (the last number in it), yes_no (yes 1, no 0),
+    prompt_template: str = DEFAULT_JUDGE_TEMPLATE  # judge: the rubric, with {prompt} {completion} {answer}; literal braces as {{ }}
+    # judge: how a reply becomes a score: number (the last number in it), yes_no (yes 1, no 0),
     # json (the field `score_field` of the JSON object in it; true/false count as 1/0)
     score: Literal["number", "yes_no", "json"] = "yes_no"
-    score_field: str = "score"
-    samples: int = Field(1, gt=0)  # judge replies per sample (the request's n), averaged
-    temperature: float = Field(0.0, ge=0)  # rollout.deterministic: 0, and the request carries the run's seed
-    max_tokens: int = Field(256, gt=0)
+    score_field: str = "score"  # judge, score json: the verdict's field
+    samples: int = Field(1, gt=0)  # judge: replies per sample (the request's n), averaged
+    temperature: float = Field(0.0, ge=0)  # judge: sampling temperature; with rollout.deterministic 0, and the request carries the run's seed
+    max_tokens: int = Field(256, gt=0)  # judge: the longest reply
 
     @model_validator(mode="after")
     def _keys_fit_the_type(self) -> RewardFunctionConfig:

@@ -107,7 +107,7 @@ def check_reward_names(cfg: RewardConfig) -> None:
     for f in cfg.functions:
         if f.type == "function":
             resolve(f.name)
-        elif f.serve is not None and not Path(f.serve.model, "config.json").is_file():
+        elif f.serve is not None and f.serve.model is not None and not Path(f.serve.model, "config.json").is_file():
             raise RewardError(f"reward.functions[{f.label}].serve.model: {f.serve.model} is not a model directory (no config.json)")
 
 

@@ -129,8 +129,9 @@ def healthy(url: str) -> bool:
 class RewardServer:
     """One `tidal serve-reward` child process on 127.0.0.1, restarted on its port when it dies."""
 
-    def __init__(self, label: str, serve, log_file: Path, popen_options: dict | None = None):
+    def __init__(self, label: str, serve, log_file: Path, popen_options: dict | None = None, model: str | Path | None = None):
         self.label, self.serve, self.log_file = label, serve, log_file
+        self.model = model or serve.model
         self.port = serve.port or free_port()
         self.options = popen_options or {}
         self.proc: subprocess.Popen | None = None
@@ -141,7 +142,7 @@ class RewardServer:
         return f"http://127.0.0.1:{self.port}/get_reward"
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "tidal.cli", "serve-reward", str(self.serve.model), "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "tidal.cli", "serve-reward", str(self.model), "--port", str(self.port)]
         cmd += ["--batch-size", str(self.serve.batch_size), "--output", self.serve.output]
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with self.log_file.open("ab") as out:
@@ -184,8 +185,18 @@ class RewardServer:
 class RewardServers:
     """The reward servers a run's config asks `tidal run` for (reward.functions entries with `serve`)."""
 
-    def __init__(self, cfg, logs: Path, popen_options: dict | None = None):
-        self.servers = [RewardServer(f.label, f.serve, logs / f"reward-server-{f.label}.log", popen_options) for f in cfg.reward.functions if f.serve]
+    def __init__(self, cfg, logs: Path, popen_options: dict | None = None, base_model: str | Path | None = None):
+        """`base_model`: the run's warm start, which the built-in reward model (`serve.model` unset) starts from."""
+        self.servers = []
+        for f in cfg.reward.functions:
+            if f.serve is None:
+                continue
+            model = f.serve.model
+            if model is None:
+                from tidal.model.reward_model import prepare_reward_model
+
+                model = prepare_reward_model(cfg, base_model)
+            self.servers.append(RewardServer(f.label, f.serve, logs / f"reward-server-{f.label}.log", popen_options, model))
 
     def start(self) -> dict[str, str]:
         """Starts them all, waits until each answers; the environment for the roles (their urls)."""
