@@ -141,3 +141,14 @@ def test_tidal_bench_trainer_shows_fsdp2_halving_memory_per_rank(tmp_path):
     assert lora["param_bytes"] > full["param_bytes"]  # the base plus the adapter
     assert lora["grad_bytes"] + lora["optimizer_bytes"] < 0.5 * (full["grad_bytes"] + full["optimizer_bytes"])
     assert "model.lora runs on one trainer process" in report["skipped"]["fsdp2@2+lora"]
+
+
+def test_tidal_bench_served_reward_writes_both_ways_figures(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--latency", "0.2", "--calls", "2", "--groups-per-call", "2", "--group-size", "2", "--max-new-tokens", "4", "--reps", "1"]
+    proc = run_cli("bench", "served-reward", *args, "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["best"]["no_overlap"] > 0 and figures["best"]["overlap"] > 0 and figures["latency"] == 0.2
+    assert figures["ratio"] == figures["best"]["no_overlap"] / figures["best"]["overlap"]
+    assert "no overlap" in proc.stdout
