@@ -89,9 +89,19 @@ def accuracy(model, tokenizer, encode, rows) -> float:
 def train_reward_model(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], held_out: list[Problem], seed: int):
     """The classifier, trained from the warm start's weights (its head new); returns it with its
     held-out accuracy on correct vs wrong answers."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # rows of a dozen tokens: more threads only wait on each other
+    try:
+        return _train(cfg, base_model, problems, held_out, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], held_out: list[Problem], seed: int):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(base_model)
     model = AutoModelForSequenceClassification.from_pretrained(base_model, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -110,7 +120,7 @@ def train_reward_model(cfg: TidalConfig, base_model: str | Path, problems: list[
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 250 == 0:
+        if step % 100 == 0:
             log.info("reward model step %d: loss %.3f", step, loss.item())
     model.eval()
     held = accuracy(model, tokenizer, encode, labelled_examples(held_out, random.Random(seed + 1)))
