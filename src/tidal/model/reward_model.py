@@ -21,14 +21,14 @@ from tidal.data import Problem, arithmetic_completion, load_dataset, prompt_enco
 
 log = logging.getLogger(__name__)
 
-STEPS = 400
+STEPS = 800
 BATCH_SIZE = 64
 LR = 1e-3
 
 
 def reward_model_key(cfg: TidalConfig, base_model: str | Path) -> str:
     spec = {
-        "format": 1,
+        "format": 2,
         "base": Path(base_model).name,  # the warm start's own key
         "data": cfg.data.model_dump(mode="json", exclude={"num_eval", "eval_path"}),
         "training": [STEPS, BATCH_SIZE, LR],
@@ -55,16 +55,21 @@ def wrong_answers(answer: int, rng: random.Random) -> str:
     return str(wrong if wrong != answer else answer + 1)
 
 
-def labelled_examples(problems: list[Problem], rng: random.Random) -> list[tuple[str, str, float]]:
-    """(problem, completion, label): each problem once right and once wrong (a near miss, a
-    malformed line, or an unfinished one)."""
+def labelled_examples(problems: list[Problem], rng: random.Random, pool: list[Problem] | None = None) -> list[tuple[str, str, float]]:
+    """(problem, completion, label): each problem once right and once wrong: a near miss, the answer of
+    another problem of `pool` (so that the model must read the problem, not judge the answer's look
+    alone), a line without "A:", or an unfinished one."""
+    pool = pool or problems
     out = []
     for p in problems:
         out.append((p.prompt, arithmetic_completion(p.answer), 1.0))
         kind = rng.random()
-        if kind < 0.8:
+        if kind < 0.45:
             wrong = arithmetic_completion(wrong_answers(int(p.answer), rng))
-        elif kind < 0.9:
+        elif kind < 0.85:
+            other = rng.choice(pool).answer
+            wrong = arithmetic_completion(other if other != p.answer else wrong_answers(int(p.answer), rng))
+        elif kind < 0.93:
             wrong = p.answer  # no "A:" line
         else:
             wrong = "A:"
@@ -112,7 +117,7 @@ def _train(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], he
     loss_fn = torch.nn.BCEWithLogitsLoss()
     model.train()
     for step in range(1, STEPS + 1):
-        rows = labelled_examples(rng.sample(problems, BATCH_SIZE // 2), rng)
+        rows = labelled_examples(rng.sample(problems, BATCH_SIZE // 2), rng, problems)
         ids, mask, labels = batch_tensors(tokenizer, encode, rows)
         loss = loss_fn(model(input_ids=ids, attention_mask=mask).logits[:, 0], labels)
         opt.zero_grad(set_to_none=True)
@@ -123,7 +128,7 @@ def _train(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], he
         if step % 100 == 0:
             log.info("reward model step %d: loss %.3f", step, loss.item())
     model.eval()
-    held = accuracy(model, tokenizer, encode, labelled_examples(held_out, random.Random(seed + 1)))
+    held = accuracy(model, tokenizer, encode, labelled_examples(held_out, random.Random(seed + 1)))  # its own problems' answers as distractors
     return model, tokenizer, held
 
 
