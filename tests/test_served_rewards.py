@@ -422,3 +422,14 @@ def test_the_built_in_reward_model_is_for_the_tiny_arithmetic_model_only(tiny_co
     cfg = tiny_config.model_copy(update={"model": tiny_config.model.model_copy(update={"name_or_path": "/models/qwen"})})
     with pytest.raises(ValueError, match=r"reward.functions\[\].serve.model is unset: the built-in reward model is for the tiny model"):
         prepare_reward_model(cfg, "/models/qwen")
+
+
+def test_the_reward_models_loss_ranks_each_right_answer_above_its_wrong_one():
+    import torch
+
+    from tidal.model.reward_model import pair_loss
+
+    labels = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    ranked = pair_loss(torch.tensor([3.0, -3.0, 2.0, -2.0]), labels)
+    reversed_ = pair_loss(torch.tensor([-3.0, 3.0, -2.0, 2.0]), labels)
+    assert ranked < 0.2 < 3.0 < reversed_

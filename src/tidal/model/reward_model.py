@@ -28,7 +28,7 @@ LR = 1e-3
 
 def reward_model_key(cfg: TidalConfig, base_model: str | Path) -> str:
     spec = {
-        "format": 2,
+        "format": 3,
         "base": Path(base_model).name,  # the warm start's own key
         "data": cfg.data.model_dump(mode="json", exclude={"num_eval", "eval_path"}),
         "training": [STEPS, BATCH_SIZE, LR],
@@ -84,16 +84,24 @@ def batch_tensors(tokenizer, encode, rows: list[tuple[str, str, float]]) -> tupl
     return enc.input_ids, enc.attention_mask, torch.tensor([label for _, _, label in rows])
 
 
-def accuracy(model, tokenizer, encode, rows) -> float:
-    ids, mask, labels = batch_tensors(tokenizer, encode, rows)
+def ranking_accuracy(model, tokenizer, encode, rows) -> float:
+    """The share of problems whose right answer scores above its wrong one (rows in pairs)."""
+    ids, mask, _ = batch_tensors(tokenizer, encode, rows)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits[:, 0]
-    return float(((logits > 0).float() == labels).float().mean())
+    return float((logits[0::2] > logits[1::2]).float().mean())
+
+
+def pair_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Bradley-Terry on each (right, wrong) pair of one problem (what RL needs: the right answer
+    ranked above the wrong ones of its group), plus the labels' cross-entropy (a score near 0 or 1)."""
+    ranking = -torch.nn.functional.logsigmoid(logits[0::2] - logits[1::2]).mean()
+    return ranking + torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
 
 
 def train_reward_model(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], held_out: list[Problem], seed: int):
     """The classifier, trained from the warm start's weights (its head new); returns it with its
-    held-out accuracy on correct vs wrong answers."""
+    held-out ranking accuracy (right above wrong)."""
 
     torch.manual_seed(seed)
     threads = torch.get_num_threads()
@@ -114,12 +122,11 @@ def _train(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], he
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / STEPS))
-    loss_fn = torch.nn.BCEWithLogitsLoss()
     model.train()
     for step in range(1, STEPS + 1):
         rows = labelled_examples(rng.sample(problems, BATCH_SIZE // 2), rng, problems)
         ids, mask, labels = batch_tensors(tokenizer, encode, rows)
-        loss = loss_fn(model(input_ids=ids, attention_mask=mask).logits[:, 0], labels)
+        loss = pair_loss(model(input_ids=ids, attention_mask=mask).logits[:, 0], labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -128,7 +135,7 @@ def _train(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], he
         if step % 100 == 0:
             log.info("reward model step %d: loss %.3f", step, loss.item())
     model.eval()
-    held = accuracy(model, tokenizer, encode, labelled_examples(held_out, random.Random(seed + 1)))  # its own problems' answers as distractors
+    held = ranking_accuracy(model, tokenizer, encode, labelled_examples(held_out, random.Random(seed + 1)))
     return model, tokenizer, held
 
 
@@ -147,12 +154,14 @@ def prepare_reward_model(cfg: TidalConfig, base_model: str | Path) -> Path:
     dataset = load_dataset(cfg.data, cfg.seed)
     t0 = time.time()
     model, tokenizer, held = train_reward_model(cfg, base_model, dataset.train, dataset.eval[:500], cfg.seed)
-    log.info("built-in reward model: %d steps in %.1fs, held-out accuracy (right vs wrong answers) %.3f", STEPS, time.time() - t0, held)
+    log.info(
+        "built-in reward model: %d steps in %.1fs, held-out: the right answer above the wrong one for %.3f of problems", STEPS, time.time() - t0, held
+    )
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "tidal_reward_model.json").write_text(json.dumps({"held_out_accuracy": held, "steps": STEPS}))
+    (tmp / "tidal_reward_model.json").write_text(json.dumps({"held_out_ranking_accuracy": held, "steps": STEPS}))
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.rename(tmp, target)
