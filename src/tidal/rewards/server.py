@@ -95,6 +95,7 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="rows per forward pass")
     p.add_argument("--output", choices=["logit", "sigmoid"], default="logit", help="the reward: the first logit, or its sigmoid")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (CPU); default: torch's own")
     p.set_defaults(func=serve_command)
 
 
@@ -106,6 +107,10 @@ def serve_command(args: argparse.Namespace) -> int:
     setup_logging()
     if not Path(args.model_dir, "config.json").is_file():
         raise FileNotFoundError(f"{args.model_dir} is not a model directory (no config.json)")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model = RewardModel(args.model_dir, args.batch_size, args.output, args.device)
     log.info("serving reward model %s on http://%s:%d", args.model_dir, args.host, args.port)
     uvicorn.run(build_app(model), host=args.host, port=args.port, log_level="warning")
@@ -143,7 +148,7 @@ class RewardServer:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "tidal.cli", "serve-reward", str(self.model), "--port", str(self.port)]
-        cmd += ["--batch-size", str(self.serve.batch_size), "--output", self.serve.output]
+        cmd += ["--batch-size", str(self.serve.batch_size), "--output", self.serve.output, "--threads", str(self.serve.threads)]
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with self.log_file.open("ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **self.options)
