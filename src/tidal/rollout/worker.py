@@ -316,8 +316,10 @@ class RolloutWorker:
         self.health = WorkerHealth(worker_id)
         self.backoff = 0.0
         self.prompt_tokens = 16  # until the first prompts are seen: the longest encoded prompt sizes later pulls
-        # scores one engine call's groups while the engine runs the next; one thread: the scorer's counts stay exact
-        self.scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring")
+        # served rewards: one engine call's groups are scored while the engine runs the next (one thread: the
+        # scorer's counts stay exact). In-process functions score in microseconds: they stay inline, where
+        # the groups go out soonest (tests/test_end_to_end.py's overlap check saw the thread hop delay them)
+        self.scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring") if self.scorer.served is not None else None
         self.held: dict = {}  # id(message) -> (message, WorkItem): pulled, not yet acked (nats messages do not hash)
         self.health.held = lambda: [it for _, it in self.held.values()]  # the heartbeat lists them: a silent worker's items are asked for again
 
@@ -363,7 +365,8 @@ class RolloutWorker:
             keep_alive.cancel()
             heartbeat.cancel()
             publisher.discard()
-            self.scoring.shutdown(wait=False, cancel_futures=True)
+            if self.scoring is not None:
+                self.scoring.shutdown(wait=False, cancel_futures=True)
             if self.agent is not None:
                 self.agent.close()  # its tools' process
 
@@ -419,10 +422,10 @@ class RolloutWorker:
                 publisher.submit(self._scored(pending, msgs, taken, load_seconds, idle))
             idle_since = time.time()
 
-    async def _scored(self, pending: Future, msgs: list, taken: list[int], load_seconds: float, idle: float) -> list[tuple[Group, object]]:
-        """One engine call's groups once scored, paired with their work items' messages. The
-        publisher runs these in order, so `taken` counts the pull's groups before this call's."""
-        groups = await asyncio.wrap_future(pending)
+    async def _scored(self, pending, msgs: list, taken: list[int], load_seconds: float, idle: float) -> list[tuple[Group, object]]:
+        """One engine call's groups (or a Future of them, being scored), paired with their work items'
+        messages. The publisher runs these in order, so `taken` counts the pull's groups before this call's."""
+        groups = await asyncio.wrap_future(pending) if isinstance(pending, Future) else pending
         start = taken[0]
         taken[0] += len(groups)
         self.prompt_tokens = max([self.prompt_tokens, *(len(g.prompt_ids) for g in groups)])
