@@ -164,3 +164,14 @@ def test_tidal_bench_trainer_shows_fsdp2_halving_memory_per_rank(tmp_path):
     assert results["single@1+lora"]["version_bytes"] < 0.5 * single["version_bytes"]
     assert single["version_bytes"] == results["fsdp2@2"]["version_bytes"]  # rank 0 gathered the whole model
     assert "snapshot" in proc.stdout and "load" in proc.stdout
+
+
+def test_tidal_bench_served_reward_writes_both_ways_figures(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--latency", "0.2", "--calls", "2", "--groups-per-call", "2", "--group-size", "2", "--max-new-tokens", "4", "--reps", "1"]
+    proc = run_cli("bench", "served-reward", *args, "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["best"]["no_overlap"] > 0 and figures["best"]["overlap"] > 0 and figures["latency"] == 0.2
+    assert figures["ratio"] == figures["best"]["no_overlap"] / figures["best"]["overlap"]
+    assert "no overlap" in proc.stdout

@@ -1,4 +1,4 @@
-"""`tidal run | scale | rollout-worker | train | eval | bench | plan | chaos | ui | report | export | compile | submit`.
+"""`tidal run | scale | rollout-worker | train | eval | bench | plan | chaos | ui | report | export | serve-reward | compile | submit`.
 
 Every subcommand dispatches the same way: its parser sets ``func``, the handler that takes the
 parsed arguments and returns the exit status; `_main` calls it and turns the errors every
@@ -88,8 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
         chaos_command,
     )
     from tidal import export, report, scale, ui
+    from tidal.rewards import server as reward_server
 
     scale.register(sub)
+    reward_server.register(sub)
     ui.register(sub)
     report.register(sub)
     export.register(sub)
@@ -227,7 +229,8 @@ def _main(argv: list[str] | None) -> int:
     except Exception as err:
         import nats.errors
 
-        from tidal.protocol import NATS_LOST_EXIT, WEIGHTS_DID_NOT_ARRIVE_EXIT
+        from tidal.protocol import NATS_LOST_EXIT, REWARD_SERVER_FAILED_EXIT, WEIGHTS_DID_NOT_ARRIVE_EXIT
+        from tidal.rewards.served import RewardServerError
         from tidal.supervise import RoleFailed
         from tidal.trainer.guard import SkippedStepsError
         from tidal.transport import NatsUnavailableError
@@ -236,6 +239,9 @@ def _main(argv: list[str] | None) -> int:
         if isinstance(err, WeightsDidNotArriveError):
             print(f"tidal: {err}", file=sys.stderr)
             return WEIGHTS_DID_NOT_ARRIVE_EXIT
+        if isinstance(err, RewardServerError):
+            print(f"tidal: {err}", file=sys.stderr)
+            return REWARD_SERVER_FAILED_EXIT
         if isinstance(err, (RoleFailed, SkippedStepsError)):
             print(f"tidal: {err}", file=sys.stderr)
             return 1

@@ -85,6 +85,8 @@ NOTES = {
     "reward.functions": "The reward functions, summed with their weights.",
     "reward.overlong_penalty": "The penalty at the length limit; it grows linearly over the last `overlong_buffer` tokens.",
     "reward.functions[].weight": "This function's weight in the summed reward.",
+    "reward.functions[].type": "`function`: `name` is a registered reward or `module:function`; `reward_model` or `judge`: "
+    "a model behind HTTP (see [Rewards from served models](served-rewards.md)).",
     "rollout.engine": "`hf`: transformers generation in the worker; `vllm`: vLLM's AsyncLLM. See [vLLM](vllm.md).",
     "rollout.group_size": "G: samples per prompt (one group).",
     "rollout.max_new_tokens": "Longest response, in tokens.",

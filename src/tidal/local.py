@@ -49,7 +49,7 @@ class ProgressBar:
         self.bar.close()
 
 
-def run_periodic_local(cfg: TidalConfig, run: RunDir, bar: ProgressBar, lock: RunDirLock | None = None) -> dict:
+def run_periodic_local(cfg: TidalConfig, run: RunDir, bar: ProgressBar, lock: RunDirLock | None = None, reward_servers=None) -> dict:
     """Starts NATS (embedded unless transport.nats_url), the trainer and the workers, and supervises
     them until the trainer is done. Stopped (a signal): every process is stopped, the run state says "stopped"."""
     from tidal.transport import NatsUnavailableError
@@ -78,6 +78,8 @@ def run_periodic_local(cfg: TidalConfig, run: RunDir, bar: ProgressBar, lock: Ru
         while not done:
             if supervisor is not None:
                 supervisor.check()
+            if reward_servers is not None:
+                reward_servers.check()
             done = roles.check()
             new, seen = run.metrics.read_from(seen)
             for m in new:
@@ -244,6 +246,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
         print(result_table(done, run.root, done.get("wall_seconds", 0.0)), flush=True)
         return done
     from tidal.evaluate import eval_engine_kind, evaluate_snapshot, open_engine
+    from tidal.rewards.server import RewardServers
     from tidal.roles import sync_trainer
 
     set_threads(os.cpu_count() or 1)
@@ -264,15 +267,19 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
         bar = ProgressBar(cfg.trainer.iterations, show_progress)
         extra: dict = {}
         curve = start_curve_eval(cfg, run, child_options(lock))
+        reward_servers = RewardServers(cfg, run.logs, child_options(lock), info.base_model)
         try:
+            # every role reads the urls of the reward servers started here from its environment
+            os.environ.update(reward_servers.start())
             if cfg.mode == "sync":
                 if isinstance(cfg.trainer.threads, int):  # set, or chosen by the planner; else every core
                     set_threads(cfg.trainer.threads)
                 sync_trainer(cfg, RunDir(run.root, bar.update), dataset, tracker, engine)
             else:
-                extra = run_periodic_local(cfg, run, bar, lock)
+                extra = run_periodic_local(cfg, run, bar, lock, reward_servers)
             finish_curve_eval(curve, run)
         finally:
+            reward_servers.stop()
             bar.close()
             if curve is not None and curve.poll() is None:
                 curve.kill()

@@ -24,6 +24,7 @@ _NDARRAY_EXT = 1
 # A role's exit code when NATS cannot be reached (EX_TEMPFAIL): the launcher may restart it.
 NATS_LOST_EXIT = 75
 WEIGHTS_DID_NOT_ARRIVE_EXIT = 76  # a rollout worker's engine computes with other weights than the trainer published: not restarted
+REWARD_SERVER_FAILED_EXIT = 77  # a served reward failed more than its max_error_rate: not restarted
 
 
 class ProtocolError(ValueError):
@@ -126,6 +127,9 @@ class Group:
     # multi-turn rollouts: the environment's counts summed over the group's trajectories (turns,
     # tool calls, tool errors, ...); None (left off the wire) for single-turn groups
     env_stats: dict[str, float] | None = None
+    # scoring: seconds spent and the served rewards' request counts (tidal.rewards.served), for the
+    # engine call this group came from (on its first group); None (left off the wire) otherwise
+    reward_stats: dict[str, float] | None = None
 
     @property
     def msg_id(self) -> str:
@@ -210,7 +214,7 @@ def _ext_hook(code: int, data: bytes):
 
 # Optional fields left off the wire when unset, so messages that do not use them keep their size and
 # older readers' view of them (a single-turn sample has no loss mask).
-_OMITTED_WHEN_NONE = frozenset({"loss_mask", "env_stats"})
+_OMITTED_WHEN_NONE = frozenset({"loss_mask", "env_stats", "reward_stats"})
 _MAX_ENV_STATS = 64  # named counts a group may carry
 
 
@@ -428,6 +432,7 @@ def group_from(data: Any, limits: GroupLimits = GroupLimits()) -> Group:
     if not group.prompt_ids.size:
         raise ProtocolError(f"{where}.prompt_ids: empty prompt")
     group.env_stats = _env_stats(d.get("env_stats"), f"{where}.env_stats")
+    group.reward_stats = _env_stats(d.get("reward_stats"), f"{where}.reward_stats")
     return group
 
 

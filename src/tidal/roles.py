@@ -191,11 +191,16 @@ async def main_trainer(
             raise
 
 
+def judge_seed(cfg: TidalConfig) -> int | None:
+    """rollout.deterministic: LLM judges sample at temperature 0 with the run's seed."""
+    return cfg.seed if cfg.rollout.deterministic else None
+
+
 def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: WeightStore, engine=None) -> InProcessSource:
     """Sync mode's source: generation in this process. `engine` None: the HF engine over the
     learner's own model (no copy); else an engine with `load_snapshot` (vLLM) that loads version v
     from the weight store before generating it."""
-    scorer = RewardScorer.from_config(cfg.reward)
+    scorer = RewardScorer.from_config(cfg.reward, seed=judge_seed(cfg))
     if engine is None:
         engine = HFEngine.for_rollout(learner.model, tokenizer, cfg.rollout)
         load_weights = None
@@ -256,7 +261,7 @@ async def worker_role(cfg: TidalConfig, run: RunDir, nats_url: str, worker_id: s
     set_threads(split_cores(cfg)[1])
     # user rewards' process starts beside the model load; not before vLLM, whose engine processes
     # would inherit its pipes and keep it alive after this worker dies
-    scorer = RewardScorer.from_config(cfg.reward, prestart=cfg.rollout.engine == "hf")
+    scorer = RewardScorer.from_config(cfg.reward, prestart=cfg.rollout.engine == "hf", seed=judge_seed(cfg))
     engine, tokenizer, worker_class = rollout_engine(cfg, info.base_model)
     try:
         async with session(nats_url, info.run_id, cfg.transport) as transport:
@@ -266,6 +271,7 @@ async def worker_role(cfg: TidalConfig, run: RunDir, nats_url: str, worker_id: s
             await worker.run()
     finally:
         engine.shutdown()  # vLLM's engine processes would otherwise outlive the worker
+        scorer.close()
     return worker.groups_published
 
 

@@ -68,6 +68,8 @@ def summarize(
         "rollout_idle_seconds_mean": mean("rollout_idle_seconds"),
         "pipeline_efficiency_mean": mean("pipeline_efficiency"),
         "generation_tail_seconds_mean": mean("generation_tail_seconds"),
+        "reward_seconds_mean": mean("reward_seconds"),
+        **served_reward_totals(history),
         "eval_samples_per_prompt": cfg.eval.samples_per_prompt,
         "staleness_max": max((m["staleness_max"] for m in history), default=0.0),
         "reward_errors": sum(m["reward_errors"] for m in history),
@@ -86,6 +88,29 @@ def summarize(
         "mlflow_run_id": info.mlflow_run_id,
         "tracking_uri": info.tracking_uri,
     }
+
+
+SERVED_COUNTS = ("reward_server_requests", "reward_server_samples", "reward_server_retries", "reward_server_failed_requests")
+
+
+def served_reward_totals(history: list[dict]) -> dict:
+    """The served rewards' requests over the run (reward_model / judge entries); {} without them."""
+    if not any("reward_server_requests" in m for m in history):
+        return {}
+    totals = {k: int(sum(m.get(k, 0.0) for m in history)) for k in SERVED_COUNTS}
+    totals["reward_server_seconds_mean"] = mean_of(history, "reward_server_seconds")
+    return totals
+
+
+def served_lines(summary: dict) -> list[str]:
+    if "reward_server_requests" not in summary:
+        return []
+    requests = summary["reward_server_requests"]
+    batch = summary["reward_server_samples"] / requests if requests else 0.0
+    return [
+        f"  reward server        {requests} requests (mean batch {batch:.1f} samples), {summary['reward_server_retries']} retries, "
+        f"{summary['reward_server_failed_requests']} failed after retries; {summary['reward_server_seconds_mean']:.2f}s/iteration in requests"
+    ]
 
 
 def at_k_lines(summary: dict) -> list[str]:
@@ -176,7 +201,9 @@ def result_table(summary: dict, run_dir: Path, wall: float) -> str:
             f"  seconds / iteration  {summary['iteration_seconds_mean']:.2f}  =  "
             + " | ".join(f"{label} {summary[key]:.2f}" for label, key, _ in TIME_SPLIT[1:])
             + "; "
-            f"pipeline efficiency {summary['pipeline_efficiency_mean']:.2f}, generation tail {summary['generation_tail_seconds_mean']:.2f}s",
+            f"pipeline efficiency {summary['pipeline_efficiency_mean']:.2f}, generation tail {summary['generation_tail_seconds_mean']:.2f}s; "
+            f"scoring {summary.get('reward_seconds_mean', 0.0):.2f} (beside generate)",
+            *served_lines(summary),
             f"  groups               generated {summary['groups_generated']}, trained {summary['groups_trained']}, "
             f"filtered {summary['groups_filtered']}, discarded {summary['groups_discarded']}; staleness max {summary['staleness_max']:.0f}, "
             f"log-prob mismatch max {summary.get('logprob_mismatch_max', 0.0):.2g}",

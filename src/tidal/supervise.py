@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tidal.config import TidalConfig
-from tidal.protocol import NATS_LOST_EXIT, WEIGHTS_DID_NOT_ARRIVE_EXIT
+from tidal.protocol import NATS_LOST_EXIT, REWARD_SERVER_FAILED_EXIT, WEIGHTS_DID_NOT_ARRIVE_EXIT
 from tidal.rundir import RunDir, RunDirLock
 from tidal.threads import split_cores
 from tidal.transport.server import EmbeddedNats, reachable
@@ -290,7 +290,8 @@ class RoleProcesses:
             self.scale()
         for wid, proc in list(self.workers.items()):
             code = proc.poll()
-            if code == WEIGHTS_DID_NOT_ARRIVE_EXIT:  # a restart would load the same weights into the same engine
+            # a restart would load the same weights into the same engine, or ask the same failing reward server
+            if code in (WEIGHTS_DID_NOT_ARRIVE_EXIT, REWARD_SERVER_FAILED_EXIT):
                 raise self.failed(wid, code, f"rollout worker {wid}")
             if code == 0 and self.trainer.poll() is None and self.worker_started[wid] < self.trainer_restarted_at:
                 # it exited on the state the interrupted trainer left, which the restart has since reopened

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -106,9 +106,137 @@ class DataConfig(_Strict):
         return self
 
 
+class ServeRewardModelConfig(_Strict):
+    """`tidal run` starts a reward server (`tidal serve-reward`) for this entry, beside nats-server,
+    and stops it with the run; the entry's url is then the server's."""
+
+    # a Hugging Face directory of an AutoModelForSequenceClassification; None: the built-in tiny reward
+    # model of the arithmetic task (trained from the warm start on right vs wrong answers, cached)
+    model: str | None = None
+    port: int | None = Field(None, gt=0, lt=65536)  # the server's port on 127.0.0.1; None: a free one
+    batch_size: int = Field(64, gt=0)  # rows per forward pass on the server
+    output: Literal["logit", "sigmoid"] = "logit"  # the reward: the model's first logit, or its sigmoid
+    # torch threads of the server on CPU: it shares the cores with the run's roles, and a small model's
+    # forward pass gains nothing from threads that wait on each other
+    threads: int = Field(1, gt=0)
+
+
+DEFAULT_JUDGE_TEMPLATE = (
+    "You grade an answer to a problem.\n\nProblem:\n{prompt}\n\nReference answer:\n{answer}\n\n"
+    "Answer to grade:\n{completion}\n\nIs the answer to grade correct? Reply with yes or no only."
+)
+SERVED_KEYS = (
+    "url",
+    "model",
+    "protocol",
+    "batch_size",
+    "concurrency",
+    "timeout_seconds",
+    "retries",
+    "backoff",
+    "api_key_env",
+    "max_error_rate",
+    "error_window",
+    "serve",
+)
+JUDGE_KEYS = ("prompt_template", "score", "score_field", "samples", "temperature", "max_tokens")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
 class RewardFunctionConfig(_Strict):
-    name: str  # registry name or `module:function`
+    """One reward: an in-process function (`type: function`), a reward model behind HTTP
+    (`reward_model`) or an LLM judge behind an OpenAI-compatible endpoint (`judge`)."""
+
+    type: Literal["function", "reward_model", "judge"] = "function"
+    # function: registry name or `module:function`; reward_model / judge: the reward's name in
+    # reward_parts and the logs (default: the type)
+    name: str | None = None
     weight: float = 1.0
+    # reward_model: the endpoint (openrlhf: the POST url; vllm_classify: the server's base url, /classify
+    # is added); judge: the base url of an OpenAI-compatible API (/chat/completions is added)
+    url: str | None = None
+    model: str | None = None  # vllm_classify and judge: the served model's name, sent with each request
+    # reward_model: openrlhf ({"query", "prompts", "labels"} -> {"rewards"}) or vllm_classify (vLLM's /classify)
+    protocol: Literal["openrlhf", "vllm_classify"] = "openrlhf"
+    batch_size: int = Field(32, gt=0)  # samples per request (reward_model; a judge request is one sample); across groups
+    concurrency: int = Field(4, gt=0)  # requests in flight at once per worker
+    timeout_seconds: float = Field(60.0, gt=0)  # one request
+    retries: int = Field(3, ge=0)  # after a timeout, 5xx/429, a refused or dropped connection, or an unusable answer
+    backoff: float = Field(0.5, ge=0)  # seconds before the first retry, doubled for each next one
+    api_key_env: str | None = None  # the NAME of an environment variable holding the API key (sent as a Bearer token)
+    # the run stops, naming the endpoint, when more than this share of the last `error_window` requests
+    # failed after their retries (a failed request scores its samples 0, counted in reward_errors)
+    max_error_rate: float = Field(0.2, ge=0, le=1)
+    error_window: int = Field(20, gt=0)  # requests the error rate is measured over (the latest ones)
+    serve: ServeRewardModelConfig | None = None  # reward_model only: `tidal run` serves `serve.model` itself
+    prompt_template: str = DEFAULT_JUDGE_TEMPLATE  # judge: the rubric, with {prompt} {completion} {answer}; literal braces as {{ }}
+    # judge: how a reply becomes a score: number (the last number in it), yes_no (yes 1, no 0),
+    # json (the field `score_field` of the JSON object in it; true/false count as 1/0)
+    score: Literal["number", "yes_no", "json"] = "yes_no"
+    score_field: str = "score"  # judge, score json: the verdict's field
+    samples: int = Field(1, gt=0)  # judge: replies per sample (the request's n), averaged
+    temperature: float = Field(0.0, ge=0)  # judge: sampling temperature; with rollout.deterministic 0, and the request carries the run's seed
+    max_tokens: int = Field(256, gt=0)  # judge: the longest reply
+
+    @model_validator(mode="after")
+    def _keys_fit_the_type(self) -> RewardFunctionConfig:
+        label = self.name or self.type
+        fields = type(self).model_fields
+        set_keys = {k for k in self.model_fields_set if getattr(self, k) != fields[k].default}  # a resolved config repeats defaults
+        if self.type == "function":
+            if not self.name:
+                raise _error("reward.functions: an entry of type 'function' needs a name (a registered reward or module:function)")
+            stray = sorted(k for k in set_keys & set(SERVED_KEYS + JUDGE_KEYS))
+            if stray:
+                raise _error(f"reward.functions[{label}]: {', '.join(stray)} only for type 'reward_model' or 'judge'")
+            return self
+        if self.type == "reward_model":
+            stray = sorted(set_keys & set(JUDGE_KEYS))
+            if stray:
+                raise _error(f"reward.functions[{label}]: {', '.join(stray)} only for type 'judge'")
+            if (self.url is None) == (self.serve is None):
+                raise _error(
+                    f"reward.functions[{label}]: a reward_model needs exactly one of url (a running server) and serve (tidal run starts one)"
+                )
+            if self.protocol == "vllm_classify" and not self.model:
+                raise _error(f"reward.functions[{label}]: protocol 'vllm_classify' needs model (the served model's name)")
+        if self.type == "judge":
+            if self.serve is not None or "protocol" in set_keys:
+                raise _error(f"reward.functions[{label}]: serve and protocol are for type 'reward_model'; a judge speaks /v1/chat/completions")
+            if not self.url or not self.model:
+                raise _error(f"reward.functions[{label}]: a judge needs url (an OpenAI-compatible API's base url) and model")
+            _check_judge_template(self.prompt_template, label)
+        if self.api_key_env is not None and not _ENV_NAME.match(self.api_key_env):
+            raise _error(f"reward.functions[{label}].api_key_env must be the NAME of an environment variable, not {self.api_key_env[:4]!r}...")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise _error(f"reward.functions[{label}].url must start with http:// or https://, got {self.url!r}")
+        return self
+
+    @property
+    def label(self) -> str:
+        """The reward's name in reward_parts, metrics and errors."""
+        return self.name or self.type
+
+    @model_serializer(mode="wrap")
+    def _only_the_type_keys(self, handler) -> dict:
+        """A written config (config.yaml) holds the keys of the entry's type only."""
+        data = handler(self)
+        unused = {"function": SERVED_KEYS + JUDGE_KEYS, "reward_model": JUDGE_KEYS, "judge": ("serve", "protocol")}[self.type]
+        return {k: v for k, v in data.items() if k not in unused}
+
+
+def _check_judge_template(template: str, label: str) -> None:
+    import string
+
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as err:
+        raise _error(f"reward.functions[{label}].prompt_template is not a valid template ({err}); write literal braces as {{{{ }}}}") from None
+    unknown = sorted(fields - {"prompt", "completion", "answer"})
+    if unknown or "completion" not in fields:
+        raise _error(
+            f"reward.functions[{label}].prompt_template may use {{prompt}} {{completion}} {{answer}} and must use {{completion}}; found {unknown}"
+        )
 
 
 class RewardConfig(_Strict):
@@ -118,6 +246,14 @@ class RewardConfig(_Strict):
     # user functions (module:function) run in a process of the worker's own: a call that takes longer
     # scores 0, is counted in reward_errors, and the process is replaced
     timeout_seconds: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _labels_differ(self) -> RewardConfig:
+        labels = [f.label for f in self.functions]
+        repeated = sorted({x for x in labels if labels.count(x) > 1})
+        if repeated:
+            raise _error(f"reward.functions: {repeated} named more than once (give served rewards distinct names)")
+        return self
 
 
 class VLLMConfig(_Strict):

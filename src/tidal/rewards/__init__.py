@@ -11,6 +11,7 @@ import math
 import numbers
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -101,49 +102,100 @@ def is_user_function(name: str) -> bool:
 def check_reward_names(cfg: RewardConfig) -> None:
     """Every reward.functions name resolves (user modules imported here, once): the launcher's check
     before any process of the run starts. A RewardError names the function."""
+    from pathlib import Path
+
     for f in cfg.functions:
-        resolve(f.name)
+        if f.type == "function":
+            resolve(f.name)
+        elif f.serve is not None and f.serve.model is not None and not Path(f.serve.model, "config.json").is_file():
+            raise RewardError(f"reward.functions[{f.label}].serve.model: {f.serve.model} is not a model directory (no config.json)")
 
 
 @dataclass
 class RewardScorer:
-    """Weighted sum of reward functions. A function that raises, hangs past reward.timeout_seconds or
-    kills its process scores 0 and is counted. Built-ins run in this process; user functions
-    (`module:function`) in a process of their own (tidal.rewards.pool), replaced when it fails."""
+    """Weighted sum of reward functions and served rewards (tidal.rewards.served). A function that
+    raises, hangs past reward.timeout_seconds or kills its process scores 0 and is counted; so does a
+    served reward whose request failed after its retries. Built-ins run in this process; user
+    functions (`module:function`) in a process of their own (tidal.rewards.pool), replaced when it
+    fails; served rewards from a loop on a thread of their own, batched over every sample scored at once."""
 
     functions: list[tuple[str, RewardFn, float]]
     errors: int = 0
     last_error: str | None = field(default=None, repr=False)
     process: object = field(default=None, repr=False)  # the user functions' HostProcess, if any
+    served: object = field(default=None, repr=False)  # ServedRewards, if any entry is served
+    served_weights: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0  # spent scoring since the last take_stats
 
     @classmethod
-    def from_config(cls, cfg: RewardConfig, prestart: bool = False) -> RewardScorer:
-        """`prestart`: the user functions' process starts now, not at the first score."""
+    def from_config(cls, cfg: RewardConfig, prestart: bool = False, seed: int | None = None) -> RewardScorer:
+        """`prestart`: the user functions' process starts now, not at the first score. `seed`: the
+        judge's seed (rollout.deterministic)."""
         from tidal.rewards.pool import remote_reward, reward_process
+        from tidal.rewards.served import ServedRewards
 
-        user = [f.name for f in cfg.functions if is_user_function(f.name)]
+        local = [f for f in cfg.functions if f.type == "function"]
+        user = [f.name for f in local if is_user_function(f.name)]
         process = reward_process(user, cfg.timeout_seconds) if user else None
         if process is not None and prestart:
             process.prestart()
-        fns = [(f.name, remote_reward(process, f.name) if is_user_function(f.name) else resolve(f.name), f.weight) for f in cfg.functions]
-        return cls(fns, process=process)
+        fns = [(f.name, remote_reward(process, f.name) if is_user_function(f.name) else resolve(f.name), f.weight) for f in local]
+        served = [f for f in cfg.functions if f.type != "function"]
+        return cls(
+            fns,
+            process=process,
+            served=ServedRewards.from_config(served, seed) if served else None,
+            served_weights={f.label: f.weight for f in served},
+        )
 
-    def score(self, completion: str, answer: str, prompt_id: int | None = None) -> tuple[float, dict[str, float]]:
-        parts: dict[str, float] = {}
-        for name, fn, _ in self.functions:
-            try:
-                parts[name] = checked_reward(fn(completion, answer))
-            except Exception as err:  # user code: never let it take the worker down
-                kind = getattr(err, "kind", type(err).__name__)
-                self.errors += 1
-                self.last_error = f"{name}: {kind}: {err}"
-                log.warning("reward function %s raised %s: %s (prompt %s; scored 0)", name, kind, err, prompt_id)
-                parts[name] = 0.0
-        return sum(w * parts[name] for name, _, w in self.functions), parts
+    def score(self, completion: str, answer: str, prompt_id: int | None = None, prompt: str = "") -> tuple[float, dict[str, float]]:
+        from tidal.rewards.served import Row
+
+        reward, parts, _ = self.score_many([Row(prompt, completion, answer)], [prompt_id])[0]
+        return reward, parts
+
+    def score_many(self, rows: list, prompt_ids: list[int | None]) -> list[tuple[float, dict[str, float], int]]:
+        """(reward, parts, errors: the parts that failed and scored 0) per row (tidal.rewards.served.Row);
+        the served rewards get every row at once, in batches. Raises RewardServerError when a served
+        reward fails too often."""
+        t0 = time.perf_counter()
+        try:
+            served = self.served.score(rows) if self.served is not None else {}
+            out = []
+            for i, (row, prompt_id) in enumerate(zip(rows, prompt_ids)):
+                parts: dict[str, float] = {}
+                before = self.errors
+                for name, fn, _ in self.functions:
+                    try:
+                        parts[name] = checked_reward(fn(row.completion, row.answer))
+                    except Exception as err:  # user code: never let it take the worker down
+                        kind = getattr(err, "kind", type(err).__name__)
+                        self.errors += 1
+                        self.last_error = f"{name}: {kind}: {err}"
+                        log.warning("reward function %s raised %s: %s (prompt %s; scored 0)", name, kind, err, prompt_id)
+                        parts[name] = 0.0
+                for name, scores in served.items():
+                    if scores[i] is None:
+                        self.errors += 1
+                        self.last_error = f"{name}: its request failed"
+                    parts[name] = 0.0 if scores[i] is None else scores[i]
+                total = sum(w * parts[name] for name, _, w in self.functions) + sum(w * parts[name] for name, w in self.served_weights.items())
+                out.append((total, parts, self.errors - before))
+            return out
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def take_stats(self) -> dict[str, float]:
+        """Seconds spent scoring and the served rewards' request counts since the last call."""
+        stats = {"reward_seconds": self.seconds, **(self.served.take_stats() if self.served is not None else {})}
+        self.seconds = 0.0
+        return stats
 
     def close(self) -> None:
         if self.process is not None:
             self.process.stop()
+        if self.served is not None:
+            self.served.close()
 
 
 def checked_reward(value: object) -> float:

@@ -293,7 +293,7 @@ class AgentLoop:
         try:
             value: Any = env.reward(trajectory)
             if value is None:
-                return scorer.score(trajectory.final_text, item.answer, item.prompt_id)
+                return scorer.score(trajectory.final_text, item.answer, item.prompt_id, item.prompt)
             if isinstance(value, dict):
                 parts = {str(k): checked_reward(v) for k, v in value.items()}
                 return sum(parts.values()), parts

@@ -22,6 +22,7 @@ from tidal.data import prompt_encoder
 from tidal.model.probe import arrival_tolerance
 from tidal.protocol import Group, WorkItem, decode_work_item
 from tidal.rewards import RewardScorer
+from tidal.rewards.served import RewardServerError
 from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
@@ -66,7 +67,7 @@ class VLLMRolloutWorker:
         self.encode_prompt = prompt_encoder(tokenizer, cfg.data)
         self.transport = transport
         self.worker_id = worker_id
-        self.scorer = scorer or RewardScorer.from_config(cfg.reward)
+        self.scorer = scorer or RewardScorer.from_config(cfg.reward, seed=cfg.seed if cfg.rollout.deterministic else None)
         self.agent = AgentLoop.from_config(cfg, tokenizer, model_context(engine)) if cfg.rollout.env is not None else None
         self.score_pool = ThreadPoolExecutor(max_workers=1)  # one scorer, one thread: its error count stays exact
         self.health = WorkerHealth(worker_id)
@@ -188,6 +189,8 @@ class VLLMRolloutWorker:
         for task in done:
             msg = self.inflight.pop(task)
             if task.exception() is not None:
+                if isinstance(task.exception(), RewardServerError):  # the reward server fails: the run stops
+                    raise task.exception()
                 if self.engine.dead:
                     raise RuntimeError(f"worker {self.worker_id}: the vLLM engine died") from task.exception()
                 log.error("worker %s: a group failed: %r; its work item goes back to the queue", self.worker_id, task.exception())

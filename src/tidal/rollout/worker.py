@@ -7,10 +7,13 @@ acknowledged only after its group is published, so a worker that dies loses noth
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -41,32 +44,62 @@ def build_group(
     gen_end: float,
 ) -> Group:
     """The group message of one work item: its G samples scored, with the version that generated them."""
-    errors_before = scorer.errors
-    samples = []
-    for c in completions:
-        text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        reward, parts = scorer.score(text, item.answer, item.prompt_id)
-        samples.append(
-            Sample(
-                token_ids=np.asarray(c.token_ids, dtype=np.int32),
-                logprobs=np.asarray(c.logprobs, dtype=np.float32),
-                reward=reward,
-                finish_reason=c.finish_reason,
-                reward_parts=parts,
-                correct=exact_match(text, item.answer),
+    (group,) = build_groups([item], [prompt], [completions], tokenizer, scorer, policy_version, worker_id, gen_start, gen_end)
+    return group
+
+
+def build_groups(
+    items: list[WorkItem],
+    prompts: list[list[int]],
+    outputs: list[list[Completion]],
+    tokenizer,
+    scorer: RewardScorer,
+    policy_version: int,
+    worker_id: str,
+    gen_start: float,
+    gen_end: float,
+) -> list[Group]:
+    """The groups of one engine call, every sample scored in one `score_many` (served rewards batch
+    across the groups). The call's scoring seconds and served-reward counts ride on its first group."""
+    from tidal.rewards.served import Row
+
+    texts = [[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions] for completions in outputs]
+    prompt_texts = [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+    rows = [Row(pt, text, it.answer) for it, pt, group_texts in zip(items, prompt_texts, texts) for text in group_texts]
+    prompt_ids = [it.prompt_id for it, group_texts in zip(items, texts) for _ in group_texts]
+    scored = iter(scorer.score_many(rows, prompt_ids))
+    groups = []
+    for item, prompt, completions, group_texts in zip(items, prompts, outputs, texts):
+        samples, errors = [], 0
+        for c, text in zip(completions, group_texts):
+            reward, parts, failed = next(scored)
+            errors += failed
+            samples.append(
+                Sample(
+                    token_ids=np.asarray(c.token_ids, dtype=np.int32),
+                    logprobs=np.asarray(c.logprobs, dtype=np.float32),
+                    reward=reward,
+                    finish_reason=c.finish_reason,
+                    reward_parts=parts,
+                    correct=exact_match(text, item.answer),
+                )
+            )
+        groups.append(
+            Group(
+                iteration=item.iteration,
+                prompt_id=item.prompt_id,
+                policy_version=policy_version,
+                worker_id=worker_id,
+                prompt_ids=np.asarray(prompt, dtype=np.int32),
+                samples=samples,
+                gen_start=gen_start,
+                gen_end=gen_end,
+                reward_errors=errors,
             )
         )
-    return Group(
-        iteration=item.iteration,
-        prompt_id=item.prompt_id,
-        policy_version=policy_version,
-        worker_id=worker_id,
-        prompt_ids=np.asarray(prompt, dtype=np.int32),
-        samples=samples,
-        gen_start=gen_start,
-        gen_end=gen_end,
-        reward_errors=scorer.errors - errors_before,
-    )
+    if groups:
+        groups[0].reward_stats = scorer.take_stats()
+    return groups
 
 
 def generation_chunks(
@@ -146,15 +179,18 @@ def generate_group_calls(
     max_groups_per_call: int | None = None,
     first_call_groups: int | None = None,
     agent: AgentLoop | None = None,
+    scoring: Executor | None = None,
 ):
     """`generate_groups`, one engine call at a time: yields each call's groups as soon as they are
     scored. With rollout.env each row is a multi-turn trajectory (`agent`: the environment loop; when
-    not given, one is built here and closed after)."""
+    not given, one is built here and closed after). With `scoring` (an executor of one thread), a
+    call's groups are scored there while the engine runs the next call, and each yield is a Future
+    of them."""
     if cfg.rollout.env is not None and agent is None:
         agent = AgentLoop.from_config(cfg, tokenizer, model_context(engine))
         try:
             yield from generate_group_calls(
-                engine, tokenizer, scorer, items, cfg, policy_version, worker_id, max_groups_per_call, first_call_groups, agent
+                engine, tokenizer, scorer, items, cfg, policy_version, worker_id, max_groups_per_call, first_call_groups, agent, scoring
             )
         finally:
             agent.close()  # its tools' process
@@ -168,7 +204,6 @@ def generate_group_calls(
     cap = 1 if r.deterministic else max_groups_per_call
     chunks = generation_chunks([len(p) for p in prompts], r.group_size, response_tokens(cfg), r.generation_token_budget, cap, first_call_groups)
     for chunk in chunks:
-        groups = []
         batch = [items[i] for i in chunk]
         requests = [
             GroupRequest(
@@ -179,15 +214,21 @@ def generate_group_calls(
             )
             for i, it in zip(chunk, batch)
         ]
-        if agent is not None:
-            yield agent.generate(engine, batch, requests, scorer, policy_version, worker_id)
+        if agent is not None:  # the agent loop scores each trajectory as it ends
+            groups = agent.generate(engine, batch, requests, scorer, policy_version, worker_id)
+            yield groups if scoring is None else finished(groups)
             continue
         gen_start = time.time()
         outputs = engine.generate(requests)
         gen_end = time.time()
-        for i, item, completions in zip(chunk, batch, outputs):
-            groups.append(build_group(item, prompts[i], completions, tokenizer, scorer, policy_version, worker_id, gen_start, gen_end))
-        yield groups
+        score = partial(build_groups, batch, [prompts[i] for i in chunk], outputs, tokenizer, scorer, policy_version, worker_id, gen_start, gen_end)
+        yield score() if scoring is None else scoring.submit(score)
+
+
+def finished(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def model_context(engine) -> int | None:
@@ -329,10 +370,15 @@ class RolloutWorker:
         self.tokenizer = tokenizer
         self.transport = transport
         self.worker_id = worker_id
-        self.scorer = scorer or RewardScorer.from_config(cfg.reward)
+        self.scorer = scorer or RewardScorer.from_config(cfg.reward, seed=cfg.seed if cfg.rollout.deterministic else None)
         self.agent = AgentLoop.from_config(cfg, tokenizer, model_context(engine)) if cfg.rollout.env is not None else None
         self.health = WorkerHealth(worker_id)
         self.backoff = 0.0
+        self.prompt_tokens = 16  # until the first prompts are seen: the longest encoded prompt sizes later pulls
+        # served rewards: one engine call's groups are scored while the engine runs the next (one thread: the
+        # scorer's counts stay exact). In-process functions score in microseconds: they stay inline, where
+        # the groups go out soonest (tests/test_end_to_end.py's overlap check saw the thread hop delay them)
+        self.scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring") if self.scorer.served is not None else None
         self.held: dict = {}  # id(message) -> (message, WorkItem): pulled, not yet acked (nats messages do not hash)
         self.health.held = lambda: [it for _, it in self.held.values()]  # the heartbeat lists them: a silent worker's items are asked for again
 
@@ -387,12 +433,13 @@ class RolloutWorker:
             if leaving:
                 await hand_back(self.transport, self.health, list(self.held.values()), leaving)
                 self.held.clear()
+            if self.scoring is not None:
+                self.scoring.shutdown(wait=False, cancel_futures=True)
             if self.agent is not None:
                 self.agent.close()  # its tools' process
 
     async def _serve(self, publisher: GroupPublisher) -> None:
         sub = await self.transport.work_subscription()
-        prompt_tokens = 16  # until the first prompts are seen: the longest encoded prompt sizes later pulls
         idle_since = time.time()
         while True:
             raise_if_stop_requested(self.stop_requested)
@@ -403,7 +450,7 @@ class RolloutWorker:
             pulled = await decode_work(
                 self.transport,
                 await self.transport.fetch(
-                    sub, pull_size(self.cfg, prompt_tokens), timeout=1.0, linger=FETCH_LINGER_SECONDS, linger_after_wait_only=True
+                    sub, pull_size(self.cfg, self.prompt_tokens), timeout=1.0, linger=FETCH_LINGER_SECONDS, linger_after_wait_only=True
                 ),
                 self.worker_id,
             )
@@ -436,20 +483,27 @@ class RolloutWorker:
             # the first pull of an iteration starts with a small call: the trainer waits on its first groups
             first = self.cfg.rollout.first_call_groups if new_version else None
             calls = generate_group_calls(
-                self.engine, self.tokenizer, self.scorer, items, self.cfg, self.version, self.worker_id, None, first, self.agent
+                self.engine, self.tokenizer, self.scorer, items, self.cfg, self.version, self.worker_id, None, first, self.agent, self.scoring
             )
-            published = 0
-            # each call's groups are published (and their items acked) while the engine runs the next call
-            while (groups := await asyncio.to_thread(next, calls, None)) is not None:
+            taken = [0]  # groups of this pull handed to the publisher so far
+            # each call's groups are scored, then published (and their items acked), while the engine runs the next call
+            while (pending := await asyncio.to_thread(next, calls, None)) is not None:
                 publisher.raise_if_failed()
-                prompt_tokens = max([prompt_tokens, *(len(g.prompt_ids) for g in groups)])
-                for g in groups:
-                    g.weight_load_seconds = load_seconds if published == 0 else 0.0
-                    g.worker_idle_seconds = idle if published == 0 else 0.0
-                    published += 1
-                publisher.submit(list(zip(groups, msgs[published - len(groups) : published])))
+                publisher.submit(self._scored(pending, msgs, taken, load_seconds, idle))
                 raise_if_stop_requested(self.stop_requested)  # the rest of the items go back, not into another engine call
             idle_since = time.time()
+
+    async def _scored(self, pending, msgs: list, taken: list[int], load_seconds: float, idle: float) -> list[tuple[Group, object]]:
+        """One engine call's groups (or a Future of them, being scored), paired with their work items'
+        messages. The publisher runs these in order, so `taken` counts the pull's groups before this call's."""
+        groups = await asyncio.wrap_future(pending) if isinstance(pending, Future) else pending
+        start = taken[0]
+        taken[0] += len(groups)
+        self.prompt_tokens = max([self.prompt_tokens, *(len(g.prompt_ids) for g in groups)])
+        for j, g in enumerate(groups):
+            g.weight_load_seconds = load_seconds if start + j == 0 else 0.0
+            g.worker_idle_seconds = idle if start + j == 0 else 0.0
+        return list(zip(groups, msgs[start : start + len(groups)]))
 
 
 class GroupPublisher:
@@ -462,12 +516,15 @@ class GroupPublisher:
         self.transport, self.health, self.held = transport, health, held
         self.task: asyncio.Task | None = None
 
-    def submit(self, pairs: list[tuple[Group, object]]) -> None:
+    def submit(self, pairs) -> None:
+        """`pairs`: (group, message) pairs, or an awaitable of them (groups still being scored)."""
         self.task = asyncio.create_task(self._publish(self.task, pairs))
 
-    async def _publish(self, before: asyncio.Task | None, pairs: list[tuple[Group, object]]) -> None:
+    async def _publish(self, before: asyncio.Task | None, pairs) -> None:
         if before is not None:
             await before
+        if inspect.isawaitable(pairs):
+            pairs = await pairs
         # all in flight at once: one round trip for the call's groups; every outcome is collected, the first failure raised
         outcomes = await asyncio.gather(*(self.transport.publish_group(group, answering=msg) for group, msg in pairs), return_exceptions=True)
         failed = [o for o in outcomes if isinstance(o, BaseException)]

@@ -279,7 +279,8 @@ ROLLOUT_METRICS = frozenset(
         "reward_mean", "reward_std", "accuracy", "response_length_mean", "response_length_max", "response_length_correct_mean",
         "response_length_incorrect_mean", "generated_tokens", "samples", "reward_errors", "zero_advantage_group_fraction",
         "pass_at_group_size", "staleness_max", "staleness_mean", "groups_discarded", "groups_filtered", "messages_rejected",
-        "messages_rejected_total", "queue_depth", "policy_version",
+        "messages_rejected_total", "queue_depth", "policy_version", "reward_server_requests", "reward_server_retries",
+        "reward_server_failed_requests", "reward_server_samples", "reward_server_batch_size_mean",
     }
 )  # fmt: skip
 TIME_METRICS = frozenset({"pipeline_efficiency", "wall_time", "generated_tokens_per_s", "trained_tokens_per_s", "samples_per_s"})

@@ -59,7 +59,21 @@ def group_stats(groups: list[Group]) -> dict[str, float]:
         "reward_errors": float(sum(g.reward_errors for g in groups)),
         **learning_diagnostics(groups),
         **agent_stats(groups),
+        **scoring_stats(groups),
     }
+
+
+def scoring_stats(groups: list[Group]) -> dict[str, float]:
+    """Seconds the workers spent scoring (beside generation: a worker scores one engine call's groups
+    while the engine runs the next), and for served rewards the requests, their mean batch (samples
+    per request), retries, requests failed after their retries and seconds spent in requests."""
+    totals: dict[str, float] = {"reward_seconds": 0.0}
+    for g in groups:
+        for k, v in (g.reward_stats or {}).items():
+            totals[k] = totals.get(k, 0.0) + v
+    if totals.get("reward_server_requests"):
+        totals["reward_server_batch_size_mean"] = totals["reward_server_samples"] / totals["reward_server_requests"]
+    return totals
 
 
 def agent_stats(groups: list[Group]) -> dict[str, float]:

@@ -1,0 +1,435 @@
+"""Rewards from served models: the protocols, the config, the client against a real HTTP server
+process that misbehaves on purpose (tests.reward_stub), `tidal serve-reward` with a real model, and
+short real runs that survive faults, or stop with one line when an endpoint fails too often."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, read_jsonl, run_cli, run_processes
+from tidal.config import ConfigError, RewardConfig, config_from_dict
+from tidal.rewards import RewardScorer
+from tidal.rewards.served import (
+    FailureWindow,
+    RewardServerError,
+    Row,
+    UnusableAnswer,
+    backoff_seconds,
+    classify_scores,
+    judge_score,
+    openrlhf_body,
+    openrlhf_scores,
+)
+
+# --- the protocols, pure -------------------------------------------------------------------------
+
+
+def test_openrlhf_request_and_answer():
+    rows = [Row("1+2=", "A: 3", "3"), Row("2+2=", "A: 5", "4")]
+    assert openrlhf_body(rows) == {"query": ["1+2=A: 3", "2+2=A: 5"], "prompts": ["1+2=", "2+2="], "labels": ["3", "4"]}
+    assert openrlhf_scores({"rewards": [1, 0.5]}, 2) == [1.0, 0.5]
+    for answer, reason in [
+        ({"rewards": [1.0]}, "1 scores for 2 samples"),
+        ({"rewards": [1.0, math.nan]}, "not a finite number"),
+        ({"rewards": [1.0, "0.5"]}, "not a finite number"),
+        ({"scores": [1.0, 1.0]}, "with 'rewards'"),
+        ([1.0, 1.0], "with 'rewards'"),
+    ]:
+        with pytest.raises(UnusableAnswer, match=reason):
+            openrlhf_scores(answer, 2)
+
+
+def test_vllm_classify_answers_are_put_back_in_input_order():
+    answer = {"data": [{"index": 1, "probs": [0.2, 0.8]}, {"index": 0, "probs": [0.9, 0.1]}]}
+    assert classify_scores(answer, 2) == [0.1, 0.8]
+    with pytest.raises(UnusableAnswer, match="1 results for 2 inputs"):
+        classify_scores({"data": [{"index": 0, "probs": [1.0]}]}, 2)
+
+
+@pytest.mark.parametrize(
+    "text, how, expected",
+    [
+        ("Score: 7 out of 10... final: 8", "number", 8.0),
+        ("Yes, it is right.", "yes_no", 1.0),
+        ("no. (yes would be wrong)", "yes_no", 0.0),
+        ('verdict: {"score": 0.75, "why": "close"}', "json", 0.75),
+        ('{"score": true}', "json", 1.0),
+    ],
+)
+def test_judge_replies_become_scores(text, how, expected):
+    assert judge_score(text, how) == expected
+
+
+@pytest.mark.parametrize("text, how", [("no digits", "number"), ("maybe", "yes_no"), ('{"grade": 1}', "json"), ('{"score": "high"}', "json")])
+def test_an_unreadable_judge_reply_is_unusable(text, how):
+    with pytest.raises(UnusableAnswer):
+        judge_score(text, how)
+
+
+def test_backoff_doubles_and_the_window_counts_the_last_requests():
+    assert [backoff_seconds(0.5, a) for a in (1, 2, 3)] == [0.5, 1.0, 2.0]
+    window = FailureWindow(size=4, rate=0.25)
+    for failed in (True, False, False, False, True):
+        window.record(failed)
+    assert window.failures == 1 and not window.too_many()  # the first failure left the window
+    window.record(True)
+    assert window.too_many()
+
+
+# --- the config ------------------------------------------------------------------------------------
+
+
+def entry(**keys) -> dict:
+    return {"reward": {"functions": [keys]}}
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"name": "exact_match", "url": "http://x"}, r"reward.functions\[exact_match\]: url only for type 'reward_model' or 'judge'"),
+        ({"type": "reward_model"}, "a reward_model needs exactly one of url"),
+        ({"type": "reward_model", "url": "http://x", "serve": {"model": "/m"}}, "a reward_model needs exactly one of url"),
+        ({"type": "reward_model", "url": "http://x", "samples": 3}, r"reward.functions\[reward_model\]: samples only for type 'judge'"),
+        ({"type": "reward_model", "url": "http://x", "protocol": "vllm_classify"}, "protocol 'vllm_classify' needs model"),
+        ({"type": "judge", "url": "http://x"}, "a judge needs url .* and model"),
+        ({"type": "judge", "url": "http://x", "model": "m", "prompt_template": "{question}"}, "must use {completion}"),
+        ({"type": "judge", "url": "http://x", "model": "m", "api_key_env": "sk-abc123"}, "api_key_env must be the NAME of an environment variable"),
+        ({"type": "judge", "url": "localhost:8000", "model": "m"}, "url must start with http"),
+        ({"type": "reward_model", "url": "http://x", "max_error_rate": 1.5}, "max_error_rate"),
+        ({"type": "function"}, "needs a name"),
+    ],
+)
+def test_a_wrong_served_reward_entry_is_one_error_naming_the_key(keys, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(entry(**keys))
+
+
+def test_two_served_rewards_of_one_name_are_refused():
+    functions = [{"type": "judge", "url": "http://a", "model": "m"}, {"type": "judge", "url": "http://b", "model": "m"}]
+    with pytest.raises(ConfigError, match=r"\['judge'\] named more than once"):
+        config_from_dict({"reward": {"functions": functions}})
+
+
+def test_a_written_config_holds_only_the_keys_of_each_entrys_type():
+    from tidal.config.files import dump_config
+
+    cfg = config_from_dict(
+        {"reward": {"functions": [{"name": "exact_match"}, {"type": "reward_model", "name": "rm", "url": "http://x/rm", "retries": 5}]}}
+    )
+    written = dump_config(cfg)
+    function, rm = cfg.reward.functions
+    assert "retries: 5" in written and "You grade an answer" not in written  # no judge rubric on a reward model
+    assert set(function.model_dump()) == {"type", "name", "weight"}
+    assert config_from_dict(json.loads(json.dumps(cfg.model_dump(mode="json")))).reward == cfg.reward  # it reads back the same
+
+
+# --- the client against a real server process -----------------------------------------------------
+
+
+class StubServer:
+    def __init__(self, tmp_path: Path, *args: str, env: dict | None = None):
+        self.record = tmp_path / f"requests-{len(list(tmp_path.glob('requests-*')))}.jsonl"
+        cmd = [sys.executable, "-m", "tests.reward_stub", "--record", str(self.record), *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        self.base = f"http://127.0.0.1:{int(self.proc.stdout.readline())}"
+
+    def requests(self) -> list[dict]:
+        return read_jsonl(self.record)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def stub(tmp_path):
+    started = []
+
+    def start(*args: str, env: dict | None = None) -> StubServer:
+        started.append(StubServer(tmp_path, *args, env=env))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def served(url: str, **keys) -> RewardScorer:
+    functions = [{"type": "reward_model", "name": "rm", "url": url, "timeout_seconds": 1.0, "backoff": 0.05, **keys}]
+    return RewardScorer.from_config(RewardConfig(functions=functions))
+
+
+ROWS = [Row(f"{a}+{a}=", f"A: {2 * a if a % 3 else 2 * a + 1}", str(2 * a)) for a in range(10)]
+EXPECTED = [0.0 if a % 3 == 0 else 1.0 for a in range(10)]
+
+
+@pytest.mark.parametrize("fault", ["slow", "500", "drop", "garbage", "count", "nan"])
+def test_each_kind_of_fault_is_retried_and_counted_and_the_scores_are_right(stub, fault):
+    server = stub("--faults", fault)
+    scorer = served(server.base + "/rm", batch_size=4, concurrency=1)
+    try:
+        scored = scorer.score_many(ROWS, list(range(10)))
+        assert [r for r, _, _ in scored] == EXPECTED and scorer.errors == 0
+        stats = scorer.take_stats()
+        assert stats["reward_server_requests"] == 3 and stats["reward_server_retries"] == 1 and stats["reward_server_failed_requests"] == 0
+        assert stats["reward_server_samples"] == 10 and stats["reward_seconds"] > 0
+        sent = server.requests()
+        assert [r["fault"] for r in sent] == [fault, None, None, None]  # the first request, then its retry and the two others
+        assert sorted(len(r["body"]["query"]) for r in sent[1:]) == [2, 4, 4]  # batches of batch_size across the rows
+        assert sent[0]["body"] == sent[1]["body"]  # the retry is the same request
+    finally:
+        scorer.close()
+
+
+def test_a_request_that_fails_every_retry_scores_zero_and_is_counted(stub):
+    server = stub("--faults", "500,500,500")
+    scorer = served(server.base + "/rm", batch_size=5, concurrency=1, retries=2, max_error_rate=1.0)
+    try:
+        scored = scorer.score_many(ROWS, list(range(10)))
+        failed = [i for i, (_, parts, errors) in enumerate(scored) if errors]
+        assert len(failed) == 5 and all(scored[i][1]["rm"] == 0.0 for i in failed)  # one batch of five lost, scored 0
+        assert scorer.errors == 5 and "rm: its request failed" in scorer.last_error
+        stats = scorer.take_stats()
+        assert stats["reward_server_failed_requests"] == 1 and stats["reward_server_retries"] == 2 and stats["reward_server_requests"] == 2
+    finally:
+        scorer.close()
+
+
+def test_a_refusal_is_not_retried(stub):
+    server = stub("--faults", "401")
+    scorer = served(server.base + "/rm", batch_size=10, max_error_rate=1.0)
+    try:
+        scorer.score_many(ROWS, list(range(10)))
+        assert scorer.errors == 10 and len(server.requests()) == 1
+        assert "HTTP 401" in scorer.served.entries[0].last_error
+    finally:
+        scorer.close()
+
+
+def test_over_the_error_rate_scoring_stops_with_one_line_naming_the_endpoint(stub):
+    server = stub("--always", "500")
+    scorer = served(server.base + "/rm", batch_size=2, retries=1, error_window=4, max_error_rate=0.5)
+    try:
+        with pytest.raises(RewardServerError) as err:
+            scorer.score_many(ROWS, list(range(10)))
+        message = str(err.value)
+        assert "\n" not in message and server.base + "/rm" in message and "4 of the last 4 requests failed" in message and "HTTP 500" in message
+    finally:
+        scorer.close()
+
+
+def test_a_refused_connection_is_retried_then_counted(tmp_path):
+    from tidal.rewards.server import free_port
+
+    scorer = served(f"http://127.0.0.1:{free_port()}/rm", batch_size=10, retries=2, max_error_rate=1.0)
+    try:
+        scorer.score_many(ROWS, list(range(10)))
+        stats = scorer.take_stats()
+        assert (
+            scorer.errors == 10 and stats["reward_server_retries"] == 2 and "connection failed (ConnectError" in scorer.served.entries[0].last_error
+        )
+    finally:
+        scorer.close()
+
+
+def test_the_api_key_comes_from_the_environment_variable_named(stub, monkeypatch):
+    server = stub("--api-key-env", "STUB_KEY", env={"STUB_KEY": "s3cret"})
+    monkeypatch.setenv("RM_KEY", "s3cret")
+    scorer = served(server.base + "/rm", api_key_env="RM_KEY")
+    try:
+        assert [r for r, _, _ in scorer.score_many(ROWS[:2], [0, 1])] == EXPECTED[:2] and scorer.errors == 0
+        assert server.requests()[0]["authorization"] == "Bearer s3cret"
+    finally:
+        scorer.close()
+    monkeypatch.delenv("RM_KEY")
+    scorer = served(server.base + "/rm", api_key_env="RM_KEY")
+    try:
+        with pytest.raises(RewardServerError, match="api_key_env names RM_KEY, which is not set"):
+            scorer.score_many(ROWS[:2], [0, 1])
+    finally:
+        scorer.close()
+
+
+def test_vllm_classify_protocol(stub):
+    server = stub()
+    scorer = served(server.base + "/v1", protocol="vllm_classify", model="rm-model")
+    try:
+        scored = scorer.score_many(ROWS[:3], [0, 1, 2])
+        assert [parts["rm"] for _, parts, _ in scored] == [float(len(r.prompt + r.completion) % 7) for r in ROWS[:3]]
+        (request,) = server.requests()
+        assert request["path"] == "/v1/classify" and request["body"]["model"] == "rm-model"
+    finally:
+        scorer.close()
+
+
+def test_a_judge_averages_its_samples_and_is_deterministic_with_the_runs_seed(stub):
+    server = stub("--faults", "garbage")
+    functions = [
+        {"name": "exact_match", "weight": 0.5},
+        {"type": "judge", "url": server.base + "/v1", "model": "judge-7b", "samples": 3, "temperature": 0.7, "backoff": 0.05},
+    ]
+    scorer = RewardScorer.from_config(RewardConfig(functions=functions), seed=11)
+    try:
+        scored = scorer.score_many(ROWS[:3], [0, 1, 2])
+        assert [parts["judge"] for _, parts, _ in scored] == EXPECTED[:3]
+        assert [total for total, _, _ in scored] == [1.5 * e for e in EXPECTED[:3]]
+        sent = server.requests()
+        assert len(sent) == 4 and {r["path"] for r in sent} == {"/v1/chat/completions"}  # one request a sample, one retried
+        body = sent[-1]["body"]
+        assert body["n"] == 3 and body["model"] == "judge-7b" and body["seed"] == 11 and body["temperature"] == 0.0
+        assert "Reference answer:\n" in body["messages"][0]["content"]
+    finally:
+        scorer.close()
+
+
+# --- tidal serve-reward -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory) -> Path:
+    """A tiny sequence-classification model (random weights) with the tiny model's tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from tidal.model.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        num_labels=1, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("rm")
+    Qwen2ForSequenceClassification(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_serve_reward_answers_the_openrlhf_protocol_with_the_models_scores(reward_model_dir, tmp_path):
+    from tidal.config.schema import ServeRewardModelConfig
+    from tidal.rewards.server import RewardModel, RewardServer
+
+    server = RewardServer("rm", ServeRewardModelConfig(model=str(reward_model_dir), batch_size=3), tmp_path / "rm.log")
+    server.start()
+    scorer = served(server.url, batch_size=4, timeout_seconds=60)
+    try:
+        scored = scorer.score_many(ROWS, list(range(10)))
+        local = RewardModel(reward_model_dir).score([r.prompt + r.completion for r in ROWS])
+        assert [parts["rm"] for _, parts, _ in scored] == pytest.approx(local, abs=1e-5)
+        assert len(set(local)) > 1 and scorer.errors == 0
+    finally:
+        scorer.close()
+        server.stop()
+    assert server.proc.poll() is not None
+
+
+def test_serve_reward_refuses_a_directory_without_a_model(tmp_path):
+    proc = run_cli("serve-reward", str(tmp_path), "--port", "1")
+    assert proc.returncode == 2 and "is not a model directory (no config.json)" in proc.stderr
+
+
+# --- short real runs -----------------------------------------------------------------------------------
+
+
+def test_a_run_against_a_misbehaving_reward_server_finishes_every_fault_retried_no_group_lost(stub, tmp_path, write_config):
+    server = stub("--faults", "slow,500,drop,garbage,count,nan")
+    # retries: 6, so that even a request that meets every fault (they are handed out to concurrent requests) gets through
+    rm = {"type": "reward_model", "name": "rm", "url": server.base + "/rm", "timeout_seconds": 1.5, "backoff": 0.05, "batch_size": 8, "retries": 6}
+    config = write_config({"reward.functions": [rm], "trainer.iterations": 2, "eval.enabled": False})
+    run_dir = tmp_path / "run"
+    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["groups_trained"] == 2 * 6 and summary["reward_errors"] == 0
+    assert summary["reward_server_retries"] == 6 and summary["reward_server_failed_requests"] == 0
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert all(m["reward_seconds"] > 0 and m["reward_server_batch_size_mean"] > 4 for m in metrics)  # batched across groups
+    faults = [r["fault"] for r in server.requests() if r["fault"]]
+    assert faults == ["slow", "500", "drop", "garbage", "count", "nan"]
+    groups = read_jsonl(run_dir / "groups.jsonl")
+    assert len(groups) == 12
+    assert "reward server" in proc.stdout and "6 retries" in proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["periodic", "sync"])
+def test_a_run_whose_reward_server_keeps_failing_stops_with_one_line_naming_it(stub, tmp_path, write_config, mode):
+    server = stub("--always", "500")
+    rm = {"type": "reward_model", "name": "rm", "url": server.base + "/rm", "retries": 1, "backoff": 0.05, "error_window": 4, "max_error_rate": 0.5}
+    config = write_config({"reward.functions": [rm], "eval.enabled": False, "mode": mode})
+    run_dir = tmp_path / "run"
+    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
+    where = "rollout worker worker-0 failed: " if mode == "periodic" else ""
+    assert proc.returncode == (1 if mode == "periodic" else 77), proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tidal: {where}reward server {server.base}/rm (rm): 3 of the last 3 requests failed"), last
+    assert "restarting" not in (run_dir / "logs" / "launcher.log").read_text()  # not restarted: it would ask the same server
+    assert run_processes(run_dir) == []
+
+
+def test_tidal_run_serves_the_reward_model_itself_and_stops_it(reward_model_dir, tmp_path, write_config):
+    rm = {"type": "reward_model", "name": "rm", "serve": {"model": str(reward_model_dir), "output": "sigmoid"}}
+    config = write_config({"reward.functions": [rm], "trainer.iterations": 2, "eval.enabled": False})
+    run_dir = tmp_path / "run"
+    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert all(0 < m["reward_mean"] < 1 and m["reward_server_requests"] > 0 and m["reward_errors"] == 0 for m in metrics)
+    log = (run_dir / "logs" / "reward-server-rm.log").read_text()
+    assert "serving reward model" in log
+    assert run_processes(run_dir) == [] and not any(str(reward_model_dir) in p for p in _all_processes())
+
+
+def _all_processes() -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:
+                pass
+    return found
+
+
+# --- the built-in tiny reward model ---------------------------------------------------------------------
+
+
+def test_the_reward_models_examples_are_one_right_and_one_wrong_answer_per_problem():
+    import random
+
+    from tidal.data import Problem
+    from tidal.model.reward_model import labelled_examples, wrong_answers
+    from tidal.rewards import exact_match
+
+    rng = random.Random(0)
+    assert all(wrong_answers(a, rng) != str(a) for a in [0, 5, 11, 99, 100, 121, 198] for _ in range(50))
+    problems = [Problem(i, f"{i}+{i}=", str(2 * i)) for i in range(200)]
+    rows = labelled_examples(problems, rng)
+    assert len(rows) == 400 and sum(label for _, _, label in rows) == 200
+    assert all(exact_match(completion, p.answer) == label for (_, completion, label), p in zip(rows, [p for p in problems for _ in (0, 1)]))
+
+
+def test_the_built_in_reward_model_is_for_the_tiny_arithmetic_model_only(tiny_config):
+    from tidal.model.reward_model import prepare_reward_model
+
+    cfg = tiny_config.model_copy(update={"model": tiny_config.model.model_copy(update={"name_or_path": "/models/qwen"})})
+    with pytest.raises(ValueError, match=r"reward.functions\[\].serve.model is unset: the built-in reward model is for the tiny model"):
+        prepare_reward_model(cfg, "/models/qwen")
+
+
+def test_the_reward_models_loss_ranks_each_right_answer_above_its_wrong_one():
+    import torch
+
+    from tidal.model.reward_model import pair_loss
+
+    labels = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    ranked = pair_loss(torch.tensor([3.0, -3.0, 2.0, -2.0]), labels)
+    reversed_ = pair_loss(torch.tensor([-3.0, 3.0, -2.0, 2.0]), labels)
+    assert ranked < 0.2 < 3.0 < reversed_
