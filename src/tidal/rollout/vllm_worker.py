@@ -147,8 +147,10 @@ class VLLMRolloutWorker:
     async def _check_arrival(self, version: int, probe: dict | None) -> float | None:
         """The arrival check on the version just loaded (from the store; a transfer over NCCL is not probed):
         WeightsDidNotArriveError when the engine's log-probs of the probe differ from the trainer's."""
+        if not probe:  # received over NCCL, or a version published without one
+            return None
         tolerance = arrival_tolerance(self.cfg.weights.arrival_tolerance, "vllm", self.engine.dtype, self.cfg.model.dtype)
-        if not probe or not tolerance:
+        if not tolerance:
             return None
         return compare_probe(probe, await self.engine.probe_logprobs(probe["sequences"]), version, tolerance, self.worker_id)
 
