@@ -62,6 +62,7 @@ def pool_spec(**changes) -> worker_pool.PoolSpec:
         max_workers=4,
         lag_threshold=8,
         node_selector={"cloud.google.com/gke-spot": "true"},
+        preferred_nodes={"cloud.google.com/gke-provisioning": "spot", "topology.kubernetes.io/zone": "us-central1-a"},
         tolerations=(cluster.Toleration(key="cloud.google.com/gke-spot"),),
         owner=WORKFLOW,
     )
@@ -134,6 +135,13 @@ def test_the_deployment_is_owned_by_the_run_and_its_pods_are_workers_that_get_si
     assert pod["automountServiceAccountToken"] is False and pod["serviceAccountName"] == cluster.WORKLOAD_SERVICE_ACCOUNT
     assert pod["nodeSelector"] == {"cloud.google.com/gke-spot": "true"}
     assert {t["key"] for t in pod["tolerations"]} == {"nvidia.com/gpu", "cloud.google.com/gke-spot"}
+    (preferred,) = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred["weight"] == 100 and preferred["preference"]["matchExpressions"] == [
+        {"key": "cloud.google.com/gke-provisioning", "operator": "In", "values": ["spot"]},
+        {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["us-central1-a"]},
+    ]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in pod["affinity"]["nodeAffinity"]  # other nodes stay allowed
+    assert "affinity" not in worker_pool.build_deployment(pool_spec(preferred_nodes={}))["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     # no shell in between: the pool worker is the container's first process, and the pod's SIGTERM is its
     assert container["command"][:3] == ["python3", "-m", "tidal.kube.pool_worker"]
@@ -175,6 +183,8 @@ def test_pool_sizes_default_from_the_run_and_refuse_bad_bounds():
     with pytest.raises(PipelineStepError, match="pool_node_selector: 'spot' must look like label=value"):
         worker_pool.parse_node_selector("spot")
     assert worker_pool.parse_node_selector("a=1, b/c=2") == {"a": "1", "b/c": "2"}
+    with pytest.raises(PipelineStepError, match="pool_preferred_nodes: 'spot' must look like label=value"):
+        worker_pool.parse_node_selector("spot", "pool_preferred_nodes")
 
 
 # ---------------------------------------------------------------- on a stand-in API server
@@ -495,6 +505,7 @@ ELASTIC_PARAMS = {
     "pool_max_workers": 8,
     "pool_lag_threshold": 4,
     "pool_node_selector": "cloud.google.com/gke-spot=true",
+    "pool_preferred_nodes": "topology.kubernetes.io/zone=us-central1-a",
     "pool_toleration_key": "cloud.google.com/gke-spot",
     "pool_termination_grace_s": 60,
 }

@@ -90,6 +90,7 @@ def worker_pool(
     max_workers: int,
     lag_threshold: int,
     node_selector: str,
+    preferred_nodes: str,
     toleration_key: str,
     termination_grace_s: int,
     queue_name: str,
@@ -104,6 +105,7 @@ def worker_pool(
         max_workers=max_workers,
         lag_threshold=lag_threshold,
         node_selector=node_selector,
+        preferred_nodes=preferred_nodes,
         toleration_key=toleration_key,
         termination_grace_s=termination_grace_s,
     )

@@ -308,6 +308,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
             max_workers=pool["pool_max_workers"],
             lag_threshold=pool["pool_lag_threshold"],
             node_selector=pool["pool_node_selector"],
+            preferred_nodes=pool["pool_preferred_nodes"],
             toleration_key=pool["pool_toleration_key"],
             termination_grace_s=pool["pool_termination_grace_s"],
             queue_name=queue_name,
@@ -377,6 +378,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
         pool_max_workers: int = 0,
         pool_lag_threshold: int = 0,
         pool_node_selector: str = "",
+        pool_preferred_nodes: str = "",
         pool_toleration_key: str = "",
         pool_termination_grace_s: int = DEFAULT_TERMINATION_GRACE_S,
     ):
@@ -391,8 +393,9 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
         (the MLflow run is tagged with this run's KFP link and the run shows its MLflow link; empty: the run id only);
         worker_pool: fixed (rollout_workers worker tasks per round) or elastic (one Deployment for the run, scaled by KEDA
         on the WORK stream's pending items between pool_min_workers and pool_max_workers, 0: rollout_workers, one pod more per
-        pool_lag_threshold items, 0: prompts_per_iteration / max); pool_node_selector (label=value,...) and
-        pool_toleration_key place the pool on spot or preemptible nodes; pool_termination_grace_s: how long a
+        pool_lag_threshold items, 0: prompts_per_iteration / max); pool_node_selector (label=value,...: required),
+        pool_preferred_nodes (label=value,...: preferred, other nodes when none is free) and pool_toleration_key
+        place the pool on spot or preemptible nodes; pool_termination_grace_s: how long a
         preempted pod's worker has to hand back its work items."""
         # The exit handler: runs however the run ends; it may only read pipeline parameters (KFP rule), so it
         # finds the run directory as prepare does (run_dir, else /mnt/tidal/runs/<job id>).
@@ -434,6 +437,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
                     pool_max_workers=pool_max_workers,
                     pool_lag_threshold=pool_lag_threshold,
                     pool_node_selector=pool_node_selector,
+                    pool_preferred_nodes=pool_preferred_nodes,
                     pool_toleration_key=pool_toleration_key,
                     pool_termination_grace_s=pool_termination_grace_s,
                 ),

@@ -74,6 +74,8 @@ class PoolSettings:
     """Pending work items per worker; 0: ceil(prompts_per_iteration / max_workers)."""
     node_selector: str = ""
     """Extra node labels of the pool's pods, ``key=value,...`` (a spot or preemptible GPU pool's)."""
+    preferred_nodes: str = ""
+    """Node labels the pool's pods prefer, ``key=value,...``, falling back to other nodes (spot first, then on-demand)."""
     toleration_key: str = ""
     """A taint key the pool's pods tolerate (a spot pool's taint), besides the accelerator's."""
     termination_grace_s: int = DEFAULT_TERMINATION_GRACE_S

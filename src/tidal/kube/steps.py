@@ -152,6 +152,7 @@ def start_worker_pool(
         cpu=cpu,
         memory=memory,
         node_selector=pool.parse_node_selector(settings.node_selector),
+        preferred_nodes=pool.parse_node_selector(settings.preferred_nodes, "pool_preferred_nodes"),
         tolerations=(cluster.Toleration(key=settings.toleration_key),) if settings.toleration_key else (),
         termination_grace_s=settings.termination_grace_s,
         queue_name=queue_name,

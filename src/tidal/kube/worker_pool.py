@@ -72,6 +72,7 @@ class PoolSpec:
     cpu: str = "8"
     memory: str = "32Gi"
     node_selector: dict[str, str] = field(default_factory=dict)
+    preferred_nodes: dict[str, str] = field(default_factory=dict)  # labels the scheduler prefers, not requires
     tolerations: tuple[Toleration, ...] = ()
     termination_grace_s: int = DEFAULT_TERMINATION_GRACE_S
     queue_name: str = ""
@@ -93,13 +94,13 @@ def pool_name(run_name: str) -> str:
     return f"{head}-{digest}"
 
 
-def parse_node_selector(text: str) -> dict[str, str]:
+def parse_node_selector(text: str, parameter: str = "pool_node_selector") -> dict[str, str]:
     """``key=value`` pairs, comma-separated (the pool's extra node labels, e.g. a spot pool's); empty: none."""
     selector = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         if not sep or not key.strip():
-            raise PipelineStepError(f"pool_node_selector: {part!r} must look like label=value (several: comma-separated)")
+            raise PipelineStepError(f"{parameter}: {part!r} must look like label=value (several: comma-separated)")
         selector[key.strip()] = value.strip()
     return selector
 
@@ -165,6 +166,16 @@ def pool_command(spec: PoolSpec) -> list[str]:
     return ["python3", "-m", "tidal.kube.pool_worker", "--config", spec.config_path, "--run-dir", spec.run_dir]
 
 
+def preferred_node_affinity(labels: dict[str, str]) -> k8s.V1Affinity | None:
+    """Nodes with all of ``labels`` preferred, others still allowed: a pool that runs on spot nodes while there
+    are some and on on-demand ones when spot capacity is gone (a nodeSelector would leave its pods Pending)."""
+    if not labels:
+        return None
+    term = k8s.V1NodeSelectorTerm(match_expressions=[k8s.V1NodeSelectorRequirement(key=k, operator="In", values=[v]) for k, v in labels.items()])
+    preferred = [k8s.V1PreferredSchedulingTerm(weight=100, preference=term)]
+    return k8s.V1Affinity(node_affinity=k8s.V1NodeAffinity(preferred_during_scheduling_ignored_during_execution=preferred))
+
+
 def build_deployment(spec: PoolSpec) -> dict:
     resources = {"cpu": spec.cpu, "memory": spec.memory}
     limits = {"memory": spec.memory}
@@ -192,6 +203,7 @@ def build_deployment(spec: PoolSpec) -> dict:
         restart_policy="Always",
         security_context=trainer_pod_security(),
         node_selector={**spec.profile.node_selector, **spec.node_selector} or None,
+        affinity=preferred_node_affinity(spec.preferred_nodes),
         tolerations=[k8s.V1Toleration(key=t.key, operator=t.operator, effect=t.effect or None) for t in tolerations] or None,
         volumes=[
             k8s.V1Volume(name="data", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=cluster.DATA_PVC)),
