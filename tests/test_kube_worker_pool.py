@@ -351,6 +351,11 @@ FAKE_WORKER = textwrap.dedent(
 )
 
 
+def said_ready(out: Path) -> bool:
+    """The fake worker wrote "ready" (not just created the file: a SIGTERM between the two would lose the line)."""
+    return out.is_file() and out.read_text().startswith("ready")
+
+
 def fake_worker(out: Path, mode: str = "wait") -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", FAKE_WORKER, str(out), mode], process_group=0)
 
@@ -372,7 +377,7 @@ def sigterm_self_when(condition) -> threading.Thread:
 def test_the_fixed_pools_step_passes_sigterm_on_to_its_worker(tmp_path):
     out = tmp_path / "worker.log"
     process = fake_worker(out)
-    sender = sigterm_self_when(lambda: out.is_file())
+    sender = sigterm_self_when(lambda: said_ready(out))
     try:
         with forward_sigterm(process) as sigterm:
             with pytest.raises(PipelineStepError, match=r"this pod got SIGTERM; the rollout worker stopped in order \(status 143\)"):
@@ -403,7 +408,7 @@ def test_the_pool_worker_waits_between_rounds_starts_a_worker_per_round_and_pass
         return fake_worker(out, "exit" if len(started) == 1 else "wait")
 
     sigterm = SigtermForward()
-    sender = sigterm_self_when(lambda: len(started) == 2 and started[1].is_file())
+    sender = sigterm_self_when(lambda: len(started) == 2 and said_ready(started[1]))
     previous = signal.signal(signal.SIGTERM, lambda *_: setattr(sigterm, "received", True))
     try:
         code = pool_worker.serve(current_state, start, sigterm, poll_s=0.1, end_grace_s=5.0)
