@@ -8,9 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -141,7 +139,7 @@ def _train(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], he
 
 def prepare_reward_model(cfg: TidalConfig, base_model: str | Path) -> Path:
     """The cached built-in reward model for this run's task and warm start, built on first use."""
-    from tidal.model.warm_start import cache_root
+    from tidal.model.warm_start import cache_root, save_to_cache
 
     if cfg.model.name_or_path or cfg.data.task != "arithmetic":
         raise ValueError(
@@ -157,14 +155,4 @@ def prepare_reward_model(cfg: TidalConfig, base_model: str | Path) -> Path:
     log.info(
         "built-in reward model: %d steps in %.1fs, held-out: the right answer above the wrong one for %.3f of problems", STEPS, time.time() - t0, held
     )
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "tidal_reward_model.json").write_text(json.dumps({"held_out_ranking_accuracy": held, "steps": STEPS}))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(tmp, target)
-    except OSError:  # another process won the race: use its copy
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return save_to_cache(model, tokenizer, target, {"tidal_reward_model.json": json.dumps({"held_out_ranking_accuracy": held, "steps": STEPS})})

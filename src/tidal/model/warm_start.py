@@ -214,10 +214,18 @@ def prepare_base_model(cfg: TidalConfig, dataset: Dataset, progress=None) -> Pat
         log.info(
             "warm start: %d steps in %.1fs, final loss %.3f, probe accuracy %s", result.steps, time.time() - t0, result.loss, result.probe_accuracy
         )
+    return save_to_cache(model, tokenizer, target)
+
+
+def save_to_cache(model, tokenizer, target: Path, extra_files: dict[str, str] | None = None) -> Path:
+    """Saves a model folder at `target` whole or not at all (written beside it, then renamed), so runs that
+    build the same cached model at once each find a complete one; returns `target`."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.rename(tmp, target)
