@@ -85,12 +85,12 @@ def trainer_command(spec: TrainerJobSpec) -> list[str]:
     return command
 
 
-def secret_env() -> list[k8s.V1EnvVar]:
-    """The trainer's NATS user and password, the run's snapshot-signing key and the MLflow endpoint (required),
+def secret_env(role: str = "trainer") -> list[k8s.V1EnvVar]:
+    """The role's NATS user and password, the run's snapshot-signing key and the MLflow endpoint (required),
     MLflow basic-auth credentials (optional keys)."""
     env = [
-        k8s.V1EnvVar(name=cluster.NATS_USER_ENV, value=cluster.nats_user("trainer")),
-        _secret_env_var(cluster.NATS_SECRET, cluster.nats_password_key("trainer"), cluster.NATS_PASSWORD_ENV, optional=False),
+        k8s.V1EnvVar(name=cluster.NATS_USER_ENV, value=cluster.nats_user(role)),
+        _secret_env_var(cluster.NATS_SECRET, cluster.nats_password_key(role), cluster.NATS_PASSWORD_ENV, optional=False),
     ]
     env += [_secret_env_var(cluster.WEIGHTS_SECRET, key, name, optional=False) for key, name in cluster.WEIGHTS_SECRET_ENV.items()]
     env += [_secret_env_var(cluster.MLFLOW_SECRET, key, name, optional=False) for key, name in cluster.MLFLOW_SECRET_REQUIRED_ENV.items()]

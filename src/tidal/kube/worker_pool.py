@@ -26,7 +26,7 @@ from tidal.kube import cluster
 from tidal.kube.cluster import AcceleratorProfile, Toleration
 from tidal.kube.staging import DEFAULT_TERMINATION_GRACE_S
 from tidal.kube.step_records import PipelineStepError, StepRecords
-from tidal.kube.trainer_job import POD_ANNOTATIONS, STRICT, _secret_env_var, name_violations, trainer_pod_security
+from tidal.kube.trainer_job import POD_ANNOTATIONS, STRICT, name_violations, secret_env, trainer_pod_security
 from tidal.rundir import RunDir
 
 KEDA_GROUP, KEDA_VERSION, KEDA_PLURAL = "keda.sh", "v1alpha1", "scaledobjects"
@@ -149,15 +149,8 @@ def metadata(spec: PoolSpec) -> dict:
 def pool_env() -> list[k8s.V1EnvVar]:
     """As the fixed pool's worker step: the worker NATS user and its password, the snapshot-signing key, MLflow
     (required URI, optional credentials); and the pod's name, the worker id."""
-    env = [
-        k8s.V1EnvVar(name="POD_NAME", value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="metadata.name"))),
-        k8s.V1EnvVar(name=cluster.NATS_USER_ENV, value=cluster.nats_user("worker")),
-        _secret_env_var(cluster.NATS_SECRET, cluster.nats_password_key("worker"), cluster.NATS_PASSWORD_ENV, optional=False),
-    ]
-    env += [_secret_env_var(cluster.WEIGHTS_SECRET, key, name, optional=False) for key, name in cluster.WEIGHTS_SECRET_ENV.items()]
-    env += [_secret_env_var(cluster.MLFLOW_SECRET, key, name, optional=False) for key, name in cluster.MLFLOW_SECRET_REQUIRED_ENV.items()]
-    env += [_secret_env_var(cluster.MLFLOW_SECRET, key, name, optional=True) for key, name in cluster.MLFLOW_SECRET_OPTIONAL_ENV.items()]
-    return env
+    pod_name = k8s.V1EnvVar(name="POD_NAME", value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="metadata.name")))
+    return [pod_name, *secret_env("worker")]
 
 
 def pool_command(spec: PoolSpec) -> list[str]:
