@@ -146,3 +146,12 @@ def test_tidal_chaos_scales_the_pool_during_a_run_and_nothing_is_lost(tmp_path, 
 def test_an_unknown_fault_is_named():
     proc = run_cli("chaos", "examples/arithmetic.yaml", "--faults", "worker-kill,disk-melt")
     assert proc.returncode == 2 and "unknown fault(s) disk-melt" in proc.stderr
+
+
+def test_a_fault_follows_a_boundary_that_leaves_at_least_one_iteration_to_run():
+    from tidal.chaos import injection_boundary
+
+    rng = random.Random(0)
+    for iterations in (2, 3, 4, 6):
+        drawn = {injection_boundary(rng, iterations) for _ in range(200)}
+        assert drawn == set(range(1, max(1, iterations - 2) + 1)), (iterations, drawn)

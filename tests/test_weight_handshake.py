@@ -68,6 +68,11 @@ async def worker(url: str, lane: int, versions: list[int], broadcast: StandInBro
     t = await Transport.connect(url, "handshake", TransportConfig(), create=False)
     got = []
     try:
+        # a worker answers an offer it saw (its idle poll of pending_offer); before the trainer's first
+        # offer there is nothing to answer, and accept() would read "no transfer" and load from the store
+        deadline = asyncio.get_running_loop().time() + 2 * TIMEOUT
+        while await t.get(weight_handshake.KEY) is None and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
         for v in versions:
             go = await weight_handshake.accept(t, lane, v, joined, timeout=2 * TIMEOUT, poll=0.02)
             if go is not None:

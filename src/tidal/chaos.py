@@ -1,7 +1,7 @@
 """`tidal chaos`: the fault matrix as a command.
 
 For each fault, N deterministic runs of the config; each is hit once at a random point of its
-run, then left to finish (or resumed, when the fault took the launcher with it). Every run is
+run (a seeded boundary but the last two, then up to half an iteration more), then left to finish (or resumed, when the fault took the launcher with it). Every run is
 checked against uninterrupted reference runs of the same config (two: the first also fills the
 caches, and their difference is the spread to expect):
 - groups lost: expected (iteration, prompt) pairs never trained (groups.jsonl);
@@ -316,6 +316,21 @@ class Reference:
     first_boundary: float  # seconds from its start to its first metrics.jsonl line
     spread: float  # relative difference between the two uninterrupted runs' final weights
 
+    def seconds_per_iteration(self, iterations: int) -> float:
+        return max(0.5, self.seconds - self.first_boundary) / max(1, iterations - 1)
+
+
+def injection_boundary(rng: random.Random, iterations: int) -> int:
+    """The boundary a fault follows: any but the last two, so at least one and a half iterations are
+    left when it hits (a point drawn from the reference's wall time alone missed runs that ended sooner
+    than their reference, on a loaded machine)."""
+    return rng.randint(1, max(1, iterations - 2))
+
+
+def wait_until_boundary(proc: subprocess.Popen, run_dir: Path, boundary: int, deadline: float) -> None:
+    while len(RunDir(run_dir).metrics.read()) < boundary and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+
 
 def timed_run(config: Path, run_dir: Path, overrides: list[str], hang_seconds: float) -> tuple[float, float]:
     """(wall seconds, seconds to the first boundary) of one uninterrupted run; exits on a failure."""
@@ -359,18 +374,19 @@ def run_one(
     t0 = time.time()
     proc = tidal_run(config, run_dir, overrides)
     deadline = t0 + hang_seconds
-    # a random point after the first boundary (the run is under way) and before the reference's end
+    # the run is under way: its first boundary has passed
     while not RunDir(run_dir).metrics.read() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     first = time.time()
-    span = 0.8 * max(0.5, reference.seconds - reference.first_boundary)
     events: list[str] = []
     if fault == "scale":
+        span = 0.8 * max(0.5, reference.seconds - reference.first_boundary)
         happened = scale_events(proc, run_dir, rng, span, pool[2], pool[0], pool[1])
         events = [f"+{at:.1f}s {what}" for at, what in happened]
         injected_at = happened[0][0] if happened else None
     else:
-        time.sleep(rng.uniform(0.0, span))
+        wait_until_boundary(proc, run_dir, injection_boundary(rng, iterations), deadline)
+        time.sleep(rng.uniform(0.0, 0.5 * reference.seconds_per_iteration(iterations)))
         at = time.time() - first
         injected_at = at if proc.poll() is None and inject(fault, proc, run_dir, stop_seconds) else None
     returncode = wait_for(proc, deadline)
