@@ -170,3 +170,28 @@ def test_a_worker_killed_while_its_engine_starts_leaves_no_vllm_process_and_the_
     assert re.search(r"rollout worker worker-0 exited with code -9; restarting", (run_dir / "logs" / "launcher.log").read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["iterations"] == 2 and summary["groups_trained"] == 2 * PROMPTS
+
+
+def test_a_served_reward_model_gets_requests_of_several_vllm_groups_and_every_group_is_trained(tmp_path, tiny_config_dict):
+    """vLLM finishes groups one by one; those that finish while a request is out go in the next one
+    (a server that takes 0.3 s a request makes them wait), each sample scored once."""
+    from tests.test_served_rewards import StubServer
+
+    server = StubServer(tmp_path, "--delay", "0.3")
+    try:
+        rm = {"type": "reward_model", "name": "rm", "url": server.base + "/rm", "batch_size": 16, "timeout_seconds": 30.0}
+        config = vllm_run_config(tiny_config_dict, tmp_path / "config.yaml", eval={"enabled": False})
+        data = yaml.safe_load(config.read_text())
+        data["reward"] = {"functions": [rm]}
+        config.write_text(yaml.safe_dump(data))
+        proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress")
+        assert proc.returncode == 0, proc.stderr[-3000:] + (tmp_path / "run" / "logs" / "worker-0.log").read_text()[-3000:]
+        requests = server.requests()
+    finally:
+        server.stop()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["groups_trained"] == ITERATIONS * PROMPTS and summary["reward_errors"] == 0
+    sizes = [len(r["body"]["query"]) for r in requests]
+    assert sum(sizes) == ITERATIONS * PROMPTS * G  # every sample scored once
+    assert all(s % G == 0 and s <= 16 for s in sizes), sizes  # whole groups, within batch_size
+    assert max(sizes) > G, sizes  # some request carried several groups

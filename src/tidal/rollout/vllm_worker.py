@@ -25,9 +25,10 @@ from tidal.rewards import RewardScorer
 from tidal.rewards.served import RewardServerError
 from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import GroupRequest, group_seed
+from tidal.rollout.scoring_queue import GroupScoringQueue
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
 from tidal.rollout.worker import (
-    build_group,
+    build_groups,
     compare_probe,
     decode_work,
     hand_back,
@@ -41,6 +42,13 @@ from tidal.transport import Transport, keep_in_progress, weight_handshake
 from tidal.transport.health import WorkerHealth, beat, report_refusal
 
 log = logging.getLogger(__name__)
+
+
+def scoring_batch_samples(cfg: TidalConfig) -> int:
+    """Samples per scoring call: with a served reward model, up to its largest batch_size (requests of
+    several groups); otherwise one group (in-process rewards gain nothing from batching)."""
+    served = [f.batch_size for f in cfg.reward.functions if f.type == "reward_model"]
+    return max([cfg.rollout.group_size, *served])
 
 
 class NcclStuckError(RuntimeError):
@@ -70,6 +78,7 @@ class VLLMRolloutWorker:
         self.scorer = scorer or RewardScorer.from_config(cfg.reward, seed=cfg.seed if cfg.rollout.deterministic else None)
         self.agent = AgentLoop.from_config(cfg, tokenizer, model_context(engine)) if cfg.rollout.env is not None else None
         self.score_pool = ThreadPoolExecutor(max_workers=1)  # one scorer, one thread: its error count stays exact
+        self.scoring = GroupScoringQueue(self.score_pool, self._build_groups, scoring_batch_samples(cfg))
         self.health = WorkerHealth(worker_id)
         self.backoff = 0.0
         self.inflight: dict[asyncio.Task, object] = {}  # task -> its NATS message
@@ -168,10 +177,18 @@ class VLLMRolloutWorker:
         completions = await self.engine.generate_group(
             GroupRequest(prompt, self.cfg.rollout.group_size), seed, tag=f"{item.iteration}-{item.prompt_id}"
         )
-        gen_end = time.time()
-        return await asyncio.get_running_loop().run_in_executor(
-            self.score_pool, build_group, item, prompt, completions, self.tokenizer, self.scorer, version, self.worker_id, gen_start, gen_end
-        )
+        return await self.scoring.score((item, prompt, completions, version, gen_start, time.time()), len(completions))
+
+    def _build_groups(self, finished: list[tuple]) -> list[Group]:
+        """The groups that finished while the scorer was busy, scored in one call (served rewards batch
+        across them); each keeps its own generation times. All are of one version: a version changes
+        only with nothing in flight."""
+        items, prompts, outputs, versions, starts, ends = zip(*finished, strict=True)
+        assert len(set(versions)) == 1, f"groups of versions {sorted(set(versions))} scored together"
+        groups = build_groups(list(items), list(prompts), list(outputs), self.tokenizer, self.scorer, versions[0], self.worker_id, starts[0], ends[0])
+        for group, start, end in zip(groups, starts, ends, strict=True):
+            group.gen_start, group.gen_end = start, end
+        return groups
 
     async def _run_group(self, msg, item: WorkItem) -> None:
         group = await self._generate_group(item, self.version)

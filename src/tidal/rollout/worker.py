@@ -32,22 +32,6 @@ from tidal.weights import CorruptSnapshotError, WeightsDidNotArriveError, load_v
 log = logging.getLogger(__name__)
 
 
-def build_group(
-    item: WorkItem,
-    prompt: list[int],
-    completions: list[Completion],
-    tokenizer,
-    scorer: RewardScorer,
-    policy_version: int,
-    worker_id: str,
-    gen_start: float,
-    gen_end: float,
-) -> Group:
-    """The group message of one work item: its G samples scored, with the version that generated them."""
-    (group,) = build_groups([item], [prompt], [completions], tokenizer, scorer, policy_version, worker_id, gen_start, gen_end)
-    return group
-
-
 def build_groups(
     items: list[WorkItem],
     prompts: list[list[int]],
