@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, read_jsonl, run_cli, run_processes
+from tests.conftest import ROOT, read_jsonl, run_cli, run_processes, start_run, wait_until
 from tidal.config import ConfigError, RewardConfig, config_from_dict
 from tidal.rewards import RewardScorer
 from tidal.rewards.served import (
@@ -387,14 +388,41 @@ def test_tidal_run_serves_the_reward_model_itself_and_stops_it(reward_model_dir,
     assert run_processes(run_dir) == [] and not any(str(reward_model_dir) in p for p in _all_processes())
 
 
-def _all_processes() -> list[str]:
+@pytest.mark.parametrize("mode", ["periodic", "sync"])
+def test_a_reward_server_killed_mid_run_is_restarted_on_its_port_and_no_score_is_lost(reward_model_dir, tmp_path, write_config, mode):
+    # retries with back-off span ~2 minutes: the requests made while the server restarts get through
+    rm = {"type": "reward_model", "name": "rm", "serve": {"model": str(reward_model_dir)}, "retries": 8, "backoff": 0.5}
+    config = write_config({"mode": mode, "reward.functions": [rm], "trainer.iterations": 4, "eval.enabled": False})
+    run_dir = tmp_path / "run"
+    proc = start_run(config, run_dir)
+    try:
+        wait_until(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 1, proc)
+        (server,) = [p for p in _all_processes(with_pid=True) if "serve-reward" in p[1] and str(reward_model_dir) in p[1]]
+        os.kill(server[0], signal.SIGKILL)
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert "restarting it on port" in (run_dir / "logs" / "launcher.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["groups_trained"] == 4 * 6 and summary["reward_errors"] == 0
+    assert run_processes(run_dir) == [] and not any(str(reward_model_dir) in p for p in _all_processes())
+
+
+def _all_processes(with_pid: bool = False) -> list:
+    """Every live process's command line (with its pid: (pid, command line))."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
             except OSError:
-                pass
+                continue
+            found.append((int(entry.name), cmdline) if with_pid else cmdline)
     return found
 
 

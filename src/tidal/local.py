@@ -274,7 +274,8 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
             if cfg.mode == "sync":
                 if isinstance(cfg.trainer.threads, int):  # set, or chosen by the planner; else every core
                     set_threads(cfg.trainer.threads)
-                sync_trainer(cfg, RunDir(run.root, bar.update), dataset, tracker, engine)
+                with reward_servers.watched():
+                    sync_trainer(cfg, RunDir(run.root, bar.update), dataset, tracker, engine)
             else:
                 extra = run_periodic_local(cfg, run, bar, lock, reward_servers)
             finish_curve_eval(curve, run)

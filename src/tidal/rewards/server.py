@@ -10,12 +10,14 @@ reward.functions entry with `serve` (RewardServers), beside nats-server, and sto
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -218,6 +220,29 @@ class RewardServers:
     def check(self) -> None:
         for s in self.servers:
             s.check()
+
+    @contextlib.contextmanager
+    def watched(self, every: float = 1.0):
+        """Checks the servers on a thread of its own while the block runs (sync mode, where no launcher
+        loop would): a server that dies is restarted; after MAX_RESTARTS the watch ends, and the
+        requests that then fail stop the run through the endpoint's error rate."""
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(every):
+                try:
+                    self.check()
+                except RoleFailed as err:
+                    log.error("%s", err)
+                    return
+
+        thread = threading.Thread(target=watch, name="reward-servers", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            done.set()
+            thread.join()
 
     def stop(self) -> None:
         for s in self.servers:
