@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -113,6 +114,18 @@ def start_run(config: Path, run_dir: Path) -> subprocess.Popen:
     """`tidal run` in the background, as a user starts it; its output is piped."""
     cmd = [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@contextlib.contextmanager
+def background_run(config: Path, run_dir: Path):
+    """`start_run` for the block; a run the block leaves running (a failed assertion) is killed and reaped."""
+    proc = start_run(config, run_dir)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def trained_in(run_dir: Path, iteration: int) -> bool:

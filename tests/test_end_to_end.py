@@ -9,7 +9,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from tests.conftest import embedded_nats_url, read_jsonl, run_and_kill, run_cli, start_run, trained_in, wait_until
+from tests.conftest import background_run, embedded_nats_url, read_jsonl, run_and_kill, run_cli, start_run, trained_in, wait_until
 from tidal.tracking import mlflow_metric_name
 
 REQUIRED_METRICS = [
@@ -356,8 +356,7 @@ def test_workers_that_left_on_a_dying_trainers_failed_state_are_started_again(tm
 
     config = write_config(SLOW_GROUP_AT_A_TIME)
     run_dir = tmp_path / "run"
-    proc = start_run(config, run_dir)
-    try:
+    with background_run(config, run_dir) as proc:
         wait_until(lambda: trained_in(run_dir, 1), proc)
         run = RunDir(run_dir)
         # what the dying trainer rank writes, with the run's own credentials
@@ -367,9 +366,6 @@ def test_workers_that_left_on_a_dying_trainers_failed_state_are_started_again(tm
         wait_until(lambda: "the run or round is over" in run.log("worker-0").read_text(), proc)
         os.kill(int(run.pid_file("trainer").read_text()), signal.SIGKILL)
         out, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, err[-3000:]
     assert [m["iteration"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2]
     keys = [(r["iteration"], r["prompt_id"]) for r in read_jsonl(run_dir / "groups.jsonl")]

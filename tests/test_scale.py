@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import read_jsonl, run_cli, start_run, trained_in, wait_until
+from tests.conftest import background_run, read_jsonl, run_cli, trained_in, wait_until
 from tidal.config import ConfigError, config_from_dict
 
 ITERATIONS = 5
@@ -57,8 +57,7 @@ def test_a_worker_joins_and_leaves_a_running_run_and_every_group_is_trained_once
     reference = run_cli("run", str(config), "--run-dir", str(tmp_path / "ref"), "--no-progress")
     assert reference.returncode == 0, reference.stderr[-3000:]
     run_dir = tmp_path / "run"
-    proc = start_run(config, run_dir)
-    try:
+    with background_run(config, run_dir) as proc:
         wait_until(lambda: loaded_versions(run_dir, "worker-0"), proc)
         refused = scale(run_dir, 3)
         assert refused.returncode == 2 and "3 rollout workers is outside the run's rollout.workers range [1, 2]" in refused.stderr
@@ -70,10 +69,6 @@ def test_a_worker_joins_and_leaves_a_running_run_and_every_group_is_trained_once
         wait_until(lambda: trained_in(run_dir, contributed_to + 1), proc)
         assert scale(run_dir, 1).returncode == 0
         out, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, err[-3000:]
     assert contributed_to + 1 < ITERATIONS  # worker-1 left before the last iteration
     keys = [(r["iteration"], r["prompt_id"]) for r in read_jsonl(run_dir / "groups.jsonl")]
@@ -164,17 +159,12 @@ def test_a_worker_preempted_by_sigterm_hands_back_its_items_and_another_worker_r
     faulted = paced_config(
         write_config, "preempted.yaml", **{"rollout.workers": {"min": 1, "max": 2, "start": 2}, "transport.ack_wait_seconds": 3600.0}
     )
-    proc = start_run(faulted, run_dir)
-    try:
+    with background_run(faulted, run_dir) as proc:
         wait_until(lambda: len(taken_lines(run_dir, "worker-1")) >= 2 and trained_in(run_dir, 1), proc)
         seen = len(taken_lines(run_dir, "worker-1"))
         wait_until(lambda: len(taken_lines(run_dir, "worker-1")) > seen, proc)  # it has just taken an item: it holds it
         os.kill(int((run_dir / "logs" / "worker-1.pid").read_text()), signal.SIGTERM)
         out, err = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, err[-3000:]
     worker_log = (run_dir / "logs" / "worker-1.log").read_text()
     (handed_line,) = re.findall(r"worker worker-1 stopping \(SIGTERM\): handed back (\d+) work item\(s\) for redelivery (.*)", worker_log)

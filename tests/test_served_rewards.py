@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, read_jsonl, run_cli, run_processes, start_run, wait_until
+from tests.conftest import ROOT, background_run, read_jsonl, run_cli, run_processes, wait_until
 from tidal.config import ConfigError, RewardConfig, config_from_dict
 from tidal.rewards import RewardScorer
 from tidal.rewards.served import (
@@ -394,16 +394,11 @@ def test_a_reward_server_killed_mid_run_is_restarted_on_its_port_and_no_score_is
     rm = {"type": "reward_model", "name": "rm", "serve": {"model": str(reward_model_dir)}, "retries": 8, "backoff": 0.5}
     config = write_config({"mode": mode, "reward.functions": [rm], "trainer.iterations": 4, "eval.enabled": False})
     run_dir = tmp_path / "run"
-    proc = start_run(config, run_dir)
-    try:
+    with background_run(config, run_dir) as proc:
         wait_until(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 1, proc)
         (server,) = [p for p in _all_processes(with_pid=True) if "serve-reward" in p[1] and str(reward_model_dir) in p[1]]
         os.kill(server[0], signal.SIGKILL)
         out, err = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, err[-3000:]
     assert "restarting it on port" in (run_dir / "logs" / "launcher.log").read_text()
     summary = json.loads((run_dir / "summary.json").read_text())

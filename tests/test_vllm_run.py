@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import run_cli, start_run, wait_until
+from tests.conftest import background_run, run_cli, wait_until
 from tests.processes import command, descendants_of, kill, left_running, start_time
 from tidal.rollout.vllm_adapter import vllm_available
 
@@ -150,18 +150,13 @@ def test_a_worker_killed_while_its_engine_starts_leaves_no_vllm_process_and_the_
     (they would hold an engine's memory for good), the launcher restarts the worker, the run completes."""
     config = vllm_run_config(tiny_config_dict, tmp_path / "config.yaml", eval={"enabled": False}, trainer={"iterations": 2})
     run_dir = tmp_path / "run"
-    proc = start_run(config, run_dir)
-    try:
+    with background_run(config, run_dir) as proc:
         wait_until(lambda: engine_starting(run_dir), proc)
         worker = int((run_dir / "logs" / "worker-0.pid").read_text())
         started = {pid: start_time(pid) for pid in descendants_of(worker)}
         commands = [command(pid) for pid in started]
         os.kill(worker, signal.SIGKILL)
         out, err = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     left = {pid: command(pid) for pid in left_running(started, 30)}
     kill(list(left))
     assert any(c.startswith("VLLM::EngineCore") for c in commands) and any(c.startswith("VLLM::Worker") for c in commands), commands
