@@ -359,3 +359,67 @@ def test_an_api_key_variable_no_worker_pod_gets_is_refused_naming_the_ones_it_ge
     monkeypatch.setenv(POD_SANDBOX_ENV, str(tmp_path / "pods"))
     staged = staging.stage_config(RunDir(tmp_path / "local"), text, "", [])
     assert load_config(staged).reward.functions[0].api_key_env == "JUDGE_API_KEY"
+
+
+# ---------------------------------------------------------------- a worker pod's scoring, with its env
+
+
+def pod_env(env_specs: list[tuple[str, str, str, bool]], secrets: dict[str, dict[str, str]]) -> dict[str, str]:
+    """What the kubelet makes of secretKeyRef env: the key's value; an optional key the Secret lacks: no variable."""
+    env = {}
+    for name, secret, key, optional in env_specs:
+        if key in secrets.get(secret, {}):
+            env[name] = secrets[secret][key]
+        else:
+            assert optional, f"{name}: Secret {secret} has no key {key}: the pod would not start"
+    return env
+
+
+def fixed_worker_env_specs(compiled_pipeline) -> list[tuple[str, str, str, bool]]:
+    _, platform = compiled_pipeline
+    worker = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-rollout-worker"]
+    return [(k["envVar"], s["secretName"], k["secretKey"], s.get("optional", False)) for s in worker["secretAsEnv"] for k in s["keyToEnv"]]
+
+
+def pool_env_specs(profile: str) -> list[tuple[str, str, str, bool]]:
+    refs = [(e["name"], e.get("valueFrom", {}).get("secretKeyRef")) for e in pool_pod(profile)["spec"]["containers"][0]["env"]]
+    return [(name, ref["name"], ref["key"], ref.get("optional", False)) for name, ref in refs if ref]
+
+
+@pytest.mark.parametrize("pool", ["fixed", "elastic"])
+def test_a_worker_pods_env_gives_the_staged_entry_its_key_and_the_server_scores(pool, compiled, tmp_path, monkeypatch):
+    """The Secret tidal-rewards as an operator creates it, the worker pod's env as the compiled step or the pool's
+    Deployment declares it, the entry as prepare staged it: a real server that wants the key scores every sample."""
+    from tests.test_served_rewards import ROWS, StubServer
+    from tidal.rewards import RewardScorer
+
+    secrets = {
+        cluster.NATS_SECRET: {"worker-password": "p"},
+        cluster.WEIGHTS_SECRET: {"key": "k"},
+        cluster.MLFLOW_SECRET: {"tracking-uri": cluster.MLFLOW_URL},
+        cluster.REWARD_SECRET: {"reward-model-api-key": "s3cret"},  # no judge-api-key: optional
+    }
+    specs = fixed_worker_env_specs(compiled["nvidia"]) if pool == "fixed" else pool_env_specs("nvidia")
+    env = pod_env(specs, secrets)
+    assert env["TIDAL_REWARD_MODEL_API_KEY"] == "s3cret" and "TIDAL_JUDGE_API_KEY" not in env
+    server = StubServer(tmp_path, "--api-key-env", "STUB_KEY", env={"STUB_KEY": "s3cret"})
+    try:
+        # the in-cluster entry, its Service address replaced by the stand-in server's (which mounts /classify under /v1)
+        text = entry_config(
+            url=server.base + "/v1", protocol="vllm_classify", model=cluster.REWARD_SERVER_MODEL, api_key_env="TIDAL_REWARD_MODEL_API_KEY"
+        )
+        staged = load_config(staging.stage_config(RunDir(tmp_path / "run"), text, "", []))
+        monkeypatch.delenv("TIDAL_REWARD_MODEL_API_KEY", raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        scorer = RewardScorer.from_config(staged.reward)
+        try:
+            scored = scorer.score_many(ROWS[:3], [0, 1, 2])
+            assert scorer.errors == 0 and len(scored) == 3
+        finally:
+            scorer.close()
+        (request,) = server.requests()
+        assert request["path"] == "/v1/classify" and request["authorization"] == "Bearer s3cret"
+        assert request["body"]["model"] == cluster.REWARD_SERVER_MODEL
+    finally:
+        server.stop()
