@@ -340,6 +340,17 @@ def test_a_locally_served_reward_is_refused_in_one_line_saying_what_to_use(tmp_p
     assert not RunDir(tmp_path).config.exists()  # nothing staged
 
 
+def test_tidal_submit_refuses_a_locally_served_reward_before_submitting(capsys):
+    """examples/arithmetic-rm.yaml serves its reward model with `tidal run`: exit 2, one line, nothing submitted
+    (no KFP host is even asked for)."""
+    from tidal.cli import main
+
+    assert main(["submit", str(ROOT / "examples" / "arithmetic-rm.yaml"), "--host", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tidal submit: reward.functions[rm].serve: the pipeline starts no reward server") and "\n" not in err
+    assert f"url: {cluster.REWARD_SERVER_URL}" in err
+
+
 def test_an_api_key_variable_no_worker_pod_gets_is_refused_naming_the_ones_it_gets(tmp_path, monkeypatch):
     text = yaml.safe_dump(
         {
