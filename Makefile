@@ -81,6 +81,7 @@ test-vllm: install-vllm
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_run.py
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_agent.py
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_lora.py
+	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_reward_server.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs $(DOCS_SITE)

@@ -84,3 +84,40 @@ def test_tidal_run_via_kfp_local_two_rounds(tmp_path):
     assert run_info["base_model"] == str(run_dir.resolve() / "base-model")
     assert (run_dir / "base-model" / "config.json").is_file()
     assert not (tmp_path / "launcher-cache").exists() and not (launcher_home / ".cache" / "tidal").exists()
+
+
+def test_a_served_reward_reaches_the_pipelines_workers_with_its_key(tmp_path):
+    """A reward_model entry as on the cluster (vllm_classify, the served model name, api_key_env), its url a real HTTP
+    server's: the pipeline's prepare stages it and the round's rollout worker scores every group there, with the key."""
+    from tests.test_served_rewards import StubServer
+    from tidal.kube import cluster
+
+    server = StubServer(tmp_path, "--api-key-env", "STUB_KEY", env={"STUB_KEY": "s3cret"})
+    reward = (
+        f"reward: {{functions: [{{type: reward_model, name: rm, url: '{server.base}/v1', protocol: vllm_classify, "
+        f"model: {cluster.REWARD_SERVER_MODEL}, api_key_env: TIDAL_REWARD_MODEL_API_KEY}}]}}\n"
+    )
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY_CONFIG.replace("trainer: {iterations: 2,", "trainer: {iterations: 1,") + reward)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "TIDAL_CACHE": str(tmp_path / "cache"), "TIDAL_REWARD_MODEL_API_KEY": "s3cret"}
+    for name in ("MLFLOW_TRACKING_URI", "TIDAL_KFP_LOCAL_SHARED_HOME", "TIDAL_KFP_LOCAL_PODS", "TIDAL_KFP_ROUNDS", "TIDAL_KFP_ITERATIONS_PER_ROUND"):
+        env.pop(name, None)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--via", "kfp-local"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=900,
+        )
+        requests = server.requests()
+    finally:
+        server.stop()
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    assert requests and all(r["path"] == "/v1/classify" and r["authorization"] == "Bearer s3cret" for r in requests)
+    assert {r["body"]["model"] for r in requests} == {cluster.REWARD_SERVER_MODEL}
+    (metrics,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["reward_server_failed_requests"] == 0 and metrics["reward_server_samples"] == 2 * 2  # prompts x group size

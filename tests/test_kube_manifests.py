@@ -384,7 +384,9 @@ def test_compiled_pipeline_matches_what_the_overlay_promises(overlay, compiled):
     for executor, config in k8s_executors.items():
         assert [m["pvcNameParameter"]["runtimeValue"]["constant"] for m in config["pvcMount"]] == [settings["DATA_PVC"]]
         assert config["pvcMount"][0]["mountPath"] == cluster.DATA_MOUNT_PATH
-        assert config["podMetadata"]["labels"] == cluster.TIDAL_POD_LABEL
+        # rollout workers also carry the label the reward server's NetworkPolicy admits (tests/test_kube_reward_server.py)
+        worker = cluster.WORKER_POD_LABEL if executor == "exec-rollout-worker" else {}
+        assert config["podMetadata"]["labels"] == {**cluster.TIDAL_POD_LABEL, **worker}, executor
         assert config["securityContext"]["runAsNonRoot"] is True
         secrets = {}
         for s in config["secretAsEnv"]:

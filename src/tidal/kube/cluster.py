@@ -125,9 +125,25 @@ def storage_problems(claim_name: str, storage_class: str | None, access_modes: l
 RUN_AS_USER = 1000
 RUN_AS_GROUP = 1000
 TIDAL_POD_LABEL = {"app.kubernetes.io/part-of": "tidal"}
+"""Pods with this label may reach NATS and MLflow (see manifests/base/networkpolicy.yaml)."""
+WORKER_POD_LABEL = {"app.kubernetes.io/component": "rollout-worker"}
+"""On every rollout-worker pod, the fixed pool's tasks and the elastic pool's Deployment alike: the pods the reward
+server's NetworkPolicy admits (manifests/components/reward-server)."""
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 """Kueue's LocalQueue label: on a trainer job (PyTorchJob, TrainJob) and on worker pods (Kueue's pod integration)."""
-"""Pods with this label may reach NATS and MLflow (see manifests/base/networkpolicy.yaml)."""
+
+REWARD_SERVER = "tidal-reward-server"
+"""The in-cluster reward server of manifests/components/reward-server: its Deployment, Service and NetworkPolicy."""
+REWARD_SERVER_PORT = 8000
+REWARD_SERVER_URL = f"http://{REWARD_SERVER}:{REWARD_SERVER_PORT}"
+"""What a reward_model entry's ``url`` names on the cluster (the Service in the run's own namespace); vLLM serves
+``/classify`` at its root."""
+REWARD_SERVER_MODEL = "reward-model"
+"""The server's ``--served-model-name``: the entry's ``model``, whatever model the overlay serves."""
+REWARD_SECRET = "tidal-rewards"
+"""Optional Secret of served rewards' API keys: each key present becomes its variable in every rollout-worker pod,
+for a reward entry's ``api_key_env``."""
+REWARD_SECRET_ENV = {"reward-model-api-key": "TIDAL_REWARD_MODEL_API_KEY", "judge-api-key": "TIDAL_JUDGE_API_KEY"}
 
 RUN_LABEL = "tidal.run"
 """On each trainer job: the run directory's name, as :func:`label_value` makes it a label value."""

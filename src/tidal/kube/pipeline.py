@@ -65,6 +65,15 @@ def as_nats_user(task: dsl.PipelineTask, role: str) -> dsl.PipelineTask:
     return task
 
 
+def as_rollout_worker(task: dsl.PipelineTask) -> dsl.PipelineTask:
+    """A rollout-worker pod: the label the reward server's NetworkPolicy admits, and served rewards' API keys from
+    Secret tidal-rewards (optional keys), as the elastic pool's pods get them (tidal.kube.worker_pool.pool_env)."""
+    for key, value in cluster.WORKER_POD_LABEL.items():
+        kubernetes.add_pod_label(task, label_key=key, label_value=value)
+    kubernetes.use_secret_as_env(task, secret_name=cluster.REWARD_SECRET, secret_key_to_env=cluster.REWARD_SECRET_ENV, optional=True)
+    return task
+
+
 def in_queue(task: dsl.PipelineTask, queue_name: str) -> dsl.PipelineTask:
     """Kueue admits this pod through ``queue_name`` (its pod integration). A KFP pod label is fixed when the
     pipeline is compiled (kfp-kubernetes takes no parameter there), so the queue is a compile option."""
@@ -185,7 +194,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
                     kubernetes.use_field_path_as_env(task, env_name="TIDAL_POD_UID", field_path="metadata.uid")
             with dsl.Else(name="rollout-lane"):
                 worker = rollout_worker(run_dir=run_dir, config_path=config_path, lane=lane, round_index=round_index)
-                on_cluster(worker, nats_role="worker", cpu=worker_cpu, memory=worker_memory).set_display_name("rollout-worker")
+                as_rollout_worker(on_cluster(worker, nats_role="worker", cpu=worker_cpu, memory=worker_memory)).set_display_name("rollout-worker")
                 in_queue(on_accelerator(worker, profile, worker_accelerators), queue_name).after(opened)
         synced = retried(on_cluster(weight_sync(run_dir=run_dir, round_index=round_index), nats_role=None))
         synced.after(trainer).after(worker)

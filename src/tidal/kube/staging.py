@@ -7,6 +7,7 @@ steps' other records (``RUN_DIR/kube/submitted-config.yaml``).
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +120,9 @@ def stage_config(run: RunDir, config_yaml: str, config_path: str, overrides: lis
     if missing:
         listed = ", ".join(f"{key}={value}" for key, value in missing.items())
         raise PipelineStepError(f"data files not found in the pipeline's pods: {listed} (put them in the image or on the data volume)")
+    problem = served_reward_problem(config, pipeline_worker_env())
+    if problem:
+        raise PipelineStepError(problem)
     from tidal.preflight import check_before_start
 
     try:  # what `tidal run` checks before it starts anything: reward names, data rows, prompt lengths
@@ -127,6 +131,34 @@ def stage_config(run: RunDir, config_yaml: str, config_path: str, overrides: lis
         raise PipelineStepError(str(err)) from None
     run.config.write_text(dump_config(config))
     return str(run.config)
+
+
+def pipeline_worker_env() -> set[str]:
+    """The variables a served reward's ``api_key_env`` may name in the pipeline: what the compiled worker pods get from
+    Secret tidal-rewards; under ``--via kfp-local`` the workers are processes of this machine, with its environment."""
+    from tidal.kube.pod_sandbox import POD_SANDBOX_ENV
+
+    return set(cluster.REWARD_SECRET_ENV.values()) | (set(os.environ) if os.environ.get(POD_SANDBOX_ENV) else set())
+
+
+def served_reward_problem(config, worker_env: set[str]) -> str | None:
+    """A reward entry the pipeline's workers cannot score, in one line: ``serve`` (``tidal run`` starts that server
+    beside its processes; the pipeline starts none), or an ``api_key_env`` no worker pod gets."""
+    for entry in config.reward.functions:
+        where = f"reward.functions[{entry.label}]"
+        if entry.serve is not None:
+            return (
+                f"{where}.serve: the pipeline starts no reward server (`tidal run` does, beside its local processes); "
+                f"serve it in the cluster (manifests/components/reward-server) and give url: {cluster.REWARD_SERVER_URL}, "
+                f"protocol: vllm_classify, model: {cluster.REWARD_SERVER_MODEL} instead (docs/kubernetes.md, 'A reward server in the cluster')"
+            )
+        if entry.api_key_env is not None and entry.api_key_env not in worker_env:
+            given = ", ".join(f"{name} (key {key})" for key, name in cluster.REWARD_SECRET_ENV.items())
+            return (
+                f"{where}.api_key_env: the rollout-worker pods have no {entry.api_key_env}; "
+                f"they get {given} from Secret {cluster.REWARD_SECRET}: name one of those"
+            )
+    return None
 
 
 ELASTIC_NCCL_OFF = (

@@ -165,9 +165,15 @@ def pipeline_arguments(config_path: str, params: dict[str, Any]) -> dict[str, An
     from tidal.config import ConfigError, load_config
 
     try:
-        load_config(path)
+        config = load_config(path)
     except ConfigError as err:
         raise SubmitError(str(err)) from None
+    from tidal.kube import cluster
+    from tidal.kube.staging import served_reward_problem
+
+    problem = served_reward_problem(config, set(cluster.REWARD_SECRET_ENV.values()))  # what prepare would refuse, before submitting
+    if problem:
+        raise SubmitError(problem)
     return {"config_yaml": config_text_for_pods(path), **params}
 
 

@@ -98,6 +98,12 @@ def secret_env(role: str = "trainer") -> list[k8s.V1EnvVar]:
     return env
 
 
+def reward_key_env() -> list[k8s.V1EnvVar]:
+    """A rollout worker's API keys of served rewards (``api_key_env``), from Secret tidal-rewards: optional keys, since
+    most reward servers need none (the in-cluster one is reachable by worker pods alone)."""
+    return [_secret_env_var(cluster.REWARD_SECRET, key, name, optional=True) for key, name in cluster.REWARD_SECRET_ENV.items()]
+
+
 def pod_ip_env() -> k8s.V1EnvVar:
     """The pod's IP: where rollout engines reach trainer rank 0 for the NCCL weight transfer
     (rollout.vllm.weight_sync: nccl)."""

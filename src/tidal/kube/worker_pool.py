@@ -26,7 +26,7 @@ from tidal.kube import cluster
 from tidal.kube.cluster import AcceleratorProfile, Toleration
 from tidal.kube.staging import DEFAULT_TERMINATION_GRACE_S
 from tidal.kube.step_records import PipelineStepError, StepRecords
-from tidal.kube.trainer_job import POD_ANNOTATIONS, STRICT, name_violations, secret_env, trainer_pod_security
+from tidal.kube.trainer_job import POD_ANNOTATIONS, STRICT, name_violations, reward_key_env, secret_env, trainer_pod_security
 from tidal.rundir import RunDir
 
 KEDA_GROUP, KEDA_VERSION, KEDA_PLURAL = "keda.sh", "v1alpha1", "scaledobjects"
@@ -126,7 +126,7 @@ def pool_sizes(min_workers: int, max_workers: int, lag_threshold: int, rollout_w
 
 
 def pool_labels(spec: PoolSpec) -> dict[str, str]:
-    return {**cluster.TIDAL_POD_LABEL, cluster.RUN_LABEL: spec.run_label, POOL_LABEL: spec.name}
+    return {**cluster.TIDAL_POD_LABEL, **cluster.WORKER_POD_LABEL, cluster.RUN_LABEL: spec.run_label, POOL_LABEL: spec.name}
 
 
 def owner_references(spec: PoolSpec) -> list[dict] | None:
@@ -148,9 +148,9 @@ def metadata(spec: PoolSpec) -> dict:
 
 def pool_env() -> list[k8s.V1EnvVar]:
     """As the fixed pool's worker step: the worker NATS user and its password, the snapshot-signing key, MLflow
-    (required URI, optional credentials); and the pod's name, the worker id."""
+    (required URI, optional credentials), served rewards' API keys (optional); and the pod's name, the worker id."""
     pod_name = k8s.V1EnvVar(name="POD_NAME", value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="metadata.name")))
-    return [pod_name, *secret_env("worker")]
+    return [pod_name, *secret_env("worker"), *reward_key_env()]
 
 
 def pool_command(spec: PoolSpec) -> list[str]:
