@@ -18,6 +18,13 @@ groups), so the frozen copies' layout and the old policy's per-iteration copy ar
 --lora trains a peft LoRA adapter on the tiny model; weights.safetensors (and resumed.safetensors)
 then hold the adapter under peft's names, grads.safetensors the adapter's gradients.
 
+--probe publishes every version as the trainer does (`publish_weights`: the weights and the arrival
+check's probe log-probs, which every rank computes) into OUT_DIR/weights, v0 before training and each
+iteration's after it, then takes the boundary's optimizer snapshot; a twin learner trains beside it
+on the same groups and publishes without a probe (the check off) into OUT_DIR/unprobed-weights, its
+final weights in unprobed.safetensors. counts.json then records, per probe forward, whether every
+rank's policy was left sharded as training leaves it ("sharded_after_probe").
+
 --resume-check (any strategy): after the second iteration, the optimizer shards and full weights go
 through safetensors files into a fresh learner (the base model, a new strategy);
 it trains the remaining iterations beside the original and its weights are written to
@@ -39,12 +46,16 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from tidal.config import LoraConfig, TinyModelConfig, TrainerConfig  # noqa: E402
-from tidal.model.lora import apply_lora  # noqa: E402
+from tidal.model.lora import adapter_config, apply_lora  # noqa: E402
+from tidal.model.probe import make_probe  # noqa: E402
 from tidal.model.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from tidal.protocol import Group, Sample  # noqa: E402
+from tidal.trainer.boundary import publish_weights  # noqa: E402
+from tidal.trainer.checkpoint import optimizer_snapshot  # noqa: E402
 from tidal.trainer.distributed import all_reduce_sum, context_from_env, init_process_group, shutdown  # noqa: E402
 from tidal.trainer.learner import Learner  # noqa: E402
 from tidal.trainer.strategy import build_strategy  # noqa: E402
+from tidal.weights import WeightStore  # noqa: E402
 
 LORA = LoraConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
 
@@ -123,6 +134,7 @@ def main() -> None:
     ap.add_argument("--frozen", action="store_true", help="a KL reference and an old policy: two optimizer steps per iteration")
     ap.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
     ap.add_argument("--lora", action="store_true", help="a LoRA adapter (peft): only it trains; weights.safetensors holds the adapter")
+    ap.add_argument("--probe", action="store_true", help="publish each version with the arrival check's probe; a twin publishes without")
     args = ap.parse_args()
     ctx = context_from_env()
     torch.set_num_threads(1)
@@ -147,7 +159,16 @@ def main() -> None:
     learner = Learner(cfg, model, tok.pad_token_id, strategy=build_strategy(cfg, ctx), device="cpu")
     learners = [learner]
     out = Path(args.out)
-    micro, norms = [], []
+    micro, norms, sharded = [], [], []
+    stores = {}
+    if args.probe:
+        twin = Learner(cfg, fresh_model(tiny, tok, lora), tok.pad_token_id, strategy=build_strategy(cfg, ctx), device="cpu")
+        learners.append(twin)
+        probe = make_probe(0, int(model.get_input_embeddings().num_embeddings))
+        stores = {learner: weight_store(out / "weights", learner, probe), twin: weight_store(out / "unprobed-weights", twin, None)}
+    for lrn, store in stores.items():
+        publish_weights(store, 0, lrn)
+        sharded.append(all_sharded(lrn))
     for it in range(args.iterations):
         groups = fixed_groups(it)
         if args.uneven:
@@ -156,7 +177,7 @@ def main() -> None:
         for lrn in learners:
             lrn.begin_iteration(it)
             for b, batch in enumerate(batches):
-                first = it == 0 and b == 0
+                first = it == 0 and b == 0 and lrn is learner  # the gradients compared: the first learner's
                 before = lrn.forwards["policy"]
                 lrn.train_on_groups(batch)
                 if lrn is learner and b == 0:
@@ -172,10 +193,15 @@ def main() -> None:
                     grads = capture.collect()
                 if first and ctx.is_main:
                     save_file({n: g.contiguous() for n, g in grads.items()}, str(out / "grads.safetensors"))
+        for lrn, store in stores.items():  # what the iteration boundary does
+            publish_weights(store, it + 1, lrn)
+            sharded.append(all_sharded(lrn))
+            optimizer_snapshot(lrn)
         if args.resume_check and it == 1:
             learners.append(resumed_learner(learner, cfg, ctx, tiny, tok, out, lora))
     weights = learner.full_state_dict()
     resumed = learners[-1].full_state_dict() if args.resume_check else {}
+    unprobed = learners[1].full_state_dict() if args.probe else {}
     # real micro-batches per rank in the first iteration (padding ones are not counted)
     per_rank = all_reduce_sum([float(micro[0]) if r == ctx.rank else 0.0 for r in range(ctx.world_size)], ctx)
     if ctx.is_main:
@@ -183,7 +209,10 @@ def main() -> None:
         save_file({k: v.detach().clone().contiguous() for k, v in weights.items() if k not in tied_alias}, str(out / "weights.safetensors"))
         if resumed:
             save_file({k: v.detach().clone().contiguous() for k, v in resumed.items() if k not in tied_alias}, str(out / "resumed.safetensors"))
-        (out / "counts.json").write_text(json.dumps({"micro_batches_per_rank": per_rank, "world_size": ctx.world_size, "grad_norms": norms}))
+        if unprobed:
+            save_file({k: v.detach().clone().contiguous() for k, v in unprobed.items() if k not in tied_alias}, str(out / "unprobed.safetensors"))
+        counts = {"micro_batches_per_rank": per_rank, "world_size": ctx.world_size, "grad_norms": norms, "sharded_after_probe": sharded}
+        (out / "counts.json").write_text(json.dumps(counts))
     shutdown()
 
 
@@ -191,6 +220,35 @@ def make_model(tiny: TinyModelConfig, tok, lora: LoraConfig | None) -> torch.nn.
     """The tiny model from seed 0; with `lora`, wrapped by peft (the adapter's A from seed 0 too)."""
     model = build_tiny_model(tiny, tok)
     return apply_lora(model, lora, seed=0) if lora is not None else model
+
+
+def fresh_model(tiny: TinyModelConfig, tok, lora: LoraConfig | None) -> torch.nn.Module:
+    """The same start as the first learner's: the base model (and adapter) from seed 0 again."""
+    torch.manual_seed(0)
+    return make_model(tiny, tok, lora)
+
+
+def weight_store(root: Path, learner: Learner, probe: list | None) -> WeightStore:
+    """A store as the trainer's (adapters under LoRA, on no base directory: nothing loads them here)."""
+    return WeightStore(root, None, adapter_config(learner.peft_model, None) if learner.lora else None, probe)
+
+
+def all_sharded(learner: Learner) -> bool:
+    """Whether every rank's policy parameters are all in their sharded form (each rank's answer, all-reduced):
+    fsdp2's registered parameters are DTensors, ZeRO-3's are released to their partitions; one process,
+    and ZeRO-2 (which does not partition weights), hold whole parameters by design: True."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(learner.model.parameters())
+    if learner.strategy.name == "fsdp2":
+        mine = all(isinstance(p, DTensor) for p in params)
+    elif any(hasattr(p, "ds_status") for p in params):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        mine = all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in params if hasattr(p, "ds_status"))
+    else:
+        mine = True
+    return all_reduce_sum([0.0 if mine else 1.0], learner.ctx)[0] == 0.0
 
 
 def resumed_learner(learner: Learner, cfg: TrainerConfig, ctx, tiny: TinyModelConfig, tok, out: Path, lora: LoraConfig | None) -> Learner:
@@ -206,8 +264,8 @@ def resumed_learner(learner: Learner, cfg: TrainerConfig, ctx, tiny: TinyModelCo
         )
     if ctx.distributed:
         dist.barrier()
-    torch.manual_seed(0)  # the base model again (the reference is a copy of it), then the checkpoint's weights
-    fresh = Learner(cfg, make_model(tiny, tok, lora), tok.pad_token_id, strategy=build_strategy(cfg, ctx), device="cpu")
+    # the base model again (the reference is a copy of it), then the checkpoint's weights
+    fresh = Learner(cfg, fresh_model(tiny, tok, lora), tok.pad_token_id, strategy=build_strategy(cfg, ctx), device="cpu")
     fresh.load_weights(load_file(str(out / "checkpoint-weights.safetensors")))
     fresh.load_optimizer_tensors(load_file(str(shard)))
     return fresh

@@ -26,6 +26,7 @@ from tidal.weights import (
     ADAPTER_FILE,
     MANIFEST_FILE,
     SIGNING_KEY_ENV,
+    WEIGHTS_FILE,
     CorruptSnapshotError,
     WeightsDidNotArriveError,
     WeightStore,
@@ -406,18 +407,26 @@ def test_a_lora_periodic_run_ends_on_the_adapter_of_a_sync_run_and_resumes_onto_
         torch.testing.assert_close(adapter_of(resumed, 3)[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_a_tampered_re_signed_adapter_stops_the_run_at_that_version(tmp_path, write_config):
-    config = write_config({**RUN, "trainer.iterations": 2})
+@pytest.mark.parametrize(
+    "weights, ranks", [("lora", 1), ("lora", 2), ("full", 2)], ids=["lora-one-rank", "lora-two-fsdp2-ranks", "full-two-fsdp2-ranks"]
+)
+def test_a_tampered_re_signed_version_stops_the_run_at_that_version(tmp_path, write_config, weights, ranks):
+    """A version whose tensors were changed and whose manifest was re-signed with the run's key verifies;
+    the probe log-probs the trainer (rank 0 of several too) wrote with it are what give it away."""
+    run = RUN if weights == "lora" else {k: v for k, v in RUN.items() if k != "model.lora"}
+    config = write_config({**run, "trainer.iterations": 2, "trainer.ranks": ranks})
     run_dir = tmp_path / "run"
     first = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
     assert first.returncode == 0, first.stderr[-3000:]
     version = run_dir / "weights" / "v000002"
-    tensors = load_file(str(version / ADAPTER_FILE))
-    name = next(k for k in tensors if "lora_B" in k)
+    assert "probe" in json.loads((version / MANIFEST_FILE).read_text())  # the trainer, on every number of ranks, wrote one
+    tensors_file = ADAPTER_FILE if weights == "lora" else WEIGHTS_FILE
+    tensors = load_file(str(version / tensors_file))
+    name = next(k for k in tensors if ("lora_B" in k if weights == "lora" else k.endswith("mlp.up_proj.weight")))
     tensors[name] = tensors[name] + 0.1
-    save_file(tensors, str(version / ADAPTER_FILE), metadata={"format": "pt"})
+    save_file(tensors, str(version / tensors_file), metadata={"format": "pt"})
     manifest = json.loads((version / MANIFEST_FILE).read_text())
-    manifest["files"][ADAPTER_FILE] = sha256_of(version / ADAPTER_FILE)
+    manifest["files"][tensors_file] = sha256_of(version / tensors_file)
     manifest["hmac"] = manifest_signature(manifest, (run_dir / "weights-key").read_text().strip().encode())
     (version / MANIFEST_FILE).write_text(json.dumps(manifest))
 
@@ -442,6 +451,8 @@ def test_a_lora_run_on_two_fsdp2_ranks_ends_on_the_adapter_of_one_rank(tmp_path,
     assert max((one[k] - start[k]).abs().max().item() for k in start) > 1e-3  # training moved the adapter
     for name, tensor in one.items():
         torch.testing.assert_close(two[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    worker_log = (tmp_path / "r2" / "logs" / "worker-0.log").read_text()  # the arrival check ran at every version and passed
+    assert all(re.search(rf"loaded weights v{v} in [\d.]+s \(probe log-probs within [\d.e+-]+ of the trainer's\)", worker_log) for v in range(3))
     assert sorted(p.name for p in (tmp_path / "r2" / "checkpoint" / "v000003").iterdir()) == [
         "optimizer-rank0-of-2.safetensors",
         "optimizer-rank1-of-2.safetensors",

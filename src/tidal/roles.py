@@ -62,9 +62,9 @@ def build_learner(cfg: TidalConfig, base_model: str, strategy: Strategy | None =
 
 def trainer_weight_store(cfg: TidalConfig, run: RunDir, base_model: str, learner: Learner) -> WeightStore:
     """The run's weight store as the trainer writes it: adapters under LoRA, each version with its probe log-probs
-    (one trainer rank only: a forward with no backward after it would leave FSDP's root unsharded)."""
+    (every rank builds the same probe: each runs the probe forward, rank 0 writes)."""
     adapter = adapter_config(learner.peft_model, str(base_model)) if learner.lora else None
-    checked = cfg.weights.arrival_tolerance != 0 and learner.ctx.world_size == 1  # None: the engine's default
+    checked = cfg.weights.arrival_tolerance != 0  # None: the engine's default
     probe = make_probe(cfg.seed, int(learner.model.get_input_embeddings().num_embeddings)) if checked else None
     return WeightStore(run.weights, base_model, adapter, probe)
 

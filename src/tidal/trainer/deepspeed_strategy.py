@@ -304,6 +304,15 @@ class DeepSpeedStrategy:
     def _module(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.module if isinstance(model, DeepSpeedModule) else model
 
+    def reshard(self, model: torch.nn.Module) -> None:
+        """ZeRO-3: releases every gathered parameter to its partition, as the engine's step does. A forward
+        alone leaves gathered what its prefetching fetched ahead along the recorded trace (under LoRA the
+        old adapter, which the training forwards ran next); the old adapter's copy into its partition at
+        the next iteration would then leave that stale full value in place for the forward to use. ZeRO-2
+        does not partition weights."""
+        if self.stage == 3 and model is self.policy:
+            self.engine.empty_partition_cache()
+
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """A collective under ZeRO-3 (parameters gathered one at a time): rank 0 gets the full weights
         on the CPU, the others {}. The model's own dtype (bf16 under bf16 training)."""

@@ -340,8 +340,12 @@ class Learner:
         return self.strategy.full_state_dict(self.model)
 
     def probe_logprobs(self, probe: list[dict]) -> list[list[float]]:
-        """The policy's log-probs of the arrival check's probe (a forward: every rank calls it)."""
-        return probe_logprobs(self.model, probe)
+        """The policy's log-probs of the arrival check's probe: a forward with no backward, which every rank
+        runs (a collective under fsdp2 and ZeRO-3); the model is left laid out as training left it."""
+        try:
+            return probe_logprobs(self.model, probe)
+        finally:
+            self.strategy.reshard(self.model)
 
     # Optimizer state as plain tensors (safetensors) so a restarted trainer resumes without pickle;
     # under a sharding strategy each rank saves and loads only its own shard.

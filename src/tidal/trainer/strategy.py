@@ -51,6 +51,10 @@ class Strategy(Protocol):
 
     def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None: ...
 
+    def reshard(self, model: torch.nn.Module) -> None:
+        """After a forward with no backward (every rank runs both): leaves the model's parameters laid out as
+        training leaves them, so that optimizer state, checkpoints and the next step find them."""
+
     def trainable_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """A collective: the full values of the parameters that train (under LoRA the adapter), by the
         model's own names, on the CPU on rank 0 ({} on the others)."""
@@ -108,6 +112,9 @@ class TorchOptimizerLayout:
 
     def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def reshard(self, model: torch.nn.Module) -> None:
+        """Nothing to do: one process's parameters are whole."""
 
     def trainable_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         out = {}
@@ -236,6 +243,17 @@ class FSDP2Strategy(TorchOptimizerLayout):
         really_missing = [k for k in result.missing_keys if not (tied and "lm_head" in k)]
         if result.unexpected_keys or really_missing:
             raise ValueError(f"weights do not fit the model: missing {really_missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+
+    def reshard(self, model: torch.nn.Module) -> None:
+        """FSDP2 keeps the root module's parameters gathered after its forward, for the backward that usually
+        follows; with none following, its plain tensors would stay registered in place of the sharded
+        DTensors the optimizer holds. Resharding registers the shards again (every module: the others
+        resharded after their own forward already, and for them this is a no-op)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
         to_local = getattr(tensor, "to_local", None)
