@@ -331,6 +331,18 @@ def test_serve_reward_answers_the_openrlhf_protocol_with_the_models_scores(rewar
     assert server.proc.poll() is not None
 
 
+def test_serve_reward_outputs_the_logit_its_sigmoid_or_its_sign(reward_model_dir):
+    import math
+
+    from tidal.rewards.server import RewardModel
+
+    texts = [r.prompt + r.completion for r in ROWS]
+    logits = RewardModel(reward_model_dir).score(texts)
+    assert RewardModel(reward_model_dir, output="sigmoid").score(texts) == pytest.approx([1 / (1 + math.exp(-x)) for x in logits], abs=1e-6)
+    assert RewardModel(reward_model_dir, output="binary").score(texts) == [1.0 if x > 0 else 0.0 for x in logits]
+    assert min(logits) < 0 < max(logits)  # both verdicts occur
+
+
 def test_serve_reward_refuses_a_directory_without_a_model(tmp_path):
     proc = run_cli("serve-reward", str(tmp_path), "--port", "1")
     assert proc.returncode == 2 and "is not a model directory (no config.json)" in proc.stderr
