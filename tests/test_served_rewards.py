@@ -332,6 +332,18 @@ def test_serve_reward_answers_the_openrlhf_protocol_with_the_models_scores(rewar
     assert server.proc.poll() is not None
 
 
+def test_serve_reward_outputs_the_logit_its_sigmoid_or_its_sign(reward_model_dir):
+    import math
+
+    from tidal.rewards.server import RewardModel
+
+    texts = [r.prompt + r.completion for r in ROWS]
+    logits = RewardModel(reward_model_dir).score(texts)
+    assert RewardModel(reward_model_dir, output="sigmoid").score(texts) == pytest.approx([1 / (1 + math.exp(-x)) for x in logits], abs=1e-6)
+    assert RewardModel(reward_model_dir, output="binary").score(texts) == [1.0 if x > 0 else 0.0 for x in logits]
+    assert min(logits) < 0 < max(logits)  # both verdicts occur
+
+
 def test_serve_reward_refuses_a_directory_without_a_model(tmp_path):
     proc = run_cli("serve-reward", str(tmp_path), "--port", "1")
     assert proc.returncode == 2 and "is not a model directory (no config.json)" in proc.stderr
@@ -456,3 +468,44 @@ def test_the_reward_models_loss_ranks_each_right_answer_above_its_wrong_one():
     ranked = pair_loss(torch.tensor([3.0, -3.0, 2.0, -2.0]), labels)
     reversed_ = pair_loss(torch.tensor([-3.0, 3.0, -2.0, 2.0]), labels)
     assert ranked < 0.2 < 3.0 < reversed_
+
+
+def test_the_reward_model_learns_from_the_policys_own_samples_labelled_by_exact_match(tiny_config):
+    import random
+
+    import torch
+
+    from tidal.data import Problem, prompt_encoder
+    from tidal.model.reward_model import policy_pairs, policy_samples
+    from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+    from tidal.rewards import exact_match
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = build_tiny_model(tiny_config.model.tiny, tok)
+    encode = prompt_encoder(tok, tiny_config.data)
+    problems = [Problem(i, f"{i}+1=", str(i + 1)) for i in range(5)]
+    samples = policy_samples(model, tok, encode, problems, (0.7, 1.3), 4, 6, seed=3)
+    again = policy_samples(model, tok, encode, problems, (0.7, 1.3), 4, 6, seed=3)
+    assert [s.problem for s in samples] == problems and all(len(s.right) + len(s.wrong) == 8 for s in samples)
+    assert samples == again  # seeded per problem and temperature
+    assert all(exact_match(t, s.problem.answer) > 0 for s in samples for t in s.right)
+    assert all(exact_match(t, s.problem.answer) == 0 for s in samples for t in s.wrong)
+
+    rows = policy_pairs(samples, random.Random(0))
+    assert [label for _, _, label in rows] == [1.0, 0.0] * 5
+    for s, (right, wrong) in zip(samples, zip(rows[0::2], rows[1::2])):
+        assert right[0] == wrong[0] == s.problem.prompt
+        assert exact_match(right[1], s.problem.answer) > 0 and wrong[1] in s.wrong
+
+
+def test_the_reward_models_policy_pair_accuracy_counts_the_pairs_within_each_problem():
+    from tidal.data import Problem
+    from tidal.model.reward_model import PolicySamples, pair_accuracy
+
+    samples = [
+        PolicySamples(Problem(0, "1+1=", "2"), ["A: 2"], ["A: 3", "A: 12"]),  # scores 0.9 | 0.1, 0.95: 1 of 2 pairs
+        PolicySamples(Problem(1, "2+2=", "4"), ["A: 4", "A: 4"], ["A: 5"]),  # 0.8, 0.7 | 0.2: 2 of 2
+    ]
+    assert pair_accuracy(samples, [0.9, 0.1, 0.95, 0.8, 0.7, 0.2]) == 3 / 4
+    assert pair_accuracy(samples, [0.0, 0.1, 0.95, 0.1, 0.1, 0.2]) == 0.0

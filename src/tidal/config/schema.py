@@ -115,7 +115,9 @@ class ServeRewardModelConfig(_Strict):
     model: str | None = None
     port: int | None = Field(None, gt=0, lt=65536)  # the server's port on 127.0.0.1; None: a free one
     batch_size: int = Field(64, gt=0)  # rows per forward pass on the server
-    output: Literal["logit", "sigmoid"] = "logit"  # the reward: the model's first logit, or its sigmoid
+    # the reward: the model's first logit, its sigmoid, or binary: 1 when the logit is positive (the
+    # classifier's verdict; a policy cannot climb the score's small differences), else 0
+    output: Literal["logit", "sigmoid", "binary"] = "logit"
     # torch threads of the server on CPU: it shares the cores with the run's roles, and a small model's
     # forward pass gains nothing from threads that wait on each other
     threads: int = Field(1, gt=0)

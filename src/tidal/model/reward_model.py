@@ -1,7 +1,8 @@
 """The built-in tiny reward model (reward.functions `serve: {}` without a model): the tiny model's
 architecture with a one-logit classification head, started from the run's warm start and trained to
-tell correct final answers of the arithmetic task from wrong ones. Cached by everything it depends
-on and built once (atomic rename), like the warm start."""
+tell correct final answers of the arithmetic task from wrong ones: the warm start's own samples of the
+training prompts (the mistakes RL starts from), labelled by exact match, and synthetic near misses.
+Cached by everything it depends on and built once (atomic rename), like the warm start."""
 
 from __future__ import annotations
 
@@ -10,43 +11,63 @@ import json
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tidal.config import TidalConfig
 from tidal.data import Problem, arithmetic_completion, load_dataset, prompt_encoder
+from tidal.rewards import exact_match
 
 log = logging.getLogger(__name__)
 
-STEPS = 800
+# first the body learns the task: the warm start fine-tuned further on the training answers (the
+# labelled data the reward model is built from), so that the classifier judges an answer with a model
+# that can mostly compute it (over the warm start's own body, the classifier ranked only two thirds
+# of the policy's (right, wrong) pairs right)
+SFT_STEPS = 1000
+SFT_LR = 3e-3
+# then the classifier: the body and a new one-logit head
+STEPS = 1500
 BATCH_SIZE = 64
 LR = 1e-3
+# the warm start's samples the reward model learns from: every training prompt, this many samples at
+# each temperature (the policy's mistakes at RL's temperature and around it)
+POLICY_TEMPERATURES = (0.7, 1.0, 1.3)
+POLICY_SAMPLES = 8
+POLICY_SHARE = 0.5  # of each batch's pairs; the rest synthetic (labelled_examples)
 
 
 def reward_model_key(cfg: TidalConfig, base_model: str | Path) -> str:
     spec = {
-        "format": 3,
+        "format": 7,
         "base": Path(base_model).name,  # the warm start's own key
         "data": cfg.data.model_dump(mode="json", exclude={"num_eval", "eval_path"}),
-        "training": [STEPS, BATCH_SIZE, LR],
+        "training": [SFT_STEPS, SFT_LR, STEPS, BATCH_SIZE, LR, POLICY_TEMPERATURES, POLICY_SAMPLES, POLICY_SHARE],
+        "max_new_tokens": cfg.rollout.max_new_tokens,
         "seed": cfg.seed,
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def wrong_answers(answer: int, rng: random.Random) -> str:
-    """A near miss, as a model that can almost add gets it wrong: off by a little, off by ten, a
-    digit dropped or repeated, the digits swapped."""
+    """A near miss, as a model that can almost add gets it wrong: off by a little, off by ten, one
+    digit replaced (a carry lost or added), a digit dropped or repeated, the digits swapped."""
     text = str(answer)
-    kind = rng.randrange(5)
+    kind = rng.randrange(6)
     if kind == 0:
         wrong = answer + rng.choice([-3, -2, -1, 1, 2, 3])
     elif kind == 1:
         wrong = answer + rng.choice([-20, -10, 10, 20])
-    elif kind == 2 and len(text.lstrip("-")) > 1:
+    elif kind == 2:
+        digits = text.lstrip("-")
+        at = rng.randrange(len(digits))
+        digit = rng.choice([d for d in "0123456789" if d != digits[at] and (at or len(digits) == 1 or d != "0")])
+        wrong = int(text[: len(text) - len(digits)] + digits[:at] + digit + digits[at + 1 :])
+    elif kind == 3 and len(text.lstrip("-")) > 1:
         wrong = int(text[:-1] or 0)
-    elif kind == 3:
+    elif kind == 4:
         wrong = int(text + text[-1])
     else:
         wrong = int(text[::-1].rstrip("-") or 0) if text[::-1] != text else answer + 1
@@ -75,6 +96,76 @@ def labelled_examples(problems: list[Problem], rng: random.Random, pool: list[Pr
     return out
 
 
+@dataclass(frozen=True)
+class PolicySamples:
+    """One problem's samples from the policy, split by exact match (repeats kept: a frequent
+    mistake is drawn as often as the policy makes it)."""
+
+    problem: Problem
+    right: list[str]
+    wrong: list[str]
+
+
+def policy_samples(model, tokenizer, encode, problems: list[Problem], temperatures, n: int, max_new_tokens: int, seed: int) -> list[PolicySamples]:
+    """`n` samples of each problem from `model` at each temperature (the HF engine, as RL samples),
+    labelled by exact match with the true answer."""
+    from tidal.rollout.engine import GroupRequest, HFEngine
+
+    texts: dict[int, list[str]] = {p.id: [] for p in problems}
+    for t_index, temperature in enumerate(temperatures):
+        engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_new_tokens, temperature)
+        for start in range(0, len(problems), 256):
+            chunk = problems[start : start + 256]
+            requests = [GroupRequest(encode(p.prompt), n, torch.Generator().manual_seed(seed * 1_000_003 + t_index * 100_003 + p.id)) for p in chunk]
+            for p, group in zip(chunk, engine.generate(requests)):
+                texts[p.id] += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
+    out = []
+    for p in problems:
+        marks = [exact_match(t, p.answer) > 0 for t in texts[p.id]]
+        out.append(PolicySamples(p, [t for t, ok in zip(texts[p.id], marks) if ok], [t for t, ok in zip(texts[p.id], marks) if not ok]))
+    return out
+
+
+def policy_pairs(samples: list[PolicySamples], rng: random.Random) -> list[tuple[str, str, float]]:
+    """(problem, completion, label) rows in (right, wrong) pairs, one per problem: one of the
+    policy's wrong answers against one of its right ones (the true answer when it had none)."""
+    out = []
+    for s in samples:
+        right = rng.choice(s.right) if s.right and rng.random() < 0.5 else arithmetic_completion(s.problem.answer)
+        out.append((s.problem.prompt, right, 1.0))
+        out.append((s.problem.prompt, rng.choice(s.wrong), 0.0))
+    return out
+
+
+def group_ranking_accuracy(model, tokenizer, encode, samples: list[PolicySamples]) -> float:
+    """Of the (right, wrong) pairs within each problem's policy samples, the share the model ranks
+    right first: what a group-relative advantage needs of a reward."""
+    rows = [(s.problem.prompt, t, 0.0) for s in samples for t in s.right + s.wrong]
+    return pair_accuracy(samples, score_rows(model, tokenizer, encode, rows))
+
+
+def pair_accuracy(samples: list[PolicySamples], scores: list[float]) -> float:
+    """`scores` in the order of each problem's right then wrong samples: the share of (right, wrong)
+    pairs of one problem where right scores higher."""
+    good = total = start = 0
+    for s in samples:
+        right = scores[start : start + len(s.right)]
+        wrong = scores[start + len(s.right) : start + len(s.right) + len(s.wrong)]
+        start += len(s.right) + len(s.wrong)
+        good += sum(r > w for r in right for w in wrong)
+        total += len(right) * len(wrong)
+    return good / max(1, total)
+
+
+def score_rows(model, tokenizer, encode, rows, batch: int = 256) -> list[float]:
+    scores: list[float] = []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch):
+            ids, mask, _ = batch_tensors(tokenizer, encode, rows[start : start + batch])
+            scores += model(input_ids=ids, attention_mask=mask).logits[:, 0].tolist()
+    return scores
+
+
 def batch_tensors(tokenizer, encode, rows: list[tuple[str, str, float]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the reward server tokenizes: the prompt as the policy saw it, decoded, then the completion."""
     texts = [tokenizer.decode(encode(prompt), skip_special_tokens=False) + completion for prompt, completion, _ in rows]
@@ -98,8 +189,9 @@ def pair_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def train_reward_model(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], held_out: list[Problem], seed: int):
-    """The classifier, trained from the warm start's weights (its head new); returns it with its
-    held-out ranking accuracy (right above wrong)."""
+    """The classifier, trained from the warm start's weights (its head new); returns it, its tokenizer
+    and its held-out ranking accuracies: right above a synthetic wrong answer (per problem), and
+    above the warm start's wrong samples (per pair within a problem's samples)."""
 
     torch.manual_seed(seed)
     threads = torch.get_num_threads()
@@ -111,18 +203,41 @@ def train_reward_model(cfg: TidalConfig, base_model: str | Path, problems: list[
 
 
 def _train(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], held_out: list[Problem], seed: int):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from tidal.model.warm_start import answer_batcher, supervised_warm_start
 
     tokenizer = AutoTokenizer.from_pretrained(base_model)
-    model = AutoModelForSequenceClassification.from_pretrained(base_model, num_labels=1)
-    model.config.pad_token_id = tokenizer.pad_token_id
     encode = prompt_encoder(tokenizer, cfg.data)
+    policy = AutoModelForCausalLM.from_pretrained(base_model)
+    t0 = time.time()
+    mistakes = [
+        s
+        for s in policy_samples(policy, tokenizer, encode, problems, POLICY_TEMPERATURES, POLICY_SAMPLES, cfg.rollout.max_new_tokens, seed)
+        if s.wrong
+    ]
+    held_samples = [
+        s
+        for s in policy_samples(policy, tokenizer, encode, held_out, POLICY_TEMPERATURES, POLICY_SAMPLES, cfg.rollout.max_new_tokens, seed + 1)
+        if s.right and s.wrong
+    ]
+    log.info("reward model: the warm start's samples in %.1fs, %d of %d problems with a wrong one", time.time() - t0, len(mistakes), len(problems))
+    t0 = time.time()
+    sft = supervised_warm_start(policy, answer_batcher(tokenizer, problems, encode), len(problems), SFT_STEPS, BATCH_SIZE, SFT_LR, seed)
+    log.info("reward model: its body fine-tuned on the answers, %d steps in %.1fs (loss %.3f)", sft.steps, time.time() - t0, sft.loss)
+    model = AutoModelForSequenceClassification.from_pretrained(base_model, num_labels=1)
+    getattr(model, model.base_model_prefix).load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
+    model.config.pad_token_id = tokenizer.pad_token_id
+    del policy
     rng = random.Random(seed)
+    policy_count = round(BATCH_SIZE // 2 * POLICY_SHARE) if mistakes else 0
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / STEPS))
     model.train()
     for step in range(1, STEPS + 1):
-        rows = labelled_examples(rng.sample(problems, BATCH_SIZE // 2), rng, problems)
+        rows = policy_pairs(rng.sample(mistakes, policy_count), rng) + labelled_examples(
+            rng.sample(problems, BATCH_SIZE // 2 - policy_count), rng, problems
+        )
         ids, mask, labels = batch_tensors(tokenizer, encode, rows)
         loss = pair_loss(model(input_ids=ids, attention_mask=mask).logits[:, 0], labels)
         opt.zero_grad(set_to_none=True)
@@ -134,7 +249,7 @@ def _train(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], he
             log.info("reward model step %d: loss %.3f", step, loss.item())
     model.eval()
     held = ranking_accuracy(model, tokenizer, encode, labelled_examples(held_out, random.Random(seed + 1)))
-    return model, tokenizer, held
+    return model, tokenizer, held, group_ranking_accuracy(model, tokenizer, encode, held_samples)
 
 
 def prepare_reward_model(cfg: TidalConfig, base_model: str | Path) -> Path:
@@ -151,8 +266,14 @@ def prepare_reward_model(cfg: TidalConfig, base_model: str | Path) -> Path:
         return target
     dataset = load_dataset(cfg.data, cfg.seed)
     t0 = time.time()
-    model, tokenizer, held = train_reward_model(cfg, base_model, dataset.train, dataset.eval[:500], cfg.seed)
+    model, tokenizer, held, held_policy = train_reward_model(cfg, base_model, dataset.train, dataset.eval[:500], cfg.seed)
     log.info(
-        "built-in reward model: %d steps in %.1fs, held-out: the right answer above the wrong one for %.3f of problems", STEPS, time.time() - t0, held
+        "built-in reward model: %d steps in %.1fs, held-out: the right answer above a synthetic wrong one for %.3f of problems, "
+        "above the warm start's wrong samples for %.3f of its (right, wrong) pairs",
+        STEPS,
+        time.time() - t0,
+        held,
+        held_policy,
     )
-    return save_to_cache(model, tokenizer, target, {"tidal_reward_model.json": json.dumps({"held_out_ranking_accuracy": held, "steps": STEPS})})
+    info = {"held_out_ranking_accuracy": held, "held_out_policy_pair_accuracy": held_policy, "steps": STEPS}
+    return save_to_cache(model, tokenizer, target, {"tidal_reward_model.json": json.dumps(info)})

@@ -4,7 +4,7 @@
     POST /  (or /get_reward)   {"query": [...], "prompts": [...], "labels": [...]}  ->  {"rewards": [...]}
 
 `query` is prompt + completion as text; the reward is the model's first logit (or its sigmoid,
---output sigmoid). GET /health answers once the model is loaded. `tidal run` starts one for each
+--output sigmoid, or 1/0 by its sign, --output binary). GET /health answers once the model is loaded. `tidal run` starts one for each
 reward.functions entry with `serve` (RewardServers), beside nats-server, and stops it with the run."""
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ class RewardModel:
             logits = self.model(**enc).logits[:, 0].float()
         if self.output == "sigmoid":
             logits = self.torch.sigmoid(logits)
+        elif self.output == "binary":
+            logits = (logits > 0).float()
         return [float(x) for x in logits.tolist()]
 
 
@@ -95,7 +97,12 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--batch-size", type=int, default=64, help="rows per forward pass")
-    p.add_argument("--output", choices=["logit", "sigmoid"], default="logit", help="the reward: the first logit, or its sigmoid")
+    p.add_argument(
+        "--output",
+        choices=["logit", "sigmoid", "binary"],
+        default="logit",
+        help="the reward: the first logit, its sigmoid, or 1 when it is positive (else 0)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU); default: torch's own")
     p.set_defaults(func=serve_command)
