@@ -8,17 +8,16 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tidal.kube import cluster
+from tidal.rewards.server import free_port, healthy
 from tidal.rollout.vllm_adapter import vllm_available
 
 pytestmark = [
@@ -81,20 +80,6 @@ def reward_model_dir(tmp_path_factory) -> Path:
     Qwen2ForSequenceClassification(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
