@@ -43,7 +43,6 @@ class GroupScoringQueue:
         self.max_samples = max_samples
         self.waiting: list[Waiting] = []
         self.draining: asyncio.Task | None = None
-        self.batch_sizes: list[int] = []  # groups per scoring call, for tests and metrics
 
     async def score(self, entry: Any, samples: int) -> Any:
         future = asyncio.get_running_loop().create_future()
@@ -60,7 +59,6 @@ class GroupScoringQueue:
             live = [w for w in batch if not w.future.done()]  # a caller cancelled meanwhile (a preempted worker)
             if not live:
                 continue
-            self.batch_sizes.append(len(live))
             try:
                 results = await loop.run_in_executor(self.executor, self.build, [w.entry for w in live])
             except Exception as err:  # noqa: BLE001 - each caller gets the error, as if it had scored alone

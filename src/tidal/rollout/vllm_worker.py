@@ -185,10 +185,9 @@ class VLLMRolloutWorker:
         only with nothing in flight."""
         items, prompts, outputs, versions, starts, ends = zip(*finished, strict=True)
         assert len(set(versions)) == 1, f"groups of versions {sorted(set(versions))} scored together"
-        groups = build_groups(list(items), list(prompts), list(outputs), self.tokenizer, self.scorer, versions[0], self.worker_id, starts[0], ends[0])
-        for group, start, end in zip(groups, starts, ends, strict=True):
-            group.gen_start, group.gen_end = start, end
-        return groups
+        return build_groups(
+            list(items), list(prompts), list(outputs), self.tokenizer, self.scorer, versions[0], self.worker_id, list(zip(starts, ends))
+        )
 
     async def _run_group(self, msg, item: WorkItem) -> None:
         group = await self._generate_group(item, self.version)

@@ -40,11 +40,11 @@ def build_groups(
     scorer: RewardScorer,
     policy_version: int,
     worker_id: str,
-    gen_start: float,
-    gen_end: float,
+    gen_times: list[tuple[float, float]],
 ) -> list[Group]:
     """The groups of one engine call, every sample scored in one `score_many` (served rewards batch
-    across the groups). The call's scoring seconds and served-reward counts ride on its first group."""
+    across the groups). `gen_times`: each group's generation (start, end). The call's scoring seconds
+    and served-reward counts ride on its first group."""
     from tidal.rewards.served import Row
 
     texts = [[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions] for completions in outputs]
@@ -53,7 +53,7 @@ def build_groups(
     prompt_ids = [it.prompt_id for it, group_texts in zip(items, texts) for _ in group_texts]
     scored = iter(scorer.score_many(rows, prompt_ids))
     groups = []
-    for item, prompt, completions, group_texts in zip(items, prompts, outputs, texts):
+    for item, prompt, completions, group_texts, (gen_start, gen_end) in zip(items, prompts, outputs, texts, gen_times, strict=True):
         samples, errors = [], 0
         for c, text in zip(completions, group_texts):
             reward, parts, failed = next(scored)
@@ -205,7 +205,17 @@ def generate_group_calls(
         gen_start = time.time()
         outputs = engine.generate(requests)
         gen_end = time.time()
-        score = partial(build_groups, batch, [prompts[i] for i in chunk], outputs, tokenizer, scorer, policy_version, worker_id, gen_start, gen_end)
+        score = partial(
+            build_groups,
+            batch,
+            [prompts[i] for i in chunk],
+            outputs,
+            tokenizer,
+            scorer,
+            policy_version,
+            worker_id,
+            [(gen_start, gen_end)] * len(batch),
+        )
         yield score() if scoring is None else scoring.submit(score)
 
 
