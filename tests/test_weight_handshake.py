@@ -320,3 +320,67 @@ def test_a_worker_stuck_in_the_collective_exits_to_be_restarted(nats_server, tin
     assert error is not None and "stuck in the collective" in str(error) and "nccl_timeout_seconds" in str(error)
     assert result is False and off["state"] == "off" and "the broadcast of weights v0 failed" in off["reason"]
     broadcast.barrier.abort()  # release the abandoned stand-in sender thread
+
+
+def test_a_version_received_over_the_stand_in_broadcast_is_probed_and_a_wrong_one_stops_the_worker(
+    nats_server, tiny_config_dict, monkeypatch, tmp_path
+):
+    """The arrival check covers the NCCL path too: after a transfer the worker reads the trainer's probe
+    record from the version's manifest in the store (published before the broadcast) and compares its
+    engine's log-probs (a stand-in engine here: its log-probs are what the test makes them)."""
+    import tidal.rollout.vllm_worker as vllm_worker
+    from tidal.config import config_from_dict
+    from tidal.model.probe import make_probe
+    from tidal.weights import WeightsDidNotArriveError, WeightStore
+
+    cfg = config_from_dict({**tiny_config_dict, "rollout": {"engine": "vllm", "vllm": {"weight_sync": "nccl", "nccl_timeout_seconds": TIMEOUT}}})
+    probe = make_probe(0, 100)
+    trainer = {v: [[-1.0 - v - 0.01 * i for i in range(len(seq["response_ids"]))] for seq in probe] for v in (0, 1)}
+    store = WeightStore(tmp_path / "weights", probe=probe)
+    for v in (0, 1):
+        store.publish(v, state(float(v)), probe_logprobs=trainer[v])
+    broadcast = StandInBroadcast(lanes=1)
+    served = {0: trainer[0], 1: [[x + 0.5 for x in row] for row in trainer[1]]}  # v1 did not arrive
+    received = []
+
+    async def engine_logprobs(sequences):
+        assert sequences == probe
+        return served[received[-1]]
+
+    engine = SimpleNamespace(device="cuda", dtype="float32", probe_logprobs=engine_logprobs)
+
+    async def join(engine, rendezvous, rank_offset):
+        pass
+
+    async def receive(engine, update_info, version):
+        received.append(version)
+        await broadcast.receive()
+
+    monkeypatch.setattr(vllm_worker, "nccl_join", join)
+    monkeypatch.setattr(vllm_worker, "nccl_receive", receive)
+
+    async def main():
+        t = await connect(nats_server.url)
+        worker_transport = await Transport.connect(nats_server.url, "handshake", TransportConfig(), create=False)
+        worker = vllm_worker.VLLMRolloutWorker(cfg, engine, None, worker_transport, "worker-0", weights_root=tmp_path / "weights")
+        push = make_push(t, 1, broadcast)
+        error = None
+        try:
+            for v in (0, 1):
+                await t.put("policy", {"version": v, "uri": str(store.path(v))})
+                pushed = asyncio.create_task(push.push(v, state(float(v))))
+                try:
+                    while not pushed.done():
+                        await worker._take_offer()
+                        await asyncio.sleep(0.02)
+                finally:
+                    await pushed
+        except WeightsDidNotArriveError as err:
+            error = err
+        await worker_transport.close()
+        await t.close()
+        return worker, error
+
+    worker, error = asyncio.run(main())
+    assert received == [0, 1] and worker.version == 0  # v0 checked and taken; v1 received, then refused
+    assert error is not None and str(error).startswith("weights v1 did not arrive on worker worker-0: ")

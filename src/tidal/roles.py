@@ -7,6 +7,7 @@ in-process generation."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -112,8 +113,9 @@ def group_limits(cfg: TidalConfig, learner: Learner, max_bytes: int):
     return limits
 
 
-async def nccl_weight_push(cfg: TidalConfig, transport: Transport) -> NcclWeightPush | None:
-    """None unless the config asks for NCCL; turned off at once (with the reason) when this process cannot."""
+async def nccl_weight_push(cfg: TidalConfig, transport: Transport, adapter: dict | None = None) -> NcclWeightPush | None:
+    """None unless the config asks for NCCL; turned off at once (with the reason) when this process cannot.
+    `adapter` (model.lora: peft's adapter config): each version is the adapter's tensors alone, added as a LoRA adapter."""
     if cfg.rollout.engine != "vllm" or cfg.rollout.vllm.weight_sync != "nccl":
         return None
     from tidal.rollout import vllm_adapter
@@ -129,7 +131,7 @@ async def nccl_weight_push(cfg: TidalConfig, transport: Transport) -> NcclWeight
         v.tensor_parallel_size,
         v.nccl_timeout_seconds,
         vllm_adapter.NcclWeightSender,
-        vllm_adapter.nccl_update_info,
+        functools.partial(vllm_adapter.nccl_update_info, adapter_config=adapter),
         rendezvous_endpoint(),
     )
 
@@ -165,12 +167,12 @@ async def main_trainer(
             status = await transport.run_status()
             if status is None or status.state is not RunState.RUNNING:
                 await transport.put_run_state(RunState.RUNNING, status.round if status else None)
-            push = await nccl_weight_push(cfg, transport)
+            push = await nccl_weight_push(cfg, transport, store.adapter_config)
             if push is not None and ctx.distributed:
                 # the full weights are a collective of every rank; the push runs on rank 0 alone
                 await weight_handshake.turn_off(transport, f"the trainer has {ctx.world_size} ranks: weights go through the weight store")
                 push = None
-            weight_push = None if push is None else (lambda v: push.push(v, learner.model.state_dict()))
+            weight_push = None if push is None else (lambda v: push.push(v, learner.pushed_state()))
             # one rank only: gathering the weights is a collective under several ranks
             repair = (lambda v: on_compute_thread(lambda: store.repair(v, learner.full_state_dict()))) if ctx.world_size == 1 else None
             source = QueueSource(

@@ -688,10 +688,6 @@ class TidalConfig(_Strict):
                 "it needs rollout.engine 'vllm' and mode 'periodic' (sync mode's engine loads from the weight store; bounded mode's workers load at their own boundaries)"
             )
         if self.model.lora is not None:
-            if self.rollout.vllm.weight_sync == "nccl":
-                raise _error(
-                    "model.lora's adapters reach vLLM through the weight store (no adapter-only NCCL transfer); not with rollout.vllm.weight_sync 'nccl'"
-                )
             self._lora_fits_vllm()
         if self.trainer.ranks > 1 and self.mode == "sync":
             raise ValueError("trainer.ranks > 1 needs mode 'periodic' or 'bounded' (sync mode trains in the launcher's one process)")

@@ -13,7 +13,10 @@ NCCL weight transfer, which Ascend does not use). Nothing else in Tidal imports 
   every request of that version names it (`lora_request`). The base is never reloaded.
 - The arrival check's probe: prompt log-probs of prompt + response with the version's adapter.
 - NCCL weight transfer (GPU only; never run on CPU): `nccl_join`/`nccl_receive` on the engine side,
-  `NcclWeightSender` on trainer rank 0; the handshake is tidal.transport.weight_handshake.
+  `NcclWeightSender` on trainer rank 0; the handshake is tidal.transport.weight_handshake. Under
+  model.lora only the adapter's tensors travel: the engine's workers keep them (not loaded into the
+  base), its first worker writes them as peft's files into a directory of the engine's, and the
+  adapter is added from there as one read from the store is (vLLM's LoRA manager loads from files).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import contextlib
 import importlib.util
 import json
 import logging
+import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -213,6 +218,7 @@ class VLLMEngine:
         self.cfg = cfg
         self.device = device  # vLLM's platform device type: cpu, cuda, npu
         self.lora_request = None  # under model.lora: the adapter of the version loaded (None: the base)
+        self.landing: Path | None = None  # adapters received over NCCL are written here (made on first use)
 
     @classmethod
     def create(cls, cfg: TidalConfig, model_dir: str | Path) -> VLLMEngine:
@@ -353,20 +359,54 @@ class VLLMEngine:
             return {"error": str(err), "partial": False}
         if manifest.get("kind") != "lora":
             return {"error": f"snapshot {path} holds full weights, not an adapter (model.lora is set)", "partial": False}
-        version, previous = int(manifest["version"]), self.lora_request
+        error = await self.add_adapter(int(manifest["version"]), path)
+        if error:
+            return {"error": error, "partial": False}
+        return {"loaded": manifest.get("num_tensors"), "probe": manifest.get("probe")}
+
+    async def add_adapter(self, version: int, path: str | Path) -> str | None:
+        """Adds the adapter directory `path` as version `version`'s adapter; once added, it names every
+        request and the previous one goes. Returns the error (the previous adapter still serving) or None."""
+        previous = self.lora_request
         request = adapter_request(version, path, replace=previous is not None and previous.lora_int_id == version + 1)
         try:
             await self.llm.add_lora(request)
         except Exception as err:  # noqa: BLE001 - vLLM raises what its loader raised (shapes, names, ranks)
             first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
-            return {"error": f"adapter {path} does not load into vLLM: {first[:300]}", "partial": False}
+            return f"adapter {path} does not load into vLLM: {first[:300]}"
         self.lora_request = request
         if previous is not None and previous.lora_int_id != request.lora_int_id:
             await self.llm.remove_lora(previous.lora_int_id)
         log.info("vLLM serves adapter v%d (LoRA id %d; the engine holds ids %s)", version, request.lora_int_id, sorted(await self.adapters()))
-        return {"loaded": manifest.get("num_tensors"), "probe": manifest.get("probe")}
+        return None
 
-    async def adapters(self) -> set[int]:
+    def landing_dir(self, version: int) -> Path:
+        """A new, empty directory for version `version`'s adapter received over NCCL; older versions'
+        are removed (the adapter being replaced stays until the new one is added)."""
+        if self.landing is None:
+            self.landing = Path(tempfile.mkdtemp(prefix="tidal-adapters-"))
+        serving = Path(self.lora_request.lora_path) if self.lora_request is not None else None
+        for old in self.landing.iterdir():
+            if old != serving:
+                shutil.rmtree(old, ignore_errors=True)
+        target = self.landing / f"v{version:06d}-{uuid.uuid4().hex[:6]}"  # a retried version gets a fresh one
+        target.mkdir()
+        return target
+
+    async def receive_adapter(self, update_info: dict, version: int) -> None:
+        """Engine side of an adapter-only NCCL transfer: every worker receives the broadcast, the first one
+        writes the adapter's files, then it is added like an adapter from the store. Raises on failure
+        (the caller then loads the version from the store)."""
+        target = self.landing_dir(version)
+        results = await self.llm.collective_rpc("tidal_receive_adapter", args=(update_info, str(target)))
+        errors = [r["error"] for r in results if "error" in r]
+        if errors:
+            raise RuntimeError(errors[0])
+        error = await self.add_adapter(version, target)
+        if error:
+            raise RuntimeError(error)
+
+    async def adapters(self) -> list[int]:
         """The ids of the adapters the engine holds (for tests and debugging)."""
         return await self.llm.list_loras()
 
@@ -376,6 +416,8 @@ class VLLMEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+        if self.landing is not None:
+            shutil.rmtree(self.landing, ignore_errors=True)
 
 
 class BlockingVLLMEngine:
@@ -480,6 +522,37 @@ class TidalWorkerExtension:
             return {"error": f"snapshot {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}", "partial": True}
         return {"loaded": len(state), "probe": manifest.get("probe")}
 
+    def tidal_receive_adapter(self, update_info: dict, directory: str) -> dict:
+        """This worker's part of an adapter-only NCCL broadcast (see nccl_update_info): the tensors are kept,
+        not loaded into the model, and the engine's first worker writes them as peft's adapter files."""
+        import torch
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
+
+        from tidal.weights import write_adapter_files
+
+        transfer = getattr(self, "weight_transfer_engine", None)
+        group = getattr(transfer, "model_update_group", None)
+        if group is None:
+            return {"error": "this engine has not joined the trainer's NCCL group"}
+        received: dict = {}
+
+        def keep(items) -> None:  # the received tensors are views of a reused buffer: copied out
+            received.update((name, tensor.to("cpu", copy=True)) for name, tensor in items)
+
+        meta = zip(update_info["names"], update_info["dtype_names"], update_info["shapes"])
+        packed_nccl_broadcast_consumer(
+            iterator=((name, (shape, getattr(torch, dtype))) for name, dtype, shape in meta),
+            group=group,
+            src=0,
+            post_unpack_func=keep,
+            buffer_size_bytes=transfer.packed_buffer_size_bytes,
+            num_buffers=transfer.packed_num_buffers,
+            device=transfer.device,
+        )
+        if self.rank == 0:
+            write_adapter_files(Path(directory), received, update_info["adapter_config"])
+        return {"received": len(received)}
+
     def tidal_weights_digest(self) -> str:
         import hashlib
 
@@ -514,13 +587,15 @@ def nccl_unavailable_reason() -> str | None:
     return None
 
 
-def nccl_update_info(state: dict) -> dict:
-    """What the engines need to size their receive buffers: names, dtypes and shapes, in send order."""
-    return {
+def nccl_update_info(state: dict, adapter_config: dict | None = None) -> dict:
+    """What the engines need to size their receive buffers: names, dtypes and shapes, in send order;
+    under model.lora also the adapter's config (then `state` is the adapter's tensors alone)."""
+    info = {
         "names": list(state),
         "dtype_names": [str(t.dtype).split(".")[-1] for t in state.values()],
         "shapes": [list(t.shape) for t in state.values()],
     }
+    return info if adapter_config is None else {**info, "adapter_config": adapter_config}
 
 
 async def nccl_join(engine: VLLMEngine, rendezvous: dict, rank_offset: int) -> None:
@@ -538,9 +613,13 @@ async def nccl_join(engine: VLLMEngine, rendezvous: dict, rank_offset: int) -> N
 
 
 async def nccl_receive(engine: VLLMEngine, update_info: dict, version: int) -> None:
-    """Engine side, per version: receives the broadcast, then drops the prefix cache."""
+    """Engine side, per version: receives the broadcast into the model, then drops the prefix cache;
+    or an adapter's tensors (update_info names its config), added as that version's adapter."""
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+    if "adapter_config" in update_info:
+        await engine.receive_adapter(update_info, version)
+        return
     async with engine.swapping_weights():
         await engine.llm.start_weight_update()
         await engine.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))

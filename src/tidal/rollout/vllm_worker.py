@@ -40,6 +40,7 @@ from tidal.rollout.worker import (
 )
 from tidal.transport import Transport, keep_in_progress, weight_handshake
 from tidal.transport.health import WorkerHealth, beat, report_refusal
+from tidal.weights import readable_manifest
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +136,10 @@ class VLLMRolloutWorker:
         assert not self.inflight, "weights change only with nothing in flight"
         t0 = time.time()
         path = await self._policy_uri(version)
-        source, probe = "over NCCL", None
-        if not (self.nccl and await self._receive_nccl(version)):
+        if self.nccl and await self._receive_nccl(version):
+            # the trainer published the version (with its probe record) before it sent it
+            source, probe = "over NCCL", (readable_manifest(Path(path)) or {}).get("probe")
+        else:
             source = "from the weight store"
             result = await self.engine.load_snapshot(path)
             if "error" in result:
@@ -154,9 +157,9 @@ class VLLMRolloutWorker:
         return True
 
     async def _check_arrival(self, version: int, probe: dict | None) -> float | None:
-        """The arrival check on the version just loaded (from the store; a transfer over NCCL is not probed):
-        WeightsDidNotArriveError when the engine's log-probs of the probe differ from the trainer's."""
-        if not probe:  # received over NCCL, or a version published without one
+        """The arrival check on the version just loaded (from the store or over NCCL): WeightsDidNotArriveError
+        when the engine's log-probs of the probe differ from the trainer's."""
+        if not probe:  # a version published without one
             return None
         tolerance = arrival_tolerance(self.cfg.weights.arrival_tolerance, "vllm", self.engine.dtype, self.cfg.model.dtype)
         if not tolerance:

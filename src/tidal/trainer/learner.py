@@ -339,6 +339,11 @@ class Learner:
             return adapter_state_dict(self.peft_model, state) if self.ctx.is_main else {}
         return self.strategy.full_state_dict(self.model)
 
+    def pushed_state(self) -> dict[str, torch.Tensor]:
+        """What the NCCL push sends (one trainer rank): the model's own tensors where they lie (no copy
+        of the full weights), or under LoRA the adapter's tensors alone, in peft's names."""
+        return self.full_state_dict() if self.lora else self.model.state_dict()
+
     def probe_logprobs(self, probe: list[dict]) -> list[list[float]]:
         """The policy's log-probs of the arrival check's probe: a forward with no backward, which every rank
         runs (a collective under fsdp2 and ZeRO-3); the model is left laid out as training left it."""

@@ -103,6 +103,17 @@ def unique_tensors(state_dict: dict[str, torch.Tensor], to_cpu: bool = True) -> 
     return out
 
 
+def write_adapter_files(directory: Path, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+    """An adapter laid out as peft's save_pretrained writes it, which PeftModel.from_pretrained and vLLM's
+    LoRA loader read: the weight store's versions, and an engine's adapter received over NCCL."""
+    from safetensors.torch import save_file
+
+    # one metadata key: safetensors writes the metadata map in hash order, and the store's `repair`
+    # needs the same weights to give the same bytes
+    save_file(tensors, str(directory / ADAPTER_FILE), metadata={"format": "pt"})
+    (directory / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
+
+
 class WeightStore:
     """`adapter_config` (peft's adapter_config.json as a dict): every version is an adapter on top of
     `base_model_dir`, which is stored once and named in each manifest. `probe` (tidal.model.probe):
@@ -165,19 +176,18 @@ class WeightStore:
         tensors = unique_tensors(state_dict)
         if dtype is not None:
             tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-        # one metadata key: safetensors writes the metadata map in hash order, and `repair` needs the
-        # same weights to give the same bytes (the version is in the manifest)
-        from safetensors.torch import save_file
-
-        save_file(tensors, str(tmp / self.tensors_file), metadata={"format": "pt"})
         extra: dict = {}
         if self.adapter_config is not None:  # the base is stored once, not copied into each version
-            (tmp / ADAPTER_CONFIG_FILE).write_text(json.dumps(self.adapter_config, indent=2, sort_keys=True))
+            write_adapter_files(tmp, tensors, self.adapter_config)
             extra = {"kind": "lora", "base_model": str(self.base_model_dir) if self.base_model_dir else None}
-        elif self.base_model_dir and self.base_model_dir.is_dir():
-            for name in SIDE_FILES:
-                if (self.base_model_dir / name).is_file():
-                    shutil.copy2(self.base_model_dir / name, tmp / name)
+        else:
+            from safetensors.torch import save_file
+
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})  # one key: see write_adapter_files
+            if self.base_model_dir and self.base_model_dir.is_dir():
+                for name in SIDE_FILES:
+                    if (self.base_model_dir / name).is_file():
+                        shutil.copy2(self.base_model_dir / name, tmp / name)
         files = [self.tensors_file] + ([ADAPTER_CONFIG_FILE] if self.adapter_config is not None else [])
         manifest = {
             "version": version,
