@@ -416,6 +416,9 @@ class VLLMEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+        # AsyncLLM.__del__ shuts down once more, and at interpreter exit (its module's globals gone) that
+        # prints a TypeError traceback into every worker's log: this instance is down already
+        self.llm.shutdown = lambda *args, **kwargs: None
         if self.landing is not None:
             shutil.rmtree(self.landing, ignore_errors=True)
 
