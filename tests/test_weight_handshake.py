@@ -196,6 +196,25 @@ def test_worker_ids_name_their_lane():
         raise AssertionError("a worker id without a lane was accepted")
 
 
+def stand_in_engine_calls(monkeypatch, broadcast: StandInBroadcast) -> tuple[list, list]:
+    """The vLLM worker's two NCCL calls replaced: joins recorded as (group, rank offset), receives as
+    (version, update info), each receive entering the stand-in broadcast."""
+    import tidal.rollout.vllm_worker as vllm_worker
+
+    joined, received = [], []
+
+    async def join(engine, rendezvous, rank_offset):
+        joined.append((rendezvous["group"], rank_offset))
+
+    async def receive(engine, update_info, version):
+        received.append((version, update_info))
+        await broadcast.receive()
+
+    monkeypatch.setattr(vllm_worker, "nccl_join", join)
+    monkeypatch.setattr(vllm_worker, "nccl_receive", receive)
+    return joined, received
+
+
 def test_an_idle_vllm_worker_takes_every_offer_and_joins_the_group_once(nats_server, tiny_config_dict, monkeypatch):
     """The vLLM worker's side (VLLMRolloutWorker) with the two vLLM calls replaced by the stand-in."""
     import tidal.rollout.vllm_worker as vllm_worker
@@ -203,17 +222,7 @@ def test_an_idle_vllm_worker_takes_every_offer_and_joins_the_group_once(nats_ser
 
     cfg = config_from_dict({**tiny_config_dict, "rollout": {"engine": "vllm", "vllm": {"weight_sync": "nccl", "nccl_timeout_seconds": TIMEOUT}}})
     broadcast = StandInBroadcast(lanes=1)
-    joined, received = [], []
-
-    async def join(engine, rendezvous, rank_offset):
-        joined.append((rendezvous["group"], rank_offset))
-
-    async def receive(engine, update_info, version):
-        received.append((version, update_info["names"]))
-        await broadcast.receive()
-
-    monkeypatch.setattr(vllm_worker, "nccl_join", join)
-    monkeypatch.setattr(vllm_worker, "nccl_receive", receive)
+    joined, received = stand_in_engine_calls(monkeypatch, broadcast)
 
     async def main():
         t = await connect(nats_server.url)
@@ -234,7 +243,7 @@ def test_an_idle_vllm_worker_takes_every_offer_and_joins_the_group_once(nats_ser
     worker, push = asyncio.run(main())
     assert worker.version == 2 and [v for v, _ in received] == [0, 1, 2]
     assert joined == [(push.group, 1)]  # rank 1: after the trainer's rank 0; joined once, for v0
-    assert received[0][1] == ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+    assert received[0][1]["names"] == ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
 
 
 def test_a_stale_go_or_sent_is_never_answered(nats_server):
@@ -341,23 +350,13 @@ def test_a_version_received_over_the_stand_in_broadcast_is_probed_and_a_wrong_on
         store.publish(v, state(float(v)), probe_logprobs=trainer[v])
     broadcast = StandInBroadcast(lanes=1)
     served = {0: trainer[0], 1: [[x + 0.5 for x in row] for row in trainer[1]]}  # v1 did not arrive
-    received = []
+    _, received = stand_in_engine_calls(monkeypatch, broadcast)
 
     async def engine_logprobs(sequences):
         assert sequences == probe
-        return served[received[-1]]
+        return served[received[-1][0]]
 
     engine = SimpleNamespace(device="cuda", dtype="float32", probe_logprobs=engine_logprobs)
-
-    async def join(engine, rendezvous, rank_offset):
-        pass
-
-    async def receive(engine, update_info, version):
-        received.append(version)
-        await broadcast.receive()
-
-    monkeypatch.setattr(vllm_worker, "nccl_join", join)
-    monkeypatch.setattr(vllm_worker, "nccl_receive", receive)
 
     async def main():
         t = await connect(nats_server.url)
@@ -382,5 +381,5 @@ def test_a_version_received_over_the_stand_in_broadcast_is_probed_and_a_wrong_on
         return worker, error
 
     worker, error = asyncio.run(main())
-    assert received == [0, 1] and worker.version == 0  # v0 checked and taken; v1 received, then refused
+    assert [v for v, _ in received] == [0, 1] and worker.version == 0  # v0 checked and taken; v1 received, then refused
     assert error is not None and str(error).startswith("weights v1 did not arrive on worker worker-0: ")
