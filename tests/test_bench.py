@@ -174,4 +174,6 @@ def test_tidal_bench_served_reward_writes_both_ways_figures(tmp_path):
     figures = json.loads(out.read_text())
     assert figures["best"]["no_overlap"] > 0 and figures["best"]["overlap"] > 0 and figures["latency"] == 0.2
     assert figures["ratio"] == figures["best"]["no_overlap"] / figures["best"]["overlap"]
-    assert "no overlap" in proc.stdout
+    # the pass against the server that answers at once: the generation alone, less than either scored pass
+    assert 0 < figures["best"]["generation"] < figures["best"]["no_overlap"]
+    assert "no overlap" in proc.stdout and "generation alone" in proc.stdout
