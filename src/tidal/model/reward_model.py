@@ -335,7 +335,7 @@ def _train(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], he
         keep=lambda: kept.update({k: v.detach().clone() for k, v in model.state_dict().items()}),
         restore=lambda: model.load_state_dict(kept),
     )
-    log.info("reward model: its classifier trained %d steps in %.1fs", trained.steps, time.time() - t0)
+    log.info("reward model: its classifier trained in %.1fs, kept as it was at step %d", time.time() - t0, trained.steps)
     model.eval()
     held = ranking_accuracy(model, tokenizer, encode, labelled_examples(held_out, random.Random(seed + 1)))
     return model, tokenizer, trained, held, group_ranking_accuracy(model, tokenizer, encode, held_samples)
@@ -357,7 +357,7 @@ def prepare_reward_model(cfg: TidalConfig, base_model: str | Path) -> Path:
     t0 = time.time()
     model, tokenizer, trained, held, held_policy = train_reward_model(cfg, base_model, dataset.train, dataset.eval[:500], cfg.seed)
     log.info(
-        "built-in reward model in %.1fs (its classifier %d steps, %.3f of the held-aside training pairs), held-out: the right answer "
+        "built-in reward model in %.1fs (its classifier as at step %d, %.3f of the held-aside training pairs), held-out: the right answer "
         "above a synthetic wrong one for %.3f of problems, above the warm start's wrong samples for %.3f of its (right, wrong) pairs",
         time.time() - t0,
         trained.steps,
