@@ -509,3 +509,30 @@ def test_the_reward_models_policy_pair_accuracy_counts_the_pairs_within_each_pro
     ]
     assert pair_accuracy(samples, [0.9, 0.1, 0.95, 0.8, 0.7, 0.2]) == 3 / 4
     assert pair_accuracy(samples, [0.0, 0.1, 0.95, 0.1, 0.1, 0.2]) == 0.0
+
+
+def test_the_reward_models_classifier_trains_until_a_check_reaches_the_target_and_fails_without_it():
+    from tidal.model.reward_model import train_until
+
+    steps: list[int] = []
+    accuracies = iter([0.6, 0.85, 0.93, 0.99])
+    trained = train_until(steps.append, lambda: next(accuracies), every=3, max_steps=30, target=0.9, floor=0.8)
+    assert (trained.steps, trained.accuracy) == (9, 0.93) and steps == list(range(1, 10))
+
+    # no check reaches the target: the best one's state is restored if it reached the floor
+    state = {"weights": 0, "kept": None}
+
+    def step(n: int) -> None:
+        state["weights"] = n
+
+    accuracies = iter([0.7, 0.86, 0.8])
+    kept = dict(keep=lambda: state.update(kept=state["weights"]), restore=lambda: state.update(weights=state["kept"]))
+    trained = train_until(step, lambda: next(accuracies), every=4, max_steps=10, target=0.9, floor=0.85, **kept)
+    assert (trained.steps, trained.accuracy) == (8, 0.86) and state["weights"] == 8
+
+    steps.clear()
+    with pytest.raises(
+        ValueError, match=r"did not learn: in 10 steps it ranked at best 0.700 .* under the 0.85 it needs; give reward.functions\[\].serve.model"
+    ):
+        train_until(steps.append, lambda: 0.7, every=4, max_steps=10, target=0.9, floor=0.85)
+    assert steps == list(range(1, 11))  # checked at 4, 8 and the last step

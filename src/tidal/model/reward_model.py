@@ -11,6 +11,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,10 +29,22 @@ log = logging.getLogger(__name__)
 # of the policy's (right, wrong) pairs right)
 SFT_STEPS = 1000
 SFT_LR = 3e-3
-# then the classifier: the body and a new one-logit head
-STEPS = 1500
+# then the classifier: the body and a new one-logit head, trained with the body's LM loss on the right
+# answers beside the classifier's (LM_COEF): alone, the classifier's loss sat near chance for a
+# seed-dependent 500 to over 1500 steps while the body forgot how to compute the answers
 BATCH_SIZE = 64
 LR = 1e-3
+LM_COEF = 1.0
+# trained until it has learned: every CHECK_EVERY steps its accuracy on the policy's (right, wrong) pairs
+# of CHECK_PROBLEMS training problems held aside from its training; it stops at TARGET_ACCURACY. At
+# MAX_STEPS without it, the best check's weights are kept if they reach MIN_ACCURACY (a weaker body's
+# ceiling can lie below the target), else the build fails rather than serve a model that cannot tell
+# right from wrong
+CHECK_EVERY = 250
+CHECK_PROBLEMS = 300
+TARGET_ACCURACY = 0.9
+MIN_ACCURACY = 0.85
+MAX_STEPS = 3000
 # the warm start's samples the reward model learns from: every training prompt, this many samples at
 # each temperature (the policy's mistakes at RL's temperature and around it)
 POLICY_TEMPERATURES = (0.7, 1.0, 1.3)
@@ -41,10 +54,11 @@ POLICY_SHARE = 0.5  # of each batch's pairs; the rest synthetic (labelled_exampl
 
 def reward_model_key(cfg: TidalConfig, base_model: str | Path) -> str:
     spec = {
-        "format": 7,
+        "format": 8,
         "base": Path(base_model).name,  # the warm start's own key
         "data": cfg.data.model_dump(mode="json", exclude={"num_eval", "eval_path"}),
-        "training": [SFT_STEPS, SFT_LR, STEPS, BATCH_SIZE, LR, POLICY_TEMPERATURES, POLICY_SAMPLES, POLICY_SHARE],
+        "training": [SFT_STEPS, SFT_LR, BATCH_SIZE, LR, LM_COEF, CHECK_EVERY, CHECK_PROBLEMS, TARGET_ACCURACY, MIN_ACCURACY, MAX_STEPS],
+        "samples": [POLICY_TEMPERATURES, POLICY_SAMPLES, POLICY_SHARE],
         "max_new_tokens": cfg.rollout.max_new_tokens,
         "seed": cfg.seed,
     }
@@ -188,10 +202,57 @@ def pair_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return ranking + torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
 
 
+@dataclass(frozen=True)
+class Trained:
+    """How the classifier's training ended: the steps of the check it kept and that check's accuracy."""
+
+    steps: int
+    accuracy: float
+
+
+def train_until(
+    step: Callable[[int], None],
+    check: Callable[[], float],
+    every: int,
+    max_steps: int,
+    target: float,
+    floor: float,
+    keep: Callable[[], None] = lambda: None,
+    restore: Callable[[], None] = lambda: None,
+) -> Trained:
+    """Runs `step(n)` for n = 1, 2, ... and `check()` every `every` steps, until a check reaches
+    `target`. At `max_steps` without it: `restore()` goes back to the best check (each new best is
+    `keep()`-ed), if that reached `floor`; else it raises ValueError."""
+    best = Trained(0, float("-inf"))
+    for n in range(1, max_steps + 1):
+        step(n)
+        if n % every == 0 or n == max_steps:
+            accuracy = check()
+            log.info("reward model step %d: %.3f of the held-aside training pairs ranked right", n, accuracy)
+            if accuracy >= target:
+                return Trained(n, accuracy)
+            if accuracy > best.accuracy:
+                best = Trained(n, accuracy)
+                keep()
+    if best.accuracy < floor:
+        raise ValueError(  # tidal's one-line error
+            f"the built-in reward model did not learn: in {max_steps} steps it ranked at best {best.accuracy:.3f} of its held-aside "
+            f"training problems' (right, wrong) pairs right, under the {floor} it needs; give reward.functions[].serve.model instead"
+        )
+    log.warning(
+        "reward model: %.3f of the held-aside training pairs at best (step %d), under the %s aimed at; serving that state",
+        best.accuracy,
+        best.steps,
+        target,
+    )
+    restore()
+    return best
+
+
 def train_reward_model(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], held_out: list[Problem], seed: int):
-    """The classifier, trained from the warm start's weights (its head new); returns it, its tokenizer
-    and its held-out ranking accuracies: right above a synthetic wrong answer (per problem), and
-    above the warm start's wrong samples (per pair within a problem's samples)."""
+    """The classifier, trained from the warm start's weights (its head new); returns it, its tokenizer,
+    how its training ended, and its held-out ranking accuracies: right above a synthetic wrong answer
+    (per problem), and above the warm start's wrong samples (per pair within a problem's samples)."""
 
     torch.manual_seed(seed)
     threads = torch.get_num_threads()
@@ -205,7 +266,7 @@ def train_reward_model(cfg: TidalConfig, base_model: str | Path, problems: list[
 def _train(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], held_out: list[Problem], seed: int):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from tidal.model.warm_start import answer_batcher, supervised_warm_start
+    from tidal.model.warm_start import answer_batcher, batch_loss, supervised_warm_start
 
     tokenizer = AutoTokenizer.from_pretrained(base_model)
     encode = prompt_encoder(tokenizer, cfg.data)
@@ -225,31 +286,59 @@ def _train(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], he
     t0 = time.time()
     sft = supervised_warm_start(policy, answer_batcher(tokenizer, problems, encode), len(problems), SFT_STEPS, BATCH_SIZE, SFT_LR, seed)
     log.info("reward model: its body fine-tuned on the answers, %d steps in %.1fs (loss %.3f)", sft.steps, time.time() - t0, sft.loss)
-    model = AutoModelForSequenceClassification.from_pretrained(base_model, num_labels=1)
-    getattr(model, model.base_model_prefix).load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
-    model.config.pad_token_id = tokenizer.pad_token_id
-    del policy
+
+    # the training problems split: CHECK_PROBLEMS of those with a mistake are held aside for the checks
     rng = random.Random(seed)
+    mistakes = rng.sample(mistakes, len(mistakes))
+    aside = [s for s in mistakes[:CHECK_PROBLEMS] if s.right]
+    aside_ids = {s.problem.id for s in mistakes[:CHECK_PROBLEMS]}
+    mistakes = mistakes[CHECK_PROBLEMS:]
+    train = [p for p in problems if p.id not in aside_ids]
+
+    # the classifier shares the body with the language model: one set of weights, two losses
+    model = AutoModelForSequenceClassification.from_pretrained(base_model, num_labels=1)
+    setattr(model, model.base_model_prefix, getattr(policy, policy.base_model_prefix))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    answers = answer_batcher(tokenizer, train, encode)
+    lm_rows = torch.Generator().manual_seed(seed)
     policy_count = round(BATCH_SIZE // 2 * POLICY_SHARE) if mistakes else 0
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / STEPS))
-    model.train()
-    for step in range(1, STEPS + 1):
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
+
+    def step(_: int) -> None:
+        model.train()
         rows = policy_pairs(rng.sample(mistakes, policy_count), rng) + labelled_examples(
-            rng.sample(problems, BATCH_SIZE // 2 - policy_count), rng, problems
+            rng.sample(train, BATCH_SIZE // 2 - policy_count), rng, train
         )
         ids, mask, labels = batch_tensors(tokenizer, encode, rows)
         loss = pair_loss(model(input_ids=ids, attention_mask=mask).logits[:, 0], labels)
+        loss = loss + LM_COEF * batch_loss(policy, answers(torch.randint(len(train), (BATCH_SIZE // 2,), generator=lm_rows).tolist()))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 100 == 0:
-            log.info("reward model step %d: loss %.3f", step, loss.item())
+
+    def check() -> float:
+        model.eval()
+        return group_ranking_accuracy(model, tokenizer, encode, aside)
+
+    t0 = time.time()
+    kept: dict[str, torch.Tensor] = {}
+    trained = train_until(
+        step,
+        check,
+        CHECK_EVERY,
+        MAX_STEPS,
+        TARGET_ACCURACY,
+        MIN_ACCURACY,
+        keep=lambda: kept.update({k: v.detach().clone() for k, v in model.state_dict().items()}),
+        restore=lambda: model.load_state_dict(kept),
+    )
+    log.info("reward model: its classifier trained in %.1fs, kept as it was at step %d", time.time() - t0, trained.steps)
     model.eval()
     held = ranking_accuracy(model, tokenizer, encode, labelled_examples(held_out, random.Random(seed + 1)))
-    return model, tokenizer, held, group_ranking_accuracy(model, tokenizer, encode, held_samples)
+    return model, tokenizer, trained, held, group_ranking_accuracy(model, tokenizer, encode, held_samples)
 
 
 def prepare_reward_model(cfg: TidalConfig, base_model: str | Path) -> Path:
@@ -266,14 +355,21 @@ def prepare_reward_model(cfg: TidalConfig, base_model: str | Path) -> Path:
         return target
     dataset = load_dataset(cfg.data, cfg.seed)
     t0 = time.time()
-    model, tokenizer, held, held_policy = train_reward_model(cfg, base_model, dataset.train, dataset.eval[:500], cfg.seed)
+    model, tokenizer, trained, held, held_policy = train_reward_model(cfg, base_model, dataset.train, dataset.eval[:500], cfg.seed)
     log.info(
-        "built-in reward model: %d steps in %.1fs, held-out: the right answer above a synthetic wrong one for %.3f of problems, "
-        "above the warm start's wrong samples for %.3f of its (right, wrong) pairs",
-        STEPS,
+        "built-in reward model in %.1fs (its classifier as at step %d, %.3f of the held-aside training pairs), held-out: the right answer "
+        "above a synthetic wrong one for %.3f of problems, above the warm start's wrong samples for %.3f of its (right, wrong) pairs",
         time.time() - t0,
+        trained.steps,
+        trained.accuracy,
         held,
         held_policy,
     )
-    info = {"held_out_ranking_accuracy": held, "held_out_policy_pair_accuracy": held_policy, "steps": STEPS}
+    info = {
+        "held_out_ranking_accuracy": held,
+        "held_out_policy_pair_accuracy": held_policy,
+        "steps": trained.steps,
+        "held_aside_training_pair_accuracy": trained.accuracy,
+        "seconds": round(time.time() - t0, 1),
+    }
     return save_to_cache(model, tokenizer, target, {"tidal_reward_model.json": json.dumps(info)})
