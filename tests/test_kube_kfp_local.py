@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
@@ -27,6 +28,20 @@ tracking: {experiment: kfp-local}
 """
 
 
+def run_via_kfp_local(config: Path, run_dir: Path, env: dict) -> subprocess.CompletedProcess:
+    """`tidal run CONFIG --via kfp-local` in the config's folder, with `env` less what would point it at a
+    tracking server or pod settings of the machine running the tests."""
+    env = {k: v for k, v in env.items() if k not in ("MLFLOW_TRACKING_URI", "TIDAL_KFP_LOCAL_SHARED_HOME", "TIDAL_KFP_LOCAL_PODS")}
+    return subprocess.run(
+        [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--via", "kfp-local"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=config.parent,
+        timeout=900,
+    )
+
+
 def test_tidal_run_via_kfp_local_two_rounds(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY_CONFIG)
@@ -39,16 +54,7 @@ def test_tidal_run_via_kfp_local_two_rounds(tmp_path):
         "TIDAL_KFP_ROUNDS": "2",
         "TIDAL_KFP_ITERATIONS_PER_ROUND": "1",
     }
-    for name in ("MLFLOW_TRACKING_URI", "TIDAL_KFP_LOCAL_SHARED_HOME", "TIDAL_KFP_LOCAL_PODS"):
-        env.pop(name, None)
-    result = subprocess.run(
-        [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--via", "kfp-local"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=900,
-    )
+    result = run_via_kfp_local(config, run_dir, env)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
     assert "Pipeline \x1b[95m'tidal-grpo'\x1b[0m finished with status \x1b[92mSUCCESS" in log or "'tidal-grpo' finished with status SUCCESS" in log
@@ -101,17 +107,10 @@ def test_a_served_reward_reaches_the_pipelines_workers_with_its_key(tmp_path):
     config.write_text(TINY_CONFIG.replace("trainer: {iterations: 2,", "trainer: {iterations: 1,") + reward)
     run_dir = tmp_path / "run"
     env = {**os.environ, "HOME": str(tmp_path / "home"), "TIDAL_CACHE": str(tmp_path / "cache"), "TIDAL_REWARD_MODEL_API_KEY": "s3cret"}
-    for name in ("MLFLOW_TRACKING_URI", "TIDAL_KFP_LOCAL_SHARED_HOME", "TIDAL_KFP_LOCAL_PODS", "TIDAL_KFP_ROUNDS", "TIDAL_KFP_ITERATIONS_PER_ROUND"):
+    for name in ("TIDAL_KFP_ROUNDS", "TIDAL_KFP_ITERATIONS_PER_ROUND"):
         env.pop(name, None)
     try:
-        result = subprocess.run(
-            [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--via", "kfp-local"],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=tmp_path,
-            timeout=900,
-        )
+        result = run_via_kfp_local(config, run_dir, env)
         requests = server.requests()
     finally:
         server.stop()

@@ -356,13 +356,17 @@ def platform_settings(objects) -> dict:
     return by_kind(objects, "ConfigMap")["tidal-platform"]["data"]
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compiled")
+def compiled_profiles(out) -> dict[str, list]:
+    """Every overlay's pipeline profile compiled into `out`: profile -> the compiled YAML's documents."""
     return {
         profile: list(yaml.safe_load_all(compile_pipeline(out / f"{profile}.yaml", profile).read_text()))
         for profile in sorted(set(PROFILE_OF_OVERLAY.values()))
     }
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return compiled_profiles(tmp_path_factory.mktemp("compiled"))
 
 
 def test_compiled_pipeline_matches_what_the_overlay_promises(overlay, compiled):

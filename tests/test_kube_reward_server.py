@@ -10,11 +10,19 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.test_kube_manifests import PROFILE_OF_OVERLAY, ROOT, build_overlay, by_kind, kustomize_on_top_of, platform_settings, pod_specs
+from tests.test_kube_manifests import (
+    PROFILE_OF_OVERLAY,
+    ROOT,
+    build_overlay,
+    by_kind,
+    compiled_profiles,
+    kustomize_on_top_of,
+    platform_settings,
+    pod_specs,
+)
 from tidal.config import load_config
 from tidal.config.schema import RewardFunctionConfig
 from tidal.kube import cluster, pytorchjob, staging, trainjob, worker_pool
-from tidal.kube.pipeline import compile_pipeline
 from tidal.kube.pod_sandbox import POD_SANDBOX_ENV
 from tidal.kube.step_records import PipelineStepError
 from tidal.kube.trainer_job import TrainerJobSpec
@@ -208,11 +216,7 @@ def admitted(policy: dict, labels: dict, port: int, namespace: str = "tidal") ->
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compiled")
-    return {
-        profile: list(yaml.safe_load_all(compile_pipeline(out / f"{profile}.yaml", profile).read_text()))
-        for profile in sorted(set(PROFILE_OF_OVERLAY.values()))
-    }
+    return compiled_profiles(tmp_path_factory.mktemp("compiled"))
 
 
 def step_pod_labels(compiled_pipeline) -> dict[str, dict]:
