@@ -128,6 +128,7 @@ def test_a_shared_warm_start_seed_gives_every_run_seed_the_same_warm_start():
     shared = [warm_start_key(calculator_config(model={"warm_start": {"seed": 0}}).model_copy(update={"seed": s})) for s in (0, 1)]
     own = [warm_start_key(calculator_config().model_copy(update={"seed": s})) for s in (0, 1)]
     assert shared[0] == shared[1] and own[0] != own[1]
+    assert shared[0] == own[0]  # warm_start.seed 0 is what an unset one resolves to for run seed 0
 
 
 def test_scores_and_tool_use_rates_are_computed_from_what_happened():

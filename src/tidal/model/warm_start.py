@@ -38,7 +38,8 @@ def warm_start_key(cfg: TidalConfig) -> str:
     spec = {
         "format": 1,
         "tiny": cfg.model.tiny.model_dump(mode="json"),
-        "warm_start": cfg.model.warm_start.model_dump(mode="json", exclude={"cache_dir"}),
+        # the seed enters resolved (below): an unset warm_start.seed and one equal to the run's give one model
+        "warm_start": cfg.model.warm_start.model_dump(mode="json", exclude={"cache_dir", "seed"}),
         "data": cfg.data.model_dump(mode="json", exclude={"num_eval", "eval_path"}),
         "seed": warm_start_seed(cfg),
     }
