@@ -42,7 +42,15 @@ install-vllm: $(VLLM_VENV)/.installed
 run: install
 	$(BIN)/tidal run $(CONFIG) --run-dir $(RUN_DIR)
 
-test: lint docs test-core test-vllm
+# vLLM's environment installs (minutes, mostly download and unpack) while the core tests run; its log is
+# shown only if it fails.
+VLLM_INSTALL_LOG = $(VLLM_VENV).install.log
+test: lint docs
+	@rm -f $(VLLM_INSTALL_LOG).rc
+	@{ $(MAKE) --no-print-directory install-vllm >$(VLLM_INSTALL_LOG) 2>&1; echo $$? >$(VLLM_INSTALL_LOG).rc; } & \
+	$(MAKE) --no-print-directory test-core; core=$$?; wait; \
+	if [ "$$(cat $(VLLM_INSTALL_LOG).rc)" != 0 ]; then cat $(VLLM_INSTALL_LOG); echo "make install-vllm failed"; exit 1; fi; \
+	[ $$core = 0 ] && $(MAKE) --no-print-directory test-vllm
 
 # TRL's GRPOTrainer vs Tidal sync and periodic (`tidal bench trl`): the bench extra (TRL 1.16.0) in .venv,
 # then 20 steps per system, medians after 2 warm-up steps, 3 repetitions in alternating order
@@ -84,4 +92,4 @@ test-vllm: install-vllm
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_reward_server.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs $(DOCS_SITE)
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_INSTALL_LOG) $(VLLM_INSTALL_LOG).rc runs $(DOCS_SITE)
