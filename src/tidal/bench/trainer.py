@@ -196,8 +196,8 @@ def available(strategy: str, ranks: int = 1, lora: bool = False) -> str | None:
 
         try:
             config_from_dict({"model": {"lora": {}}, "trainer": {"strategy": strategy, "ranks": ranks}, "mode": "periodic"})
-        except ConfigError as err:  # the config's own refusal, without the echo of the dict above
-            return str(err).split("<root>: ")[-1].split(" (got ")[0]
+        except ConfigError as err:  # the config's own refusal
+            return str(err).removeprefix("invalid config (<dict>): ")
     if strategy == "deepspeed":
         import importlib.util
 
