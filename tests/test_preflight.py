@@ -40,6 +40,10 @@ CASES = {
     "unknown reward": (lambda t: {"reward.functions": [{"name": "exact"}]}, ["unknown reward function 'exact'"]),
     "reward module missing": (lambda t: {"reward.functions": [{"name": "nosuch.mod:f"}]}, ["'nosuch.mod:f'", "cannot import module 'nosuch.mod'"]),
     "reward not callable": (lambda t: {"reward.functions": [{"name": "tests.rewards:nothing"}]}, ["'tests.rewards:nothing'", "has no callable"]),
+    "model folder missing": (
+        lambda t: {"model.name_or_path": str(t / "models" / "policy")},
+        ["model.name_or_path", "models/policy'", "no such directory"],
+    ),
     "unreachable NATS": (lambda t: {"transport.nats_url": "nats://127.0.0.1:1"}, ["nats://127.0.0.1:1", "transport.nats_url"]),
 }
 
