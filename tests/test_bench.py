@@ -177,3 +177,17 @@ def test_tidal_bench_served_reward_writes_both_ways_figures(tmp_path):
     # the pass against the server that answers at once: the generation alone, less than either scored pass
     assert 0 < figures["best"]["generation"] < figures["best"]["no_overlap"]
     assert "no overlap" in proc.stdout and "generation alone" in proc.stdout
+
+
+@pytest.mark.parametrize("name", ["modes", "trl"])
+def test_modes_and_trl_take_the_config_as_the_docs_write_it_positional_or_option(name):
+    """`tidal bench trl examples/arithmetic.yaml` and `tidal bench modes --config ...` (docs/benchmarks.md): both forms, both benchmarks."""
+    from tidal.bench import modes, versus_trl
+
+    main = {"modes": modes.main, "trl": versus_trl.main}[name]
+    with pytest.raises(SystemExit, match=f"tidal bench {name}: give the config once"):
+        main(["a.yaml", "--config", "b.yaml"])
+    with pytest.raises(SystemExit, match="--systems"):  # both forms parse; the next check refuses
+        main(["a.yaml", "--systems", "nope"])
+    with pytest.raises(SystemExit, match="--systems"):
+        main(["--config", "a.yaml", "--systems", "nope"])
