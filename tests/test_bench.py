@@ -191,3 +191,17 @@ def test_modes_and_trl_take_the_config_as_the_docs_write_it_positional_or_option
         main(["a.yaml", "--systems", "nope"])
     with pytest.raises(SystemExit, match="--systems"):
         main(["--config", "a.yaml", "--systems", "nope"])
+
+
+@pytest.mark.parametrize("name", ["modes", "rollout", "served-reward", "shared-prompt", "trainer", "trl"])
+def test_each_benchmarks_help_says_what_it_measures_in_whole_sentences(name, capsys):
+    import importlib
+
+    from tidal.bench import BENCHMARKS, run_benchmark
+
+    with pytest.raises(SystemExit) as exited:
+        run_benchmark(name, ["--help"])
+    assert exited.value.code == 0
+    words = " ".join(capsys.readouterr().out.split())
+    first_paragraph = " ".join(importlib.import_module(BENCHMARKS[name]).__doc__.split("\n\n")[0].split())
+    assert first_paragraph.endswith(".") and first_paragraph in words, words[:600]

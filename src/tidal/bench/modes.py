@@ -121,7 +121,7 @@ def percent(x: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="tidal bench modes", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="tidal bench modes", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", nargs="?", default=None, help="the config (default examples/arithmetic.yaml)")
     ap.add_argument("--config", dest="config_option", default=None, help="the same, as an option")
     ap.add_argument("--iterations", type=int, default=20)

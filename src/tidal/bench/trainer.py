@@ -207,7 +207,7 @@ def available(strategy: str, ranks: int = 1, lora: bool = False) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="tidal bench trainer", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="tidal bench trainer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--strategies", default="single,fsdp2,deepspeed")
     ap.add_argument("--ranks", default="1,2")
     ap.add_argument("--weights", default="full,lora", help="full (every weight trains), lora (an adapter), or both")
