@@ -185,10 +185,25 @@ def eval_command(args: argparse.Namespace) -> int:
             raise ValueError("tidal eval --follow needs eval.every (evaluate every N-th version)")
         follow_run(cfg, run.root, info.base_model, problems, run.tracker().log)
         return 0
-    path = args.weights or store.path(store.latest_version())
+    path = args.weights or latest_snapshot(store)
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"--weights {path}: no such snapshot directory")
+    from tidal.weights import CorruptSnapshotError, verify_snapshot
+
+    try:
+        verify_snapshot(path)  # before an engine is opened; the engine checks it again as it loads it
+    except CorruptSnapshotError as err:
+        raise ValueError(f"{err}; not evaluated") from None
     scores = evaluate_snapshot(cfg, info.base_model, problems, path)
     print(json.dumps({"weights": str(path), **scores, "num_prompts": len(problems)}))
     return 0
+
+
+def latest_snapshot(store) -> Path:
+    version = store.latest_version()
+    if version is None:
+        raise FileNotFoundError(f"{store.root} holds no weight snapshot: the run has not published any version (or give --weights)")
+    return store.path(version)
 
 
 def bench_command(args: argparse.Namespace) -> int:
