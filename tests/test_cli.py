@@ -91,3 +91,11 @@ def test_run_without_run_dir_uses_runs_and_the_config_files_name(tmp_path, write
     assert proc.returncode == 2 and "unknown reward function 'exact'" in proc.stderr, proc.stderr[-3000:]
     assert "required" not in proc.stderr and "tidal: run directory runs/calculator" in proc.stdout
     assert (tmp_path / "runs" / "calculator" / "lock").is_file()
+
+
+def test_run_without_run_dir_on_a_run_directorys_own_config_resumes_that_run(tmp_path):
+    (tmp_path / "runs" / "mine").mkdir(parents=True)
+    (tmp_path / "runs" / "mine" / "run.json").write_text("{}")
+    assert cli.default_run_dir(str(tmp_path / "runs" / "mine" / "config.yaml")) == tmp_path / "runs" / "mine"
+    assert cli.default_run_dir("examples/arithmetic.yaml") == cli.Path("runs/arithmetic")
+    assert cli.default_run_dir(str(tmp_path / "config.yaml")) == cli.Path("runs/config")  # no run beside it

@@ -113,8 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_run_dir(config: str) -> Path:
-    """`tidal run CONFIG` without --run-dir: runs/ and the config file's name (`make run`'s runs/arithmetic)."""
-    return Path("runs") / Path(config).stem
+    """`tidal run CONFIG` without --run-dir: runs/ and the config file's name (`make run`'s runs/arithmetic);
+    a run directory's own config.yaml resumes that run."""
+    path = Path(config)
+    if path.name == "config.yaml" and (path.parent / "run.json").is_file():
+        return path.parent
+    return Path("runs") / path.stem
 
 
 def run_command(args: argparse.Namespace) -> int:
