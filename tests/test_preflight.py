@@ -44,6 +44,10 @@ CASES = {
         lambda t: {"model.name_or_path": str(t / "models" / "policy")},
         ["model.name_or_path", "models/policy'", "no such directory"],
     ),
+    "unreachable MLflow server": (
+        lambda t: {"tracking.uri": "http://127.0.0.1:1"},
+        ["cannot reach the MLflow server at http://127.0.0.1:1 (tracking.uri)"],
+    ),
     "unreachable NATS": (lambda t: {"transport.nats_url": "nats://127.0.0.1:1"}, ["nats://127.0.0.1:1", "transport.nats_url"]),
 }
 

@@ -24,7 +24,7 @@ from tidal.rundir import RunDir, RunDirError, RunDirLock, RunInfo, new_nats_toke
 from tidal.summary import agent_before_after, at_k_before_after, result_table, summarize
 from tidal.supervise import NatsSupervisor, RoleFailed, RoleProcesses, Stopped, child_options, stop_on_signals, tail
 from tidal.threads import resolve_threads, set_threads
-from tidal.tracking import start_run, tracking_uri
+from tidal.tracking import check_server_reachable, start_run, tracking_uri
 from tidal.transport.server import TOKEN_ENV, EmbeddedNats, reachable
 from tidal.weights import SIGNING_KEY_ENV, WeightStore, version_dir_name
 
@@ -235,6 +235,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
     # every role of the run (children inherit it) signs or checks snapshot manifests with the run's key
     os.environ[SIGNING_KEY_ENV] = run_signing_key(run.root)
     dataset = check_before_start(cfg)
+    check_server_reachable(cfg)
     if cfg.mode != "sync" and cfg.transport.nats_url and not reachable(cfg.transport.nats_url):
         from tidal.transport import NatsUnavailableError
 
