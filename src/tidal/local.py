@@ -19,7 +19,7 @@ from tqdm import tqdm
 from tidal.config import ConfigError, TidalConfig, dump_config, load_config, training_changes
 from tidal.logs import setup_logging
 from tidal.plan import apply_plan, cached_profile, format_pool, planned_tail, recommend_pool, wants_plan
-from tidal.preflight import check_before_start
+from tidal.preflight import check_before_start, check_this_machine
 from tidal.rundir import RunDir, RunDirError, RunDirLock, RunInfo, new_nats_token, new_run_id, run_signing_key
 from tidal.summary import agent_before_after, at_k_before_after, result_table, summarize
 from tidal.supervise import NatsSupervisor, RoleFailed, RoleProcesses, Stopped, child_options, stop_on_signals, tail
@@ -235,6 +235,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
     # every role of the run (children inherit it) signs or checks snapshot manifests with the run's key
     os.environ[SIGNING_KEY_ENV] = run_signing_key(run.root)
     dataset = check_before_start(cfg)
+    check_this_machine(cfg)
     check_server_reachable(cfg)
     if cfg.mode != "sync" and cfg.transport.nats_url and not reachable(cfg.transport.nats_url):
         from tidal.transport import NatsUnavailableError
