@@ -53,6 +53,10 @@ CASES = {
         lambda t: {"trainer.device": "npu"},
         ["trainer.device is 'npu' but this process sees no npu device"],
     ),
+    "flex attention on the CPU": (
+        lambda t: {"trainer.attention": "flex", "trainer.device": "cpu"},
+        ["trainer.attention 'flex' trains on CUDA only, and the trainer's device here is 'cpu'"],
+    ),
     "unreachable NATS": (lambda t: {"transport.nats_url": "nats://127.0.0.1:1"}, ["nats://127.0.0.1:1", "transport.nats_url"]),
 }
 

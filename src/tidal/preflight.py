@@ -90,7 +90,8 @@ def check_prompt_lengths(cfg: TidalConfig, dataset: Dataset) -> None:
 
 def check_this_machine(cfg: TidalConfig) -> None:
     """What `tidal run` runs on this machine exists here: vLLM for a vLLM engine (rollout.engine or
-    eval.engine), and the accelerator trainer.device / trainer.reference_device name. Local runs only:
+    eval.engine), the accelerator trainer.device / trainer.reference_device name, and FlexAttention
+    for trainer.attention 'flex'. Local runs only:
     a pipeline's pods are built from other images, on other nodes."""
     import importlib.util
 
@@ -106,3 +107,13 @@ def check_this_machine(cfg: TidalConfig) -> None:
             from tidal.devices import resolve_device
 
             resolve_device(requested, key)
+    if cfg.trainer.attention == "flex":
+        from tidal.devices import resolve_device
+        from tidal.model.packing import flex_attention_supported
+
+        device = resolve_device(cfg.trainer.device)
+        if not flex_attention_supported(device):
+            raise ValueError(
+                f"trainer.attention 'flex' trains on CUDA only, and the trainer's device here is {device!r} "
+                "(FlexAttention has no backward pass there): use 'auto', 'segmented' or 'sdpa'"
+            )
