@@ -99,3 +99,25 @@ def test_run_without_run_dir_on_a_run_directorys_own_config_resumes_that_run(tmp
     assert cli.default_run_dir(str(tmp_path / "runs" / "mine" / "config.yaml")) == tmp_path / "runs" / "mine"
     assert cli.default_run_dir("examples/arithmetic.yaml") == cli.Path("runs/arithmetic")
     assert cli.default_run_dir(str(tmp_path / "config.yaml")) == cli.Path("runs/config")  # no run beside it
+
+
+def test_a_config_file_where_the_run_writes_its_resolved_config_is_refused_not_overwritten(tmp_path, write_config):
+    """`tidal run config.yaml --run-dir .` in a project folder: the user's config would be replaced by the resolved one."""
+    import os
+    import subprocess
+    import sys
+
+    config = write_config()
+    text = config.read_text() + "# my notes\n"
+    config.write_text(text)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tidal.cli", "run", "config.yaml", "--run-dir", ".", "--no-progress"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=os.environ,
+        timeout=600,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert "which is the config file given: use another --run-dir" in proc.stderr
+    assert config.read_text() == text

@@ -121,11 +121,24 @@ def default_run_dir(config: str) -> Path:
     return Path("runs") / path.stem
 
 
+def refuse_config_in_the_way(config: str, run_dir: str) -> None:
+    """A run writes its resolved config to RUN_DIR/config.yaml: CONFIG itself there, before the run has started
+    (no run.json), would be overwritten (its comments, its layout). A started run's own config.yaml resumes it."""
+    from tidal.rundir import RunDirError
+
+    target = Path(run_dir) / "config.yaml"
+    if Path(config).resolve() == target.resolve() and not RunDir(run_dir).started:
+        raise RunDirError(
+            f"--run-dir {run_dir}: the run writes its resolved config to {target}, which is the config file given: use another --run-dir"
+        )
+
+
 def run_command(args: argparse.Namespace) -> int:
     run_dir = args.run_dir
     if run_dir is None:
         run_dir = str(default_run_dir(args.config))
         print(f"tidal: run directory {run_dir} (--run-dir sets another)", flush=True)
+    refuse_config_in_the_way(args.config, run_dir)
     if args.via == "kfp-local":
         from tidal.kube.commands import run_via_kfp_local
 
