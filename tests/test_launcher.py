@@ -128,6 +128,9 @@ def test_a_finished_run_finishes_at_once_and_a_training_change_is_refused_unless
     done = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"tidal: {run_dir} already finished its 2 iterations: nothing to do" in done.stdout
+    fewer = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress", "--set", "trainer.iterations=1")
+    assert fewer.returncode == 0, fewer.stderr[-3000:]
+    assert f"tidal: {run_dir} already finished its 2 iterations, more than trainer.iterations (1): nothing to do" in fewer.stdout
     assert (run_dir / "logs" / "trainer.log").read_text() == trainer_log  # no role was started
 
     saved = (run_dir / "config.yaml").read_text()

@@ -243,8 +243,10 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
         raise NatsUnavailableError(f"cannot reach NATS at {cfg.transport.nats_url} (transport.nats_url): is it running?")
     done = finished_summary(cfg, run)
     if done is not None:
-        log.info("%s already trained %d iterations: nothing to do", run.root, cfg.trainer.iterations)
-        print(f"tidal: {run.root} already finished its {cfg.trainer.iterations} iterations: nothing to do", flush=True)
+        trained = run.checkpoint_version()
+        log.info("%s already trained %d iterations (trainer.iterations %d): nothing to do", run.root, trained, cfg.trainer.iterations)
+        more = "" if trained == cfg.trainer.iterations else f", more than trainer.iterations ({cfg.trainer.iterations})"
+        print(f"tidal: {run.root} already finished its {trained} iterations{more}: nothing to do", flush=True)
         print(result_table(done, run.root, done.get("wall_seconds", 0.0)), flush=True)
         return done
     from tidal.evaluate import eval_engine_kind, evaluate_snapshot, open_engine
