@@ -270,6 +270,14 @@ class RunDir:
         """The run's NATS streams and KV bucket on the server at `url` (transport_cfg: TransportConfig)."""
         return RunNats(self, url, transport_cfg, credentials)
 
+    def store_uri(self) -> str:
+        """The MLflow store run.json records; for a run directory moved or copied since (its sqlite store
+        recorded by an absolute path now gone), the store it carries with it, RUN_DIR/mlflow.db."""
+        recorded = self.info().tracking_uri
+        own = self.root.resolve() / "mlflow.db"
+        gone = recorded.startswith("sqlite:///") and not Path(recorded.removeprefix("sqlite:///")).is_file()
+        return f"sqlite:///{own}" if gone and own.is_file() else recorded
+
     def tracker(self):
         """The run's MLflow run (tidal.tracking.Tracker), as run.json records it."""
         from tidal.tracking import Tracker

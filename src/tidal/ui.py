@@ -56,16 +56,6 @@ def have_mlflow_server() -> bool:
     return (root / "server" / "js" / "build" / "index.html").is_file()
 
 
-def moved_store(run_dir: str, recorded: str) -> str:
-    """The store run.json records; for a run directory moved or copied since (its sqlite store recorded by
-    its old absolute path, now gone), the store it carries with it, RUN_DIR/mlflow.db."""
-    from tidal.tracking import local_store_uri
-
-    own = local_store_uri(run_dir)
-    gone = recorded.startswith("sqlite:///") and not Path(recorded.removeprefix("sqlite:///")).is_file()
-    return own if gone and Path(own.removeprefix("sqlite:///")).is_file() else recorded
-
-
 def resolve(run_dir: str | None, tracking_uri: str | None, experiment: str | None = None) -> Target:
     """The store and the page: RUN_DIR's run.json (its store and run), else --tracking-uri, else
     $MLFLOW_TRACKING_URI; --experiment NAME opens that experiment (the compare view of its runs)."""
@@ -74,8 +64,9 @@ def resolve(run_dir: str | None, tracking_uri: str | None, experiment: str | Non
 
     run_id = None
     if run_dir is not None:
-        info = RunDir(run_dir).info()
-        uri, run_id = tracking_uri or moved_store(run_dir, info.tracking_uri), info.mlflow_run_id or None
+        run = RunDir(run_dir)
+        info = run.info()
+        uri, run_id = tracking_uri or run.store_uri(), info.mlflow_run_id or None
     else:
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
