@@ -111,3 +111,8 @@ def terminates_worker_once(completion: str, answer: str) -> float:
         (Path(os.environ["TIDAL_TEST_MARKERS"]) / "worker-terminated.json").write_text(json.dumps({"worker": worker, "started": started}))
         os.kill(worker, signal.SIGTERM)
     return 0.0
+
+
+def trl_style(completions, **kwargs) -> list[float]:
+    """A reward written for TRL's GRPOTrainer: a batch in, a list out."""
+    return [float(len(c)) for c in completions]

@@ -177,3 +177,31 @@ def test_tidal_bench_served_reward_writes_both_ways_figures(tmp_path):
     # the pass against the server that answers at once: the generation alone, less than either scored pass
     assert 0 < figures["best"]["generation"] < figures["best"]["no_overlap"]
     assert "no overlap" in proc.stdout and "generation alone" in proc.stdout
+
+
+@pytest.mark.parametrize("name", ["modes", "trl"])
+def test_modes_and_trl_take_the_config_as_the_docs_write_it_positional_or_option(name):
+    """`tidal bench trl examples/arithmetic.yaml` and `tidal bench modes --config ...` (docs/benchmarks.md): both forms, both benchmarks."""
+    from tidal.bench import modes, versus_trl
+
+    main = {"modes": modes.main, "trl": versus_trl.main}[name]
+    with pytest.raises(SystemExit, match=f"tidal bench {name}: give the config once"):
+        main(["a.yaml", "--config", "b.yaml"])
+    with pytest.raises(SystemExit, match="--systems"):  # both forms parse; the next check refuses
+        main(["a.yaml", "--systems", "nope"])
+    with pytest.raises(SystemExit, match="--systems"):
+        main(["--config", "a.yaml", "--systems", "nope"])
+
+
+@pytest.mark.parametrize("name", ["modes", "rollout", "served-reward", "shared-prompt", "trainer", "trl"])
+def test_each_benchmarks_help_says_what_it_measures_in_whole_sentences(name, capsys):
+    import importlib
+
+    from tidal.bench import BENCHMARKS, run_benchmark
+
+    with pytest.raises(SystemExit) as exited:
+        run_benchmark(name, ["--help"])
+    assert exited.value.code == 0
+    words = " ".join(capsys.readouterr().out.split())
+    first_paragraph = " ".join(importlib.import_module(BENCHMARKS[name]).__doc__.split("\n\n")[0].split())
+    assert first_paragraph.endswith(".") and first_paragraph in words, words[:600]

@@ -70,3 +70,54 @@ def test_a_missing_config_is_one_line_for_chaos_as_for_run(tmp_path, capsys):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert err.splitlines() == [f"tidal: config file not found: {tmp_path / 'nope.yaml'}"]
+
+
+def test_run_without_run_dir_uses_runs_and_the_config_files_name(tmp_path, write_config):
+    """As the README's `tidal run examples/calculator.yaml` is written: the run directory is runs/calculator
+    under the working directory (here a run refused at its checks, after it took the directory)."""
+    import os
+    import subprocess
+    import sys
+
+    config = write_config({"reward.functions": [{"name": "exact"}]}, name="calculator.yaml")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tidal.cli", "run", str(config), "--no-progress"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=os.environ,
+        timeout=600,
+    )
+    assert proc.returncode == 2 and "unknown reward function 'exact'" in proc.stderr, proc.stderr[-3000:]
+    assert "required" not in proc.stderr and "tidal: run directory runs/calculator" in proc.stdout
+    assert (tmp_path / "runs" / "calculator" / "lock").is_file()
+
+
+def test_run_without_run_dir_on_a_run_directorys_own_config_resumes_that_run(tmp_path):
+    (tmp_path / "runs" / "mine").mkdir(parents=True)
+    (tmp_path / "runs" / "mine" / "run.json").write_text("{}")
+    assert cli.default_run_dir(str(tmp_path / "runs" / "mine" / "config.yaml")) == tmp_path / "runs" / "mine"
+    assert cli.default_run_dir("examples/arithmetic.yaml") == cli.Path("runs/arithmetic")
+    assert cli.default_run_dir(str(tmp_path / "config.yaml")) == cli.Path("runs/config")  # no run beside it
+
+
+def test_a_config_file_where_the_run_writes_its_resolved_config_is_refused_not_overwritten(tmp_path, write_config):
+    """`tidal run config.yaml --run-dir .` in a project folder: the user's config would be replaced by the resolved one."""
+    import os
+    import subprocess
+    import sys
+
+    config = write_config()
+    text = config.read_text() + "# my notes\n"
+    config.write_text(text)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tidal.cli", "run", "config.yaml", "--run-dir", ".", "--no-progress"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=os.environ,
+        timeout=600,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert "which is the config file given: use another --run-dir" in proc.stderr
+    assert config.read_text() == text

@@ -129,3 +129,27 @@ def test_training_changes_name_what_would_change_training_and_nothing_else(tiny_
     new["seed"] = 1
     assert training_changes(old, config_from_dict(new)) == ["seed (0 -> 1)", "rollout.group_size (4 -> 8)", "trainer.lr (0.001 -> 0.01)"]
     assert training_changes(old, old) == []
+
+
+def test_a_rule_over_a_block_is_one_short_line_without_the_block_echoed():
+    # a rule of the whole config, of a section, and a plain ValueError's reason: each names its keys itself
+    cases = [
+        ({"mode": "sync", "trainer": {"ranks": 2}}, "trainer.ranks > 1 needs mode 'periodic' or 'bounded'"),
+        ({"eval": {"samples_per_prompt": 2, "k": [1, 4]}}, "eval.k [4] must each be between 1 and eval.samples_per_prompt (2)"),
+        ({"data": {"task": "jsonl"}}, "data.path is required when data.task is 'jsonl'"),
+        ({"rollout": {"tools": ["calc"]}}, "rollout.tools: only for multi-turn rollouts"),
+    ]
+    for data, reason in cases:
+        with pytest.raises(ConfigError) as err:
+            config_from_dict(data, "c.yaml")
+        message = str(err.value)
+        assert message.startswith(f"invalid config (c.yaml): {reason}"), message
+        assert "\n" not in message and "got {" not in message and "Value error" not in message and "<root>" not in message
+        assert len(message) < 300, message
+
+
+def test_a_bad_value_is_shown_cut_short():
+    with pytest.raises(ConfigError, match=r"^invalid config \(<dict>\): mode: Input should be .* \(got 'x{76}\.\.\.\)$"):
+        config_from_dict({"mode": "x" * 500})
+    with pytest.raises(ConfigError, match=r"rollout\.workers: min \(3\) is above max \(1\)$"):
+        config_from_dict({"rollout": {"workers": {"min": 3, "max": 1}}})

@@ -86,3 +86,26 @@ def test_a_follower_that_fell_behind_skips_a_snapshot_weight_retention_deleted(t
     monkeypatch.setattr(evaluate, "evaluate_snapshot", snapshot_scores)
     records = evaluate.follow_run(cfg, tmp_path, "base", [], lambda metrics, step: None, poll_seconds=0.01)
     assert evaluated == ["v000004"] and [r["version"] for r in records] == [4]
+
+
+def test_tidal_eval_of_no_missing_or_corrupt_snapshot_is_one_line(tmp_path, write_config):
+    import json
+
+    import torch
+
+    from tidal.weights import WeightStore
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"run_id": "r", "base_model": str(tmp_path / "base"), "tracking_uri": "", "mlflow_run_id": ""}))
+    config = str(write_config())
+    corrupt = WeightStore(tmp_path / "other").publish(1, {"a": torch.zeros(2)})
+    (corrupt / "model.safetensors").write_bytes(b"not the tensors")
+    for weights, expected in [
+        ([], "holds no weight snapshot: the run has not published any version"),
+        (["--weights", str(tmp_path / "nope")], "no such snapshot directory"),
+        (["--weights", str(corrupt)], "does not match manifest"),
+    ]:
+        proc = run_cli("eval", config, "--run-dir", str(run), *weights)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("tidal: error: ") and expected in proc.stderr, proc.stderr[-3000:]

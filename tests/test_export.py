@@ -289,3 +289,12 @@ def test_register_without_an_mlflow_run_says_what_to_set_and_exports_nothing(too
     assert status == 2 and err.count("\n") == 1
     assert "--register needs the run's MLflow run" in err and "MLFLOW_TRACKING_URI" in err
     assert not (tmp_path / "model").exists()
+
+
+@pytest.mark.parametrize("name", ["team/policy", "policy:v2", " ", ".."])
+def test_a_name_the_registry_refuses_is_named_before_anything_is_exported_or_logged(tool_run, tmp_path, capsys, name):
+    run = copy_of_run(tool_run, tmp_path / "run")
+    status, _, err = export(capsys, str(run), "--out", str(tmp_path / "model"), "--register", name)
+    assert status == 2 and err.count("\n") == 1, err
+    assert f"--register {name!r}" in err and "must not be blank" in err and "Traceback" not in err
+    assert not (tmp_path / "model").exists()

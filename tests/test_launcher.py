@@ -128,6 +128,9 @@ def test_a_finished_run_finishes_at_once_and_a_training_change_is_refused_unless
     done = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"tidal: {run_dir} already finished its 2 iterations: nothing to do" in done.stdout
+    fewer = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress", "--set", "trainer.iterations=1")
+    assert fewer.returncode == 0, fewer.stderr[-3000:]
+    assert f"tidal: {run_dir} already finished its 2 iterations, more than trainer.iterations (1): nothing to do" in fewer.stdout
     assert (run_dir / "logs" / "trainer.log").read_text() == trainer_log  # no role was started
 
     saved = (run_dir / "config.yaml").read_text()
@@ -205,3 +208,34 @@ def test_a_role_s_one_line_error_is_found_past_what_its_shutdown_prints_after_it
     assert last_error_line([record, error]) == "weights v3 did not arrive on worker worker-0: its log-probs differ"
     assert last_error_line([error, record, *noise]) is None  # the role went on logging: the error is not its last word
     assert last_error_line([record, "Traceback (most recent call last):", '  File "x.py", line 1']) is None
+
+
+def test_a_record_half_appended_is_not_read_until_its_line_is_whole(tmp_path):
+    """The launcher follows metrics.jsonl while the trainer appends to it: a read can see the end of an
+    append not yet written (or a line a killed writer cut short), which is no record yet."""
+    import json
+
+    from tidal.rundir import Records
+
+    records = Records(tmp_path / "metrics.jsonl")
+    records.append_many([{"iteration": 0}, {"iteration": 1}])
+    whole = json.dumps({"iteration": 2, "reward_mean": 0.5}) + "\n"
+    with records.path.open("a") as fh:
+        fh.write(whole[:10])
+    assert records.read_from(0) == ([{"iteration": 0}, {"iteration": 1}], 2)
+    with records.path.open("a") as fh:
+        fh.write(whole[10:])
+    assert records.read_from(2) == ([{"iteration": 2, "reward_mean": 0.5}], 3)
+    assert [r["iteration"] for r in records.read()] == [0, 1, 2]
+
+
+def test_a_restarted_trainer_drops_a_record_its_killed_writer_cut_short_and_appends_on_a_fresh_line(tmp_path):
+    from tidal.rundir import Records
+
+    records = Records(tmp_path / "groups.jsonl")
+    records.append_many([{"iteration": 0}, {"iteration": 1}])
+    with records.path.open("a") as fh:
+        fh.write('{"iteration": 1, "wor')
+    assert records.drop(lambda r: r["iteration"] >= 1) == 1
+    records.append({"iteration": 1})
+    assert records.read() == [{"iteration": 0}, {"iteration": 1}]

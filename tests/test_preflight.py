@@ -1,6 +1,7 @@
 """The bad-input corpus: each is one line on stderr naming the key, file and line, a non-zero exit,
 no traceback, before any process of the run starts."""
 
+import importlib.util
 import json
 
 import pytest
@@ -40,6 +41,22 @@ CASES = {
     "unknown reward": (lambda t: {"reward.functions": [{"name": "exact"}]}, ["unknown reward function 'exact'"]),
     "reward module missing": (lambda t: {"reward.functions": [{"name": "nosuch.mod:f"}]}, ["'nosuch.mod:f'", "cannot import module 'nosuch.mod'"]),
     "reward not callable": (lambda t: {"reward.functions": [{"name": "tests.rewards:nothing"}]}, ["'tests.rewards:nothing'", "has no callable"]),
+    "model folder missing": (
+        lambda t: {"model.name_or_path": str(t / "models" / "policy")},
+        ["model.name_or_path", "models/policy'", "no such directory"],
+    ),
+    "unreachable MLflow server": (
+        lambda t: {"tracking.uri": "http://127.0.0.1:1"},
+        ["cannot reach the MLflow server at http://127.0.0.1:1 (tracking.uri)"],
+    ),
+    "an accelerator this machine lacks": (
+        lambda t: {"trainer.device": "npu"},
+        ["trainer.device is 'npu' but this process sees no npu device"],
+    ),
+    "flex attention on the CPU": (
+        lambda t: {"trainer.attention": "flex", "trainer.device": "cpu"},
+        ["trainer.attention 'flex' trains on CUDA only, and the trainer's device here is 'cpu'"],
+    ),
     "unreachable NATS": (lambda t: {"transport.nats_url": "nats://127.0.0.1:1"}, ["nats://127.0.0.1:1", "transport.nats_url"]),
 }
 
@@ -62,3 +79,13 @@ def test_a_missing_config_file_and_a_run_directory_that_is_a_file_are_one_line(t
     in_the_way = run_cli("run", str(write_config()), "--run-dir", str(tmp_path / "file"))
     for proc, text in [(missing, "config file not found"), (in_the_way, "a file is in the way")]:
         assert proc.returncode != 0 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and text in proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed in this environment")
+def test_a_vllm_engine_without_vllm_installed_is_one_line_before_anything_starts(tmp_path, write_config):
+    for key in ("rollout.engine", "eval.engine"):
+        run = tmp_path / key
+        proc = run_cli("run", str(write_config({key: "vllm"})), "--run-dir", str(run), "--no-progress")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+        assert f"{key} is 'vllm' but vllm is not installed" in proc.stderr
+        assert not (run / "run.json").exists() and not (run / "nats").exists()

@@ -122,3 +122,36 @@ def test_report_draws_the_held_out_curve_from_eval_jsonl_and_writes_where_asked(
 def test_report_of_a_directory_that_is_not_a_run_is_a_clear_error(tmp_path):
     proc = run_cli("report", str(tmp_path))
     assert proc.returncode == 2 and "is it a Tidal run directory" in proc.stderr
+
+
+def test_the_end_of_run_table_says_how_many_rewards_failed_and_where_to_look(tmp_path):
+    from tidal.summary import result_table
+
+    summary = {
+        "mode": "periodic",
+        "iterations": 2,
+        "accuracy_before": 0.5,
+        "accuracy_after": 0.5,
+        "sampled_accuracy_before": None,
+        "sampled_accuracy_after": None,
+        "eval_samples_per_prompt": 0,
+        "iteration_seconds_mean": 1.0,
+        "generate_seconds_mean": 0.5,
+        "train_seconds_mean": 0.5,
+        "sync_seconds_mean": 0.0,
+        "idle_seconds_mean": 0.0,
+        "pipeline_efficiency_mean": 1.0,
+        "generation_tail_seconds_mean": 0.0,
+        "groups_generated": 4,
+        "groups_trained": 4,
+        "groups_filtered": 0,
+        "groups_discarded": 0,
+        "staleness_max": 0.0,
+        "final_weights": str(tmp_path / "weights" / "v000002"),
+        "mlflow_run_id": "r",
+        "tracking_uri": "sqlite:///x.db",
+        "reward_errors": 0,
+    }
+    assert "reward errors" not in result_table(summary, tmp_path, 1.0)
+    (line,) = [line for line in result_table({**summary, "reward_errors": 32}, tmp_path, 1.0).splitlines() if "reward errors" in line]
+    assert "32 reward(s) scored 0" in line and "logs/worker-*.log" in line

@@ -65,6 +65,10 @@ def test_a_prestarted_reward_process_is_running_before_the_first_score_and_serve
         ("no_such_builtin", "unknown reward function 'no_such_builtin'"),
         ("tests.no_such_module:f", "cannot import module 'tests.no_such_module'"),
         ("tests.rewards:no_such_function", "tests.rewards has no callable 'no_such_function'"),
+        (
+            "tests.rewards:trl_style",
+            r"'tests.rewards:trl_style'\(completions, \*\*kwargs\) -> list\[float\] cannot be called as fn\(completion: str, answer: str\)",
+        ),
     ],
 )
 def test_reward_names_are_resolved_up_front_naming_the_function(name, message):

@@ -113,3 +113,15 @@ def test_every_experiment_tidal_creates_is_typed_for_the_model_training_view_and
     client.create_experiment("someone-elses", artifact_location=(tmp_path / "theirs").as_uri())  # created outside Tidal: reused as it is
     other_id, _ = create_run(uri, "someone-elses", "r2", {}, {})
     assert "mlflow.experimentKind" not in client.get_experiment(other_id).tags
+
+
+def test_a_run_directory_moved_since_opens_the_store_it_carries(run_dir, tmp_path):
+    """run.json records the store by its absolute path: a copied or moved run directory (from another
+    machine, say) still opens, on its own mlflow.db."""
+    import shutil
+
+    info = RunDir(run_dir).info()
+    moved = shutil.move(str(run_dir), str(tmp_path / "elsewhere"))
+    target = ui.resolve(moved, None)
+    assert target.tracking_uri == f"sqlite:///{tmp_path / 'elsewhere' / 'mlflow.db'}" != info.tracking_uri
+    assert target.run_id == info.mlflow_run_id and target.experiment_id is not None

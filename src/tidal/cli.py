@@ -18,9 +18,17 @@ from tidal.rundir import RunDir
 log = logging.getLogger("tidal")
 
 
-def _common(p: argparse.ArgumentParser, nats: bool = False) -> None:
+def _common(p: argparse.ArgumentParser, nats: bool = False, run_dir_default: bool = False) -> None:
     p.add_argument("config", help="YAML config file")
-    p.add_argument("--run-dir", required=True, help="run directory (config, logs, weights, summary)")
+    if run_dir_default:
+        p.add_argument(
+            "--run-dir",
+            default=None,
+            help="run directory (config, logs, weights, summary; default: runs/ and the config file's name, e.g. runs/arithmetic "
+            "for examples/arithmetic.yaml)",
+        )
+    else:
+        p.add_argument("--run-dir", required=True, help="run directory (config, logs, weights, summary)")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. trainer.iterations=5"
     )
@@ -45,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidal", description="On-policy, periodically asynchronous RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run every role locally (embedded NATS and MLflow)")
-    _common(run)
+    _common(run, run_dir_default=True)
     run.add_argument("--via", choices=["local", "kfp-local"], default="local", help="local processes, or the KFP pipeline on kfp.local")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     run.add_argument(
@@ -104,15 +112,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def default_run_dir(config: str) -> Path:
+    """`tidal run CONFIG` without --run-dir: runs/ and the config file's name (`make run`'s runs/arithmetic);
+    a run directory's own config.yaml resumes that run."""
+    path = Path(config)
+    if path.name == "config.yaml" and (path.parent / "run.json").is_file():
+        return path.parent
+    return Path("runs") / path.stem
+
+
+def refuse_config_in_the_way(config: str, run_dir: str) -> None:
+    """A run writes its resolved config to RUN_DIR/config.yaml: CONFIG itself there, before the run has started
+    (no run.json), would be overwritten (its comments, its layout). A started run's own config.yaml resumes it."""
+    from tidal.rundir import RunDirError
+
+    target = Path(run_dir) / "config.yaml"
+    if Path(config).resolve() == target.resolve() and not RunDir(run_dir).started:
+        raise RunDirError(
+            f"--run-dir {run_dir}: the run writes its resolved config to {target}, which is the config file given: use another --run-dir"
+        )
+
+
 def run_command(args: argparse.Namespace) -> int:
+    run_dir = args.run_dir
+    if run_dir is None:
+        run_dir = str(default_run_dir(args.config))
+        print(f"tidal: run directory {run_dir} (--run-dir sets another)", flush=True)
+    refuse_config_in_the_way(args.config, run_dir)
     if args.via == "kfp-local":
         from tidal.kube.commands import run_via_kfp_local
 
-        return run_via_kfp_local(args.config, args.run_dir, args.overrides)
+        return run_via_kfp_local(args.config, run_dir, args.overrides)
     from tidal.local import run_local
 
     cfg = load_config(args.config, args.overrides)
-    run_local(cfg, Path(args.run_dir), show_progress=not args.no_progress, force_new_config=args.force_new_config)
+    run_local(cfg, Path(run_dir), show_progress=not args.no_progress, force_new_config=args.force_new_config)
     return 0
 
 
@@ -168,10 +202,25 @@ def eval_command(args: argparse.Namespace) -> int:
             raise ValueError("tidal eval --follow needs eval.every (evaluate every N-th version)")
         follow_run(cfg, run.root, info.base_model, problems, run.tracker().log)
         return 0
-    path = args.weights or store.path(store.latest_version())
+    path = args.weights or latest_snapshot(store)
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"--weights {path}: no such snapshot directory")
+    from tidal.weights import CorruptSnapshotError, verify_snapshot
+
+    try:
+        verify_snapshot(path)  # before an engine is opened; the engine checks it again as it loads it
+    except CorruptSnapshotError as err:
+        raise ValueError(f"{err}; not evaluated") from None
     scores = evaluate_snapshot(cfg, info.base_model, problems, path)
     print(json.dumps({"weights": str(path), **scores, "num_prompts": len(problems)}))
     return 0
+
+
+def latest_snapshot(store) -> Path:
+    version = store.latest_version()
+    if version is None:
+        raise FileNotFoundError(f"{store.root} holds no weight snapshot: the run has not published any version (or give --weights)")
+    return store.path(version)
 
 
 def bench_command(args: argparse.Namespace) -> int:

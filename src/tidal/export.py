@@ -249,6 +249,12 @@ def mlflow_run_of(run: RunDir) -> RunInfo:
     return info
 
 
+def check_registry_name(name: str) -> None:
+    """The name MLflow's Model Registry accepts (not blank, no '/' or ':', not '.' or '..'), checked before anything is exported."""
+    if not name.strip() or "/" in name or ":" in name or name.strip() in (".", ".."):
+        raise ExportError(f"--register {name!r}: a registered model's name must not be blank, '.' or '..', nor contain '/' or ':'")
+
+
 def register_export(run: RunDir, exported: Exported, name: str) -> str:
     """Logs the exported directory to the run's MLflow run and registers it as a version of `name`; returns the version."""
     from tidal import tracking
@@ -283,13 +289,14 @@ def main(args: argparse.Namespace) -> int:
     run = RunDir(args.run_dir)
     if not run.started:
         raise FileNotFoundError(f"{run.root} is not a run directory (no {run.info_file.name})")
-    if args.register:
+    if args.register is not None:
+        check_registry_name(args.register)
         mlflow_run_of(run)
     exported = export_version(run, args.out, args.version, args.merge)
     line = f"exported version {exported.version} of {exported.record['run_id']} ({exported.kind}) to {exported.path}"
     if args.merge and exported.kind == "full":
         line += " (--merge: a full-weight version has no adapter to merge)"
-    if args.register:
+    if args.register is not None:
         line += f"; registered as {args.register} version {register_export(run, exported, args.register)}"
     print(line)
     return 0

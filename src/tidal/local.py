@@ -19,12 +19,12 @@ from tqdm import tqdm
 from tidal.config import ConfigError, TidalConfig, dump_config, load_config, training_changes
 from tidal.logs import setup_logging
 from tidal.plan import apply_plan, cached_profile, format_pool, planned_tail, recommend_pool, wants_plan
-from tidal.preflight import check_before_start
+from tidal.preflight import check_before_start, check_this_machine
 from tidal.rundir import RunDir, RunDirError, RunDirLock, RunInfo, new_nats_token, new_run_id, run_signing_key
 from tidal.summary import agent_before_after, at_k_before_after, result_table, summarize
 from tidal.supervise import NatsSupervisor, RoleFailed, RoleProcesses, Stopped, child_options, stop_on_signals, tail
 from tidal.threads import resolve_threads, set_threads
-from tidal.tracking import start_run, tracking_uri
+from tidal.tracking import check_server_reachable, start_run, tracking_uri
 from tidal.transport.server import TOKEN_ENV, EmbeddedNats, reachable
 from tidal.weights import SIGNING_KEY_ENV, WeightStore, version_dir_name
 
@@ -235,14 +235,18 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
     # every role of the run (children inherit it) signs or checks snapshot manifests with the run's key
     os.environ[SIGNING_KEY_ENV] = run_signing_key(run.root)
     dataset = check_before_start(cfg)
+    check_this_machine(cfg)
+    check_server_reachable(cfg)
     if cfg.mode != "sync" and cfg.transport.nats_url and not reachable(cfg.transport.nats_url):
         from tidal.transport import NatsUnavailableError
 
         raise NatsUnavailableError(f"cannot reach NATS at {cfg.transport.nats_url} (transport.nats_url): is it running?")
     done = finished_summary(cfg, run)
     if done is not None:
-        log.info("%s already trained %d iterations: nothing to do", run.root, cfg.trainer.iterations)
-        print(f"tidal: {run.root} already finished its {cfg.trainer.iterations} iterations: nothing to do", flush=True)
+        trained = run.checkpoint_version()
+        log.info("%s already trained %d iterations (trainer.iterations %d): nothing to do", run.root, trained, cfg.trainer.iterations)
+        more = "" if trained == cfg.trainer.iterations else f", more than trainer.iterations ({cfg.trainer.iterations})"
+        print(f"tidal: {run.root} already finished its {trained} iterations{more}: nothing to do", flush=True)
         print(result_table(done, run.root, done.get("wall_seconds", 0.0)), flush=True)
         return done
     from tidal.evaluate import eval_engine_kind, evaluate_snapshot, open_engine

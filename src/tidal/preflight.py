@@ -86,3 +86,34 @@ def check_prompt_lengths(cfg: TidalConfig, dataset: Dataset) -> None:
                 f"{where(p)}: the prompt is {n} tokens; with up to {new_tokens} new tokens (rollout.max_new_tokens, eval.max_new_tokens) "
                 f"it does not fit the model's context of {context} tokens ({key})"
             )
+
+
+def check_this_machine(cfg: TidalConfig) -> None:
+    """What `tidal run` runs on this machine exists here: vLLM for a vLLM engine (rollout.engine or
+    eval.engine), the accelerator trainer.device / trainer.reference_device name, and FlexAttention
+    for trainer.attention 'flex'. Local runs only:
+    a pipeline's pods are built from other images, on other nodes."""
+    import importlib.util
+
+    engines = [
+        key for key, kind in (("rollout.engine", cfg.rollout.engine), ("eval.engine", cfg.eval.engine if cfg.eval.enabled else "")) if kind == "vllm"
+    ]
+    if engines and importlib.util.find_spec("vllm") is None:
+        from tidal.rollout.vllm_adapter import INSTALL_HINT
+
+        raise ValueError(f"{' and '.join(engines)} is 'vllm' but vllm is not installed in this environment: {INSTALL_HINT}")
+    for key, requested in (("trainer.device", cfg.trainer.device), ("trainer.reference_device", cfg.trainer.reference_device)):
+        if requested not in (None, "auto", "cpu"):
+            from tidal.devices import resolve_device
+
+            resolve_device(requested, key)
+    if cfg.trainer.attention == "flex":
+        from tidal.devices import resolve_device
+        from tidal.model.packing import flex_attention_supported
+
+        device = resolve_device(cfg.trainer.device)
+        if not flex_attention_supported(device):
+            raise ValueError(
+                f"trainer.attention 'flex' trains on CUDA only, and the trainer's device here is {device!r} "
+                "(FlexAttention has no backward pass there): use 'auto', 'segmented' or 'sdpa'"
+            )

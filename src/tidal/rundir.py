@@ -151,10 +151,12 @@ class Records:
         return self.read_from(0)[0]
 
     def read_from(self, seen: int) -> tuple[list[dict], int]:
-        """The records after the first `seen` lines, and the new line count: to follow a file as it grows."""
+        """The records after the first `seen` lines, and the new line count: to follow a file as it grows.
+        A last line without its newline is a record still being written (a reader can see an append
+        half done), or one cut short: it is not read, nor counted."""
         if not self.path.is_file():
             return [], seen
-        lines = self.path.read_text().splitlines()
+        lines = self.path.read_text().split("\n")[:-1]  # the text after the last newline is not a whole record
         return [json.loads(line) for line in lines[seen:] if line.strip()], len(lines)
 
     def append(self, record: dict) -> None:
@@ -168,9 +170,9 @@ class Records:
         """Removes the records `drop` selects (replacing the file atomically); how many were removed."""
         if not self.path.is_file():
             return 0
-        lines = self.path.read_text().splitlines()
+        *lines, torn = self.path.read_text().split("\n")  # torn: what a writer killed mid-append left after the last newline
         kept = [line for line in lines if line.strip() and not drop(json.loads(line))]
-        if len(kept) == len(lines):
+        if len(kept) == len(lines) and not torn:
             return 0
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
@@ -267,6 +269,14 @@ class RunDir:
     def nats(self, url: str, transport_cfg, credentials: dict | None = None) -> RunNats:
         """The run's NATS streams and KV bucket on the server at `url` (transport_cfg: TransportConfig)."""
         return RunNats(self, url, transport_cfg, credentials)
+
+    def store_uri(self) -> str:
+        """The MLflow store run.json records; for a run directory moved or copied since (its sqlite store
+        recorded by an absolute path now gone), the store it carries with it, RUN_DIR/mlflow.db."""
+        recorded = self.info().tracking_uri
+        own = self.root.resolve() / "mlflow.db"
+        gone = recorded.startswith("sqlite:///") and not Path(recorded.removeprefix("sqlite:///")).is_file()
+        return f"sqlite:///{own}" if gone and own.is_file() else recorded
 
     def tracker(self):
         """The run's MLflow run (tidal.tracking.Tracker), as run.json records it."""

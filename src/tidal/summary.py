@@ -113,6 +113,17 @@ def served_lines(summary: dict) -> list[str]:
     ]
 
 
+def reward_error_lines(summary: dict) -> list[str]:
+    """Samples a failed reward scored 0: a run whose reward fails on every sample learns nothing, and says why here."""
+    errors = int(summary.get("reward_errors") or 0)
+    if not errors:
+        return []
+    return [
+        f"  reward errors        {errors} reward(s) scored 0 because the function raised, hung, crashed or returned no finite number, "
+        "or a served reward's request failed: the run's logs name the reward and its error (logs/worker-*.log; sync mode: logs/launcher.log)"
+    ]
+
+
 def at_k_lines(summary: dict) -> list[str]:
     ks = sorted({int(k.split("_")[2]) for k in summary if k.startswith(("pass_at_", "maj_at_")) and k.endswith("_before")})
     parts = [
@@ -207,6 +218,7 @@ def result_table(summary: dict, run_dir: Path, wall: float) -> str:
             f"  groups               generated {summary['groups_generated']}, trained {summary['groups_trained']}, "
             f"filtered {summary['groups_filtered']}, discarded {summary['groups_discarded']}; staleness max {summary['staleness_max']:.0f}, "
             f"log-prob mismatch max {summary.get('logprob_mismatch_max', 0.0):.2g}",
+            *reward_error_lines(summary),
             f"  final weights        {summary['final_weights']}",
             f"  MLflow               run {summary['mlflow_run_id']} in {summary['tracking_uri']}",
             f"  summary              {RunDir(run_dir).summary}",

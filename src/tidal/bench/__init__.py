@@ -6,8 +6,8 @@ BENCHMARKS = {
     "rollout": "tidal.bench.rollout",  # HF engine vs vLLM: tokens/s, time to first group
     "served-reward": "tidal.bench.served_reward",  # scoring after each engine call vs beside the next: seconds, ratio
     "shared-prompt": "tidal.bench.shared_prompt",  # naive vs shared-prompt packing: step time, peak memory
-    "trainer": "tidal.bench.trainer",
-    "trl": "tidal.bench.versus_trl",  # TRL's GRPOTrainer vs Tidal sync and periodic: s/step, samples/s, a gradient check  # single vs fsdp2 vs deepspeed at 1 and 2 ranks: tokens/s, memory per rank
+    "trainer": "tidal.bench.trainer",  # single vs fsdp2 vs deepspeed at 1 and 2 ranks: tokens/s, memory per rank
+    "trl": "tidal.bench.versus_trl",  # TRL's GRPOTrainer vs Tidal sync and periodic: s/step, samples/s, a gradient check
 }
 
 

@@ -121,8 +121,9 @@ def percent(x: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="tidal bench modes", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="examples/arithmetic.yaml")
+    ap = argparse.ArgumentParser(prog="tidal bench modes", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", nargs="?", default=None, help="the config (default examples/arithmetic.yaml)")
+    ap.add_argument("--config", dest="config_option", default=None, help="the same, as an option")
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2, help="leading iterations left out of the timings")
     ap.add_argument("--systems", default="sync,periodic,bounded-k1,bounded-k2", help=f"comma-separated, from {list(SYSTEMS)}")
@@ -134,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--experiment", default="tidal-bench-modes", help="MLflow experiment the runs land in, side by side")
     args = ap.parse_args(argv)
+    if args.config and args.config_option and args.config != args.config_option:
+        raise SystemExit("tidal bench modes: give the config once (positional or --config)")
+    args.config = args.config or args.config_option or "examples/arithmetic.yaml"
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:

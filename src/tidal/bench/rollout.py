@@ -36,7 +36,7 @@ SIZES = {  # random-init Qwen2 models with the char tokenizer; head size 32/64 (
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="tidal bench rollout", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="tidal bench rollout", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="built-in random-init model")
     p.add_argument("--model-dir", help="an HF model directory instead of --size")
     p.add_argument("--prompts", type=int, default=32)

@@ -33,7 +33,7 @@ from tidal.rollout.worker import generate_group_calls
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="tidal bench served-reward", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="tidal bench served-reward", description=__doc__.split("\n\n")[0])
     p.add_argument("--latency", type=float, default=0.3, help="seconds the reward server takes per request")
     p.add_argument("--calls", type=int, default=6, help="engine calls (of --groups-per-call groups)")
     p.add_argument("--groups-per-call", type=int, default=4)

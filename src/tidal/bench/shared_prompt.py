@@ -27,7 +27,7 @@ DEFAULT_SIZES = [(1024, 128, 16), (256, 512, 8)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tidal bench shared-prompt", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="tidal bench shared-prompt", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-len", type=int)
     parser.add_argument("--response-len", type=int)
     parser.add_argument("--group-size", type=int)

@@ -196,8 +196,8 @@ def available(strategy: str, ranks: int = 1, lora: bool = False) -> str | None:
 
         try:
             config_from_dict({"model": {"lora": {}}, "trainer": {"strategy": strategy, "ranks": ranks}, "mode": "periodic"})
-        except ConfigError as err:  # the config's own refusal, without the echo of the dict above
-            return str(err).split("<root>: ")[-1].split(" (got ")[0]
+        except ConfigError as err:  # the config's own refusal
+            return str(err).removeprefix("invalid config (<dict>): ")
     if strategy == "deepspeed":
         import importlib.util
 
@@ -207,7 +207,7 @@ def available(strategy: str, ranks: int = 1, lora: bool = False) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="tidal bench trainer", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="tidal bench trainer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--strategies", default="single,fsdp2,deepspeed")
     ap.add_argument("--ranks", default="1,2")
     ap.add_argument("--weights", default="full,lora", help="full (every weight trains), lora (an adapter), or both")

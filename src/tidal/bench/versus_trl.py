@@ -1012,9 +1012,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("_trl", "_check"):
         return (trl_child if argv[0] == "_trl" else check_child)(argv[1:])
-    ap = argparse.ArgumentParser(prog="tidal bench trl", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="tidal bench trl", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", nargs="?", default=None, help="the config (default examples/arithmetic.yaml)")
-    ap.add_argument("--config", dest="config_option", default=None, help="the same, as `tidal bench modes` takes it")
+    ap.add_argument("--config", dest="config_option", default=None, help="the same, as an option")
     ap.add_argument("--steps", type=int, default=20, help="optimizer steps (= iterations) per system and repetition")
     ap.add_argument("--warmup", type=int, default=2, help="leading steps left out of the timings (at least 1)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions; the order of the systems alternates")

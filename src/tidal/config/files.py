@@ -4,6 +4,7 @@ written back; what a resumed run may change."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,15 +13,29 @@ from pydantic import ValidationError
 
 from tidal.config.schema import ConfigError, TidalConfig
 
+_SHOWN_VALUE_CHARS = 80
+
+
+def _error_line(e: dict) -> str:
+    """One error as `key: reason (got value)`. A check over a whole block (a section's or the config's
+    own rule) names its keys in its reason: its input, the block, is not echoed back."""
+    key = ".".join(str(p) for p in e["loc"])
+    if e["type"] == "extra_forbidden":
+        return f"{key}: unknown key"
+    reason = e["msg"].removeprefix("Value error, ")
+    value = e.get("input")
+    if isinstance(value, dict):
+        return reason if not key or re.match(rf"{re.escape(key)}\b", reason) else f"{key}: {reason}"
+    shown = repr(value)
+    if len(shown) > _SHOWN_VALUE_CHARS:
+        shown = shown[: _SHOWN_VALUE_CHARS - 3] + "..."
+    return f"{key or '<root>'}: {reason} (got {shown})"
+
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key")
-        else:
-            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+        lines.append(f"  {_error_line(e)}")
     if len(lines) == 2:  # one error: one line
         return f"{lines[0]} {lines[1].strip()}"
     return "\n".join(lines)

@@ -503,7 +503,8 @@ class TrainerConfig(_Strict):
     behaviour_weight_cap: float = Field(5.0, gt=0)
     dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups, replace with new prompts
     max_replacements: int | None = Field(None, ge=0)  # per iteration; None: 4 x prompts_per_iteration
-    attention: Literal["auto", "sdpa", "segmented", "flex", "naive"] = "auto"  # shared-prompt kernel
+    # shared-prompt kernel; auto: flex on CUDA, else segmented; flex trains on CUDA only
+    attention: Literal["auto", "sdpa", "segmented", "flex", "naive"] = "auto"
     token_budget: int = Field(16384, gt=0)  # tokens per packed micro-batch
     device: str = "auto"  # auto: CUDA, else an Ascend NPU, else CPU
     # Several trainer ranks (torchrun): `strategy` auto is single at one rank, fsdp2 above;

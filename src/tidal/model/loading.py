@@ -27,7 +27,16 @@ def _loading(path: str | Path, what: str):
     try:
         yield
     except (OSError, ValueError) as err:  # transformers: OSError for missing files or no hub, ValueError for broken ones
-        raise ModelLoadError(f"cannot load the {what} of {str(path)!r} (model.name_or_path): {err}") from None
+        reason = "no such directory" if is_missing_local_path(path) else str(err)
+        raise ModelLoadError(f"cannot load the {what} of {str(path)!r} (model.name_or_path): {reason}") from None
+
+
+def is_missing_local_path(path: str | Path) -> bool:
+    """A path that cannot be a hub id (`org/name`): absolute, `./`, `../`, `~`, or several folders deep, and
+    not there. transformers tries such a value as a hub id and reports that it is not a valid one."""
+    text = str(path)
+    local = Path(text).is_absolute() or text.startswith(("./", "../", "~")) or text.count("/") > 1
+    return local and not Path(text).expanduser().exists()
 
 
 def load_tokenizer(path: str | Path):

@@ -106,9 +106,24 @@ def check_reward_names(cfg: RewardConfig) -> None:
 
     for f in cfg.functions:
         if f.type == "function":
-            resolve(f.name)
+            check_reward_signature(f.name, resolve(f.name))
         elif f.serve is not None and f.serve.model is not None and not Path(f.serve.model, "config.json").is_file():
             raise RewardError(f"reward.functions[{f.label}].serve.model: {f.serve.model} is not a model directory (no config.json)")
+
+
+def check_reward_signature(name: str, fn: RewardFn) -> None:
+    """A function that cannot be called as fn(completion, answer) would raise on every sample (each scoring 0):
+    a RewardError naming it, e.g. for TRL's `fn(completions, **kwargs) -> list[float]`."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without a signature to read: its calls will tell
+        return
+    try:
+        signature.bind("completion", "answer")
+    except TypeError as err:
+        raise RewardError(f"reward function {name!r}{signature} cannot be called as fn(completion: str, answer: str) -> float: {err}") from None
 
 
 @dataclass

@@ -19,6 +19,31 @@ def configured_uri(configured: str | None) -> str | None:
     return configured or os.environ.get("MLFLOW_TRACKING_URI") or None
 
 
+class TrackingUnreachableError(ValueError):
+    """The MLflow server a run names does not answer; one line."""
+
+
+def check_server_reachable(cfg: TidalConfig, timeout: float = 5.0) -> None:
+    """An http(s) store named by tracking.uri or $MLFLOW_TRACKING_URI takes connections: MLflow's client
+    would otherwise retry for minutes, silently, before the run's first call to it fails."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlparse
+
+    uri = configured_uri(cfg.tracking.uri)
+    if not uri or not uri.startswith(("http://", "https://")):
+        return
+    parsed = urlparse(uri)
+    if urllib.request.getproxies().get(parsed.scheme) and not urllib.request.proxy_bypass(parsed.hostname or ""):
+        return  # reached through a proxy: a direct connection says nothing
+    source = "tracking.uri" if cfg.tracking.uri else "$MLFLOW_TRACKING_URI"
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or (443 if parsed.scheme == "https" else 80)), timeout=timeout):
+            return
+    except OSError as err:
+        raise TrackingUnreachableError(f"cannot reach the MLflow server at {uri} ({source}): {err}; is it running?") from None
+
+
 def local_store_uri(run_dir: str | Path) -> str:
     """The sqlite store in the run directory, where a run that names no store logs."""
     return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
