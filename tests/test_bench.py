@@ -174,8 +174,10 @@ def test_tidal_bench_served_reward_writes_both_ways_figures(tmp_path):
     figures = json.loads(out.read_text())
     assert figures["best"]["no_overlap"] > 0 and figures["best"]["overlap"] > 0 and figures["latency"] == 0.2
     assert figures["ratio"] == figures["best"]["no_overlap"] / figures["best"]["overlap"]
-    # the pass against the server that answers at once: the generation alone, less than either scored pass
-    assert 0 < figures["best"]["generation"] < figures["best"]["no_overlap"]
+    # the pass against the server that answers at once: the generation alone. (Which pass is faster is the
+    # benchmark's finding, not a test's: under load the order can flip.) Without overlap each of the 2 calls
+    # waits for its scores, which the server holds 0.2 s.
+    assert figures["best"]["generation"] > 0 and figures["best"]["no_overlap"] >= 2 * 0.2
     assert "no overlap" in proc.stdout and "generation alone" in proc.stdout
 
 
