@@ -80,7 +80,8 @@ def periodic_run(tmp_path_factory, tiny_config_dict):
     # slow_exact_match (weight 0) makes an engine call last ~0.4 s, so the trainer's overlap with
     # generation is a property of the pipeline, not of how fast the tiny model happens to generate
     functions = [{"name": "exact_match"}, {"name": "tests.test_data_rewards:broken_reward", "weight": 0.5}]
-    data["reward"] = {"functions": [*functions, {"name": "tests.rewards:slow_exact_match", "weight": 0.0}]}
+    # broken_reward raises on every sample: max_error_rate 1 trains on regardless (it is logged and counted)
+    data["reward"] = {"functions": [*functions, {"name": "tests.rewards:slow_exact_match", "weight": 0.0}], "max_error_rate": 1.0}
     # The barely warm-started model solves nothing: every group has all-equal rewards, so DAPO
     # dynamic sampling replaces exactly `max_replacements` groups per iteration, then accepts.
     data["trainer"].update({"dynamic_sampling": True, "max_replacements": 2})

@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from tests.conftest import read_jsonl, run_misbehaving_once
+from tests.conftest import read_jsonl, run_cli, run_misbehaving_once, run_processes
 from tidal.config import RewardConfig
-from tidal.rewards import RewardError, RewardScorer, check_reward_names
+from tidal.rewards import RewardError, RewardFailingError, RewardScorer, check_reward_names
 
 
 def scorer(*names: str, timeout: float = 1.0) -> RewardScorer:
@@ -94,3 +94,60 @@ def test_a_run_survives_a_hanging_a_crashing_and_an_exiting_reward(tmp_path, wri
         assert f"reward function tests.rewards:{name} raised {kind}" in log
     assert log.count("(prompt ") >= 3
     assert "restarting" not in (run_dir / "logs" / "launcher.log").read_text()  # the worker itself never died
+
+
+def test_a_function_failing_more_than_its_max_error_rate_stops_scoring_naming_it():
+    broken, good = "tests.test_data_rewards:broken_reward", "tests.test_data_rewards:user_reward"
+    cfg = RewardConfig(functions=[{"name": "exact_match"}, {"name": broken}, {"name": good}], max_error_rate=0.5, error_window=4)
+    s = RewardScorer.from_config(cfg)
+    try:
+        for _ in range(2):  # 2 of 4: not more than half
+            assert s.score("A: 3", "3")[1][broken] == 0.0
+        with pytest.raises(RewardFailingError) as err:
+            s.score("A: 3", "3")
+        message = str(err.value)
+        assert message.startswith(f"reward function {broken}: 3 of its last 3 calls failed, over reward.max_error_rate 0.5 of reward.error_window 4")
+        assert message.endswith("last: tests.test_data_rewards:broken_reward: RuntimeError: user bug")
+    finally:
+        s.close()
+    tolerant = RewardScorer.from_config(cfg.model_copy(update={"max_error_rate": 1.0}))
+    try:
+        for _ in range(10):
+            assert tolerant.score("A: 3", "3") == (1.5, {"exact_match": 1.0, broken: 0.0, good: 0.5})
+        assert tolerant.errors == 10
+    finally:
+        tolerant.close()
+
+
+@pytest.mark.parametrize("mode", ["periodic", "sync"])
+def test_a_run_whose_reward_function_fails_on_every_sample_stops_with_one_line_naming_it(tmp_path, write_config, mode):
+    broken = "tests.test_data_rewards:broken_reward"
+    functions = [{"name": "exact_match"}, {"name": broken}]
+    config = write_config({"reward.functions": functions, "reward.error_window": 8, "mode": mode, "eval.enabled": False})
+    run_dir = tmp_path / "run"
+    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
+    where = "rollout worker worker-0 failed: " if mode == "periodic" else ""
+    assert proc.returncode == (1 if mode == "periodic" else 77), proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tidal: {where}reward function {broken}: 5 of its last 5 calls failed"), last
+    assert not (run_dir / "groups.jsonl").is_file() or read_jsonl(run_dir / "groups.jsonl") == []  # nothing trained on its zeros
+    assert "restarting" not in (run_dir / "logs" / "launcher.log").read_text()  # not restarted: it would fail the same way
+    assert run_processes(run_dir) == []
+
+
+def test_a_multi_turn_trajectory_scored_by_a_failing_function_stops_too_not_scored_zero_by_the_environment_guard():
+    from types import SimpleNamespace
+
+    from tidal.envs.base import Trajectory
+    from tidal.rollout.agent import AgentLoop
+
+    broken = "tests.test_data_rewards:broken_reward"
+    s = RewardScorer.from_config(RewardConfig(functions=[{"name": broken}], max_error_rate=0.0, error_window=4))
+    env = SimpleNamespace(reward=lambda trajectory: None)  # no reward of its own: reward.functions score the final answer
+    trajectory = Trajectory(problem=None, messages=[{"role": "assistant", "content": "A: 3"}])
+    item = SimpleNamespace(answer="3", prompt_id=7, prompt="1+2=")
+    try:
+        with pytest.raises(RewardFailingError, match=f"reward function {broken}: 1 of its last 1 calls failed"):
+            AgentLoop.reward(None, env, trajectory, item, s)
+    finally:
+        s.close()

@@ -279,7 +279,7 @@ def _main(argv: list[str] | None) -> int:
         import nats.errors
 
         from tidal.protocol import NATS_LOST_EXIT, REWARD_SERVER_FAILED_EXIT, WEIGHTS_DID_NOT_ARRIVE_EXIT
-        from tidal.rewards.served import RewardServerError
+        from tidal.rewards.failures import RewardFailingError
         from tidal.supervise import RoleFailed
         from tidal.trainer.guard import SkippedStepsError
         from tidal.transport import NatsUnavailableError
@@ -288,7 +288,7 @@ def _main(argv: list[str] | None) -> int:
         if isinstance(err, WeightsDidNotArriveError):
             print(f"tidal: {err}", file=sys.stderr)
             return WEIGHTS_DID_NOT_ARRIVE_EXIT
-        if isinstance(err, RewardServerError):
+        if isinstance(err, RewardFailingError):
             print(f"tidal: {err}", file=sys.stderr)
             return REWARD_SERVER_FAILED_EXIT
         if isinstance(err, (RoleFailed, SkippedStepsError)):

@@ -24,7 +24,7 @@ _NDARRAY_EXT = 1
 # A role's exit code when NATS cannot be reached (EX_TEMPFAIL): the launcher may restart it.
 NATS_LOST_EXIT = 75
 WEIGHTS_DID_NOT_ARRIVE_EXIT = 76  # a rollout worker's engine computes with other weights than the trainer published: not restarted
-REWARD_SERVER_FAILED_EXIT = 77  # a served reward failed more than its max_error_rate: not restarted
+REWARD_SERVER_FAILED_EXIT = 77  # a reward (served or a function) failed more than its max_error_rate: not restarted
 
 
 class ProtocolError(ValueError):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tidal.config import RewardConfig
+from tidal.rewards.failures import FailureWindow, RewardFailingError
 from tidal.rewards.pool import RewardError
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ class RewardScorer:
     served: object = field(default=None, repr=False)  # ServedRewards, if any entry is served
     served_weights: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0  # spent scoring since the last take_stats
+    windows: dict[str, FailureWindow] = field(default_factory=dict, repr=False)  # per function: reward.max_error_rate
 
     @classmethod
     def from_config(cls, cfg: RewardConfig, prestart: bool = False, seed: int | None = None) -> RewardScorer:
@@ -161,6 +163,7 @@ class RewardScorer:
             process=process,
             served=ServedRewards.from_config(served, seed) if served else None,
             served_weights={f.label: f.weight for f in served},
+            windows={f.name: FailureWindow(cfg.error_window, cfg.max_error_rate) for f in local},
         )
 
     def score(self, completion: str, answer: str, prompt_id: int | None = None, prompt: str = "") -> tuple[float, dict[str, float]]:
@@ -171,8 +174,8 @@ class RewardScorer:
 
     def score_many(self, rows: list, prompt_ids: list[int | None]) -> list[tuple[float, dict[str, float], int]]:
         """(reward, parts, errors: the parts that failed and scored 0) per row (tidal.rewards.served.Row);
-        the served rewards get every row at once, in batches. Raises RewardServerError when a served
-        reward fails too often."""
+        the served rewards get every row at once, in batches. Raises RewardFailingError when a function
+        or a served reward fails too often."""
         t0 = time.perf_counter()
         try:
             served = self.served.score(rows) if self.served is not None else {}
@@ -183,12 +186,14 @@ class RewardScorer:
                 for name, fn, _ in self.functions:
                     try:
                         parts[name] = checked_reward(fn(row.completion, row.answer))
+                        self.record(name, failed=False)
                     except Exception as err:  # user code: never let it take the worker down
                         kind = getattr(err, "kind", type(err).__name__)
                         self.errors += 1
                         self.last_error = f"{name}: {kind}: {err}"
                         log.warning("reward function %s raised %s: %s (prompt %s; scored 0)", name, kind, err, prompt_id)
                         parts[name] = 0.0
+                        self.record(name, failed=True)
                 for name, scores in served.items():
                     if scores[i] is None:
                         self.errors += 1
@@ -199,6 +204,19 @@ class RewardScorer:
             return out
         finally:
             self.seconds += time.perf_counter() - t0
+
+    def record(self, name: str, failed: bool) -> None:
+        """One call's outcome; raises RewardFailingError once the function fails more than reward.max_error_rate
+        of its last reward.error_window calls."""
+        window = self.windows.get(name)
+        if window is None:
+            return
+        window.record(failed)
+        if failed and window.too_many():
+            raise RewardFailingError(
+                f"reward function {name}: {window.failures} of its last {len(window.outcomes)} calls failed, over reward.max_error_rate "
+                f"{window.rate:g} of reward.error_window {window.size} (reward.max_error_rate 1 trains on regardless); last: {self.last_error}"
+            )
 
     def take_stats(self) -> dict[str, float]:
         """Seconds spent scoring and the served rewards' request counts since the last call."""

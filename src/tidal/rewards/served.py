@@ -19,17 +19,17 @@ import os
 import re
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from tidal.config.schema import RewardFunctionConfig
+from tidal.rewards.failures import FailureWindow, RewardFailingError
 
 log = logging.getLogger(__name__)
 
 SERVED_URLS_ENV = "TIDAL_SERVED_REWARD_URLS"  # JSON {reward label: url}: the reward servers `tidal run` started
 
 
-class RewardServerError(RuntimeError):
+class RewardServerError(RewardFailingError):
     """A served reward failed too often: the run stops (one line, naming the endpoint)."""
 
 
@@ -204,24 +204,6 @@ def endpoint_url(cfg: RewardFunctionConfig, served_urls: dict[str, str] | None =
     if cfg.protocol == "vllm_classify":
         return base + "/classify"
     return cfg.url
-
-
-class FailureWindow:
-    """The outcome of the last `size` requests; `too_many` when more than `rate` of `size` failed."""
-
-    def __init__(self, size: int, rate: float):
-        self.outcomes: deque[bool] = deque(maxlen=size)
-        self.size, self.rate = size, rate
-
-    def record(self, failed: bool) -> None:
-        self.outcomes.append(failed)
-
-    @property
-    def failures(self) -> int:
-        return sum(self.outcomes)
-
-    def too_many(self) -> bool:
-        return self.failures > self.rate * self.size
 
 
 @dataclass

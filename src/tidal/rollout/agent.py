@@ -31,6 +31,7 @@ from tidal.config import TidalConfig
 from tidal.envs import EnvError, Environment, EnvironmentFactory, ToolLimits, Trajectory
 from tidal.protocol import Group, Sample, WorkItem
 from tidal.rewards import RewardScorer, checked_reward, exact_match
+from tidal.rewards.failures import RewardFailingError
 from tidal.rollout.engine import GroupRequest, HFEngine, TrajectoryTokens, Turn, run_trajectories
 
 log = logging.getLogger(__name__)
@@ -298,6 +299,8 @@ class AgentLoop:
                 parts = {str(k): checked_reward(v) for k, v in value.items()}
                 return sum(parts.values()), parts
             return checked_reward(value), {"env": checked_reward(value)}
+        except RewardFailingError:  # reward.functions failing too often: the run stops
+            raise
         except Exception as err:  # noqa: BLE001 - user code: never let it take the worker down
             scorer.errors += 1
             scorer.last_error = f"environment reward: {type(err).__name__}: {err}"

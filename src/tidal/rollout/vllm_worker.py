@@ -22,7 +22,7 @@ from tidal.data import prompt_encoder
 from tidal.model.probe import arrival_tolerance
 from tidal.protocol import Group, WorkItem, decode_work_item
 from tidal.rewards import RewardScorer
-from tidal.rewards.served import RewardServerError
+from tidal.rewards.failures import RewardFailingError
 from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.scoring_queue import GroupScoringQueue
@@ -210,7 +210,7 @@ class VLLMRolloutWorker:
         for task in done:
             msg = self.inflight.pop(task)
             if task.exception() is not None:
-                if isinstance(task.exception(), RewardServerError):  # the reward server fails: the run stops
+                if isinstance(task.exception(), RewardFailingError):  # a reward fails too often: the run stops
                     raise task.exception()
                 if self.engine.dead:
                     raise RuntimeError(f"worker {self.worker_id}: the vLLM engine died") from task.exception()
