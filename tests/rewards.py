@@ -116,3 +116,10 @@ def terminates_worker_once(completion: str, answer: str) -> float:
 def trl_style(completions, **kwargs) -> list[float]:
     """A reward written for TRL's GRPOTrainer: a batch in, a list out."""
     return [float(len(c)) for c in completions]
+
+
+def raises_without_an_answer(completion: str, answer: str) -> float:
+    """A strict parser: raises where the completion has no `A:` line (a reward that fails by design)."""
+    if "A:" not in completion:
+        raise ValueError("no answer")
+    return 1.0

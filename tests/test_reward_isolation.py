@@ -101,15 +101,22 @@ def test_a_function_failing_more_than_its_max_error_rate_stops_scoring_naming_it
     cfg = RewardConfig(functions=[{"name": "exact_match"}, {"name": broken}, {"name": good}], max_error_rate=0.5, error_window=4)
     s = RewardScorer.from_config(cfg)
     try:
-        for _ in range(2):  # 2 of 4: not more than half
+        for _ in range(3):  # a rate over a whole window only: 3 calls are not yet 4
             assert s.score("A: 3", "3")[1][broken] == 0.0
         with pytest.raises(RewardFailingError) as err:
             s.score("A: 3", "3")
         message = str(err.value)
-        assert message.startswith(f"reward function {broken}: 3 of its last 3 calls failed, over reward.max_error_rate 0.5 of reward.error_window 4")
+        assert message.startswith(f"reward function {broken}: 4 of its last 4 calls failed, over reward.max_error_rate 0.5 of reward.error_window 4")
         assert message.endswith("last: tests.test_data_rewards:broken_reward: RuntimeError: user bug")
     finally:
         s.close()
+    # at the default rate, a function that fails by design on half the samples trains on
+    strict = "tests.rewards:raises_without_an_answer"
+    sometimes = RewardScorer.from_config(RewardConfig(functions=[{"name": strict}], error_window=4))
+    try:
+        assert [sometimes.score(text, "3")[0] for text in ["A: 3", "no idea"] * 5] == [1.0, 0.0] * 5 and sometimes.errors == 5
+    finally:
+        sometimes.close()
     tolerant = RewardScorer.from_config(cfg.model_copy(update={"max_error_rate": 1.0}))
     try:
         for _ in range(10):
@@ -129,7 +136,7 @@ def test_a_run_whose_reward_function_fails_on_every_sample_stops_with_one_line_n
     where = "rollout worker worker-0 failed: " if mode == "periodic" else ""
     assert proc.returncode == (1 if mode == "periodic" else 77), proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"tidal: {where}reward function {broken}: 5 of its last 5 calls failed"), last
+    assert last.startswith(f"tidal: {where}reward function {broken}: 8 of its last 8 calls failed"), last
     assert not (run_dir / "groups.jsonl").is_file() or read_jsonl(run_dir / "groups.jsonl") == []  # nothing trained on its zeros
     assert "restarting" not in (run_dir / "logs" / "launcher.log").read_text()  # not restarted: it would fail the same way
     assert run_processes(run_dir) == []
@@ -142,7 +149,7 @@ def test_a_multi_turn_trajectory_scored_by_a_failing_function_stops_too_not_scor
     from tidal.rollout.agent import AgentLoop
 
     broken = "tests.test_data_rewards:broken_reward"
-    s = RewardScorer.from_config(RewardConfig(functions=[{"name": broken}], max_error_rate=0.0, error_window=4))
+    s = RewardScorer.from_config(RewardConfig(functions=[{"name": broken}], max_error_rate=0.0, error_window=1))
     env = SimpleNamespace(reward=lambda trajectory: None)  # no reward of its own: reward.functions score the final answer
     trajectory = Trajectory(problem=None, messages=[{"role": "assistant", "content": "A: 3"}])
     item = SimpleNamespace(answer="3", prompt_id=7, prompt="1+2=")

@@ -250,8 +250,9 @@ class RewardConfig(_Strict):
     timeout_seconds: float = Field(10.0, gt=0)
     # a function (`type: function`) that fails (raises, returns no finite number, times out or kills its
     # process) scores 0 and is counted; the run stops, naming it, when more than this share of its last
-    # `error_window` calls failed: a broken function would otherwise train on zeros to the end. 1: never
-    max_error_rate: float = Field(0.5, ge=0, le=1)
+    # `error_window` calls failed (once it has made that many): a broken function would otherwise train on
+    # zeros to the end, while one that fails now and then, by design or early in training, trains on. 1: never
+    max_error_rate: float = Field(0.99, ge=0, le=1)
     error_window: int = Field(200, gt=0)  # a function's calls the error rate is measured over (the latest ones)
 
     @model_validator(mode="after")

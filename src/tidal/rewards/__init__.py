@@ -207,12 +207,12 @@ class RewardScorer:
 
     def record(self, name: str, failed: bool) -> None:
         """One call's outcome; raises RewardFailingError once the function fails more than reward.max_error_rate
-        of its last reward.error_window calls."""
+        of its last reward.error_window calls (a whole window: a few early failures are not a rate)."""
         window = self.windows.get(name)
         if window is None:
             return
         window.record(failed)
-        if failed and window.too_many():
+        if failed and len(window.outcomes) == window.size and window.too_many():
             raise RewardFailingError(
                 f"reward function {name}: {window.failures} of its last {len(window.outcomes)} calls failed, over reward.max_error_rate "
                 f"{window.rate:g} of reward.error_window {window.size} (reward.max_error_rate 1 trains on regardless); last: {self.last_error}"
