@@ -68,6 +68,18 @@ def broken_reward(completion: str, answer: str) -> float:
     raise RuntimeError("user bug")
 
 
+def test_rows_past_the_limit_are_left_with_a_warning_that_names_the_key(tmp_path, caplog):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(5)) + "\n")
+    with caplog.at_level(logging.WARNING, logger="tidal.data"):
+        assert [p.answer for p in read_jsonl_problems(path, 3)] == ["1", "2", "3"]
+    assert f"{path}: read its first 3 rows and left 2 more (data.num_train / data.num_eval is 3)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tidal.data"):
+        assert len(read_jsonl_problems(path, 5)) == 5
+    assert caplog.text == ""
+
+
 def test_user_functions_by_module_path_and_errors():
     assert resolve("tests.test_data_rewards:user_reward") is user_reward
     with pytest.raises(RewardError, match="unknown reward function 'nope'"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import operator
 import random
 import re
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.config import DataConfig
+
+log = logging.getLogger(__name__)
 
 
 class DatasetError(ValueError):
@@ -101,6 +104,9 @@ def read_jsonl_problems(path: str | Path, limit: int | None = None) -> list[Prob
                 raise DatasetError(f"{p}:{lineno}: a row needs string fields 'question' and 'answer'")
             problems.append(Problem(len(problems), question.strip() + "\n", _answer_from_row(str(row["answer"])), f"{p}:{lineno}"))
             if limit is not None and len(problems) >= limit:
+                left = sum(1 for rest in fh if rest.strip())
+                if left:
+                    log.warning("%s: read its first %d rows and left %d more (data.num_train / data.num_eval is %d)", p, limit, left, limit)
                 break
     if not problems:
         raise DatasetError(f"{p}: no rows")
