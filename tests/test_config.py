@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from tidal.config import ConfigError, apply_overrides, config_from_dict, load_config
@@ -36,6 +38,20 @@ def test_override_errors_name_the_override():
         apply_overrides({}, ["trainer.iterations"])
     with pytest.raises(ConfigError, match="not a section"):
         apply_overrides({"mode": "sync"}, ["mode.x=1"])
+
+
+def test_an_override_steps_into_a_list_the_config_gives_by_number():
+    data = {"reward": {"functions": [{"name": "exact_match"}, {"name": "format", "weight": 0.1}]}}
+    apply_overrides(data, ["reward.functions.1.weight=0.5", "reward.functions.0={name: format}"])
+    assert data["reward"]["functions"] == [{"name": "format"}, {"name": "format", "weight": 0.5}]
+    cases = [
+        ("reward.functions.2.weight=1", "reward.functions has 2 item(s), numbered from 0"),
+        ("reward.functions.first.weight=1", "reward.functions is a list: its items are numbered from 0, not named 'first'"),
+        ("rollout.tools.0=calc", "rollout.tools is not in the config, so it has no item 0: set the whole list, e.g. --set 'rollout.tools=[...]'"),
+    ]
+    for override, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            apply_overrides(data, [override])
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -41,7 +41,8 @@ INTRO = """\
 Every role reads one typed config: a YAML file, validated against the schema in
 `src/tidal/config/schema.py` before anything starts. An unknown key or a bad value is an error that names
 the key. On the command line, `--set key=value` overrides one key (the value is parsed as YAML), e.g.
-`tidal run examples/arithmetic.yaml --set trainer.iterations=20 --set rollout.engine=vllm`.
+`tidal run examples/arithmetic.yaml --set trainer.iterations=20 --set rollout.engine=vllm`; a number
+steps into a list the config file gives (`--set reward.functions.1.weight=0.5`).
 Relative paths in a config file are relative to the file; in `--set` overrides, to the working
 directory. The resolved config is saved as `config.yaml` in the run directory.
 

@@ -52,16 +52,37 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """`section.key=value`; a number steps into a list the config gives (`reward.functions.0.weight=2`)."""
     for text in overrides:
         path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
+        node: Any = data
+        for depth, part in enumerate(path[:-1]):
+            if isinstance(node, list):
+                node = node[_list_index(node, path, depth, text)]
+                continue
+            if part not in node and path[depth + 1].isdigit():
+                raise ConfigError(
+                    f"override {text!r}: {'.'.join(path[: depth + 1])} is not in the config, so it has no item {path[depth + 1]}: "
+                    f"set the whole list, e.g. --set '{'.'.join(path[: depth + 1])}=[...]'"
+                )
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict | list):
                 raise ConfigError(f"override {text!r}: {part} is not a section")
-            node = child
-        node[path[-1]] = value
+        if isinstance(node, list):
+            node[_list_index(node, path, len(path) - 1, text)] = value
+        else:
+            node[path[-1]] = value
     return data
+
+
+def _list_index(items: list, path: list[str], depth: int, text: str) -> int:
+    where = ".".join(path[:depth])
+    if not path[depth].isdigit():
+        raise ConfigError(f"override {text!r}: {where} is a list: its items are numbered from 0, not named {path[depth]!r}")
+    index = int(path[depth])
+    if index >= len(items):
+        raise ConfigError(f"override {text!r}: {where} has {len(items)} item(s), numbered from 0")
+    return index
 
 
 def config_from_dict(data: dict, source: str = "<dict>") -> TidalConfig:
