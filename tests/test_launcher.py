@@ -8,6 +8,7 @@ import signal
 import stat
 import time
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import embedded_nats_url, read_jsonl, run_cli, run_processes, start_run, wait_until
@@ -239,3 +240,28 @@ def test_a_restarted_trainer_drops_a_record_its_killed_writer_cut_short_and_appe
     assert records.drop(lambda r: r["iteration"] >= 1) == 1
     records.append({"iteration": 1})
     assert records.read() == [{"iteration": 0}, {"iteration": 1}]
+
+
+def test_a_data_file_edited_in_place_since_the_last_start_is_a_training_change(tmp_path):
+    from tidal.config import ConfigError, config_from_dict, dump_config
+    from tidal.local import check_saved_config, data_file_digests
+    from tidal.rundir import RunDir, RunInfo
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20)))
+    cfg = config_from_dict({"data": {"task": "jsonl", "path": str(data)}})
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.config.write_text(dump_config(cfg))
+    run.data_digests.write_text(json.dumps(data_file_digests(cfg)))
+    run.save_info(RunInfo(run_id="r", base_model="m", tracking_uri="", mlflow_run_id=""))
+    check_saved_config(cfg, run)  # the same file: a resume
+    before = data_file_digests(cfg)["data.path"]["sha256"]
+    data.write_text(data.read_text().replace('"2"', '"3"'))
+    after = data_file_digests(cfg)["data.path"]["sha256"]
+    with pytest.raises(ConfigError) as err:
+        check_saved_config(cfg, run)
+    assert f"would change training: data.path {data}: its contents (sha256 {before[:12]} -> {after[:12]})" in str(err.value)
+    check_saved_config(cfg, run, force=True)  # --force-new-config goes on with the new file
+    run.data_digests.unlink()  # a run directory from before digests were kept: nothing to compare
+    check_saved_config(cfg, run)

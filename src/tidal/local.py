@@ -133,7 +133,7 @@ def check_saved_config(cfg: TidalConfig, run: RunDir, force: bool = False) -> No
     (NON_TRAINING_KEYS aside) is refused, naming the keys, unless `force` (--force-new-config)."""
     if not (run.started and run.config.is_file()):
         return
-    changes = training_changes(load_config(run.config), cfg)
+    changes = training_changes(load_config(run.config), cfg) + data_file_changes(run, cfg)
     if not changes:
         return
     listed = ", ".join(changes)
@@ -144,6 +144,34 @@ def check_saved_config(cfg: TidalConfig, run: RunDir, force: bool = False) -> No
         )
     log.warning("--force-new-config: resuming %s with changed training keys: %s", run.root, listed)
     print(f"tidal: warning: resuming with changed training keys (--force-new-config): {listed}", file=sys.stderr, flush=True)
+
+
+def data_file_digests(cfg: TidalConfig) -> dict[str, dict]:
+    """{key: {path, sha256}} of the data files the config names (data.path, data.eval_path)."""
+    import hashlib
+
+    out = {}
+    for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
+        if value and Path(value).is_file():
+            digest = hashlib.sha256()
+            with open(value, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(block)
+            out[key] = {"path": str(value), "sha256": digest.hexdigest()}
+    return out
+
+
+def data_file_changes(run: RunDir, cfg: TidalConfig) -> list[str]:
+    """A data file edited in place since the run's last start (same path, other contents) changes training
+    as a changed key does; a run directory from before digests were kept has nothing to compare."""
+    if not run.data_digests.is_file():
+        return []
+    old, new = json.loads(run.data_digests.read_text()), data_file_digests(cfg)
+    return [
+        f"{key} {new[key]['path']}: its contents (sha256 {old[key]['sha256'][:12]} -> {new[key]['sha256'][:12]})"
+        for key in old
+        if key in new and old[key]["path"] == new[key]["path"] and old[key]["sha256"] != new[key]["sha256"]
+    ]
 
 
 def finished_summary(cfg: TidalConfig, run: RunDir) -> dict | None:
@@ -160,6 +188,7 @@ def prepare_run(cfg: TidalConfig, run: RunDir, dataset, show_progress: bool = Tr
     """The config written, the warm start (cached), the MLflow run: everything before the loop."""
     run.root.mkdir(parents=True, exist_ok=True)
     run.config.write_text(dump_config(cfg))
+    run.data_digests.write_text(json.dumps(data_file_digests(cfg), indent=1))
     bar = None
 
     def progress(step: int, total: int, loss: float) -> None:

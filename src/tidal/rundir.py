@@ -188,6 +188,7 @@ class RunDir:
     RUN_DIR/
       config.yaml        the resolved config every role reads (threads and workers as planned)
       run.json           RunInfo: run id, base model, MLflow run
+      data.sha256.json   the digests of the data files the last start read (a resume compares them)
       metrics.jsonl      one record per iteration (the trainer's)
       groups.jsonl       one record per trained or discarded group
       eval.jsonl         the held-out curve (one record per evaluated version)
@@ -207,6 +208,7 @@ class RunDir:
 
     config = property(lambda self: self.root / "config.yaml")
     info_file = property(lambda self: self.root / "run.json")
+    data_digests = property(lambda self: self.root / "data.sha256.json")
     summary = property(lambda self: self.root / "summary.json")
     weights = property(lambda self: self.root / "weights")
     checkpoint = property(lambda self: self.root / "checkpoint")
