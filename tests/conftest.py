@@ -96,6 +96,20 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 900) -> subpro
     )
 
 
+def run_stopped_by_a_failing_reward(config: Path, run_dir: Path, mode: str) -> str:
+    """`tidal run` of a config whose reward fails too often: it ends with the reward's exit (a rollout worker's in
+    periodic mode, the sync trainer's own code 77), never restarted, nothing left running; its last stderr line,
+    less the prefix that names the failed worker."""
+    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
+    assert proc.returncode == (1 if mode == "periodic" else 77), proc.stderr[-3000:]
+    assert "restarting" not in (run_dir / "logs" / "launcher.log").read_text()  # it would fail the same way
+    assert run_processes(run_dir) == []
+    last = proc.stderr.strip().splitlines()[-1]
+    prefix = "tidal: rollout worker worker-0 failed: " if mode == "periodic" else "tidal: "
+    assert last.startswith(prefix), last
+    return last.removeprefix(prefix)
+
+
 def run_misbehaving_once(config: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path, list[str]]:
     """`tidal run` of a config whose user code misbehaves the first time in a run (a marker file in
     $TIDAL_TEST_MARKERS each, tests.rewards._first_call): the process, the run directory and the markers."""

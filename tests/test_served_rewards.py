@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, background_run, read_jsonl, run_cli, run_processes, wait_until
+from tests.conftest import ROOT, background_run, read_jsonl, run_cli, run_processes, run_stopped_by_a_failing_reward, wait_until
 from tidal.config import ConfigError, RewardConfig, config_from_dict
 from tidal.rewards import RewardScorer
 from tidal.rewards.served import (
@@ -377,14 +377,8 @@ def test_a_run_whose_reward_server_keeps_failing_stops_with_one_line_naming_it(s
     server = stub("--always", "500")
     rm = {"type": "reward_model", "name": "rm", "url": server.base + "/rm", "retries": 1, "backoff": 0.05, "error_window": 4, "max_error_rate": 0.5}
     config = write_config({"reward.functions": [rm], "eval.enabled": False, "mode": mode})
-    run_dir = tmp_path / "run"
-    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress")
-    where = "rollout worker worker-0 failed: " if mode == "periodic" else ""
-    assert proc.returncode == (1 if mode == "periodic" else 77), proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"tidal: {where}reward server {server.base}/rm (rm): 3 of the last 3 requests failed"), last
-    assert "restarting" not in (run_dir / "logs" / "launcher.log").read_text()  # not restarted: it would ask the same server
-    assert run_processes(run_dir) == []
+    last = run_stopped_by_a_failing_reward(config, tmp_path / "run", mode)
+    assert last.startswith(f"reward server {server.base}/rm (rm): 3 of the last 3 requests failed"), last
 
 
 def test_tidal_run_serves_the_reward_model_itself_and_stops_it(reward_model_dir, tmp_path, write_config):
