@@ -43,12 +43,13 @@ run: install
 	$(BIN)/tidal run $(CONFIG) --run-dir $(RUN_DIR)
 
 # vLLM's environment installs (minutes, mostly download and unpack) while the core tests run; its log is
-# shown only if it fails.
+# shown only if it fails. The core tests run here, not through `make test-core`, whose install-test (done
+# already, by lint and docs) would build the editable install in src/ beside vLLM's at the same time.
 VLLM_INSTALL_LOG = $(VLLM_VENV).install.log
 test: lint docs
 	@rm -f $(VLLM_INSTALL_LOG).rc
 	@{ $(MAKE) --no-print-directory install-vllm >$(VLLM_INSTALL_LOG) 2>&1; echo $$? >$(VLLM_INSTALL_LOG).rc; } & \
-	$(MAKE) --no-print-directory test-core; core=$$?; wait; \
+	$(CORE_TESTS); core=$$?; wait; \
 	if [ "$$(cat $(VLLM_INSTALL_LOG).rc)" != 0 ]; then cat $(VLLM_INSTALL_LOG); echo "make install-vllm failed"; exit 1; fi; \
 	[ $$core = 0 ] && $(MAKE) --no-print-directory test-vllm
 
@@ -80,8 +81,9 @@ docs: install-test
 # Two pytest processes, whole files each (a file's fixtures, e.g. a shared run, stay in one process): the
 # suite is mostly waiting on subprocesses it starts, so two at a time finish it sooner even on 2 cores.
 TEST_PROCS ?= 2
+CORE_TESTS = $(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_PROCS) --dist loadfile
 test-core: install-test
-	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_PROCS) --dist loadfile
+	$(CORE_TESTS)
 
 # Each file starts its own vLLM engines: one pytest process per file.
 test-vllm: install-vllm
