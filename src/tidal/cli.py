@@ -13,22 +13,15 @@ import sys
 from pathlib import Path
 
 from tidal.config import ConfigError, load_config
-from tidal.rundir import RunDir
+from tidal.rundir import RunDir, RunDirError
 
 log = logging.getLogger("tidal")
 
 
 def _common(p: argparse.ArgumentParser, nats: bool = False, run_dir_default: bool = False) -> None:
     p.add_argument("config", help="YAML config file")
-    if run_dir_default:
-        p.add_argument(
-            "--run-dir",
-            default=None,
-            help="run directory (config, logs, weights, summary; default: runs/ and the config file's name, e.g. runs/arithmetic "
-            "for examples/arithmetic.yaml)",
-        )
-    else:
-        p.add_argument("--run-dir", required=True, help="run directory (config, logs, weights, summary)")
+    default = "; default: runs/ and the config file's name, e.g. runs/arithmetic for examples/arithmetic.yaml" if run_dir_default else ""
+    p.add_argument("--run-dir", required=not run_dir_default, help=f"run directory (config, logs, weights, summary{default})")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. trainer.iterations=5"
     )
@@ -124,8 +117,6 @@ def default_run_dir(config: str) -> Path:
 def refuse_config_in_the_way(config: str, run_dir: str) -> None:
     """A run writes its resolved config to RUN_DIR/config.yaml: CONFIG itself there, before the run has started
     (no run.json), would be overwritten (its comments, its layout). A started run's own config.yaml resumes it."""
-    from tidal.rundir import RunDirError
-
     target = Path(run_dir) / "config.yaml"
     if Path(config).resolve() == target.resolve() and not RunDir(run_dir).started:
         raise RunDirError(

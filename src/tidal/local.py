@@ -26,7 +26,7 @@ from tidal.supervise import NatsSupervisor, RoleFailed, RoleProcesses, Stopped, 
 from tidal.threads import resolve_threads, set_threads
 from tidal.tracking import check_server_reachable, start_run, tracking_uri
 from tidal.transport.server import TOKEN_ENV, EmbeddedNats, reachable
-from tidal.weights import SIGNING_KEY_ENV, WeightStore, version_dir_name
+from tidal.weights import SIGNING_KEY_ENV, WeightStore, sha256_of, version_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -148,16 +148,10 @@ def check_saved_config(cfg: TidalConfig, run: RunDir, force: bool = False) -> No
 
 def data_file_digests(cfg: TidalConfig) -> dict[str, dict]:
     """{key: {path, sha256}} of the data files the config names (data.path, data.eval_path)."""
-    import hashlib
-
     out = {}
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if value and Path(value).is_file():
-            digest = hashlib.sha256()
-            with open(value, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    digest.update(block)
-            out[key] = {"path": str(value), "sha256": digest.hexdigest()}
+            out[key] = {"path": str(value), "sha256": sha256_of(Path(value))}
     return out
 
 

@@ -275,10 +275,11 @@ class RunDir:
     def store_uri(self) -> str:
         """The MLflow store run.json records; for a run directory moved or copied since (its sqlite store
         recorded by an absolute path now gone), the store it carries with it, RUN_DIR/mlflow.db."""
-        recorded = self.info().tracking_uri
-        own = self.root.resolve() / "mlflow.db"
+        from tidal.tracking import local_store_uri
+
+        recorded, own = self.info().tracking_uri, local_store_uri(self.root)
         gone = recorded.startswith("sqlite:///") and not Path(recorded.removeprefix("sqlite:///")).is_file()
-        return f"sqlite:///{own}" if gone and own.is_file() else recorded
+        return own if gone and Path(own.removeprefix("sqlite:///")).is_file() else recorded
 
     def tracker(self):
         """The run's MLflow run (tidal.tracking.Tracker), as run.json records it."""
