@@ -16,12 +16,21 @@ def slow_exact_match(completion: str, answer: str) -> float:
     return exact_match(completion, answer)
 
 
+REWARD_GATE_ENV = "TIDAL_TEST_REWARD_GATE"
+
+
 def paced_exact_match(completion: str, answer: str) -> float:
-    """Slower still: an iteration outlasts a rollout worker's start, so one can join mid-run."""
+    """Slower still, so a worker can join mid-run; while the file $TIDAL_TEST_REWARD_GATE exists it
+    waits, so a test can hold the run at a point of its choosing (a worker's start on a loaded machine
+    can outlast a whole run). Waiting changes no score: the run trains the same groups, later."""
+    import os
     import time
 
     from tidal.rewards import exact_match
 
+    gate = os.environ.get(REWARD_GATE_ENV)
+    while gate and os.path.exists(gate):
+        time.sleep(0.05)
     time.sleep(0.15)
     return exact_match(completion, answer)
 

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import background_run, read_jsonl, run_cli, trained_in, wait_until
+from tests.rewards import REWARD_GATE_ENV
 from tidal.config import ConfigError, config_from_dict
 
 ITERATIONS = 5
@@ -27,6 +28,7 @@ def paced_config(write_config, name: str = "config.yaml", **extra) -> Path:
         "trainer.iterations": ITERATIONS,
         "weights.keep_last": None,  # the start stays, to show training moved the weights
         "reward.functions": rewards,
+        "reward.timeout_seconds": 900.0,  # a call held at the reward gate is not a timed-out one
     }
     return write_config({**overrides, **extra}, name)
 
@@ -49,14 +51,19 @@ def final_weights(run_dir: Path, version: int = ITERATIONS) -> dict[str, torch.T
     return load_file(str(run_dir / "weights" / f"v{version:06d}" / "model.safetensors"))
 
 
-def test_a_worker_joins_and_leaves_a_running_run_and_every_group_is_trained_once(tmp_path, write_config):
+def test_a_worker_joins_and_leaves_a_running_run_and_every_group_is_trained_once(tmp_path, write_config, monkeypatch):
     """1 worker, `tidal scale 2` once it has loaded weights; once worker-1's groups of an iteration are
     trained, `tidal scale 1` in the middle of the next one (its unacked work is redelivered); the run
-    trains every group once and ends at the weights of an unscaled run."""
+    trains every group once and ends at the weights of an unscaled run. The rewards wait at a gate
+    while the pool changes, so the run cannot end first however slowly a worker starts."""
     config = paced_config(write_config)
     reference = run_cli("run", str(config), "--run-dir", str(tmp_path / "ref"), "--no-progress")
     assert reference.returncode == 0, reference.stderr[-3000:]
     run_dir = tmp_path / "run"
+    gate = tmp_path / "reward-gate"
+    gate.touch()
+    monkeypatch.setenv(REWARD_GATE_ENV, str(gate))
+    launcher_log = run_dir / "logs" / "launcher.log"
     with background_run(config, run_dir) as proc:
         wait_until(lambda: loaded_versions(run_dir, "worker-0"), proc)
         refused = scale(run_dir, 3)
@@ -64,10 +71,16 @@ def test_a_worker_joins_and_leaves_a_running_run_and_every_group_is_trained_once
         assert scale(run_dir, 0).returncode == 2
         grown = scale(run_dir, 2)
         assert grown.returncode == 0, grown.stderr
+        wait_until(lambda: loaded_versions(run_dir, "worker-1"), proc)
+        assert not trained_in(run_dir, 0)  # the gate held iteration 0 until worker-1 was ready
+        gate.unlink()
         wait_until(lambda: groups_of(run_dir, "worker-1"), proc)
         contributed_to = max(r["iteration"] for r in groups_of(run_dir, "worker-1"))
         wait_until(lambda: trained_in(run_dir, contributed_to + 1), proc)
+        gate.touch()  # worker-1 leaves holding work, before the run can end
         assert scale(run_dir, 1).returncode == 0
+        wait_until(lambda: "stopping rollout worker worker-1" in launcher_log.read_text(), proc)
+        gate.unlink()
         out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     assert contributed_to + 1 < ITERATIONS  # worker-1 left before the last iteration
