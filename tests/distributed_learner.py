@@ -213,6 +213,10 @@ def main() -> None:
             save_file({k: v.detach().clone().contiguous() for k, v in unprobed.items() if k not in tied_alias}, str(out / "unprobed.safetensors"))
         counts = {"micro_batches_per_rank": per_rank, "world_size": ctx.world_size, "grad_norms": norms, "sharded_after_probe": sharded}
         (out / "counts.json").write_text(json.dumps(counts))
+    if ctx.distributed:
+        # every rank leaves together: a rank tearing gloo (and DeepSpeed's engine) down while rank 0 still
+        # writes has, once, aborted at exit after the results were complete
+        dist.barrier()
     shutdown()
 
 
