@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -214,9 +215,13 @@ def main() -> None:
         counts = {"micro_batches_per_rank": per_rank, "world_size": ctx.world_size, "grad_norms": norms, "sharded_after_probe": sharded}
         (out / "counts.json").write_text(json.dumps(counts))
     if ctx.distributed:
-        # every rank leaves together: a rank tearing gloo (and DeepSpeed's engine) down while rank 0 still
-        # writes has, once, aborted at exit after the results were complete
+        # every rank leaves together, and without the interpreter's teardown: under load a rank has aborted
+        # there ("terminate called without an active exception", a C++ thread of gloo or DeepSpeed destroyed
+        # while joinable) after its results were complete, failing a run that had nothing wrong with it
         dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     shutdown()
 
 

@@ -134,13 +134,16 @@ def test_inserted_tokens_extend_the_cache_without_recomputing_the_prefix():
 
 
 def test_one_turn_is_the_single_turn_engine():
-    """A trajectory the environment ends after its first turn is exactly `generate`'s sample."""
+    """A trajectory the environment ends after its first turn is `generate`'s sample: the same tokens, and
+    log-probs equal up to float rounding (the two paths run forward passes of other shapes, and a CPU
+    kernel's summation order may follow the shape and the thread count)."""
     model, tok = tiny()
     engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
     single = [s for group in engine.generate(requests(tok, seed=4)) for s in group]
     trajectories = run_trajectories(engine, requests(tok, seed=4), lambda row, turn: None, max_turns=3)
     assert [t.token_ids for t in trajectories] == [s.token_ids for s in single]
-    assert [t.logprobs for t in trajectories] == [s.logprobs for s in single]
+    for t, s in zip(trajectories, single, strict=True):
+        torch.testing.assert_close(torch.tensor(t.logprobs), torch.tensor(s.logprobs), atol=1e-5, rtol=0)
     assert all(t.loss_mask == [1] * len(t.token_ids) and t.turns == 1 for t in trajectories)
     assert [t.finish_reason for t in trajectories] == [s.finish_reason for s in single]
 
