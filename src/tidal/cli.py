@@ -181,8 +181,11 @@ def eval_command(args: argparse.Namespace) -> int:
     from tidal.evaluate import evaluate_snapshot
     from tidal.weights import WeightStore
 
+    from tidal.model.hub import check_hub_model
+
     run = RunDir(args.run_dir)
     info = run.info()
+    check_hub_model(info.base_model)
     store = WeightStore(run.weights)
     problems = load_dataset(cfg.data, cfg.seed).eval
     problems = problems[: cfg.eval.num_prompts] if cfg.eval.num_prompts else problems
