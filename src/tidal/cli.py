@@ -179,9 +179,8 @@ def eval_command(args: argparse.Namespace) -> int:
     _role_setup()
     from tidal.data import load_dataset
     from tidal.evaluate import evaluate_snapshot
-    from tidal.weights import WeightStore
-
     from tidal.model.hub import check_hub_model
+    from tidal.weights import WeightStore
 
     run = RunDir(args.run_dir)
     info = run.info()

@@ -81,7 +81,9 @@ def check_hub_model(name_or_path: str | None, key: str = "model.name_or_path") -
     if reason is None:
         return
     if is_cached(name_or_path):
-        log.warning("%s cannot be reached (%s): %s %s loads from the local cache (HF_HUB_OFFLINE=1 for this run)", endpoint, reason, key, name_or_path)
+        log.warning(
+            "%s cannot be reached (%s): %s %s loads from the local cache (HF_HUB_OFFLINE=1 for this run)", endpoint, reason, key, name_or_path
+        )
         go_offline()
         return
     raise ModelLoadError(
