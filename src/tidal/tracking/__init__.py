@@ -282,6 +282,14 @@ def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
     _client(uri).set_terminated(run_id, status=status)
 
 
+def registry_name_problem(name: str) -> str | None:
+    """Why MLflow's Model Registry would refuse ``name`` (blank, '.' or '..', a '/' or ':'), or None.
+    Checked before a run or an export that ends by registering, so the refusal does not come last."""
+    if not name.strip() or "/" in name or ":" in name or name.strip() in (".", ".."):
+        return "a registered model's name must not be blank, '.' or '..', nor contain '/' or ':'"
+    return None
+
+
 def register_model(uri: str, run_id: str, name: str, folder: str | Path, artifact_path: str, tags: dict[str, str] | None = None) -> str:
     """Logs ``folder`` as the run's artifacts under ``artifact_path`` and registers them as a new
     version of the registered model ``name`` (created on first use). Returns the version."""
