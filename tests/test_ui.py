@@ -3,6 +3,8 @@ mlflow-skinny is installed, and the tags and experiment `tidal run` gives the UI
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -125,3 +127,32 @@ def test_a_run_directory_moved_since_opens_the_store_it_carries(run_dir, tmp_pat
     target = ui.resolve(moved, None)
     assert target.tracking_uri == f"sqlite:///{tmp_path / 'elsewhere' / 'mlflow.db'}" != info.tracking_uri
     assert target.run_id == info.mlflow_run_id and target.experiment_id is not None
+    assert RunDir(moved).info().tracking_uri == target.tracking_uri  # run.json re-homed with it
+
+
+def test_a_moved_store_records_its_artifacts_and_registered_versions_at_the_new_place_and_nothing_else_moves(tmp_path):
+    """A real MLflow store with an artifact, a registered version and a neighbour whose path only starts like
+    the old directory's: after the move and the rewrite, MLflow's own client reads the new paths and
+    downloads the artifact from the new place."""
+    import shutil
+
+    from tidal.tracking import register_model, rewrite_store_paths
+
+    old, new = tmp_path / "runs" / "a", tmp_path / "moved" / "a"
+    old.mkdir(parents=True)
+    uri = f"sqlite:///{old / 'mlflow.db'}"
+    _, run_id = create_run(uri, "tidal", "r1", {}, {})
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "weights.txt").write_text("w")
+    assert register_model(uri, run_id, "policy", tmp_path / "model", "exported") == "1"
+    client = MlflowClient(tracking_uri=uri)
+    neighbour = client.create_experiment("neighbour", artifact_location=(tmp_path / "runs" / "ab").as_uri())
+    shutil.move(str(old), str(new))
+    assert rewrite_store_paths(new / "mlflow.db", old, new) >= 4  # experiment, run, the version's source and storage
+    client = MlflowClient(tracking_uri=f"sqlite:///{new / 'mlflow.db'}")
+    assert client.get_run(run_id).info.artifact_uri.startswith(new.as_uri() + "/")
+    (version,) = client.search_model_versions("name='policy'")
+    assert version.source.startswith(new.as_uri() + "/") and version.source.endswith("/exported")
+    assert client.get_experiment(neighbour).artifact_location == (tmp_path / "runs" / "ab").as_uri()  # not under the old directory
+    got = client.download_artifacts(run_id, "exported/weights.txt", str(tmp_path / "down"))
+    assert Path(got).read_text() == "w" and not old.exists()

@@ -200,6 +200,7 @@ def eval_command(args: argparse.Namespace) -> int:
     from tidal.weights import WeightStore
 
     run = RunDir(args.run_dir)
+    run.rehome_moved_store()
     info = run.info()
     check_hub_model(info.base_model)
     store = WeightStore(run.weights)

@@ -292,6 +292,7 @@ def main(args: argparse.Namespace) -> int:
     run = RunDir(args.run_dir)
     if not run.started:
         raise FileNotFoundError(f"{run.root} is not a run directory (no {run.info_file.name})")
+    run.rehome_moved_store()
     if args.register is not None:
         check_registry_name(args.register)
         mlflow_run_of(run)

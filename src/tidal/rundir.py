@@ -272,14 +272,27 @@ class RunDir:
         """The run's NATS streams and KV bucket on the server at `url` (transport_cfg: TransportConfig)."""
         return RunNats(self, url, transport_cfg, credentials)
 
-    def store_uri(self) -> str:
-        """The MLflow store run.json records; for a run directory moved or copied since (its sqlite store
-        recorded by an absolute path now gone), the store it carries with it, RUN_DIR/mlflow.db."""
-        from tidal.tracking import local_store_uri
+    def rehome_moved_store(self) -> Path | None:
+        """A run directory moved or copied since it started still records its own MLflow store (RUN_DIR/mlflow.db,
+        the default) at the old place, and the store records its artifacts there: a resume, an export's
+        registration or `tidal ui` would open a store that is gone (or, for a copy, the original's). Rewrites
+        run.json and the store's paths to this directory; returns the old directory, or None when nothing moved.
+        Runs on a tracking server, or on a store they did not carry, are left alone."""
+        from tidal.tracking import local_store_uri, rewrite_store_paths
 
-        recorded, own = self.info().tracking_uri, local_store_uri(self.root)
-        gone = recorded.startswith("sqlite:///") and not Path(recorded.removeprefix("sqlite:///")).is_file()
-        return own if gone and Path(own.removeprefix("sqlite:///")).is_file() else recorded
+        if not self.started:
+            return None
+        info, own = self.info(), self.root / "mlflow.db"
+        recorded = Path(info.tracking_uri.removeprefix("sqlite:///"))
+        if not info.tracking_uri.startswith("sqlite:///") or recorded.name != own.name or not own.is_file():
+            return None
+        old_root, new_root = recorded.parent.resolve(), self.root.resolve()
+        if old_root == new_root:
+            return None
+        rewrite_store_paths(own, old_root, new_root)
+        info.tracking_uri = local_store_uri(new_root)
+        self.save_info(info)  # last: a rewrite cut short is done again on the next call
+        return old_root
 
     def tracker(self):
         """The run's MLflow run (tidal.tracking.Tracker), as run.json records it."""

@@ -65,8 +65,9 @@ def resolve(run_dir: str | None, tracking_uri: str | None, experiment: str | Non
     run_id = None
     if run_dir is not None:
         run = RunDir(run_dir)
+        run.rehome_moved_store()
         info = run.info()
-        uri, run_id = tracking_uri or run.store_uri(), info.mlflow_run_id or None
+        uri, run_id = tracking_uri or info.tracking_uri, info.mlflow_run_id or None
     else:
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
