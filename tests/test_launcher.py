@@ -282,9 +282,13 @@ def test_a_run_directory_moved_after_it_stopped_resumes_there_and_logs_to_the_st
     run_id = RunDir(first).info().mlflow_run_id
     moved.parent.mkdir()
     shutil.move(str(first), str(moved))
-    proc = run_cli("run", str(config), "--run-dir", str(moved), "--no-progress", "--set", "trainer.iterations=2")
+    proc = run_cli("run", str(config), "--run-dir", str(moved), "--no-progress")  # finished: its summary again
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"tidal: {moved} was moved or copied from {first}: its MLflow store now records this directory" in proc.stdout
+    assert f"final weights        {moved / 'weights' / 'v000001'}" in proc.stdout
+    proc = run_cli("run", str(config), "--run-dir", str(moved), "--no-progress", "--set", "trainer.iterations=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "was moved or copied" not in proc.stdout  # re-homed once
     info = RunDir(moved).info()
     assert info.tracking_uri == f"sqlite:///{moved / 'mlflow.db'}" and info.mlflow_run_id == run_id
     client = MlflowClient(tracking_uri=info.tracking_uri)

@@ -290,6 +290,10 @@ class RunDir:
         if old_root == new_root:
             return None
         rewrite_store_paths(own, old_root, new_root)
+        if self.summary.is_file():  # its paths are printed again when a finished run is re-run
+            summary = json.loads(self.summary.read_text())
+            moved = {k: moved_path(v, old_root, new_root) if isinstance(v, str) else v for k, v in summary.items()}
+            self.summary.write_text(json.dumps(moved, indent=1))
         info.tracking_uri = local_store_uri(new_root)
         self.save_info(info)  # last: a rewrite cut short is done again on the next call
         return old_root
@@ -300,6 +304,11 @@ class RunDir:
 
         info = self.info()
         return Tracker(info.tracking_uri, info.mlflow_run_id)
+
+
+def moved_path(value: str, old_root: Path, new_root: Path) -> str:
+    """`value` with the directory `old_root` it starts with replaced by `new_root`; other values as they are."""
+    return f"{new_root}{value[len(str(old_root)) :]}" if value == str(old_root) or value.startswith(f"{old_root}/") else value
 
 
 class RunNats:
