@@ -52,6 +52,14 @@ def test_a_hub_model_not_cached_with_the_hub_unreachable_is_one_line_before_anyt
     assert not (tmp_path / "run" / "logs" / "trainer.log").exists()
 
 
+def test_a_hub_model_not_cached_in_offline_mode_is_one_line_naming_the_setting(tmp_path, write_config):
+    config = write_config({"model.name_or_path": REPO_ID})
+    env = {**offline_env(tmp_path), "HF_HUB_OFFLINE": "1"}
+    proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress", env=env, timeout=120)
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert f"model.name_or_path '{REPO_ID}' is a hub id, HF_HUB_OFFLINE is set and the model is not in the local cache" in proc.stderr
+
+
 def test_a_cached_hub_model_trains_with_the_hub_unreachable_and_no_process_retries_the_hub(tmp_path, write_config, tiny_config_dict):
     cache_a_hub_model(tmp_path / "hf", tiny_config_dict["model"]["tiny"])
     config = write_config({"model.name_or_path": REPO_ID, "trainer.iterations": 2, "eval.enabled": False})

@@ -67,27 +67,29 @@ def go_offline() -> None:
 
 
 def check_hub_model(name_or_path: str | None, key: str = "model.name_or_path") -> None:
-    """Before a run loads `name_or_path`: nothing to do for a directory, in offline mode, or with the
-    hub reachable. Otherwise the cached copy is used (offline from here on), or a ModelLoadError says
-    the model cannot be had here."""
+    """Before a run loads `name_or_path`: nothing to do for a directory or with the hub reachable.
+    Otherwise (the hub out of reach, or HF_HUB_OFFLINE set) the cached copy is used, offline from here
+    on, or a ModelLoadError says the model cannot be had here."""
     from huggingface_hub import constants
 
     from tidal.model.loading import ModelLoadError
 
-    if name_or_path is None or constants.HF_HUB_OFFLINE or not looks_like_hub_id(name_or_path):
+    if name_or_path is None or not looks_like_hub_id(name_or_path):
         return
-    endpoint = hub_endpoint()
-    reason = unreachable_reason(endpoint)
-    if reason is None:
-        return
+    if constants.HF_HUB_OFFLINE:
+        why = "HF_HUB_OFFLINE is set"
+    else:
+        endpoint = hub_endpoint()
+        reason = unreachable_reason(endpoint)
+        if reason is None:
+            return
+        why = f"{endpoint} cannot be reached from this machine ({reason})"
     if is_cached(name_or_path):
-        log.warning(
-            "%s cannot be reached (%s): %s %s loads from the local cache (HF_HUB_OFFLINE=1 for this run)", endpoint, reason, key, name_or_path
-        )
-        go_offline()
+        if not constants.HF_HUB_OFFLINE:
+            log.warning("%s: %s %s loads from the local cache (HF_HUB_OFFLINE=1 for this run)", why, key, name_or_path)
+            go_offline()
         return
     raise ModelLoadError(
-        f"{key} {name_or_path!r} is a hub id, {endpoint} cannot be reached from this machine ({reason}) and the model is not "
-        f"in the local cache ({constants.HF_HUB_CACHE}): download it where the hub can be reached (`hf download {name_or_path}`) "
-        "and copy the cache here (HF_HOME), or give a local directory"
+        f"{key} {name_or_path!r} is a hub id, {why} and the model is not in the local cache ({constants.HF_HUB_CACHE}): "
+        f"download it where the hub can be reached (`hf download {name_or_path}`) and copy the cache here (HF_HOME), or give a local directory"
     )
