@@ -392,7 +392,7 @@ def test_prepare_runs_the_checks_tidal_run_runs_before_anything_starts(tmp_path)
     assert not (tmp_path / "config.yaml").exists()  # nothing staged
 
 
-@pytest.mark.parametrize("name", ["", "team/policy", "policy:v2", ".."])
+@pytest.mark.parametrize("name", ["", "team/policy", "policy:v2", "..", "..policy"])
 def test_prepare_refuses_a_registered_model_name_the_registry_would_refuse_before_anything_is_staged(tmp_path, name):
     """The last step registers the model: a name MLflow's registry refuses would fail the run only after all its
     training. The prepare step refuses it first, in one line, and writes nothing."""
@@ -402,6 +402,23 @@ def test_prepare_refuses_a_registered_model_name_the_registry_would_refuse_befor
         steps.prepare("", "", str(run_dir), "job-1", knobs, trainer_backend="local", registered_model_name=name)
     assert not run_dir.exists()
     steps.check_registered_model_name("tidal-policy")  # the pipeline's default passes
+
+
+@pytest.mark.parametrize("name", ["policy", ".policy", "policy..", "a.b", " .", "", " ", ".", "..", "..policy", "...", "a/b", "a:b"])
+def test_the_registry_name_rule_is_mlflows_own(name):
+    """The name check stands in for the registry's: what it passes, MLflow's registry accepts, and what MLflow
+    refuses (a name starting with '..' too: names are also paths), it refuses first."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import _validate_model_name
+
+    from tidal.tracking import registry_name_problem
+
+    try:
+        _validate_model_name(name)
+        mlflow_refuses = False
+    except MlflowException:
+        mlflow_refuses = True
+    assert (registry_name_problem(name) is not None) == mlflow_refuses
 
 
 # ---------------------------------------------------------------- trainer resources

@@ -311,10 +311,11 @@ def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
 
 
 def registry_name_problem(name: str) -> str | None:
-    """Why MLflow's Model Registry would refuse ``name`` (blank, '.' or '..', a '/' or ':'), or None.
+    """Why MLflow's Model Registry would refuse ``name`` (blank, '.', starting with '..', a '/' or ':'), or None.
     Checked before a run or an export that ends by registering, so the refusal does not come last."""
-    if not name.strip() or "/" in name or ":" in name or name.strip() in (".", ".."):
-        return "a registered model's name must not be blank, '.' or '..', nor contain '/' or ':'"
+    # MLflow's own rule (mlflow.utils.validation): a name is also a path, so any name starting with '..' is refused
+    if not name.strip() or "/" in name or ":" in name or name == "." or name.startswith(".."):
+        return "a registered model's name must not be blank, '.' or start with '..', nor contain '/' or ':'"
     return None
 
 
