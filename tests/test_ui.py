@@ -156,3 +156,20 @@ def test_a_moved_store_records_its_artifacts_and_registered_versions_at_the_new_
     assert client.get_experiment(neighbour).artifact_location == (tmp_path / "runs" / "ab").as_uri()  # not under the old directory
     got = client.download_artifacts(run_id, "exported/weights.txt", str(tmp_path / "down"))
     assert Path(got).read_text() == "w" and not old.exists()
+
+
+def test_a_store_named_by_a_relative_sqlite_uri_is_not_re_homed_from_another_working_directory(tmp_path, monkeypatch):
+    """tracking.uri `sqlite:///mlflow.db`, run from inside the run directory: its store is RUN_DIR/mlflow.db, but the
+    recorded path says nothing of where the run was. Opened from the parent folder, the store is not "moved from"
+    there (its artifact paths would have become RUN_DIR/runs/x/...)."""
+    run_dir = tmp_path / "runs" / "x"
+    run_dir.mkdir(parents=True)
+    monkeypatch.chdir(run_dir)
+    _, run_id = create_run("sqlite:///mlflow.db", "tidal", "r1", {}, {})
+    RunDir(run_dir).save_info(RunInfo("run-1", "base", "sqlite:///mlflow.db", run_id))
+    artifacts = MlflowClient(tracking_uri="sqlite:///mlflow.db").get_run(run_id).info.artifact_uri
+    assert artifacts.startswith((run_dir / "mlartifacts").as_uri())
+    monkeypatch.chdir(tmp_path)
+    assert RunDir(Path("runs/x")).rehome_moved_store() is None
+    assert RunDir(run_dir).info().tracking_uri == "sqlite:///mlflow.db"
+    assert MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}").get_run(run_id).info.artifact_uri == artifacts

@@ -286,6 +286,8 @@ class RunDir:
         recorded = Path(info.tracking_uri.removeprefix("sqlite:///"))
         if not info.tracking_uri.startswith("sqlite:///") or recorded.name != own.name or not own.is_file():
             return None
+        if not recorded.is_absolute():  # a tracking.uri relative to some working directory: not where the run was
+            return None
         old_root, new_root = recorded.parent.resolve(), self.root.resolve()
         if old_root == new_root:
             return None
