@@ -173,3 +173,25 @@ def test_a_store_named_by_a_relative_sqlite_uri_is_not_re_homed_from_another_wor
     assert RunDir(Path("runs/x")).rehome_moved_store() is None
     assert RunDir(run_dir).info().tracking_uri == "sqlite:///mlflow.db"
     assert MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}").get_run(run_id).info.artifact_uri == artifacts
+
+
+def test_a_live_run_seen_at_another_path_is_opened_but_not_re_homed(run_dir, tmp_path):
+    """The same run directory under another path while its run is live (a container's bind mount, a network
+    share): its processes log to the paths run.json records, so `tidal ui` reads the store it carries and
+    rewrites nothing; once the run is over, the next command re-homes it."""
+    import shutil
+
+    from tidal.rundir import RunDirLock
+
+    info = RunDir(run_dir).info()
+    lock = RunDirLock(run_dir).acquire()  # the live run's launcher
+    try:
+        seen = Path(shutil.move(str(run_dir), str(tmp_path / "mounted")))  # the same directory (inode), another path
+        target = ui.resolve(str(seen), None)
+        assert target.tracking_uri == f"sqlite:///{seen / 'mlflow.db'}" and target.run_id == info.mlflow_run_id
+        assert RunDir(seen).info().tracking_uri == info.tracking_uri  # run.json as the live run wrote it
+        client = MlflowClient(tracking_uri=target.tracking_uri)
+        assert client.get_run(info.mlflow_run_id).info.artifact_uri.startswith((run_dir.resolve() / "mlartifacts").as_uri())
+    finally:
+        lock.release()
+    assert RunDir(seen).rehome_moved_store() == run_dir.resolve()

@@ -272,15 +272,20 @@ class RunDir:
         """The run's NATS streams and KV bucket on the server at `url` (transport_cfg: TransportConfig)."""
         return RunNats(self, url, transport_cfg, credentials)
 
-    def rehome_moved_store(self) -> Path | None:
+    def rehome_moved_store(self, locked: bool = False) -> Path | None:
         """A run directory moved or copied since it started still records its own MLflow store (RUN_DIR/mlflow.db,
         the default) at the old place, and the store records its artifacts there: a resume, an export's
         registration or `tidal ui` would open a store that is gone (or, for a copy, the original's). Rewrites
         run.json and the store's paths to this directory; returns the old directory, or None when nothing moved.
-        Runs on a tracking server, or on a store they did not carry, are left alone."""
+        Runs on a tracking server, or on a store they did not carry, are left alone; so is a live run, unless
+        the caller holds its lock (`locked`, the launcher)."""
         from tidal.tracking import local_store_uri, rewrite_store_paths
 
         if not self.started:
+            return None
+        if not locked and RunDirLock(self.root).held():
+            # its processes log to the recorded paths: this is the same directory seen from another mount
+            # (a container's bind mount, a network share), and rewriting would send their artifacts there
             return None
         info, own = self.info(), self.root / "mlflow.db"
         recorded = Path(info.tracking_uri.removeprefix("sqlite:///"))
