@@ -195,3 +195,22 @@ def test_a_live_run_seen_at_another_path_is_opened_but_not_re_homed(run_dir, tmp
     finally:
         lock.release()
     assert RunDir(seen).rehome_moved_store() == run_dir.resolve()
+
+
+def test_a_moved_run_directory_it_cannot_write_still_opens(run_dir, tmp_path, monkeypatch):
+    """A copy on a read-only mount (an archive of runs): re-homing cannot write, and `tidal ui` opens the store
+    it carries as it is instead of failing with sqlite's traceback."""
+    import shutil
+    import sqlite3
+
+    import tidal.tracking
+
+    def read_only(*args):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    info = RunDir(run_dir).info()
+    moved = Path(shutil.move(str(run_dir), str(tmp_path / "archive")))
+    monkeypatch.setattr(tidal.tracking, "rewrite_store_paths", read_only)
+    target = ui.resolve(str(moved), None)
+    assert target.tracking_uri == f"sqlite:///{moved / 'mlflow.db'}" and target.run_id == info.mlflow_run_id
+    assert RunDir(moved).info().tracking_uri == info.tracking_uri  # nothing rewritten

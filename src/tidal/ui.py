@@ -17,6 +17,7 @@ import importlib.util
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -65,7 +66,10 @@ def resolve(run_dir: str | None, tracking_uri: str | None, experiment: str | Non
     run_id = None
     if run_dir is not None:
         run = RunDir(run_dir)
-        run.rehome_moved_store()
+        try:
+            run.rehome_moved_store()
+        except (OSError, sqlite3.Error):  # a copy it cannot write (a read-only mount, an archive): opened as it is
+            pass
         info = run.info()
         uri, run_id = tracking_uri or info.tracking_uri, info.mlflow_run_id or None
         own = run.root / "mlflow.db"
