@@ -10,6 +10,8 @@ import socket
 import threading
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_cli
 
 REPO_ID = "tidal-test/tiny-policy"
@@ -103,3 +105,18 @@ def test_a_local_directory_and_a_missing_path_are_not_hub_ids(tmp_path):
     assert looks_like_hub_id("Qwen/Qwen2.5-0.5B") and looks_like_hub_id("gpt2")
     assert not looks_like_hub_id(str(tmp_path))  # a directory here
     assert not looks_like_hub_id(str(tmp_path / "models" / "policy"))  # a missing local path: "no such directory" elsewhere
+
+
+def test_offline_mode_set_by_transformers_offline_is_named_as_such(tmp_path, monkeypatch):
+    """huggingface_hub's offline mode is HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE: the line names the one the user set."""
+    from huggingface_hub import constants
+
+    from tidal.model.hub import check_hub_model
+    from tidal.model.loading import ModelLoadError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelLoadError, match=f"'{REPO_ID}' is a hub id, TRANSFORMERS_OFFLINE is set and the model is not in the local cache"):
+        check_hub_model(REPO_ID)

@@ -76,8 +76,8 @@ def check_hub_model(name_or_path: str | None, key: str = "model.name_or_path") -
 
     if name_or_path is None or not looks_like_hub_id(name_or_path):
         return
-    if constants.HF_HUB_OFFLINE:
-        why = "HF_HUB_OFFLINE is set"
+    if constants.HF_HUB_OFFLINE:  # huggingface_hub takes TRANSFORMERS_OFFLINE for it too: name the one set
+        why = f"{'HF_HUB_OFFLINE' if os.environ.get('HF_HUB_OFFLINE') else 'TRANSFORMERS_OFFLINE'} is set"
     else:
         endpoint = hub_endpoint()
         reason = unreachable_reason(endpoint)
