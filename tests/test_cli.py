@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from tests.conftest import ROOT
 from tidal import cli
 
 ROOT_CONFIG = "examples/arithmetic.yaml"
@@ -99,6 +100,26 @@ def test_run_without_run_dir_on_a_run_directorys_own_config_resumes_that_run(tmp
     assert cli.default_run_dir(str(tmp_path / "runs" / "mine" / "config.yaml")) == tmp_path / "runs" / "mine"
     assert cli.default_run_dir("examples/arithmetic.yaml") == cli.Path("runs/arithmetic")
     assert cli.default_run_dir(str(tmp_path / "config.yaml")) == cli.Path("runs/config")  # no run beside it
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.yaml")))
+def test_the_config_a_run_writes_before_run_json_is_taken_for_its_own_and_resumes(tmp_path, example):
+    """A run stopped before it wrote run.json (Ctrl-C in the warm start) left only its config.yaml: that file
+    names its run directory and is not refused as a person's config in the way (every example round-trips)."""
+    from tidal.config import dump_config, load_config
+
+    run_dir = tmp_path / "runs" / "mine"
+    (run_dir / "logs").mkdir(parents=True)
+    written = run_dir / "config.yaml"
+    written.write_text(dump_config(load_config(ROOT / "examples" / example)))
+    assert cli.default_run_dir(str(written)) == cli.Path("runs/config")  # no run was launched there: a copy
+    (run_dir / "logs" / "launcher.log").write_text("")
+    assert cli.default_run_dir(str(written)) == run_dir
+    cli.refuse_config_in_the_way(str(written), str(run_dir))  # not refused
+    written.write_text(written.read_text() + "# my notes\n")  # a person edited it: it is theirs now
+    assert cli.default_run_dir(str(written)) == cli.Path("runs/config")
+    with pytest.raises(cli.RunDirError, match="which is the config file given"):
+        cli.refuse_config_in_the_way(str(written), str(run_dir))
 
 
 def test_a_config_file_where_the_run_writes_its_resolved_config_is_refused_not_overwritten(tmp_path, write_config):

@@ -2,6 +2,7 @@
 and the pipeline steps' own logic."""
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -391,6 +392,35 @@ def test_prepare_runs_the_checks_tidal_run_runs_before_anything_starts(tmp_path)
     assert not (tmp_path / "config.yaml").exists()  # nothing staged
 
 
+@pytest.mark.parametrize("name", ["", "team/policy", "policy:v2", "..", "..policy"])
+def test_prepare_refuses_a_registered_model_name_the_registry_would_refuse_before_anything_is_staged(tmp_path, name):
+    """The last step registers the model: a name MLflow's registry refuses would fail the run only after all its
+    training. The prepare step refuses it first, in one line, and writes nothing."""
+    knobs = staging.PipelineKnobs(rounds=1, iterations_per_round=1, rollout_workers=1)
+    run_dir = tmp_path / "run"
+    with pytest.raises(PipelineStepError, match=rf"registered_model_name {re.escape(repr(name))}: a registered model's name must not"):
+        steps.prepare("", "", str(run_dir), "job-1", knobs, trainer_backend="local", registered_model_name=name)
+    assert not run_dir.exists()
+    steps.check_registered_model_name("tidal-policy")  # the pipeline's default passes
+
+
+@pytest.mark.parametrize("name", ["policy", ".policy", "policy..", "a.b", " .", "", " ", ".", "..", "..policy", "...", "a/b", "a:b"])
+def test_the_registry_name_rule_is_mlflows_own(name):
+    """The name check stands in for the registry's: what it passes, MLflow's registry accepts, and what MLflow
+    refuses (a name starting with '..' too: names are also paths), it refuses first."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import _validate_model_name
+
+    from tidal.tracking import registry_name_problem
+
+    try:
+        _validate_model_name(name)
+        mlflow_refuses = False
+    except MlflowException:
+        mlflow_refuses = True
+    assert (registry_name_problem(name) is not None) == mlflow_refuses
+
+
 # ---------------------------------------------------------------- trainer resources
 
 
@@ -483,6 +513,9 @@ def test_finalize_is_the_exit_handler_of_everything_the_run_does(tmp_path, accel
     assert "status" not in finalize["inputs"]["parameters"]
     inside = spec["components"][root[guarded]["componentRef"]["name"]]["dag"]["tasks"]
     assert set(inside) == {"prepare", "worker-pool", "tidal-grpo-loop", "register-model"}
+    # the name the last step registers under is checked by the first, before any training
+    named = inside["prepare"]["inputs"]["parameters"]["registered_model_name"]
+    assert named == inside["register-model"]["inputs"]["parameters"]["registered_model_name"] and "componentInputParameter" in named
     # it reads only pipeline parameters (a KFP rule for exit tasks), and finds the run directory as prepare does
     params = finalize["inputs"]["parameters"]
     assert params["run_dir"] == {"componentInputParameter": "run_dir"}

@@ -265,3 +265,37 @@ def test_a_data_file_edited_in_place_since_the_last_start_is_a_training_change(t
     check_saved_config(cfg, run, force=True)  # --force-new-config goes on with the new file
     run.data_digests.unlink()  # a run directory from before digests were kept: nothing to compare
     check_saved_config(cfg, run)
+
+
+def test_a_run_directory_moved_after_it_stopped_resumes_there_and_logs_to_the_store_it_carries(tmp_path, write_config):
+    """run.json and the run's own MLflow store record absolute paths: moved, a resume would open a store
+    that is gone (it failed, and left a new empty store at the old place). Re-homed, it resumes, logs the
+    new iteration to the same MLflow run in the store it carries, and registers an export there."""
+    import shutil
+
+    from tidal.rundir import RunDir
+
+    config = write_config({"trainer.iterations": 1, "eval.enabled": False})
+    first, moved = tmp_path / "first", tmp_path / "elsewhere" / "run"
+    proc = run_cli("run", str(config), "--run-dir", str(first), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_id = RunDir(first).info().mlflow_run_id
+    moved.parent.mkdir()
+    shutil.move(str(first), str(moved))
+    proc = run_cli("run", str(config), "--run-dir", str(moved), "--no-progress")  # finished: its summary again
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"tidal: {moved} was moved or copied from {first}: its MLflow store now records this directory" in proc.stdout
+    assert f"final weights        {moved / 'weights' / 'v000001'}" in proc.stdout
+    proc = run_cli("run", str(config), "--run-dir", str(moved), "--no-progress", "--set", "trainer.iterations=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "was moved or copied" not in proc.stdout  # re-homed once
+    info = RunDir(moved).info()
+    assert info.tracking_uri == f"sqlite:///{moved / 'mlflow.db'}" and info.mlflow_run_id == run_id
+    client = MlflowClient(tracking_uri=info.tracking_uri)
+    assert [m.step for m in client.get_metric_history(run_id, "rollout/accuracy")] == [0, 1]  # both iterations, one MLflow run
+    assert client.get_run(run_id).info.artifact_uri.startswith(moved.as_uri() + "/")
+    proc = run_cli("export", str(moved), "--out", str(tmp_path / "model"), "--register", "moved-policy")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (version,) = client.search_model_versions("name='moved-policy'")
+    assert version.source.startswith(moved.as_uri() + "/") and (moved / "mlartifacts").is_dir()
+    assert not first.exists()  # nothing written where the run used to be

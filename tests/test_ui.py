@@ -3,6 +3,8 @@ mlflow-skinny is installed, and the tags and experiment `tidal run` gives the UI
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -125,3 +127,90 @@ def test_a_run_directory_moved_since_opens_the_store_it_carries(run_dir, tmp_pat
     target = ui.resolve(moved, None)
     assert target.tracking_uri == f"sqlite:///{tmp_path / 'elsewhere' / 'mlflow.db'}" != info.tracking_uri
     assert target.run_id == info.mlflow_run_id and target.experiment_id is not None
+    assert RunDir(moved).info().tracking_uri == target.tracking_uri  # run.json re-homed with it
+
+
+def test_a_moved_store_records_its_artifacts_and_registered_versions_at_the_new_place_and_nothing_else_moves(tmp_path):
+    """A real MLflow store with an artifact, a registered version and a neighbour whose path only starts like
+    the old directory's: after the move and the rewrite, MLflow's own client reads the new paths and
+    downloads the artifact from the new place."""
+    import shutil
+
+    from tidal.tracking import register_model, rewrite_store_paths
+
+    old, new = tmp_path / "runs" / "a", tmp_path / "moved" / "a"
+    old.mkdir(parents=True)
+    uri = f"sqlite:///{old / 'mlflow.db'}"
+    _, run_id = create_run(uri, "tidal", "r1", {}, {})
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "weights.txt").write_text("w")
+    assert register_model(uri, run_id, "policy", tmp_path / "model", "exported") == "1"
+    client = MlflowClient(tracking_uri=uri)
+    neighbour = client.create_experiment("neighbour", artifact_location=(tmp_path / "runs" / "ab").as_uri())
+    shutil.move(str(old), str(new))
+    assert rewrite_store_paths(new / "mlflow.db", old, new) >= 4  # experiment, run, the version's source and storage
+    client = MlflowClient(tracking_uri=f"sqlite:///{new / 'mlflow.db'}")
+    assert client.get_run(run_id).info.artifact_uri.startswith(new.as_uri() + "/")
+    (version,) = client.search_model_versions("name='policy'")
+    assert version.source.startswith(new.as_uri() + "/") and version.source.endswith("/exported")
+    assert client.get_experiment(neighbour).artifact_location == (tmp_path / "runs" / "ab").as_uri()  # not under the old directory
+    got = client.download_artifacts(run_id, "exported/weights.txt", str(tmp_path / "down"))
+    assert Path(got).read_text() == "w" and not old.exists()
+
+
+def test_a_store_named_by_a_relative_sqlite_uri_is_not_re_homed_from_another_working_directory(tmp_path, monkeypatch):
+    """tracking.uri `sqlite:///mlflow.db`, run from inside the run directory: its store is RUN_DIR/mlflow.db, but the
+    recorded path says nothing of where the run was. Opened from the parent folder, the store is not "moved from"
+    there (its artifact paths would have become RUN_DIR/runs/x/...)."""
+    run_dir = tmp_path / "runs" / "x"
+    run_dir.mkdir(parents=True)
+    monkeypatch.chdir(run_dir)
+    _, run_id = create_run("sqlite:///mlflow.db", "tidal", "r1", {}, {})
+    RunDir(run_dir).save_info(RunInfo("run-1", "base", "sqlite:///mlflow.db", run_id))
+    artifacts = MlflowClient(tracking_uri="sqlite:///mlflow.db").get_run(run_id).info.artifact_uri
+    assert artifacts.startswith((run_dir / "mlartifacts").as_uri())
+    monkeypatch.chdir(tmp_path)
+    assert RunDir(Path("runs/x")).rehome_moved_store() is None
+    assert RunDir(run_dir).info().tracking_uri == "sqlite:///mlflow.db"
+    assert MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}").get_run(run_id).info.artifact_uri == artifacts
+
+
+def test_a_live_run_seen_at_another_path_is_opened_but_not_re_homed(run_dir, tmp_path):
+    """The same run directory under another path while its run is live (a container's bind mount, a network
+    share): its processes log to the paths run.json records, so `tidal ui` reads the store it carries and
+    rewrites nothing; once the run is over, the next command re-homes it."""
+    import shutil
+
+    from tidal.rundir import RunDirLock
+
+    info = RunDir(run_dir).info()
+    lock = RunDirLock(run_dir).acquire()  # the live run's launcher
+    try:
+        seen = Path(shutil.move(str(run_dir), str(tmp_path / "mounted")))  # the same directory (inode), another path
+        target = ui.resolve(str(seen), None)
+        assert target.tracking_uri == f"sqlite:///{seen / 'mlflow.db'}" and target.run_id == info.mlflow_run_id
+        assert RunDir(seen).info().tracking_uri == info.tracking_uri  # run.json as the live run wrote it
+        client = MlflowClient(tracking_uri=target.tracking_uri)
+        assert client.get_run(info.mlflow_run_id).info.artifact_uri.startswith((run_dir.resolve() / "mlartifacts").as_uri())
+    finally:
+        lock.release()
+    assert RunDir(seen).rehome_moved_store() == run_dir.resolve()
+
+
+def test_a_moved_run_directory_it_cannot_write_still_opens(run_dir, tmp_path, monkeypatch):
+    """A copy on a read-only mount (an archive of runs): re-homing cannot write, and `tidal ui` opens the store
+    it carries as it is instead of failing with sqlite's traceback."""
+    import shutil
+    import sqlite3
+
+    import tidal.tracking
+
+    def read_only(*args):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    info = RunDir(run_dir).info()
+    moved = Path(shutil.move(str(run_dir), str(tmp_path / "archive")))
+    monkeypatch.setattr(tidal.tracking, "rewrite_store_paths", read_only)
+    target = ui.resolve(str(moved), None)
+    assert target.tracking_uri == f"sqlite:///{moved / 'mlflow.db'}" and target.run_id == info.mlflow_run_id
+    assert RunDir(moved).info().tracking_uri == info.tracking_uri  # nothing rewritten

@@ -105,20 +105,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def written_by_a_run(config: Path) -> bool:
+    """Whether `config` is a run directory's own config.yaml: the run has started (run.json), or a run
+    was launched there (its launcher log) and the file is exactly what a run writes (it stopped before
+    run.json, e.g. in the warm start). A file a person wrote (comments, defaults left out), or a run's
+    config copied elsewhere, is not."""
+    if (config.parent / "run.json").is_file():
+        return True
+    if not (config.parent / "logs" / "launcher.log").is_file():
+        return False
+    from tidal.config import dump_config
+
+    try:
+        return config.read_text() == dump_config(load_config(config))
+    except (OSError, ValueError):  # ConfigError included: not a config a run wrote
+        return False
+
+
 def default_run_dir(config: str) -> Path:
     """`tidal run CONFIG` without --run-dir: runs/ and the config file's name (`make run`'s runs/arithmetic);
     a run directory's own config.yaml resumes that run."""
     path = Path(config)
-    if path.name == "config.yaml" and (path.parent / "run.json").is_file():
+    if path.name == "config.yaml" and written_by_a_run(path):
         return path.parent
     return Path("runs") / path.stem
 
 
 def refuse_config_in_the_way(config: str, run_dir: str) -> None:
-    """A run writes its resolved config to RUN_DIR/config.yaml: CONFIG itself there, before the run has started
-    (no run.json), would be overwritten (its comments, its layout). A started run's own config.yaml resumes it."""
+    """A run writes its resolved config to RUN_DIR/config.yaml: CONFIG itself there, written by a person,
+    would be overwritten (its comments, its layout). A run directory's own config.yaml resumes it."""
     target = Path(run_dir) / "config.yaml"
-    if Path(config).resolve() == target.resolve() and not RunDir(run_dir).started:
+    if Path(config).resolve() == target.resolve() and not written_by_a_run(target):
         raise RunDirError(
             f"--run-dir {run_dir}: the run writes its resolved config to {target}, which is the config file given: use another --run-dir"
         )
@@ -179,10 +196,13 @@ def eval_command(args: argparse.Namespace) -> int:
     _role_setup()
     from tidal.data import load_dataset
     from tidal.evaluate import evaluate_snapshot
+    from tidal.model.hub import check_hub_model
     from tidal.weights import WeightStore
 
     run = RunDir(args.run_dir)
+    run.rehome_moved_store()
     info = run.info()
+    check_hub_model(info.base_model)
     store = WeightStore(run.weights)
     problems = load_dataset(cfg.data, cfg.seed).eval
     problems = problems[: cfg.eval.num_prompts] if cfg.eval.num_prompts else problems

@@ -250,9 +250,12 @@ def mlflow_run_of(run: RunDir) -> RunInfo:
 
 
 def check_registry_name(name: str) -> None:
-    """The name MLflow's Model Registry accepts (not blank, no '/' or ':', not '.' or '..'), checked before anything is exported."""
-    if not name.strip() or "/" in name or ":" in name or name.strip() in (".", ".."):
-        raise ExportError(f"--register {name!r}: a registered model's name must not be blank, '.' or '..', nor contain '/' or ':'")
+    """The name MLflow's Model Registry accepts, checked before anything is exported."""
+    from tidal.tracking import registry_name_problem
+
+    problem = registry_name_problem(name)
+    if problem:
+        raise ExportError(f"--register {name!r}: {problem}")
 
 
 def register_export(run: RunDir, exported: Exported, name: str) -> str:
@@ -289,6 +292,7 @@ def main(args: argparse.Namespace) -> int:
     run = RunDir(args.run_dir)
     if not run.started:
         raise FileNotFoundError(f"{run.root} is not a run directory (no {run.info_file.name})")
+    run.rehome_moved_store()
     if args.register is not None:
         check_registry_name(args.register)
         mlflow_run_of(run)

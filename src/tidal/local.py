@@ -253,6 +253,10 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True,
 def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_config: bool, lock: RunDirLock) -> dict:
     t_start = time.time()
     setup_logging(run.log("launcher"))
+    moved_from = run.rehome_moved_store(locked=True)
+    if moved_from is not None:
+        log.info("%s was moved or copied from %s: its MLflow store and run.json now record this directory", run.root, moved_from)
+        print(f"tidal: {run.root} was moved or copied from {moved_from}: its MLflow store now records this directory", flush=True)
     run.workers_request.unlink(missing_ok=True)  # an earlier launch's `tidal scale`: this one starts at rollout.workers
     check_saved_config(cfg, run, force_new_config)
     # every role of the run (children inherit it) signs or checks snapshot manifests with the run's key

@@ -10,7 +10,11 @@ from tidal.rewards import check_reward_names
 
 def check_before_start(cfg: TidalConfig, dataset: Dataset | None = None) -> Dataset:
     """Reward names (user modules imported), the environment and its tools, data files, row sizes,
-    prompt lengths against the context; the dataset, loaded once for the launcher (or the one it passed)."""
+    prompt lengths against the context; the dataset, loaded once for the launcher (or the one it passed).
+    A hub model with the hub out of reach: its cached copy, offline, or one line saying it cannot be had."""
+    from tidal.model.hub import check_hub_model
+
+    check_hub_model(cfg.model.name_or_path)
     check_reward_names(cfg.reward)
     check_environment(cfg)
     dataset = dataset if dataset is not None else load_dataset(cfg.data, cfg.seed)

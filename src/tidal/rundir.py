@@ -272,14 +272,38 @@ class RunDir:
         """The run's NATS streams and KV bucket on the server at `url` (transport_cfg: TransportConfig)."""
         return RunNats(self, url, transport_cfg, credentials)
 
-    def store_uri(self) -> str:
-        """The MLflow store run.json records; for a run directory moved or copied since (its sqlite store
-        recorded by an absolute path now gone), the store it carries with it, RUN_DIR/mlflow.db."""
-        from tidal.tracking import local_store_uri
+    def rehome_moved_store(self, locked: bool = False) -> Path | None:
+        """A run directory moved or copied since it started still records its own MLflow store (RUN_DIR/mlflow.db,
+        the default) at the old place, and the store records its artifacts there: a resume, an export's
+        registration or `tidal ui` would open a store that is gone (or, for a copy, the original's). Rewrites
+        run.json and the store's paths to this directory; returns the old directory, or None when nothing moved.
+        Runs on a tracking server, or on a store they did not carry, are left alone; so is a live run, unless
+        the caller holds its lock (`locked`, the launcher)."""
+        from tidal.tracking import local_store_uri, rewrite_store_paths
 
-        recorded, own = self.info().tracking_uri, local_store_uri(self.root)
-        gone = recorded.startswith("sqlite:///") and not Path(recorded.removeprefix("sqlite:///")).is_file()
-        return own if gone and Path(own.removeprefix("sqlite:///")).is_file() else recorded
+        if not self.started:
+            return None
+        if not locked and RunDirLock(self.root).held():
+            # its processes log to the recorded paths: this is the same directory seen from another mount
+            # (a container's bind mount, a network share), and rewriting would send their artifacts there
+            return None
+        info, own = self.info(), self.root / "mlflow.db"
+        recorded = Path(info.tracking_uri.removeprefix("sqlite:///"))
+        if not info.tracking_uri.startswith("sqlite:///") or recorded.name != own.name or not own.is_file():
+            return None
+        if not recorded.is_absolute():  # a tracking.uri relative to some working directory: not where the run was
+            return None
+        old_root, new_root = recorded.parent.resolve(), self.root.resolve()
+        if old_root == new_root:
+            return None
+        rewrite_store_paths(own, old_root, new_root)
+        if self.summary.is_file():  # its paths are printed again when a finished run is re-run
+            summary = json.loads(self.summary.read_text())
+            moved = {k: moved_path(v, old_root, new_root) if isinstance(v, str) else v for k, v in summary.items()}
+            self.summary.write_text(json.dumps(moved, indent=1))
+        info.tracking_uri = local_store_uri(new_root)
+        self.save_info(info)  # last: a rewrite cut short is done again on the next call
+        return old_root
 
     def tracker(self):
         """The run's MLflow run (tidal.tracking.Tracker), as run.json records it."""
@@ -287,6 +311,11 @@ class RunDir:
 
         info = self.info()
         return Tracker(info.tracking_uri, info.mlflow_run_id)
+
+
+def moved_path(value: str, old_root: Path, new_root: Path) -> str:
+    """`value` with the directory `old_root` it starts with replaced by `new_root`; other values as they are."""
+    return f"{new_root}{value[len(str(old_root)) :]}" if value == str(old_root) or value.startswith(f"{old_root}/") else value
 
 
 class RunNats:

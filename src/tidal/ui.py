@@ -17,6 +17,7 @@ import importlib.util
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -65,8 +66,15 @@ def resolve(run_dir: str | None, tracking_uri: str | None, experiment: str | Non
     run_id = None
     if run_dir is not None:
         run = RunDir(run_dir)
+        try:
+            run.rehome_moved_store()
+        except (OSError, sqlite3.Error):  # a copy it cannot write (a read-only mount, an archive): opened as it is
+            pass
         info = run.info()
-        uri, run_id = tracking_uri or run.store_uri(), info.mlflow_run_id or None
+        uri, run_id = tracking_uri or info.tracking_uri, info.mlflow_run_id or None
+        own = run.root / "mlflow.db"
+        if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file() and own.is_file():
+            uri = f"sqlite:///{own.resolve()}"  # a live run seen from another mount: read the store it carries, rewrite nothing
     else:
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:

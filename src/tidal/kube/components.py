@@ -37,6 +37,7 @@ def prepare(
     mlflow_ui_url: str,
     trainer_backend: str,
     worker_pool: str,
+    registered_model_name: str,
     mlflow_run: dsl.Output[dsl.Markdown],
 ) -> NamedTuple("Prepared", run_dir=str, config_path=str, rounds=list[int], lanes=list[str], parent_run_id=str):
     """Check the cluster has what ``trainer_backend`` needs, validate the config, stage data, create streams and KV
@@ -68,6 +69,7 @@ def prepare(
         links=links,
         trainer_backend=trainer_backend,
         worker_pool=worker_pool,
+        registered_model_name=registered_model_name,
     )
     with open(mlflow_run.path, "w") as fh:
         fh.write(parent_run.mlflow_run_markdown(run.run_dir))

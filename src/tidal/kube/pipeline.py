@@ -298,6 +298,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
                     mlflow_ui_url=mlflow_ui_url,
                     trainer_backend=trainer_backend,
                     worker_pool=pool["worker_pool"],
+                    registered_model_name=registered_model_name,
                 )
             ),
             LONG_STEP_TIMEOUT_S,

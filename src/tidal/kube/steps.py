@@ -64,10 +64,14 @@ def prepare(
     links: RunLinks | None = None,
     trainer_backend: str = "local",
     worker_pool: str = "fixed",
+    registered_model_name: str | None = None,
 ) -> PreparedRun:
     """Check the cluster runs what ``trainer_backend`` needs, validate the config, stage it and its data, create the
     streams and KV bucket, open the MLflow parent run. With ``worker_pool=elastic``, the NCCL weight transfer is
-    turned off (it needs a fixed lane per worker; pool workers load each version from the weight store)."""
+    turned off (it needs a fixed lane per worker; pool workers load each version from the weight store).
+    ``registered_model_name``, which the last step registers the model as, is checked here, before any training."""
+    if registered_model_name is not None:
+        check_registered_model_name(registered_model_name)
     lanes = worker_lanes(knobs.rollout_workers, worker_pool)
     check_trainer_backend(trainer_backend)
     run = pipeline_run_dir(run_dir, job_id)
@@ -88,6 +92,14 @@ def prepare(
         lanes=lanes,
         parent_run_id=parent.run_id,
     )
+
+
+def check_registered_model_name(name: str) -> None:
+    from tidal.tracking import registry_name_problem
+
+    problem = registry_name_problem(name)
+    if problem:
+        raise PipelineStepError(f"registered_model_name {name!r}: {problem} (the run would be refused only at its last step)")
 
 
 @as_separate_pod("worker-pool")

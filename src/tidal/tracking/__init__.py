@@ -49,6 +49,34 @@ def local_store_uri(run_dir: str | Path) -> str:
     return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
 
 
+# where MLflow's sqlite store records files by absolute path (experiments' and logged models' artifact
+# roots, runs' artifact URIs, registered versions' sources); a moved store points at the old place
+STORE_PATH_COLUMNS = {
+    "experiments": ("artifact_location",),
+    "runs": ("artifact_uri",),
+    "model_versions": ("source", "storage_location"),
+    "logged_models": ("artifact_location",),
+}
+
+
+def rewrite_store_paths(db: Path, old_root: Path, new_root: Path) -> int:
+    """In the sqlite store ``db``, every recorded path under ``old_root`` (as a file URI or a plain path)
+    moved under ``new_root``; returns how many values changed. Columns a store's schema lacks are skipped."""
+    import sqlite3
+
+    prefixes = [(old_root.as_uri() + "/", new_root.as_uri() + "/"), (f"{old_root}/", f"{new_root}/")]
+    changed = 0
+    with sqlite3.connect(db) as con:
+        for table, columns in STORE_PATH_COLUMNS.items():
+            present = {row[1] for row in con.execute(f"PRAGMA table_info({table})")}
+            for column in (c for c in columns if c in present):
+                for old, new in prefixes:
+                    changed += con.execute(
+                        f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE substr({column}, 1, ?) = ?", (new, len(old) + 1, len(old), old)
+                    ).rowcount
+    return changed
+
+
 def tracking_uri(cfg: TidalConfig, run_dir: str | Path) -> str:
     return configured_uri(cfg.tracking.uri) or local_store_uri(run_dir)
 
@@ -280,6 +308,15 @@ def log_batch(uri: str, run_id: str, metrics: dict[str, float] | None = None, st
 def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
     """Ends a run with ``status`` (FINISHED, FAILED, KILLED)."""
     _client(uri).set_terminated(run_id, status=status)
+
+
+def registry_name_problem(name: str) -> str | None:
+    """Why MLflow's Model Registry would refuse ``name`` (blank, '.', starting with '..', a '/' or ':'), or None.
+    Checked before a run or an export that ends by registering, so the refusal does not come last."""
+    # MLflow's own rule (mlflow.utils.validation): a name is also a path, so any name starting with '..' is refused
+    if not name.strip() or "/" in name or ":" in name or name == "." or name.startswith(".."):
+        return "a registered model's name must not be blank, '.' or start with '..', nor contain '/' or ':'"
+    return None
 
 
 def register_model(uri: str, run_id: str, name: str, folder: str | Path, artifact_path: str, tags: dict[str, str] | None = None) -> str:
