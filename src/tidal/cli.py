@@ -110,9 +110,10 @@ def written_by_a_run(config: Path) -> bool:
     was launched there (its launcher log) and the file is exactly what a run writes (it stopped before
     run.json, e.g. in the warm start). A file a person wrote (comments, defaults left out), or a run's
     config copied elsewhere, is not."""
-    if (config.parent / "run.json").is_file():
+    run = RunDir(config.parent)
+    if run.started:
         return True
-    if not (config.parent / "logs" / "launcher.log").is_file():
+    if not run.log("launcher").is_file():
         return False
     from tidal.config import dump_config
 
