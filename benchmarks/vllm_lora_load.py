@@ -109,7 +109,7 @@ def main() -> None:
     for kind in ("full", "adapter"):
         print(
             f"{kind:8s} {out[f'{kind}_bytes'] / 2**20:7.2f} MiB  load median {statistics.median(out[f'{kind}_seconds']) * 1e3:8.1f} ms "
-            f"(each: {', '.join(f'{s * 1e3:.1f}' for s in out[f'{kind}_seconds'])})  probe |engine - trainer| max {max(out[f'{kind}_probe_difference']):.2e}"
+            f"(each: {', '.join(f'{s * 1e3:.1f}' for s in out[f'{kind}_seconds'])})  probe |engine - trainer| per token, mean (largest over loads) {max(out[f'{kind}_probe_difference']):.2e}"
         )
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

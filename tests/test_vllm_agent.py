@@ -38,7 +38,7 @@ pytestmark = [
 
 LOGPROB_TOL = 2e-3  # float32 engine vs float32 forward: tests/test_vllm_engine.py's
 G, MAX_NEW_TOKENS, MAX_TURNS = 4, 24, 2
-VLLM_SETTINGS = {"enforce_eager": True, "kv_cache_memory_gib": 0.25, "dtype": "float32", "max_model_len": 128}
+VLLM_SETTINGS = {"enforce_eager": True, "kv_cache_memory_gib": 0.25, "max_model_len": 128}
 ENV = "tests.test_vllm_agent:CalcFirst"
 
 

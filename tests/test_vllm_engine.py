@@ -39,7 +39,7 @@ def vllm_cfg(cache_dir, **rollout):
                 "engine": "vllm",
                 "group_size": 4,
                 "max_new_tokens": 8,
-                "vllm": {"enforce_eager": True, "kv_cache_memory_gib": 0.25, "dtype": "float32", "max_model_len": 128},
+                "vllm": {"enforce_eager": True, "kv_cache_memory_gib": 0.25, "max_model_len": 128},
                 **rollout,
             },
         }

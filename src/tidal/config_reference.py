@@ -98,7 +98,8 @@ NOTES = {
     "rollout.vllm.max_num_seqs": "vLLM's `max_num_seqs`.",
     "rollout.vllm.gpu_memory_utilization": "Share of device memory vLLM may take; lower it where the trainer shares the GPU.",
     "rollout.vllm.max_model_len": "vLLM's `max_model_len`.",
-    "rollout.vllm.dtype": "vLLM's `dtype`.",
+    "rollout.vllm.dtype": "The dtype vLLM serves in; `auto`: on CPU the trainer's `model.dtype`, on a GPU vLLM's own "
+    "choice (bfloat16). See [vLLM](vllm.md#the-serving-dtype).",
     "rollout.vllm.enforce_eager": "vLLM's `enforce_eager` (no CUDA graphs).",
     "trainer.iterations": "Iterations the run trains in all; raise it and re-run the same command to train on.",
     "trainer.prompts_per_iteration": "Prompts (groups) per iteration.",

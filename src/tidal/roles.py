@@ -63,11 +63,16 @@ def build_learner(cfg: TidalConfig, base_model: str, strategy: Strategy | None =
 
 def trainer_weight_store(cfg: TidalConfig, run: RunDir, base_model: str, learner: Learner) -> WeightStore:
     """The run's weight store as the trainer writes it: adapters under LoRA, each version with its probe log-probs
-    (every rank builds the same probe: each runs the probe forward, rank 0 writes)."""
+    (every rank builds the same probe, responses sampled from the base model: each runs the probe forward, rank 0
+    writes)."""
     adapter = adapter_config(learner.peft_model, str(base_model)) if learner.lora else None
     checked = cfg.weights.arrival_tolerance != 0  # None: the engine's default
-    probe = make_probe(cfg.seed, int(learner.model.get_input_embeddings().num_embeddings)) if checked else None
-    return WeightStore(run.weights, base_model, adapter, probe)
+    if not checked:
+        return WeightStore(run.weights, base_model, adapter)
+    # built before a resumed run loads its checkpoint: the learner holds the base model, so every start of the run
+    # samples the same probe, and records the base's log-probs for engines to calibrate on (rollout.worker.ArrivalCheck)
+    probe = learner.sample_probe(make_probe(cfg.seed, int(learner.model.get_input_embeddings().num_embeddings)), cfg.seed)
+    return WeightStore(run.weights, base_model, adapter, probe, learner.probe_logprobs(probe))
 
 
 def rank_device(cfg: TidalConfig, ctx: DistContext) -> str:

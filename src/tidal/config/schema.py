@@ -616,12 +616,13 @@ class WeightsConfig(_Strict):
 
     keep_last: int | None = Field(5, ge=1)  # the newest N snapshots; None: keep every snapshot
     keep_every: int | None = Field(None, ge=1)  # also keep every version divisible by N (milestones)
-    # The arrival check: the trainer publishes each version with its log-probs of a fixed probe (a few token sequences
-    # fixed per run, at temperature 1; with several ranks every rank runs the probe, rank 0 writes); a rollout worker that
-    # loads the version computes the same log-probs with its engine and stops the run, naming the version, when any token
-    # differs by more than `arrival_tolerance`. None: per engine, 1e-3 on the HF engine; on vLLM by the coarser of the dtype
-    # it serves (rollout.vllm.dtype, or the model's own with 'auto') and model.dtype: 1e-3 for float32, 0.1 for float16,
-    # 0.5 for bfloat16. 0 turns the check off.
+    # The arrival check: the trainer publishes each version with its log-probs of a fixed probe (three random prompts, each
+    # with tokens the base model samples after it; with several ranks every rank runs the probe, rank 0 writes); a rollout
+    # worker that loads the version computes the same log-probs with its engine and stops the run, naming the version,
+    # when they differ from the trainer's by more than `arrival_tolerance` per token on average. None: 1e-3 where both
+    # sides compute in float32 or the HF engine runs the trainer's code; where a side computes in half precision, 4x
+    # the engine's own difference on the base model, measured before its first version (docs/vllm.md#the-arrival-check).
+    # 0 turns the check off.
     arrival_tolerance: float | None = Field(None, ge=0)
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from tidal.config import TidalConfig
 from tidal.config.schema import vllm_max_lora_rank
+from tidal.logs import library_logs_to_log, output_to_log
 from tidal.rollout.engine import Completion, GroupRequest, TrajectoryTokens, Turn, turn_seed
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,15 @@ def cpu_kv_cache_bytes(available: int, engines: int, share: float = 0.4, floor: 
     return int(min(ceiling, max(floor, available * share / max(1, engines))))
 
 
+def serving_dtype(cfg: TidalConfig, device: str) -> str:
+    """rollout.vllm.dtype as vLLM gets it. 'auto' on CPU serves the trainer's dtype (model.dtype): vLLM's own 'auto'
+    serves a float32 model in bfloat16 there, whose log-probs differ from the trainer's by more than one update
+    moves them (the arrival check cannot see a stale version, and every sample is off-policy by that much).
+    On an accelerator 'auto' stays vLLM's (bfloat16 for a float32 or bfloat16 model)."""
+    dtype = cfg.rollout.vllm.dtype
+    return cfg.model.dtype if dtype == "auto" and device == "cpu" else dtype
+
+
 def engine_args(cfg: TidalConfig, model_dir: str | Path, device: str = "cpu"):
     """AsyncEngineArgs from config: the keys Tidal needs, vLLM's defaults for everything unset
     (except on CPU, where the KV cache is sized from the memory available: see cpu_kv_cache_bytes)."""
@@ -127,7 +137,7 @@ def engine_args(cfg: TidalConfig, model_dir: str | Path, device: str = "cpu"):
     }
     return AsyncEngineArgs(
         model=str(model_dir),
-        dtype=v.dtype,
+        dtype=serving_dtype(cfg, device),
         seed=cfg.seed if v.seed is None else v.seed,
         tensor_parallel_size=v.tensor_parallel_size,
         enforce_eager=v.enforce_eager,
@@ -202,8 +212,11 @@ class VLLMStartError(RuntimeError):
 
 
 def start_failure_hint(err: BaseException, device: str) -> str:
-    first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
-    if device == "cpu":
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    first = next((line for line in lines if "max_model_len" in line), lines[0] if lines else type(err).__name__)
+    if "max_model_len" in first:
+        key = "rollout.vllm.max_model_len"
+    elif device == "cpu":
         key = "rollout.vllm.kv_cache_memory_gib (smaller) or rollout.workers (fewer engines)"
     else:
         key = "rollout.vllm.gpu_memory_utilization (lower, when the trainer shares the GPU) or rollout.vllm.max_model_len"
@@ -224,17 +237,19 @@ class VLLMEngine:
     def create(cls, cfg: TidalConfig, model_dir: str | Path) -> VLLMEngine:
         """Starts vLLM's engine processes; call it in a process started normally (not at import)."""
         require_vllm()
-        device = check_platform(cfg.rollout.vllm.platform)
-        check_head_size(model_dir, device)
-        from vllm.v1.engine.async_llm import AsyncLLM
+        with output_to_log():  # in the launcher: vLLM's import warnings and its engine processes' output into its log
+            device = check_platform(cfg.rollout.vllm.platform)
+            check_head_size(model_dir, device)
+            from vllm.v1.engine.async_llm import AsyncLLM
 
-        start_reaper()
-        t0 = time.perf_counter()
-        args = engine_args(cfg, model_dir, device)
-        try:
-            llm = AsyncLLM.from_engine_args(args)
-        except Exception as err:  # noqa: BLE001 - vLLM raises many types at start-up; the user needs one line
-            raise VLLMStartError(start_failure_hint(err, device)) from err
+            start_reaper()
+            t0 = time.perf_counter()
+            args = engine_args(cfg, model_dir, device)
+            try:
+                llm = AsyncLLM.from_engine_args(args)
+            except Exception as err:  # noqa: BLE001 - vLLM raises many types at start-up; the user needs one line
+                raise VLLMStartError(start_failure_hint(err, device)) from err
+            library_logs_to_log("vllm")  # after the engine: AsyncLLM configures vLLM's logging again
         lora = f" with LoRA (max rank {args.max_lora_rank}, {args.max_loras} adapters)" if args.enable_lora else ""
         log.info("vLLM engine started on %s in %.1fs%s", device, time.perf_counter() - t0, lora)
         return cls(llm, cfg, device)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
-from tidal.model.probe import arrival_tolerance
+from tidal.model.probe import trainer_compute_dtypes
 from tidal.protocol import Group, WorkItem, decode_work_item
 from tidal.rewards import RewardScorer
 from tidal.rewards.failures import RewardFailingError
@@ -28,8 +28,8 @@ from tidal.rollout.engine import GroupRequest, group_seed
 from tidal.rollout.scoring_queue import GroupScoringQueue
 from tidal.rollout.vllm_adapter import VLLMEngine, nccl_join, nccl_receive
 from tidal.rollout.worker import (
+    ArrivalCheck,
     build_groups,
-    compare_probe,
     decode_work,
     hand_back,
     log_taken,
@@ -81,6 +81,7 @@ class VLLMRolloutWorker:
         self.score_pool = ThreadPoolExecutor(max_workers=1)  # one scorer, one thread: its error count stays exact
         self.scoring = GroupScoringQueue(self.score_pool, self._build_groups, scoring_batch_samples(cfg))
         self.health = WorkerHealth(worker_id)
+        self._arrival: ArrivalCheck | None = None
         self.backoff = 0.0
         self.inflight: dict[asyncio.Task, object] = {}  # task -> its NATS message
         self.backlog: deque = deque()  # (msg, item) pulled but not started: another version
@@ -136,6 +137,7 @@ class VLLMRolloutWorker:
         assert not self.inflight, "weights change only with nothing in flight"
         t0 = time.time()
         path = await self._policy_uri(version)
+        await self._calibrate_on_base((readable_manifest(Path(path)) or {}).get("probe"))
         if self.nccl and await self._receive_nccl(version):
             # the trainer published the version (with its probe record) before it sent it
             source, probe = "over NCCL", (readable_manifest(Path(path)) or {}).get("probe")
@@ -152,19 +154,29 @@ class VLLMRolloutWorker:
         difference = await self._check_arrival(version, probe)
         self.health.loaded(version)
         self.load_seconds += time.time() - t0
-        arrived = "" if difference is None else f" (probe log-probs within {difference:.1e} of the trainer's)"
+        arrived = "" if difference is None else f" (probe log-probs within {difference:.1e} of the trainer's, mean per token)"
         log.info("worker %s loaded weights v%d in %.3fs %s%s", self.worker_id, version, loaded, source, arrived)
         return True
+
+    @property
+    def arrival(self) -> ArrivalCheck:
+        """The engine's arrival check (its dtype is known once it started)."""
+        if self._arrival is None:
+            dtypes = (self.engine.dtype, *trainer_compute_dtypes(self.cfg))
+            self._arrival = ArrivalCheck(self.cfg.weights.arrival_tolerance, "vllm", dtypes, self.worker_id)
+        return self._arrival
+
+    async def _calibrate_on_base(self, probe: dict | None) -> None:
+        """Before the engine's first version (it still serves the base model): the arrival check's calibration."""
+        if self.version is None and probe and self.arrival.wants_base(probe):
+            self.arrival.calibrate(probe, await self.engine.probe_logprobs(probe["sequences"]))
 
     async def _check_arrival(self, version: int, probe: dict | None) -> float | None:
         """The arrival check on the version just loaded (from the store or over NCCL): WeightsDidNotArriveError
         when the engine's log-probs of the probe differ from the trainer's."""
-        if not probe:  # a version published without one
+        if not probe or not self.arrival.tolerance:  # a version published without one, or the check is off
             return None
-        tolerance = arrival_tolerance(self.cfg.weights.arrival_tolerance, "vllm", self.engine.dtype, self.cfg.model.dtype)
-        if not tolerance:
-            return None
-        return compare_probe(probe, await self.engine.probe_logprobs(probe["sequences"]), version, tolerance, self.worker_id)
+        return self.arrival.check(probe, await self.engine.probe_logprobs(probe["sequences"]), version)
 
     # --- one group -------------------------------------------------------------------------------
 

@@ -20,7 +20,14 @@ import numpy as np
 
 from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
-from tidal.model.probe import arrival_tolerance, probe_difference
+from tidal.model.probe import (
+    CALIBRATION_FACTOR,
+    DTYPE_TOLERANCE,
+    arrival_tolerance,
+    largest_difference,
+    probe_difference,
+    trainer_compute_dtypes,
+)
 from tidal.protocol import Group, ProtocolError, Sample, WorkItem, decode_work_item
 from tidal.rewards import RewardScorer, exact_match
 from tidal.rollout.agent import AgentLoop
@@ -324,8 +331,8 @@ async def snapshot_path(transport: Transport, version: int, weights_root: Path |
 
 
 def check_arrival(engine, manifest: dict, version: int, tolerance: float, worker_id: str) -> float | None:
-    """The engine's log-probs of the probe published with `version` against the trainer's: returns the largest
-    difference; one above `tolerance` is WeightsDidNotArriveError naming the version (the run stops). None:
+    """The engine's log-probs of the probe published with `version` against the trainer's: returns the mean
+    per-token difference; one above `tolerance` is WeightsDidNotArriveError naming the version (the run stops). None:
     nothing checked (the manifest has no probe, the check is off, or the engine cannot compute log-probs)."""
     probe = manifest.get("probe")
     if not probe or not tolerance or not hasattr(engine, "probe_logprobs"):
@@ -333,16 +340,65 @@ def check_arrival(engine, manifest: dict, version: int, tolerance: float, worker
     return compare_probe(probe, engine.probe_logprobs(probe["sequences"]), version, tolerance, worker_id)
 
 
-def compare_probe(probe: dict, engine_logprobs: list[list[float]], version: int, tolerance: float, worker_id: str) -> float:
-    """The largest difference between the engine's log-probs of the probe and the trainer's (`probe` as the
-    manifest records it); above `tolerance` it is WeightsDidNotArriveError naming the version."""
+def compare_probe(
+    probe: dict, engine_logprobs: list[list[float]], version: int, tolerance: float, worker_id: str, why: str = "weights.arrival_tolerance"
+) -> float:
+    """The mean per-token difference between the engine's log-probs of the probe and the trainer's (`probe` as
+    the manifest records it); above `tolerance` (named by `why`) it is WeightsDidNotArriveError naming the version."""
     difference = probe_difference(probe["logprobs"], engine_logprobs)
     if not difference <= tolerance:
+        largest = largest_difference(probe["logprobs"], engine_logprobs)
         raise WeightsDidNotArriveError(
             f"weights v{version} did not arrive on worker {worker_id}: its log-probs of the run's probe differ from the trainer's "
-            f"by up to {difference:.3g} (weights.arrival_tolerance {tolerance:g})"
+            f"by {difference:.3g} per token on average, up to {largest:.3g} ({why} {tolerance:g}, for the mean)"
         )
     return difference
+
+
+class ArrivalCheck:
+    """One engine's arrival check. Its tolerance is weights.arrival_tolerance when set; else, where both sides compute
+    in float32 or the same code, the default for the dtypes (arrival_tolerance). Where one side computes in half
+    precision, how far a right version lands depends on the model and the hardware as much as on the dtype, so the
+    tolerance is calibrated once per engine on the base model, the one weights it serves before its first version:
+    CALIBRATION_FACTOR times its mean difference from the trainer's record of the base (never below float32's
+    tolerance). The dtype's default then bounds the base itself: more than that, and the engine does not compute
+    the trainer's model at all."""
+
+    def __init__(self, configured: float | None, engine: str, dtypes: tuple[str, ...], worker_id: str):
+        self.limit = arrival_tolerance(configured, engine, *dtypes)
+        self.tolerance = self.limit
+        self.why = "weights.arrival_tolerance"
+        self.uncalibrated = configured is None and self.limit > DTYPE_TOLERANCE["float32"]
+        self.worker_id = worker_id
+        self.dtype = max(dtypes, key=lambda d: DTYPE_TOLERANCE.get(d, 1.0))
+
+    def wants_base(self, probe: dict | None) -> bool:
+        """True while the engine, still serving the base model, should be probed before its first version."""
+        return bool(self.uncalibrated and self.limit and probe and probe.get("base_logprobs"))
+
+    def calibrate(self, probe: dict, base_logprobs: list[list[float]]) -> float:
+        """From the engine's log-probs of the probe on the base model: the tolerance of every later version."""
+        difference = probe_difference(probe["base_logprobs"], base_logprobs)
+        if not difference <= self.limit:
+            raise WeightsDidNotArriveError(
+                f"the base model did not arrive on worker {self.worker_id}: its log-probs of the run's probe differ from the "
+                f"trainer's by {difference:.3g} per token on average (at most {self.limit:g} in {self.dtype}): it is not the "
+                "model the trainer trains"
+            )
+        self.uncalibrated = False
+        self.tolerance = max(DTYPE_TOLERANCE["float32"], CALIBRATION_FACTOR * difference)
+        self.why = f"the tolerance calibrated on the base model ({CALIBRATION_FACTOR}x its {difference:.2g}):"
+        log.info(
+            "worker %s: arrival check calibrated on the base model: %.2g per token in %s, tolerance %.2g",
+            self.worker_id,
+            difference,
+            self.dtype,
+            self.tolerance,
+        )
+        return difference
+
+    def check(self, probe: dict | None, engine_logprobs: list[list[float]], version: int) -> float:
+        return compare_probe(probe, engine_logprobs, version, self.tolerance, self.worker_id, self.why)
 
 
 class RolloutWorker:
@@ -367,6 +423,7 @@ class RolloutWorker:
         self.scorer = scorer or RewardScorer.from_config(cfg.reward, seed=cfg.seed if cfg.rollout.deterministic else None)
         self.agent = AgentLoop.from_config(cfg, tokenizer, model_context(engine)) if cfg.rollout.env is not None else None
         self.health = WorkerHealth(worker_id)
+        self.arrival = ArrivalCheck(cfg.weights.arrival_tolerance, "hf", trainer_compute_dtypes(cfg), worker_id)
         self.backoff = 0.0
         self.prompt_tokens = 16  # until the first prompts are seen: the longest encoded prompt sizes later pulls
         # served rewards: one engine call's groups are scored while the engine runs the next (one thread: the
@@ -391,14 +448,18 @@ class RolloutWorker:
         t0 = time.time()
         try:
             state, manifest = await asyncio.to_thread(load_verified_with_manifest, path)
+            probe = manifest.get("probe")
+            if self.arrival.wants_base(probe) and hasattr(self.engine, "probe_logprobs"):  # it serves the base until a version loads
+                self.arrival.calibrate(probe, await asyncio.to_thread(self.engine.probe_logprobs, probe["sequences"]))
             await asyncio.to_thread(self.engine.load_state_dict, state)
         except (CorruptSnapshotError, ValueError) as err:
             self.backoff = await report_refusal(self.transport, self.health, version, str(err))
             return None
-        tolerance = arrival_tolerance(self.cfg.weights.arrival_tolerance, "hf")
-        difference = await asyncio.to_thread(check_arrival, self.engine, manifest, version, tolerance, self.worker_id)
+        difference = None
+        if probe and self.arrival.tolerance and hasattr(self.engine, "probe_logprobs"):
+            difference = self.arrival.check(probe, await asyncio.to_thread(self.engine.probe_logprobs, probe["sequences"]), version)
         self.health.loaded(version)
-        arrived = "" if difference is None else f" (probe log-probs within {difference:.1e} of the trainer's)"
+        arrived = "" if difference is None else f" (probe log-probs within {difference:.1e} of the trainer's, mean per token)"
         log.info("worker %s loaded weights v%d in %.3fs%s", self.worker_id, version, time.time() - t0, arrived)
         return time.time() - t0
 

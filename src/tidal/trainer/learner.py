@@ -30,7 +30,7 @@ from tidal.config import RewardConfig, TrainerConfig
 from tidal.devices import resolve_device
 from tidal.model.lora import OLD_ADAPTER, AdapterForward, adapter_keys, adapter_pairs, adapter_state_dict, add_old_adapter, is_lora
 from tidal.model.packing import GroupTokenLogprobs, naive_token_logprobs, pack_groups, packed_token_logprobs, split_into_microbatches
-from tidal.model.probe import probe_logprobs
+from tidal.model.probe import probe_logprobs, sample_responses
 from tidal.protocol import Group, Sample
 from tidal.trainer.assignment import assign_groups, group_token_count
 from tidal.trainer.distributed import SINGLE, all_reduce_max, all_reduce_sum
@@ -343,6 +343,13 @@ class Learner:
         """What the NCCL push sends (one trainer rank): the model's own tensors where they lie (no copy
         of the full weights), or under LoRA the adapter's tensors alone, in peft's names."""
         return self.full_state_dict() if self.lora else self.model.state_dict()
+
+    def sample_probe(self, probe: list[dict], seed: int) -> list[dict]:
+        """The probe with responses the policy samples (tidal.model.probe.sample_responses), every rank together."""
+        try:
+            return sample_responses(self.model, probe, seed)
+        finally:
+            self.strategy.reshard(self.model)
 
     def probe_logprobs(self, probe: list[dict]) -> list[list[float]]:
         """The policy's log-probs of the arrival check's probe: a forward with no backward, which every rank

@@ -119,11 +119,19 @@ class WeightStore:
     `base_model_dir`, which is stored once and named in each manifest. `probe` (tidal.model.probe):
     the sequences whose log-probs `publish` records with each version for the arrival check."""
 
-    def __init__(self, root: str | Path, base_model_dir: str | Path | None = None, adapter_config: dict | None = None, probe: list | None = None):
+    def __init__(
+        self,
+        root: str | Path,
+        base_model_dir: str | Path | None = None,
+        adapter_config: dict | None = None,
+        probe: list | None = None,
+        base_probe_logprobs: list | None = None,
+    ):
         self.root = Path(root)
         self.base_model_dir = Path(base_model_dir) if base_model_dir else None
         self.adapter_config = adapter_config
         self.probe = probe
+        self.base_probe_logprobs = base_probe_logprobs  # the base model's, recorded with every version (engines calibrate on it)
         self.written: dict[int, str] = {}  # version -> sha256 of the weights this store published
         self.probes: dict[int, dict] = {}  # version -> the probe record published with it (a rewrite keeps it)
 
@@ -141,6 +149,8 @@ class WeightStore:
         the trainer's log-probs of `self.probe` at these weights, recorded in the manifest."""
         if probe_logprobs is not None:
             self.probes[version] = {"sequences": self.probe, "logprobs": probe_logprobs}
+            if self.base_probe_logprobs is not None:
+                self.probes[version]["base_logprobs"] = self.base_probe_logprobs
         tmp, manifest = self._write_temp(version, state_dict, dtype)
         self.written[version] = manifest["files"][self.tensors_file]
         return self._commit(version, tmp)
