@@ -117,7 +117,7 @@ def default_tolerance(engine: str, serving: str, record: str, calibration: float
     tolerance = arrival_tolerance(None, engine, serving, record)
     if calibration is None or tolerance <= DTYPE_TOLERANCE["float32"]:
         return tolerance
-    return max(DTYPE_TOLERANCE["float32"], CALIBRATION_FACTOR * calibration)
+    return max(tolerance, CALIBRATION_FACTOR * calibration)
 
 
 def measure(run_dir: Path, a: int, b: int, engines: list[str], dtypes: list[str], probe_kind: str = "run") -> dict:

@@ -165,8 +165,12 @@ def main() -> None:
     if args.probe:
         twin = Learner(cfg, fresh_model(tiny, tok, lora), tok.pad_token_id, strategy=build_strategy(cfg, ctx), device="cpu")
         learners.append(twin)
-        probe = make_probe(0, int(model.get_input_embeddings().num_embeddings))
-        stores = {learner: weight_store(out / "weights", learner, probe), twin: weight_store(out / "unprobed-weights", twin, None)}
+        # as the trainer builds it (roles.trainer_weight_store): responses sampled by every rank together, the base's record
+        probe = learner.sample_probe(make_probe(0, int(model.get_input_embeddings().num_embeddings)), 0)
+        stores = {
+            learner: weight_store(out / "weights", learner, probe, learner.probe_logprobs(probe)),
+            twin: weight_store(out / "unprobed-weights", twin, None),
+        }
     for lrn, store in stores.items():
         publish_weights(store, 0, lrn)
         sharded.append(all_sharded(lrn))
@@ -237,9 +241,9 @@ def fresh_model(tiny: TinyModelConfig, tok, lora: LoraConfig | None) -> torch.nn
     return make_model(tiny, tok, lora)
 
 
-def weight_store(root: Path, learner: Learner, probe: list | None) -> WeightStore:
+def weight_store(root: Path, learner: Learner, probe: list | None, base_logprobs: list | None = None) -> WeightStore:
     """A store as the trainer's (adapters under LoRA, on no base directory: nothing loads them here)."""
-    return WeightStore(root, None, adapter_config(learner.peft_model, None) if learner.lora else None, probe)
+    return WeightStore(root, None, adapter_config(learner.peft_model, None) if learner.lora else None, probe, base_logprobs)
 
 
 def all_sharded(learner: Learner) -> bool:

@@ -33,12 +33,12 @@ def one_process(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def published_probes(weights: Path) -> dict[str, list[list[float]]]:
-    """version folder -> the probe log-probs its manifest carries (None when it carries no probe)."""
+def published_probes(weights: Path, key: str = "logprobs") -> dict[str, list]:
+    """version folder -> the probe record's `key` its manifest carries (None when it carries no probe)."""
     out = {}
     for version in sorted(weights.glob("v*")):
         probe = json.loads((version / "manifest.json").read_text()).get("probe")
-        out[version.name] = probe and probe["logprobs"]
+        out[version.name] = probe and probe[key]
     return out
 
 
@@ -69,6 +69,10 @@ def test_two_ranks_publish_one_process_probe_and_train_as_with_the_check_off(tmp
     assert all(two.values())  # every version carries the probe
     assert max(largest_difference(one[v], two[v]) for v in one) < PROBE_TOLERANCE
     assert largest_difference(two["v000000"], two["v000003"]) > 1e-2  # training moved the probe: versions are told apart
+    # the probe's responses, sampled by both ranks together, are one process's; so is the base's record
+    assert published_probes(tmp_path / "weights", "sequences") == published_probes(one_process[kind] / "weights", "sequences")
+    base_one, base_two = (published_probes(p / "weights", "base_logprobs")["v000003"] for p in (one_process[kind], tmp_path))
+    assert largest_difference(base_one, base_two) < PROBE_TOLERANCE and base_two == two["v000000"]
     assert not any(published_probes(tmp_path / "unprobed-weights").values())  # the twin: the check off
 
     # the probe forward changes no gradient: the first step (after v0's probe) and the weights after 6 steps

@@ -21,6 +21,7 @@ import numpy as np
 from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
 from tidal.model.probe import (
+    BASE_BOUND,
     CALIBRATION_FACTOR,
     DTYPE_TOLERANCE,
     arrival_tolerance,
@@ -356,38 +357,37 @@ def compare_probe(
 
 
 class ArrivalCheck:
-    """One engine's arrival check. Its tolerance is weights.arrival_tolerance when set; else, where both sides compute
-    in float32 or the same code, the default for the dtypes (arrival_tolerance). Where one side computes in half
-    precision, how far a right version lands depends on the model and the hardware as much as on the dtype, so the
-    tolerance is calibrated once per engine on the base model, the one weights it serves before its first version:
-    CALIBRATION_FACTOR times its mean difference from the trainer's record of the base (never below float32's
-    tolerance). The dtype's default then bounds the base itself: more than that, and the engine does not compute
-    the trainer's model at all."""
+    """One engine's arrival check. Its tolerance is weights.arrival_tolerance when set; else the default for the dtypes
+    both sides compute in (arrival_tolerance). Where one side computes in half precision, how far a right version
+    lands depends on the model's depth and the hardware as much as on the dtype, so the engine also measures its
+    difference on the base model, the one weights it serves before its first version: the tolerance of every version
+    is then at least CALIBRATION_FACTOR times that, and a base further off than BASE_BOUND stops the worker."""
 
     def __init__(self, configured: float | None, engine: str, dtypes: tuple[str, ...], worker_id: str):
-        self.limit = arrival_tolerance(configured, engine, *dtypes)
-        self.tolerance = self.limit
+        self.tolerance = arrival_tolerance(configured, engine, *dtypes)
         self.why = "weights.arrival_tolerance"
-        self.uncalibrated = configured is None and self.limit > DTYPE_TOLERANCE["float32"]
-        self.worker_id = worker_id
         self.dtype = max(dtypes, key=lambda d: DTYPE_TOLERANCE.get(d, 1.0))
+        self.uncalibrated = configured is None and self.tolerance > DTYPE_TOLERANCE["float32"]
+        self.worker_id = worker_id
 
     def wants_base(self, probe: dict | None) -> bool:
         """True while the engine, still serving the base model, should be probed before its first version."""
-        return bool(self.uncalibrated and self.limit and probe and probe.get("base_logprobs"))
+        return bool(self.uncalibrated and probe and probe.get("base_logprobs"))
 
     def calibrate(self, probe: dict, base_logprobs: list[list[float]]) -> float:
         """From the engine's log-probs of the probe on the base model: the tolerance of every later version."""
         difference = probe_difference(probe["base_logprobs"], base_logprobs)
-        if not difference <= self.limit:
+        bound = BASE_BOUND.get(self.dtype, max(BASE_BOUND.values()))
+        if not difference <= bound:
             raise WeightsDidNotArriveError(
                 f"the base model did not arrive on worker {self.worker_id}: its log-probs of the run's probe differ from the "
-                f"trainer's by {difference:.3g} per token on average (at most {self.limit:g} in {self.dtype}): it is not the "
+                f"trainer's by {difference:.3g} per token on average (at most {bound:g} in {self.dtype}): it is not the "
                 "model the trainer trains"
             )
         self.uncalibrated = False
-        self.tolerance = max(DTYPE_TOLERANCE["float32"], CALIBRATION_FACTOR * difference)
-        self.why = f"the tolerance calibrated on the base model ({CALIBRATION_FACTOR}x its {difference:.2g}):"
+        if CALIBRATION_FACTOR * difference > self.tolerance:
+            self.tolerance = CALIBRATION_FACTOR * difference
+            self.why = f"the tolerance calibrated on the base model ({CALIBRATION_FACTOR}x its {difference:.2g}):"
         log.info(
             "worker %s: arrival check calibrated on the base model: %.2g per token in %s, tolerance %.2g",
             self.worker_id,
