@@ -95,7 +95,9 @@ def test_served_in_bfloat16_as_on_a_gpu_the_arithmetic_example_calibrates_its_ch
     assert "dtype=torch.bfloat16" in log
     (calibrated,) = re.findall(r"arrival check calibrated on the base model: ([\d.e+-]+) per token in bfloat16, tolerance ([\d.e+-]+)", log)
     base, tolerance = map(float, calibrated)
-    assert 0 < base < DTYPE_TOLERANCE["bfloat16"] and tolerance == pytest.approx(max(DTYPE_TOLERANCE["bfloat16"], CALIBRATION_FACTOR * base), rel=0.05)
+    assert 0 < base < DTYPE_TOLERANCE["bfloat16"] and tolerance == pytest.approx(
+        max(DTYPE_TOLERANCE["bfloat16"], CALIBRATION_FACTOR * base), rel=0.05
+    )
     within = {int(v): float(d) for v, d in LOADED.findall(log)}
     assert sorted(within) == list(range(ITERATIONS)) and all(0 < d <= tolerance for d in within.values()), (within, tolerance)
     assert json.loads((run_dir / "summary.json").read_text())["groups_trained"] == ITERATIONS * 64
