@@ -449,7 +449,7 @@ class RolloutWorker:
         try:
             state, manifest = await asyncio.to_thread(load_verified_with_manifest, path)
             probe = manifest.get("probe")
-            if self.arrival.wants_base(probe) and hasattr(self.engine, "probe_logprobs"):  # it serves the base until a version loads
+            if self.version is None and self.arrival.wants_base(probe) and hasattr(self.engine, "probe_logprobs"):  # still the base
                 self.arrival.calibrate(probe, await asyncio.to_thread(self.engine.probe_logprobs, probe["sequences"]))
             await asyncio.to_thread(self.engine.load_state_dict, state)
         except (CorruptSnapshotError, ValueError) as err:
