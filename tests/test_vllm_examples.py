@@ -32,6 +32,23 @@ SHORTER = [f"trainer.iterations={ITERATIONS}", "eval.num_prompts=32"]  # the run
 LOADED = re.compile(r"loaded weights v(\d+) in [\d.]+s from the weight store \(probe log-probs within ([\d.e+-]+) of the trainer's, mean per token\)")
 
 
+@pytest.mark.parametrize("example", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "examples").glob("*.yaml")))
+def test_every_example_with_only_the_switch_serves_vllm_the_dtype_it_trains_in_on_cpu(example, tmp_path):
+    """Every example, flipped: on CPU the engine vLLM would start serves the trainer's model.dtype (vLLM's own 'auto'
+    serves a float32 model in bfloat16), and the arrival check applies that dtype's tolerance; an example that pins
+    rollout.vllm.dtype (the GPU examples: bfloat16 against a float32 trainer) keeps it, and its check is bfloat16's."""
+    from tidal.config import load_config
+    from tidal.model.probe import arrival_tolerance, trainer_compute_dtypes
+    from tidal.rollout.vllm_adapter import engine_args
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "examples" / example, SWITCH)
+    args = engine_args(cfg, tmp_path, "cpu")
+    pinned = cfg.rollout.vllm.dtype != "auto"
+    assert args.dtype == (cfg.rollout.vllm.dtype if pinned else cfg.model.dtype) and args.kv_cache_memory_bytes == 2**30
+    tolerance = arrival_tolerance(None, "vllm", args.dtype, *trainer_compute_dtypes(cfg))
+    assert tolerance == DTYPE_TOLERANCE["bfloat16" if pinned else cfg.model.dtype]
+
+
 def sets(*values: str) -> list[str]:
     return [arg for value in values for arg in ("--set", value)]
 
