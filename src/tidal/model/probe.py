@@ -106,7 +106,12 @@ def arrival_tolerance(configured: float | None, engine: str, *dtypes: str) -> fl
     dtypes = dtypes or ("float32",)
     if engine == "hf" and len(set(dtypes)) == 1:
         return HF_TOLERANCE
-    return max(DTYPE_TOLERANCE.get(dtype, max(DTYPE_TOLERANCE.values())) for dtype in dtypes)
+    return DTYPE_TOLERANCE.get(coarsest_dtype(*dtypes), max(DTYPE_TOLERANCE.values()))
+
+
+def coarsest_dtype(*dtypes: str) -> str:
+    """The dtype of `dtypes` with the widest tolerance (an unknown one counts as the coarsest)."""
+    return max(dtypes, key=lambda dtype: DTYPE_TOLERANCE.get(dtype, float("inf")))
 
 
 def trainer_compute_dtypes(cfg) -> tuple[str, ...]:

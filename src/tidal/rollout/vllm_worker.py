@@ -137,7 +137,7 @@ class VLLMRolloutWorker:
         assert not self.inflight, "weights change only with nothing in flight"
         t0 = time.time()
         path = await self._policy_uri(version)
-        await self._calibrate_on_base((readable_manifest(Path(path)) or {}).get("probe"))
+        await self._calibrate_on_base(path)
         if self.nccl and await self._receive_nccl(version):
             # the trainer published the version (with its probe record) before it sent it
             source, probe = "over NCCL", (readable_manifest(Path(path)) or {}).get("probe")
@@ -166,9 +166,13 @@ class VLLMRolloutWorker:
             self._arrival = ArrivalCheck(self.cfg.weights.arrival_tolerance, "vllm", dtypes, self.worker_id)
         return self._arrival
 
-    async def _calibrate_on_base(self, probe: dict | None) -> None:
-        """Before the engine's first version (it still serves the base model): the arrival check's calibration."""
-        if self.version is None and probe and self.arrival.wants_base(probe):
+    async def _calibrate_on_base(self, path: str) -> None:
+        """Before the engine's first version (it still serves the base model): the arrival check's calibration, on
+        the base's record that version `path`'s manifest carries."""
+        if self.version is not None:
+            return
+        probe = (readable_manifest(Path(path)) or {}).get("probe")
+        if probe and self.arrival.wants_base(probe):
             self.arrival.calibrate(probe, await self.engine.probe_logprobs(probe["sequences"]))
 
     async def _check_arrival(self, version: int, probe: dict | None) -> float | None:

@@ -25,6 +25,7 @@ from tidal.model.probe import (
     CALIBRATION_FACTOR,
     DTYPE_TOLERANCE,
     arrival_tolerance,
+    coarsest_dtype,
     largest_difference,
     probe_difference,
     trainer_compute_dtypes,
@@ -331,14 +332,14 @@ async def snapshot_path(transport: Transport, version: int, weights_root: Path |
     return os.path.join(os.path.dirname(policy.uri), version_dir_name(version))
 
 
-def check_arrival(engine, manifest: dict, version: int, tolerance: float, worker_id: str) -> float | None:
+def check_arrival(engine, manifest: dict, version: int, tolerance: float, worker_id: str, why: str = "weights.arrival_tolerance") -> float | None:
     """The engine's log-probs of the probe published with `version` against the trainer's: returns the mean
     per-token difference; one above `tolerance` is WeightsDidNotArriveError naming the version (the run stops). None:
     nothing checked (the manifest has no probe, the check is off, or the engine cannot compute log-probs)."""
     probe = manifest.get("probe")
     if not probe or not tolerance or not hasattr(engine, "probe_logprobs"):
         return None
-    return compare_probe(probe, engine.probe_logprobs(probe["sequences"]), version, tolerance, worker_id)
+    return compare_probe(probe, engine.probe_logprobs(probe["sequences"]), version, tolerance, worker_id, why)
 
 
 def compare_probe(
@@ -366,7 +367,7 @@ class ArrivalCheck:
     def __init__(self, configured: float | None, engine: str, dtypes: tuple[str, ...], worker_id: str):
         self.tolerance = arrival_tolerance(configured, engine, *dtypes)
         self.why = "weights.arrival_tolerance"
-        self.dtype = max(dtypes, key=lambda d: DTYPE_TOLERANCE.get(d, 1.0))
+        self.dtype = coarsest_dtype(*dtypes)
         self.uncalibrated = configured is None and self.tolerance > DTYPE_TOLERANCE["float32"]
         self.worker_id = worker_id
 
@@ -455,9 +456,8 @@ class RolloutWorker:
         except (CorruptSnapshotError, ValueError) as err:
             self.backoff = await report_refusal(self.transport, self.health, version, str(err))
             return None
-        difference = None
-        if probe and self.arrival.tolerance and hasattr(self.engine, "probe_logprobs"):
-            difference = self.arrival.check(probe, await asyncio.to_thread(self.engine.probe_logprobs, probe["sequences"]), version)
+        check = self.arrival
+        difference = await asyncio.to_thread(check_arrival, self.engine, manifest, version, check.tolerance, self.worker_id, check.why)
         self.health.loaded(version)
         arrived = "" if difference is None else f" (probe log-probs within {difference:.1e} of the trainer's, mean per token)"
         log.info("worker %s loaded weights v%d in %.3fs%s", self.worker_id, version, time.time() - t0, arrived)
