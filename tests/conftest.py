@@ -15,6 +15,9 @@ import pytest
 import yaml
 
 from tests.processes import SESSION_ENV, kill, session_leftovers
+from tidal.sandbox import PASS_ENV
+
+TEST_SWITCHES = ("TIDAL_TEST_MARKERS", "TIDAL_TEST_TARGETS", "TIDAL_TEST_REWARD_GATE", "TIDAL_TEST_KILL_MARKER", "TIDAL_TEST_KILL_AT")
 from tidal.config import config_from_dict
 from tidal.transport.server import EmbeddedNats
 
@@ -27,6 +30,8 @@ def nothing_left_running():
     (each xdist worker its own) marks its children's environment, and at the end any process still
     carrying the mark, or still descended from it, is killed and fails the session."""
     os.environ[SESSION_ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    # tool and reward processes (sandboxed) get the session's mark too, and the tests' own switches
+    os.environ[PASS_ENV] = ",".join([SESSION_ENV, *TEST_SWITCHES])
     yield
     left = session_leftovers(f"{SESSION_ENV}={os.environ[SESSION_ENV]}".encode(), os.getpid(), seconds=30)
     kill(list(left))
@@ -116,7 +121,9 @@ def run_misbehaving_once(config: Path, tmp_path: Path) -> tuple[subprocess.Compl
     markers = tmp_path / "markers"
     markers.mkdir()
     run_dir = tmp_path / "run"
-    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress", env={"TIDAL_TEST_MARKERS": str(markers)})
+    # the sandbox lets user code write nowhere but its own directory and sandbox.write_paths
+    writable = f"sandbox.write_paths=[{json.dumps(str(markers))}]"
+    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress", "--set", writable, env={"TIDAL_TEST_MARKERS": str(markers)})
     return proc, run_dir, sorted(p.name for p in markers.iterdir())
 
 

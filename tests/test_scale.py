@@ -157,7 +157,7 @@ def pairs(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(x) for x in t if x) for t in re.findall(r"\((\d+), (\d+)(?:, (\d+))?\)", text)]
 
 
-def test_a_worker_preempted_by_sigterm_hands_back_its_items_and_another_worker_regenerates_them(tmp_path, write_config):
+def test_a_worker_preempted_by_sigterm_hands_back_its_items_and_another_worker_regenerates_them(tmp_path, write_config, monkeypatch):
     """SIGTERM to a worker while it holds a work item: it NAKs what it holds and leaves. The ack deadline
     is an hour, so the items can come back only through the hand-back: the other worker takes them on
     their second delivery, the trainer never asks for them again, every group is trained once by the
@@ -165,6 +165,8 @@ def test_a_worker_preempted_by_sigterm_hands_back_its_items_and_another_worker_r
     import os
     import signal
 
+    gate = tmp_path / "reward-gate"
+    monkeypatch.setenv(REWARD_GATE_ENV, str(gate))
     config = paced_config(write_config)
     reference = run_cli("run", str(config), "--run-dir", str(tmp_path / "ref"), "--no-progress")
     assert reference.returncode == 0, reference.stderr[-3000:]
@@ -176,7 +178,10 @@ def test_a_worker_preempted_by_sigterm_hands_back_its_items_and_another_worker_r
         wait_until(lambda: len(taken_lines(run_dir, "worker-1")) >= 2 and trained_in(run_dir, 1), proc)
         seen = len(taken_lines(run_dir, "worker-1"))
         wait_until(lambda: len(taken_lines(run_dir, "worker-1")) > seen, proc)  # it has just taken an item: it holds it
+        gate.touch()  # no group can be scored, so the run cannot end before the launcher sees the worker leave
         os.kill(int((run_dir / "logs" / "worker-1.pid").read_text()), signal.SIGTERM)
+        wait_until(lambda: "worker-1 was stopped by SIGTERM" in (run_dir / "logs" / "launcher.log").read_text(), proc)
+        gate.unlink()
         out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     worker_log = (run_dir / "logs" / "worker-1.log").read_text()

@@ -116,6 +116,9 @@ def test_a_killed_worker_takes_its_reward_and_tool_processes_with_it_and_the_run
         {
             "rollout.env": "tests.tools:WorkerKiller",
             "rollout.tools": ["tests.tools:kill_worker_once"],
+            # user code that signals its own worker is what the sandbox refuses (tests/test_sandbox.py); here the
+            # worker's death is the subject, so its user code runs unconfined
+            "sandbox.enabled": False,
             "rollout.max_turns": 2,
             "reward.functions": [{"name": "exact_match"}, {"name": "tests.rewards:digit_count", "weight": 0.0}],
             "trainer.iterations": iterations,
@@ -141,6 +144,9 @@ def test_a_worker_stopped_by_sigterm_ends_in_order_with_its_processes_and_the_ru
     config = write_config(
         {
             "reward.functions": [{"name": "exact_match"}, {"name": "tests.rewards:terminates_worker_once", "weight": 0.0}],
+            # user code that signals its own worker is what the sandbox refuses (tests/test_sandbox.py); here the
+            # worker's death is the subject, so its user code runs unconfined
+            "sandbox.enabled": False,
             "trainer.iterations": iterations,
             "trainer.prompts_per_iteration": prompts,
             "eval.enabled": False,

@@ -15,8 +15,10 @@ and each call's CPU time (RLIMIT_CPU, re-armed before every call: SIGXCPU ends t
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import logging
 import os
 import resource
 import select
@@ -28,7 +30,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from tidal import sandbox
 from tidal.parentdeath import set_parent_death_signal
+
+log = logging.getLogger(__name__)
 
 STARTUP_SECONDS = 120.0  # importing a user's module may load a model of its own
 MAX_REPLY_BYTES = 8 << 20  # one reply line; a longer one is a broken host, replaced
@@ -92,15 +97,31 @@ def exit_cause(code: int) -> str:
 
 class HostProcess:
     """One host process (`python -m module *args`); started at the first call, replaced after a failure.
-    `timeout_key` names the config key of `timeout` in the error a timeout gives."""
+    `timeout_key` names the config key of `timeout` in the error a timeout gives. It runs in the
+    sandbox of `policy` (tidal.sandbox; the process's current policy when None), and `memory_mb`
+    bounds the memory of its whole tree where the machine gives a control group or the watch runs."""
 
-    def __init__(self, module: str, args: list[str], timeout: float, timeout_key: str, max_reply_bytes: int = MAX_REPLY_BYTES):
+    def __init__(
+        self,
+        module: str,
+        args: list[str],
+        timeout: float,
+        timeout_key: str,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
+        memory_mb: int | None = None,
+        policy: sandbox.SandboxPolicy | None = None,
+    ):
         self.command = [sys.executable, "-m", module, *args]
         self.timeout, self.timeout_key, self.max_reply_bytes = timeout, timeout_key, max_reply_bytes
+        self.memory_mb, self.policy = memory_mb, policy
         self.proc: subprocess.Popen | None = None
         self.reader: LineReader | None = None
+        self.box: sandbox.HostBox | None = None
+        self.stderr: CappedOutput | None = None
+        self.watching: threading.Event | None = None
         self.started = 0  # processes started so far (a replacement is the second one on)
         self.ready = False  # the running process has said it loaded its functions
+        self.closed = False  # close() was called: no call starts a process again
         self.lock = threading.Lock()
 
     def prestart(self) -> None:
@@ -111,8 +132,25 @@ class HostProcess:
                 self._spawn()
 
     def _spawn(self) -> None:
-        env = {**os.environ, PARENT_ENV: str(os.getpid())}
-        self.proc = _spawner.submit(subprocess.Popen, self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env).result()
+        if self.closed:
+            raise HostCallError("Closed", "its worker is shutting down")
+        policy = self.policy or sandbox.current()
+        self.box = sandbox.open_box(policy, self.memory_mb)
+        paths = sandbox.import_paths(os.getcwd(), sys.path)
+        env = sandbox.host_environment(policy, os.environ, self.box.home, paths) if policy.enabled else dict(os.environ)
+        env[sandbox.SANDBOX_ENV] = self.box.spec(policy, paths)  # unconfined, it still joins its control group
+        env[PARENT_ENV] = str(os.getpid())
+        popen = functools.partial(
+            subprocess.Popen, self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True
+        )
+        if policy.enabled:
+            popen = functools.partial(popen, cwd=self.box.home)
+        self.proc = _spawner.submit(popen).result()
+        self.box.pid = self.proc.pid
+        self.stderr = CappedOutput(self.proc.stderr, PRINT_CHARS + (4 << 10))  # room for the host's own line on what it dropped
+        if not self.box.cgroups:
+            self.watching = threading.Event()
+            threading.Thread(target=self.box.watch, args=(self.memory_mb, self.watching), daemon=True).start()
         self.reader = LineReader(self.proc.stdout.fileno(), self.max_reply_bytes)
         self.ready = False
         self.started += 1
@@ -130,16 +168,34 @@ class HostProcess:
         if "fatal" in reply:
             self.stop()
             raise HostStartError(reply["fatal"])
+        warn_once(self.command[2], reply.get("unconfined", []))
         self.ready = True
 
     def stop(self) -> None:
+        """Kills the host and everything it started, and removes its directory and control group."""
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
             for pipe in (self.proc.stdin, self.proc.stdout):
                 pipe.close()
-        self.proc = self.reader = None
+        if self.watching is not None:
+            self.watching.set()
+        if self.box is not None:
+            self.box.close()
+        if self.stderr is not None:
+            self.stderr.join()  # its last lines, now that no process of the tree holds the pipe
+        self.proc = self.reader = self.box = self.stderr = self.watching = None
         self.ready = False
+
+    def close(self) -> None:
+        """For good, from any thread: a call in flight fails (its process is killed under it) and no
+        call starts a process again."""
+        self.closed = True
+        proc = self.proc
+        if proc is not None:
+            proc.kill()
+        with self.lock:
+            self.stop()
 
     def request(self, message: dict) -> dict:
         """Sends one call and returns the host's reply; HostCallError when the process failed it (the
@@ -147,6 +203,7 @@ class HostProcess:
         with self.lock:
             if self.proc is None or not self.ready:
                 self._start()
+            self.stderr.new_call()
             try:
                 self.proc.stdin.write((json.dumps(message) + "\n").encode())
                 self.proc.stdin.flush()
@@ -161,9 +218,72 @@ class HostProcess:
                 line = None
             if line is None:
                 code = self.proc.wait()
+                over = self.box.over
                 self.stop()
-                raise HostCallError("ProcessDied", f"its process exited with code {code} ({exit_cause(code)}); it was replaced")
+                if self.closed:
+                    raise HostCallError("Closed", "its worker is shutting down")
+                cause = over or exit_cause(code)
+                raise HostCallError("ProcessDied", f"its process exited with code {code} ({cause}); it was replaced")
+            self.box.end_children()  # what the call started ends with it
         return json.loads(line)
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_once(module: str, unconfined: list[str]) -> None:
+    """One warning per host kind and missing layer, in the worker's log."""
+    text = "; ".join(unconfined)
+    if text and (module, text) not in _warned:
+        _warned.add((module, text))
+        log.warning("user code in %s runs without: %s (the kernel refused it; docs/agents.md#what-user-code-can-do)", module, text)
+
+
+class CappedOutput:
+    """A host's stderr (user code's prints and whatever its children write to their inherited
+    descriptors), copied to the worker's stderr up to `limit` bytes a call; the rest is dropped,
+    with one line saying how much."""
+
+    def __init__(self, pipe, limit: int):
+        self.pipe, self.limit, self.written, self.dropped = pipe, limit, 0, 0
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._copy, daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        fd = self.pipe.fileno()
+        while chunk := _read_some(fd):
+            with self.lock:
+                kept = chunk[: max(0, self.limit - self.written)]
+                self.written += len(kept)
+                self.dropped += len(chunk) - len(kept)
+            if kept:
+                _write_all(2, kept)
+        self.pipe.close()
+
+    def new_call(self) -> None:
+        with self.lock:
+            dropped, self.written, self.dropped = self.dropped, 0, 0
+        if dropped:
+            _write_all(2, f"\n[{dropped} more bytes written by user code were dropped: over {self.limit} a call]\n".encode())
+
+    def join(self) -> None:
+        self.thread.join(timeout=5)
+
+
+def _read_some(fd: int) -> bytes:
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:
+        return b""
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError:
+        pass
 
 
 # --- the host's side ---------------------------------------------------------------------------
@@ -238,6 +358,7 @@ def serve(load: Callable[[], Callable[[dict], dict]], memory_mb: int | None = No
     """The host's main loop. `load()` imports the user's functions and returns the function that
     answers one call (a dict in, a JSON-able dict out); after it the host says `{"ready": true}`, or
     `{"fatal": message}` when it raised, and exits."""
+    unconfined = sandbox.enter()  # first: user namespaces need a process of one thread
     tie_to_parent()
     protocol = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
     os.dup2(2, 1)
@@ -249,7 +370,7 @@ def serve(load: Callable[[], Callable[[dict], dict]], memory_mb: int | None = No
     except Exception as err:  # noqa: BLE001 - user imports: the parent reports it
         protocol.write(json.dumps({"fatal": str(err) or type(err).__name__}) + "\n")
         return 1
-    protocol.write(json.dumps({"ready": True}) + "\n")
+    protocol.write(json.dumps({"ready": True, "unconfined": unconfined}) + "\n")
     for line in iter(sys.stdin.readline, ""):
         limit_next_call_cpu(cpu_seconds)
         reply = answer(json.loads(line))

@@ -254,6 +254,10 @@ class RewardConfig(_Strict):
     # zeros to the end, while one that fails now and then, by design or early in training, trains on. 1: never
     max_error_rate: float = Field(0.99, ge=0, le=1)
     error_window: int = Field(200, gt=0)  # a function's calls the error rate is measured over (the latest ones)
+    # user functions' process, and all it starts (sandbox): memory together (a control group where the machine
+    # gives one, else resident memory measured), and each call's CPU time (RLIMIT_CPU); None: no limit
+    memory_mb: int | None = Field(4096, gt=0)
+    cpu_seconds: int | None = Field(60, gt=0)
 
     @model_validator(mode="after")
     def _labels_differ(self) -> RewardConfig:
@@ -389,8 +393,8 @@ class RolloutConfig(_Strict):
     # time, or past the limits below, is an error the model reads, counted, and the process is replaced
     tool_timeout_seconds: float = Field(30.0, gt=0)
     tool_cpu_seconds: int | None = Field(60, gt=0)  # one tool call's CPU time (RLIMIT_CPU, all its threads); None: no limit
-    # the tool process's address space (RLIMIT_AS), its imports included; a tool that loads torch or
-    # CUDA maps far more than it uses and needs more, or None (no limit)
+    # the tool process's address space (RLIMIT_AS), its imports included, and the memory of its whole tree
+    # together (sandbox); a tool that loads torch or CUDA maps far more than it uses and needs more, or None
     tool_memory_mb: int | None = Field(4096, gt=0)
     tool_output_bytes: int = Field(65536, gt=0)  # a tool's text past this many bytes (UTF-8) is cut, counted
     tool_processes: int = Field(4, gt=0)  # tool calls at once (processes), for engines that step trajectories concurrently
@@ -626,6 +630,29 @@ class WeightsConfig(_Strict):
     arrival_tolerance: float | None = Field(None, ge=0)
 
 
+class SandboxConfig(_Strict):
+    """What rollout.tools and user reward functions (`module:function`) may do: they run in processes of the
+    worker's own, confined by Linux (docs/agents.md#what-user-code-can-do). Whatever is set here, they never
+    get the run's secrets or tokens, never read the run directory and never write into it."""
+
+    enabled: bool = True  # false: they run with the worker's environment and rights (a trusted setup); the limits still hold
+    env: list[str] = []  # environment variables passed to them by name (an API key a tool needs); nothing else is
+    read_paths: list[str] = []  # also readable (a model cache, a data folder), beside the interpreter, the import paths and /usr, /etc, ...
+    write_paths: list[str] = []  # also writable, beside their own directory (removed with their process)
+    network: bool = False  # true: TCP out (a tool that calls a web API); the run's NATS and MLflow still need credentials they lack
+    processes: int = Field(64, gt=0)  # processes at once in one tool or reward process's tree; past it the tree is killed
+
+    @field_validator("env")
+    @classmethod
+    def _no_run_secrets(cls, names: list[str]) -> list[str]:
+        from tidal.sandbox import is_run_secret
+
+        secret = [n for n in names if is_run_secret(n)]
+        if secret:
+            raise ValueError(f"sandbox.env may not pass the run's own variables to user code: {secret}")
+        return names
+
+
 class TidalConfig(_Strict):
     mode: Literal["sync", "periodic", "bounded"] = "periodic"
     seed: int = 0
@@ -638,6 +665,7 @@ class TidalConfig(_Strict):
     tracking: TrackingConfig = TrackingConfig()
     transport: TransportConfig = TransportConfig()
     weights: WeightsConfig = WeightsConfig()
+    sandbox: SandboxConfig = SandboxConfig()
 
     @model_validator(mode="after")
     def _planner_measures_the_hf_engine(self) -> TidalConfig:

@@ -61,7 +61,9 @@ class ToolHost:
 
     def _new_process(self) -> HostProcess:
         limits = self.limits
-        return HostProcess("tidal.envs.host", [*limits.host_args(), *self.names], limits.timeout_seconds, "rollout.tool_timeout_seconds")
+        return HostProcess(
+            "tidal.envs.host", [*limits.host_args(), *self.names], limits.timeout_seconds, "rollout.tool_timeout_seconds", memory_mb=limits.memory_mb
+        )
 
     def _acquire(self) -> HostProcess:
         try:
@@ -107,4 +109,4 @@ class ToolHost:
     def close(self) -> None:
         with self.lock:
             for process in self.processes:
-                process.stop()
+                process.close()

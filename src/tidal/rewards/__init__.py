@@ -153,7 +153,7 @@ class RewardScorer:
 
         local = [f for f in cfg.functions if f.type == "function"]
         user = [f.name for f in local if is_user_function(f.name)]
-        process = reward_process(user, cfg.timeout_seconds) if user else None
+        process = reward_process(user, cfg.timeout_seconds, cfg.memory_mb, cfg.cpu_seconds) if user else None
         if process is not None and prestart:
             process.prestart()
         fns = [(f.name, remote_reward(process, f.name) if is_user_function(f.name) else resolve(f.name), f.weight) for f in local]
@@ -226,7 +226,7 @@ class RewardScorer:
 
     def close(self) -> None:
         if self.process is not None:
-            self.process.stop()
+            self.process.close()
         if self.served is not None:
             self.served.close()
 

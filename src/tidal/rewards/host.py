@@ -1,5 +1,6 @@
-"""`python -m tidal.rewards.host NAME...`: a process that runs user reward functions for its parent
-(tidal.hosted.serve: JSON lines, prints to stderr, exits with its parent).
+"""`python -m tidal.rewards.host [--memory-mb M] [--cpu-seconds S] NAME...`: a process that runs user
+reward functions for its parent (tidal.hosted.serve: JSON lines, prints to stderr, exits with its
+parent, in the sandbox, rlimits).
 
 The parent writes `{"fn", "completion", "answer"}`, the host answers `{"value": float}` or
 `{"error": "Type: message"}`. After resolving its functions it says `{"ready": true}`, or
@@ -7,6 +8,7 @@ The parent writes `{"fn", "completion", "answer"}`, the host answers `{"value": 
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from tidal.hosted import serve
@@ -28,5 +30,14 @@ def load(names: list[str]):
     return lambda call: answer(call, functions)
 
 
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tidal.rewards.host")
+    parser.add_argument("--memory-mb", type=int)
+    parser.add_argument("--cpu-seconds", type=int)
+    parser.add_argument("names", nargs="*")
+    args = parser.parse_args(argv)
+    return serve(lambda: load(args.names), args.memory_mb, args.cpu_seconds)
+
+
 if __name__ == "__main__":
-    sys.exit(serve(lambda: load(sys.argv[1:])))
+    sys.exit(main(sys.argv[1:]))

@@ -13,8 +13,12 @@ class RewardError(ValueError):
     """A reward function cannot be found or loaded."""
 
 
-def reward_process(names: list[str], timeout: float) -> HostProcess:
-    return HostProcess("tidal.rewards.host", names, timeout, "reward.timeout_seconds")
+def reward_process(names: list[str], timeout: float, memory_mb: int | None = None, cpu_seconds: int | None = None) -> HostProcess:
+    """The user functions' process, in the sandbox (tidal.sandbox), with the limits of tools:
+    reward.memory_mb for its whole tree, reward.cpu_seconds per call."""
+    limits = [f"--memory-mb={memory_mb}"] if memory_mb else []
+    limits += [f"--cpu-seconds={cpu_seconds}"] if cpu_seconds else []
+    return HostProcess("tidal.rewards.host", [*limits, *names], timeout, "reward.timeout_seconds", memory_mb=memory_mb)
 
 
 def remote_reward(process: HostProcess, name: str):

@@ -1,0 +1,505 @@
+"""The sandbox user code runs in: rollout.tools and user reward functions (tidal.hosted's host
+processes) get nothing of the run.
+
+The worker starts each host with an allow-listed environment (none of the run's secrets or tokens),
+a working directory, HOME and TMPDIR of its own (removed with the host), in a session and a process
+group of its own, and, where the machine allows it, in a control group that bounds the memory and
+the number of processes of everything the host starts. The host, before it imports any user code,
+confines itself (`enter`): a network namespace of its own (no route to the run's NATS or MLflow),
+Landlock (read and execute only the interpreter, the import paths and the system's directories,
+never the run directory; write only its own directory; no TCP; no signal to, and no /proc view
+into, any process outside its sandbox), and no capabilities. Each layer the kernel refuses is named
+in one warning; the others still hold.
+
+Everything here is Linux; elsewhere the host runs with the environment and directory rules only."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SANDBOX_ENV = "TIDAL_SANDBOX"  # the host's own spec (JSON), read and removed by `enter`
+PASS_ENV = "TIDAL_SANDBOX_PASS_ENV"  # names (comma-separated) a wrapper adds to sandbox.env: CI tags, test markers
+# What any process needs and tells nothing of the run: the locale, the time zone, the thread counts.
+BASE_ENV = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+SYSTEM_READ = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/opt", "/proc", "/sys", "/dev")
+DEVICE_FILES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
+WATCH_SECONDS = 0.1  # how often a tree without a control group is measured
+
+
+@dataclass(frozen=True)
+class SandboxPolicy:
+    """sandbox.* of the config, and the run directories no user code may see."""
+
+    enabled: bool = True
+    env: tuple[str, ...] = ()  # variables passed through, by name
+    read_paths: tuple[str, ...] = ()  # readable beside the interpreter, the import paths and the system's directories
+    write_paths: tuple[str, ...] = ()  # writable beside the host's own directory
+    network: bool = False
+    processes: int = 64  # at once, in one host's tree (the host itself counted)
+    hidden: tuple[str, ...] = ()  # never readable: the run directory
+
+    @classmethod
+    def from_config(cls, cfg, hidden: tuple[str, ...] = ()) -> SandboxPolicy:
+        return cls(cfg.enabled, tuple(cfg.env), tuple(cfg.read_paths), tuple(cfg.write_paths), cfg.network, cfg.processes, hidden)
+
+
+_policy = SandboxPolicy()
+
+
+def configure(policy: SandboxPolicy) -> None:
+    """The policy for every host this process starts from now on (a role sets it from its config and run)."""
+    global _policy
+    _policy = policy
+
+
+def current() -> SandboxPolicy:
+    return _policy
+
+
+# --- the parent's side ---------------------------------------------------------------------------
+
+
+def is_run_secret(name: str) -> bool:
+    """The run's own credentials (signing keys, NATS and MLflow credentials, served rewards' API keys):
+    never passed to user code, whatever a config or PASS_ENV names."""
+    return name.startswith(("TIDAL_", "MLFLOW_", "NATS_")) and any(word in name for word in ("KEY", "TOKEN", "PASSWORD", "USERNAME", "SECRET"))
+
+
+def passed_names(policy: SandboxPolicy, environ: dict) -> list[str]:
+    extra = [n.strip() for n in environ.get(PASS_ENV, "").split(",") if n.strip()]
+    return [n for n in (*BASE_ENV, *policy.env, *extra) if not is_run_secret(n)]
+
+
+def host_environment(policy: SandboxPolicy, environ: dict, home: Path, import_paths: list[str]) -> dict:
+    """The whole environment of a host: the allow-listed names that are set, a HOME and TMPDIR of its
+    own, and PYTHONPATH naming where user modules are found (its working directory is not the worker's)."""
+    env = {name: environ[name] for name in passed_names(policy, environ) if name in environ}
+    env.setdefault("PATH", os.defpath)
+    tmp = home / "tmp"
+    env.update(HOME=str(home), TMPDIR=str(tmp), XDG_CACHE_HOME=str(home / ".cache"), PYTHONPATH=os.pathsep.join(import_paths))
+    return env
+
+
+def import_paths(cwd: str, path: list[str]) -> list[str]:
+    """Where the worker finds modules: its working directory first (where `module:function` names resolve),
+    then its sys.path; entries that are not directories or zip files are dropped."""
+    found = []
+    for entry in [cwd, *path]:
+        entry = os.path.abspath(entry or cwd)
+        if entry not in found and os.path.exists(entry):
+            found.append(entry)
+    return found
+
+
+@dataclass
+class HostBox:
+    """One host's directory and, where the machine gives one, its control group(s); `close` kills
+    everything in them and removes them."""
+
+    home: Path
+    cgroups: list[Path] = field(default_factory=list)
+    memory_bytes: int | None = None
+    processes: int = 64
+    pid: int | None = None  # the host, once started: its session's id (start_new_session)
+    over: str | None = None  # why the watch killed the tree
+
+    def spec(self, policy: SandboxPolicy, paths: list[str]) -> str:
+        return json.dumps(
+            {
+                "home": str(self.home),
+                "cgroups": [str(c) for c in self.cgroups],
+                "read": sorted({*paths, *policy.read_paths, sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}),
+                "write": list(policy.write_paths),
+                "hidden": list(policy.hidden),
+                "confine": policy.enabled,
+                "network": policy.network,
+                "processes": policy.processes,
+            }
+        )
+
+    def members(self) -> list[int]:
+        """Every live process of the tree: the control group's, else the host's session's."""
+        if self.cgroups:
+            return cgroup_members(self.cgroups[0])
+        return session_members(self.pid) if self.pid else []
+
+    def end_children(self) -> None:
+        """Kills every process of the tree but the host: what a call started ends with the call."""
+        for _ in range(50):
+            others = [p for p in self.members() if p != self.pid]
+            if not others:
+                return
+            for pid in others:
+                _kill(pid)
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        """After the host was killed and reaped: kills what is left of its tree, removes the group(s)
+        and the directory."""
+        self.end_children()
+        for group in self.cgroups:
+            for _ in range(100):
+                try:
+                    group.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # its last processes are still exiting
+                    for pid in cgroup_members(group):
+                        _kill(pid)
+                    time.sleep(0.02)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+    def watch(self, memory_mb: int | None, stop: threading.Event) -> None:
+        """Without a control group: measures the session every WATCH_SECONDS and kills the whole tree
+        when it holds more processes or memory (resident) than allowed."""
+        limit = memory_mb << 20 if memory_mb else None
+        while not stop.wait(WATCH_SECONDS):
+            members = self.members()
+            if len(members) > self.processes:
+                self.over = f"over {self.processes} processes (sandbox.processes)"
+            elif limit and sum(resident_bytes(p) for p in members) > limit:
+                self.over = f"over {memory_mb} MB resident, its processes together"
+            else:
+                continue
+            for pid in members:
+                _kill(pid)
+
+
+BOX_PREFIX = "tidal-sandbox-"
+_BOX_NAME = re.compile(rf"^{BOX_PREFIX}(\d+)-")
+
+
+def open_box(policy: SandboxPolicy, memory_mb: int | None) -> HostBox:
+    home = Path(tempfile.mkdtemp(prefix=f"{BOX_PREFIX}{os.getpid()}-"))
+    (home / "tmp").mkdir()
+    os.chmod(home, 0o700)
+    box = HostBox(home, processes=policy.processes, memory_bytes=memory_mb << 20 if memory_mb else None)
+    box.cgroups = make_cgroups(home.name, box.memory_bytes, policy.processes)
+    sweep_once(tuple(g.parent for g in box.cgroups))
+    return box
+
+
+@functools.cache
+def sweep_once(cgroup_parents: tuple[Path, ...]) -> None:
+    """Removes what hosts of workers that died by SIGKILL left (their directories, their empty control
+    groups): a box's name carries its worker's pid."""
+    for parent in (Path(tempfile.gettempdir()), *cgroup_parents):
+        try:
+            entries = list(parent.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            match = _BOX_NAME.match(entry.name)
+            if match and not _alive(int(match.group(1))):
+                try:
+                    entry.rmdir() if parent in cgroup_parents else shutil.rmtree(entry, ignore_errors=True)
+                except OSError:
+                    pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes whose session is `sid` (zombies aside): a host and what it started, unless
+    one left the session (only a control group holds those)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def resident_bytes(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def cgroup_members(group: Path) -> list[int]:
+    try:
+        return [int(p) for p in (group / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
+def own_cgroups() -> dict[str, str]:
+    """This process's control group per controller ("" for the unified hierarchy), from /proc/self/cgroup."""
+    found = {}
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for name in controllers.split(",") if controllers else [""]:
+                found[name] = path
+    except OSError:
+        pass
+    return found
+
+
+def make_cgroups(name: str, memory_bytes: int | None, processes: int) -> list[Path]:
+    """A control group (v2), or one per controller (v1, memory and pids), beside this process's own,
+    with the tree's limits set; [] where none can be made (no delegation, another OS)."""
+    mine = own_cgroups()
+    root = Path("/sys/fs/cgroup")
+    unified = root if (root / "cgroup.controllers").exists() else root / "unified"
+    if "" in mine and {"memory", "pids"} <= set(_read(unified / mine[""].lstrip("/") / "cgroup.controllers").split()):
+        group = unified / mine[""].lstrip("/") / name
+        made = _make(group, {"memory.max": memory_bytes, "pids.max": processes, "memory.swap.max": 0 if memory_bytes else None})
+        return [group] if made else []
+    groups = []
+    for controller, limits in (("memory", {"memory.limit_in_bytes": memory_bytes}), ("pids", {"pids.max": processes})):
+        if controller not in mine or not (root / controller).is_dir():
+            break
+        group = root / controller / mine[controller].lstrip("/") / name
+        if not _make(group, limits):
+            break
+        groups.append(group)
+    else:
+        return groups
+    for group in groups:
+        group.rmdir()
+    return []
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _make(group: Path, limits: dict) -> bool:
+    try:
+        group.mkdir()
+    except OSError:
+        return False
+    try:
+        for key, value in limits.items():
+            if value is not None and (group / key).exists():
+                (group / key).write_text(str(value))
+    except OSError:
+        group.rmdir()
+        return False
+    return True
+
+
+# --- the host's side -----------------------------------------------------------------------------
+
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 38, 24
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
+LANDLOCK_RULE_PATH_BENEATH = 1
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FS_TRUNCATE, FS_IOCTL_DEV = 1 << 14, 1 << 15
+NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1
+FILE_ONLY = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV
+
+
+def fs_rights(abi: int) -> int:
+    """Every filesystem right Landlock knows at `abi` (each is then denied unless a rule grants it)."""
+    last = {1: 12, 2: 13, 3: 14}.get(abi, 15)
+    return (1 << (last + 1)) - 1
+
+
+def readable_roots(roots: list[str], hidden: list[str]) -> list[str]:
+    """`roots` with every `hidden` path carved out: a root that holds a hidden path is replaced by its
+    entries, recursively, leaving out the one on the way to it (Landlock only grants; it cannot deny
+    inside a grant). A root inside a hidden path is dropped; so is an entry that resolves into one."""
+    hidden_real = [os.path.realpath(h) for h in hidden]
+
+    def inside(path: str, top: str) -> bool:
+        return path == top or path.startswith(top.rstrip("/") + "/")
+
+    def expand(root: str) -> list[str]:
+        real = os.path.realpath(root)
+        if any(inside(real, h) for h in hidden_real):
+            return []
+        if not any(inside(h, real) for h in hidden_real):
+            return [real]
+        try:
+            entries = sorted(os.listdir(real))
+        except OSError:
+            return []
+        return [p for entry in entries for p in expand(os.path.join(real, entry))]
+
+    found: list[str] = []
+    for root in roots:
+        if os.path.exists(root):
+            found += [p for p in expand(root) if p not in found]
+    return found
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 where there is none (an older kernel, not enabled, not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    version = _libc().syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    return max(0, version)
+
+
+def apply_landlock(read: list[str], write: list[str], network: bool) -> list[str]:
+    """Restricts this process and all it starts; what the kernel's ABI cannot restrict is returned, named."""
+    abi = landlock_abi()
+    if abi == 0:
+        return ["Landlock (no filesystem, signal or TCP restriction)"]
+    libc = _libc()
+    handled = fs_rights(abi)
+    attr = _RulesetAttr(handled, 0, 0)
+    size = 8
+    missing = []
+    if abi >= 4 and not network:
+        attr.handled_access_net, size = NET_BIND_TCP | NET_CONNECT_TCP, 16
+    elif not network:
+        missing.append(f"TCP restriction (Landlock ABI {abi} < 4)")
+    if abi >= 6:
+        attr.scoped, size = SCOPE_SIGNAL | SCOPE_ABSTRACT_UNIX_SOCKET, 24
+    else:
+        missing.append(f"signal and abstract-socket scoping (Landlock ABI {abi} < 6)")
+    ruleset = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if ruleset < 0:
+        return [f"Landlock ({os.strerror(ctypes.get_errno())})"]
+    try:
+        for paths, rights in ((read, FS_READ_FILE | FS_READ_DIR | FS_EXECUTE), (write, handled)):
+            for path in paths:
+                _add_rule(libc, ruleset, path, rights & handled)
+        for device in DEVICE_FILES:
+            _add_rule(libc, ruleset, device, (FS_READ_FILE | FS_WRITE_FILE | FS_TRUNCATE) & handled)
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)) != 0:
+            return [f"Landlock ({os.strerror(ctypes.get_errno())})"]
+    finally:
+        os.close(ruleset)
+    return missing
+
+
+def _add_rule(libc, ruleset: int, path: str, rights: int) -> None:
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if not os.path.isdir(path):
+            rights &= FILE_ONLY
+        rule = _PathBeneath(rights, fd)
+        if libc.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
+            raise OSError(ctypes.get_errno(), f"Landlock rule for {path}: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+
+
+def leave_network() -> str | None:
+    """A network namespace of this process's own (only a loopback that is down): no route anywhere.
+    Root gets one directly, others inside a user namespace; None, or what the kernel said."""
+    libc = _libc()
+    if libc.unshare(CLONE_NEWNET) == 0:
+        return None
+    first = os.strerror(ctypes.get_errno())
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
+        return None
+    return f"a network namespace ({first}; in a user namespace: {os.strerror(ctypes.get_errno())})"
+
+
+def drop_capabilities() -> None:
+    """No capability left, none to regain: root in a host is an ordinary user to the kernel."""
+    libc = _libc()
+    for cap in range(64):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
+            break
+    number = SYS_CAPSET.get(os.uname().machine)
+    if number is not None:
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+        data = (ctypes.c_uint32 * 6)()
+        libc.syscall(number, header, data)
+
+
+def join_cgroups(groups: list[str]) -> None:
+    for group in groups:
+        Path(group, "cgroup.procs").write_text("0")
+
+
+def enter(environ: dict | None = None) -> list[str]:
+    """Confines this host before it imports user code (call it while the process has one thread: a
+    user namespace needs that). Returns the layers the kernel refused, named; [] when all hold."""
+    environ = os.environ if environ is None else environ
+    raw = environ.pop(SANDBOX_ENV, None)
+    if raw is None:
+        return []
+    spec = json.loads(raw)
+    missing = []
+    try:
+        join_cgroups(spec["cgroups"])
+    except OSError as err:
+        missing.append(f"its control group ({err.strerror})")
+    if not spec["cgroups"]:
+        import resource
+
+        if os.geteuid() != 0:  # root is exempt from RLIMIT_NPROC: the worker's watch counts its processes
+            resource.setrlimit(resource.RLIMIT_NPROC, (spec["processes"], spec["processes"]))
+    if not spec["confine"]:
+        return []
+    if not sys.platform.startswith("linux"):
+        return ["every kernel layer (not Linux)"]
+    if not spec["network"]:
+        refused = leave_network()
+        if refused:
+            missing.append(refused)
+    read = readable_roots([*SYSTEM_READ, *spec["read"]], spec["hidden"])
+    missing += apply_landlock(read, [spec["home"], *spec["write"]], spec["network"])
+    drop_capabilities()
+    return missing
+
+
+def describe(missing: list[str]) -> str:
+    return "; ".join(missing)
+
+
+def policy_json(policy: SandboxPolicy) -> str:
+    return json.dumps(asdict(policy))

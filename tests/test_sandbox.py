@@ -1,0 +1,236 @@
+"""User code (rollout.tools, reward functions) gets nothing of the run: hostile code run in the real tool
+and reward processes, in the sandbox (tidal.sandbox), tries to take the run, and each attempt fails or
+is cut. The unconfined control (sandbox.enabled false) shows the same attempts succeed there, so the
+attempts are real."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import read_jsonl, run_misbehaving_once
+from tests.hostile import SECRETS
+from tidal import sandbox
+from tidal.config.schema import ConfigError, SandboxConfig
+from tidal.envs.isolation import ToolHost, ToolLimits
+from tidal.envs.tools import tool_function
+from tidal.hosted import HostCallError
+from tidal.rewards.pool import remote_reward, reward_process
+from tidal.transport.server import EmbeddedNats
+
+REFUSED = ("PermissionError", "ConnectionRefusedError", "OSError", "FileNotFoundError", "TimeoutError")
+
+
+def test_readable_roots_carve_the_hidden_run_directory_out_of_a_root_that_holds_it(tmp_path):
+    for name in ("src", "runs/a/weights", "runs/b", "notes"):
+        (tmp_path / name).mkdir(parents=True)
+    (tmp_path / "README").write_text("x")
+    (tmp_path / "latest").symlink_to(tmp_path / "runs" / "a")
+    roots = sandbox.readable_roots([str(tmp_path), "/usr"], [str(tmp_path / "runs" / "a")])
+    assert sorted(roots) == sorted([str(tmp_path / n) for n in ("README", "notes", "runs/b", "src")] + ["/usr"])
+    assert sandbox.readable_roots([str(tmp_path / "runs" / "a" / "weights")], [str(tmp_path / "runs" / "a")]) == []
+
+
+def test_the_host_environment_holds_allow_listed_names_and_never_a_run_secret(tmp_path):
+    environ = {"PATH": "/bin", "LANG": "C", "TIDAL_WEIGHTS_KEY": "k", "TIDAL_NATS_TOKEN": "t", "MY_API_KEY": "a", "OTHER": "o"}
+    environ[sandbox.PASS_ENV] = "TIDAL_NATS_TOKEN,OTHER"
+    env = sandbox.host_environment(sandbox.SandboxPolicy(env=("MY_API_KEY",)), environ, tmp_path, ["/code"])
+    assert env == {
+        "PATH": "/bin",
+        "LANG": "C",
+        "MY_API_KEY": "a",
+        "OTHER": "o",
+        "HOME": str(tmp_path),
+        "TMPDIR": str(tmp_path / "tmp"),
+        "XDG_CACHE_HOME": str(tmp_path / ".cache"),
+        "PYTHONPATH": "/code",
+    }
+    with pytest.raises((ConfigError, ValueError), match="TIDAL_WEIGHTS_KEY"):
+        SandboxConfig(env=["TIDAL_WEIGHTS_KEY"])
+
+
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch):
+    """A run directory as a worker sees it (secret files 0600, weights/), the run's secrets in the
+    worker's environment, and the targets for tests.hostile."""
+    run = tmp_path / "run"
+    (run / "weights" / "v000000").mkdir(parents=True)
+    for name in ("weights-key", "nats-token"):
+        (run / name).write_text("secret")
+        (run / name).chmod(0o600)
+    (run / "weights" / "v000000" / "manifest.json").write_text("{}")
+    for name in SECRETS:
+        monkeypatch.setenv(name, "secret")
+    return run
+
+
+def hostile_report(kind: str, run: Path, markers: Path, policy: sandbox.SandboxPolicy) -> dict:
+    """tests.hostile.attempts as a tool or as a reward function, in its real host process under `policy`."""
+    sandbox.configure(policy)
+    try:
+        if kind == "tool":
+            host = ToolHost(["tests.hostile:hostile_tool"], ToolLimits())
+            try:
+                result = host.run(host.isolate(tool_function_tool("tests.hostile:hostile_tool")), {})
+            finally:
+                host.close()
+            assert not result.error, result.text
+        else:
+            process = reward_process(["tests.hostile:hostile_reward"], 60.0, 4096, 60)
+            try:
+                assert remote_reward(process, "tests.hostile:hostile_reward")("c", "a") == 0.0
+            finally:
+                process.close()
+    finally:
+        sandbox.configure(sandbox.SandboxPolicy())
+    (report,) = [json.loads(p.read_text()) for p in markers.glob("hostile-*.json")]
+    return report
+
+
+def tool_function_tool(name: str):
+    from tidal.envs.tools import Tool
+
+    return Tool.from_function(tool_function(name), reference=name)
+
+
+@pytest.mark.parametrize("kind", ["tool", "reward"])
+def test_hostile_user_code_gets_nothing_of_the_run(kind, run_dir, tmp_path, monkeypatch):
+    """Secrets in the environment and /proc, the run directory's files, weights/, the run's NATS, a
+    signal to the worker, 200 children: each attempt fails or is cut; its own directory works."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    with EmbeddedNats(tmp_path / "nats") as nats:
+        port = int(nats.url.rsplit(":", 1)[1])
+        monkeypatch.setenv("TIDAL_TEST_TARGETS", json.dumps({"run_dir": str(run_dir), "nats_port": port}))
+        monkeypatch.setenv("TIDAL_TEST_MARKERS", str(markers))
+        policy = sandbox.SandboxPolicy(hidden=(str(run_dir),), write_paths=(str(markers),))
+        report = hostile_report(kind, run_dir, markers, policy)
+    assert report["env"] == "none"
+    for attempt in ("proc_environ", "run_dir_read", "weights_write", "run_dir_write", "nats", "signal"):
+        assert report[attempt].startswith(REFUSED), (attempt, report[attempt])
+    forked = int(report["fork"].split()[1])
+    assert forked < policy.processes, report["fork"]  # the tree's process limit, not each process's
+    assert report["own_dir_write"] == "ok: 1"
+    assert not (run_dir / "planted").exists() and not (run_dir / "weights" / "planted").exists()
+    assert Path(report["cwd"]).name.startswith(sandbox.BOX_PREFIX) and not Path(report["cwd"]).exists()  # removed with its host
+
+
+@pytest.mark.parametrize("kind", ["tool", "reward"])
+def test_unconfined_the_same_attempts_succeed(kind, run_dir, tmp_path, monkeypatch):
+    """The control: with sandbox.enabled false the attempts are made as above and work."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    monkeypatch.setenv("TIDAL_TEST_TARGETS", json.dumps({"run_dir": str(run_dir)}))
+    monkeypatch.setenv("TIDAL_TEST_MARKERS", str(markers))
+    report = hostile_report(kind, run_dir, markers, sandbox.SandboxPolicy(enabled=False))
+    assert set(report["env"].split(",")) == set(SECRETS)
+    for attempt in ("proc_environ", "run_dir_read", "weights_write", "signal"):
+        assert report[attempt].startswith("ok"), (attempt, report[attempt])
+
+
+def alive(pids: list[int]) -> list[int]:
+    found = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            found.append(pid)
+    return found
+
+
+def test_a_call_that_times_out_ends_every_process_it_started_even_those_that_left_its_session():
+    host = ToolHost(["tests.hostile:fork_and_hang"], ToolLimits(timeout_seconds=4.0))
+    tool = host.isolate(tool_function_tool("tests.hostile:fork_and_hang"))
+    seen: list[int] = []
+
+    def watch() -> None:
+        deadline = time.time() + 3.5
+        while time.time() < deadline:
+            if host.processes and host.processes[0].box is not None:
+                seen[:] = host.processes[0].box.members() or seen
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result = host.run(tool, {"n": 20})
+    finally:
+        watcher.join()
+        host.close()
+    assert result.failure == "timeout"
+    assert len(seen) == 21, seen  # the host and its 20 children, each in a session of its own
+    time.sleep(0.5)
+    assert alive(seen) == []
+
+
+def test_what_a_call_starts_ends_with_the_call():
+    host = ToolHost(["tests.hostile:leave_a_daemon", "tests.tools:pid"], ToolLimits())
+    try:
+        daemon = int(host.run(host.isolate(tool_function_tool("tests.hostile:leave_a_daemon")), {}).text)
+        time.sleep(0.2)
+        assert alive([daemon]) == []
+        assert not host.run(host.isolate(tool_function_tool("tests.tools:pid")), {}).error  # the host itself goes on
+    finally:
+        host.close()
+
+
+def test_the_memory_limit_holds_for_the_whole_tree():
+    """4 children of 400 MB each under a 1 GB limit: each is under the per-process limit, together they
+    are not; the tree is cut (the call fails, or its children are killed), it never holds 1.6 GB."""
+    host = ToolHost(["tests.hostile:allocate_in_children"], ToolLimits(memory_mb=1024, timeout_seconds=60))
+    try:
+        result = host.run(host.isolate(tool_function_tool("tests.hostile:allocate_in_children")), {"children": 4, "megabytes": 400})
+    finally:
+        host.close()
+    assert result.error or "children ended: [0, 0, 0, 0]" not in result.text, result.text
+    if not result.error:
+        assert "9" in result.text  # a child was killed (SIGKILL, by the limit)
+
+
+def test_a_flood_on_a_raw_descriptor_is_cut(capfd):
+    host = ToolHost(["tests.hostile:flood_descriptor", "tests.tools:pid"], ToolLimits())
+    try:
+        assert host.run(host.isolate(tool_function_tool("tests.hostile:flood_descriptor")), {"megabytes": 100}).text == "flooded"
+        host.run(host.isolate(tool_function_tool("tests.tools:pid")), {})  # the next call says what was dropped
+    finally:
+        host.close()
+    err = capfd.readouterr().err
+    assert 60_000 < err.count("z") < 100_000
+    assert "bytes written by user code were dropped" in err
+
+
+@pytest.mark.parametrize("mode", ["periodic", "sync"])
+def test_a_run_with_hostile_tools_and_rewards_finishes_and_they_got_nothing(mode, tmp_path, write_config, monkeypatch):
+    """A real run: the tool and the reward function try everything on the process that started them
+    (a worker; sync mode's trainer), the run directory and the run's NATS (its address from the
+    worker's command line); every attempt fails and the run finishes as if they were not there."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("TIDAL_TEST_TARGETS", json.dumps({"run_dir": str(run_dir.resolve())}))
+    config = write_config(
+        {
+            "mode": mode,
+            "rollout.env": "tests.hostile:CallsHostileTool",
+            "rollout.tools": ["tests.hostile:hostile_tool"],
+            "rollout.max_turns": 2,
+            "reward.functions": [{"name": "exact_match"}, {"name": "tests.hostile:hostile_reward", "weight": 0.0}],
+            "trainer.iterations": 2,
+            "trainer.prompts_per_iteration": 2,
+            "eval.enabled": False,
+        }
+    )
+    proc, run_dir, markers = run_misbehaving_once(config, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads((tmp_path / "markers" / name).read_text()) for name in markers if name.startswith("hostile-")]
+    assert len(reports) >= 2  # the tool's and the reward's
+    for report in reports:
+        assert report["env"] == "none", report
+        for attempt in ("proc_environ", "run_dir_read", "weights_write", "run_dir_write", "signal", *(["nats"] if mode == "periodic" else [])):
+            assert report[attempt].startswith(REFUSED), (attempt, report[attempt])
+    assert not list(run_dir.rglob("planted"))
+    assert len(read_jsonl(run_dir / "groups.jsonl")) == 4
