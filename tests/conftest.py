@@ -17,10 +17,11 @@ import yaml
 from tests.processes import SESSION_ENV, kill, session_leftovers
 from tidal.sandbox import PASS_ENV
 
-TEST_SWITCHES = ("TIDAL_TEST_MARKERS", "TIDAL_TEST_TARGETS", "TIDAL_TEST_REWARD_GATE", "TIDAL_TEST_KILL_MARKER", "TIDAL_TEST_KILL_AT")
 from tidal.config import config_from_dict
 from tidal.transport.server import EmbeddedNats
 
+# switches of the tests' own user code, passed into its sandbox
+TEST_SWITCHES = ("TIDAL_TEST_MARKERS", "TIDAL_TEST_TARGETS", "TIDAL_TEST_REWARD_GATE", "TIDAL_TEST_KILL_MARKER", "TIDAL_TEST_KILL_AT")
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -18,7 +18,6 @@ from tidal import sandbox
 from tidal.config.schema import ConfigError, SandboxConfig
 from tidal.envs.isolation import ToolHost, ToolLimits
 from tidal.envs.tools import tool_function
-from tidal.hosted import HostCallError
 from tidal.rewards.pool import remote_reward, reward_process
 from tidal.transport.server import EmbeddedNats
 
@@ -234,3 +233,17 @@ def test_a_run_with_hostile_tools_and_rewards_finishes_and_they_got_nothing(mode
             assert report[attempt].startswith(REFUSED), (attempt, report[attempt])
     assert not list(run_dir.rglob("planted"))
     assert len(read_jsonl(run_dir / "groups.jsonl")) == 4
+
+
+def test_without_a_control_group_the_watch_holds_the_process_and_memory_limits(monkeypatch):
+    """Where no control group can be made (no delegation: most non-root machines), the worker measures
+    the host's session and kills the whole tree past the limits; the call fails, naming which."""
+    monkeypatch.setattr(sandbox, "make_cgroups", lambda *args: [])
+    host = ToolHost(["tests.hostile:fork_and_hang", "tests.hostile:allocate_in_children"], ToolLimits(memory_mb=1024, timeout_seconds=60))
+    try:
+        forks = host.run(host.isolate(tool_function_tool("tests.hostile:fork_and_hang")), {"n": 100})
+        memory = host.run(host.isolate(tool_function_tool("tests.hostile:allocate_in_children")), {"children": 4, "megabytes": 400})
+    finally:
+        host.close()
+    assert forks.failure == "crash" and "over 64 processes (sandbox.processes)" in forks.text, forks.text
+    assert memory.failure == "crash" and "over 1024 MB resident" in memory.text, memory.text

@@ -131,10 +131,13 @@ class HostBox:
         )
 
     def members(self) -> list[int]:
-        """Every live process of the tree: the control group's, else the host's session's."""
+        """Every live process of the tree: the control group's; without one, the host's session and
+        the host's descendants (a process that left the session and lost its parent escapes this)."""
         if self.cgroups:
             return cgroup_members(self.cgroups[0])
-        return session_members(self.pid) if self.pid else []
+        if self.pid is None:
+            return []
+        return sorted({*session_members(self.pid), *descendants(self.pid)})
 
     def end_children(self) -> None:
         """Kills every process of the tree but the host: what a call started ends with the call."""
@@ -240,6 +243,25 @@ def session_members(sid: int) -> list[int]:
                 continue
             if int(fields[3]) == sid and fields[0] != "Z":
                 found.append(int(entry.name))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes `pid` started, and theirs (from /proc/PID/task/*/children)."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            queue += children
     return found
 
 

@@ -620,12 +620,13 @@ class WeightsConfig(_Strict):
 
     keep_last: int | None = Field(5, ge=1)  # the newest N snapshots; None: keep every snapshot
     keep_every: int | None = Field(None, ge=1)  # also keep every version divisible by N (milestones)
-    # The arrival check: the trainer publishes each version with its log-probs of a fixed probe (three random prompts, each
+    # The arrival check: the trainer publishes each version with its log-probs of a fixed probe (eight random prompts, each
     # with tokens the base model samples after it; with several ranks every rank runs the probe, rank 0 writes); a rollout
     # worker that loads the version computes the same log-probs with its engine and stops the run, naming the version,
     # when they differ from the trainer's by more than `arrival_tolerance` per token on average. None: 1e-3 where both
-    # sides compute in float32 or the HF engine runs the trainer's code; where a side computes in half precision, 4x
-    # the engine's own difference on the base model, measured before its first version (docs/vllm.md#the-arrival-check).
+    # sides compute in float32 or the HF engine runs the trainer's code; where a side computes in half precision, the
+    # larger of 0.02 (float16) / 0.15 (bfloat16) and 6x the engine's own difference on the base model, measured before
+    # its first version (docs/vllm.md#the-arrival-check).
     # 0 turns the check off.
     arrival_tolerance: float | None = Field(None, ge=0)
 
