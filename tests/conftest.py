@@ -15,9 +15,8 @@ import pytest
 import yaml
 
 from tests.processes import SESSION_ENV, kill, session_leftovers
-from tidal.sandbox import PASS_ENV
-
 from tidal.config import config_from_dict
+from tidal.sandbox import PASS_ENV
 from tidal.transport.server import EmbeddedNats
 
 # switches of the tests' own user code, passed into its sandbox
