@@ -198,11 +198,11 @@ def eval_command(args: argparse.Namespace) -> int:
     from tidal.data import load_dataset
     from tidal.evaluate import evaluate_snapshot
     from tidal.model.hub import check_hub_model
-    from tidal.roles import confine_user_code
+    from tidal.sandbox import confine_user_code
     from tidal.weights import WeightStore
 
     run = RunDir(args.run_dir)
-    confine_user_code(cfg, run)
+    confine_user_code(cfg, run.root)
     run.rehome_moved_store()
     info = run.info()
     check_hub_model(info.base_model)

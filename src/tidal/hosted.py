@@ -197,9 +197,16 @@ class HostProcess:
         with self.lock:
             self.stop()
 
-    def request(self, message: dict) -> dict:
+    def load(self) -> None:
+        """Starts the process unless it runs, and waits until it has loaded its functions (HostStartError when it cannot)."""
+        with self.lock:
+            if self.proc is None or not self.ready:
+                self._start()
+
+    def request(self, message: dict, timeout: float | None = None) -> dict:
         """Sends one call and returns the host's reply; HostCallError when the process failed it (the
-        process is then replaced at the next call)."""
+        process is then replaced at the next call). `timeout`: this call's, instead of the host's."""
+        timeout = self.timeout if timeout is None else timeout
         with self.lock:
             if self.proc is None or not self.ready:
                 self._start()
@@ -207,10 +214,10 @@ class HostProcess:
             try:
                 self.proc.stdin.write((json.dumps(message) + "\n").encode())
                 self.proc.stdin.flush()
-                line = self.reader.line(time.monotonic() + self.timeout)
+                line = self.reader.line(time.monotonic() + timeout)
             except TimeoutError:
                 self.stop()
-                raise HostCallError("Timeout", f"no answer within {self.timeout:g}s ({self.timeout_key}); its process was replaced") from None
+                raise HostCallError("Timeout", f"no answer within {timeout:g}s ({self.timeout_key}); its process was replaced") from None
             except LineTooLong:
                 self.stop()
                 raise HostCallError("ReplyTooLarge", f"its answer was over {self.max_reply_bytes} bytes; its process was replaced") from None

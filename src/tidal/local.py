@@ -21,6 +21,7 @@ from tidal.logs import setup_logging
 from tidal.plan import apply_plan, cached_profile, format_pool, planned_tail, recommend_pool, wants_plan
 from tidal.preflight import check_before_start, check_this_machine
 from tidal.rundir import RunDir, RunDirError, RunDirLock, RunInfo, new_nats_token, new_run_id, run_signing_key
+from tidal.sandbox import confine_user_code
 from tidal.summary import agent_before_after, at_k_before_after, result_table, summarize
 from tidal.supervise import NatsSupervisor, RoleFailed, RoleProcesses, Stopped, child_options, stop_on_signals, tail
 from tidal.threads import resolve_threads, set_threads
@@ -261,6 +262,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
     check_saved_config(cfg, run, force_new_config)
     # every role of the run (children inherit it) signs or checks snapshot manifests with the run's key
     os.environ[SIGNING_KEY_ENV] = run_signing_key(run.root)
+    confine_user_code(cfg, run.root)  # the checks import the user's tools and rewards in sandboxed processes
     dataset = check_before_start(cfg)
     check_this_machine(cfg)
     check_server_reachable(cfg)

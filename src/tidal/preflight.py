@@ -9,7 +9,7 @@ from tidal.rewards import check_reward_names
 
 
 def check_before_start(cfg: TidalConfig, dataset: Dataset | None = None) -> Dataset:
-    """Reward names (user modules imported), the environment and its tools, data files, row sizes,
+    """Reward names (user modules imported in a sandboxed process), the environment and its tools, data files, row sizes,
     prompt lengths against the context; the dataset, loaded once for the launcher (or the one it passed).
     A hub model with the hub out of reach: its cached copy, offline, or one line saying it cannot be had."""
     from tidal.model.hub import check_hub_model
@@ -24,14 +24,16 @@ def check_before_start(cfg: TidalConfig, dataset: Dataset | None = None) -> Data
 
 
 def check_environment(cfg: TidalConfig) -> None:
-    """rollout.env, rollout.tools and rollout.tool_parser resolve (user modules imported), every tool
-    has a schema, and one environment can be built: an EnvError naming the one that does not."""
+    """rollout.env, rollout.tools and rollout.tool_parser resolve, every tool has a schema, and one
+    environment can be built: an EnvError naming the one that does not. The tools' modules are
+    imported in a sandboxed tool process, as a worker's are; the environment class here."""
     r = cfg.rollout
     if r.env is None:
         return
     from tidal.envs import EnvironmentFactory
+    from tidal.envs.isolation import ToolLimits
 
-    EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, max_tool_calls=r.max_tool_calls)
+    EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, max_tool_calls=r.max_tool_calls, isolation=ToolLimits.from_config(r)).close()
 
 
 def where(problem: Problem) -> str:

@@ -30,6 +30,7 @@ from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import HFEngine
 from tidal.rollout.worker import RolloutWorker, generate_groups, model_context
 from tidal.rundir import RunDir, RunInfo
+from tidal.sandbox import confine_user_code
 from tidal.threads import set_threads, split_cores, trainer_threads
 from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.distributed import DistContext, context_from_env, init_process_group
@@ -143,7 +144,7 @@ async def nccl_weight_push(cfg: TidalConfig, transport: Transport, adapter: dict
 
 async def trainer_role(cfg: TidalConfig, run: RunDir, nats_url: str, iterations: int | None = None) -> list[dict]:
     """The trainer, on one rank or many (torchrun): rank 0 alone talks to NATS and MLflow."""
-    confine_user_code(cfg, run)
+    confine_user_code(cfg, run.root)
     info = run.info()
     ctx, strategy, device = start_trainer_ranks(cfg, run)
     try:
@@ -230,7 +231,7 @@ def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: Weig
 
 def sync_trainer(cfg: TidalConfig, run: RunDir, dataset, tracker, engine=None) -> list[dict]:
     """Sync mode in this process: generate, then train, all cores to each phase."""
-    confine_user_code(cfg, run)
+    confine_user_code(cfg, run.root)
     learner, tokenizer = build_learner(cfg, run.info().base_model)
     store = trainer_weight_store(cfg, run, run.info().base_model, learner)
     source = in_process_source(cfg, learner, tokenizer, store, engine)
@@ -264,15 +265,8 @@ def cancel_on_sigterm() -> Callable[[], bool]:
     return lambda: bool(requested)
 
 
-def confine_user_code(cfg: TidalConfig, run: RunDir) -> None:
-    """Every tool and reward process this role starts runs in cfg.sandbox, blind to the run directory."""
-    from tidal import sandbox
-
-    sandbox.configure(sandbox.SandboxPolicy.from_config(cfg.sandbox, hidden=(str(run.root.resolve()),)))
-
-
 async def worker_role(cfg: TidalConfig, run: RunDir, nats_url: str, worker_id: str) -> int:
-    confine_user_code(cfg, run)
+    confine_user_code(cfg, run.root)
     stop_requested = cancel_on_sigterm()
     info = run.info()
     set_threads(split_cores(cfg)[1])

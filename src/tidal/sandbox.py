@@ -69,6 +69,11 @@ def current() -> SandboxPolicy:
     return _policy
 
 
+def confine_user_code(cfg, run_root: str | Path) -> None:
+    """Every tool and reward process this process starts from now on runs in cfg.sandbox, blind to the run directory."""
+    configure(SandboxPolicy.from_config(cfg.sandbox, hidden=(str(Path(run_root).resolve()),)))
+
+
 # --- the parent's side ---------------------------------------------------------------------------
 
 

@@ -188,13 +188,17 @@ class EnvironmentFactory:
     def from_names(
         cls, env: str, tools: Sequence[str] = (), parser: str = "hermes", tokenizer=None, max_tool_calls: int = 8, isolation: ToolLimits | None = None
     ) -> EnvironmentFactory:
-        """`isolation`: the tools run in a process of their own with these limits; None: in this one."""
-        resolved = [resolve_tool(t) for t in tools]
-        factory = cls(resolve_environment(env), resolved, parser, tokenizer, max_tool_calls)
-        factory()  # a class that cannot be built, or tools that clash, fail here and not in the first trajectory
-        if isolation is not None and resolved:
-            factory.host = ToolHost(list(tools), isolation)
-            factory.tools = [factory.host.isolate(t) for t in resolved]
+        """`isolation`: the tools run in a process of their own with these limits, which also reads
+        their schemas (a user's tool module is imported only there, in the sandbox); None: in this one."""
+        host = ToolHost(list(tools), isolation) if isolation is not None and tools else None
+        try:
+            resolved = host.tools() if host is not None else [resolve_tool(t) for t in tools]
+            factory = cls(resolve_environment(env), resolved, parser, tokenizer, max_tool_calls, host)
+            factory()  # a class that cannot be built, or tools that clash, fail here and not in the first trajectory
+        except BaseException:
+            if host is not None:
+                host.close()
+            raise
         return factory
 
     def close(self) -> None:

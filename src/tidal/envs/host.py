@@ -2,7 +2,8 @@
 that runs the run's tools (rollout.tools) for its worker (tidal.hosted.serve: JSON lines, prints to
 stderr, exits with its parent, rlimits).
 
-The parent writes `{"fn": NAME, "arguments": {...}}` (arguments already checked against the tool's
+The parent asks `{"describe": true}` for the tools' JSON schemas (`{"schemas": {NAME: schema}}`), then
+writes calls `{"fn": NAME, "arguments": {...}}` (arguments already checked against the tool's
 schema; with rollout.tool_latency also `"delay": seconds`, slept before the tool runs), the host answers `{"text": str}` (the tool's value as text, at most B bytes of UTF-8; `"cut":
 n` when the text had n bytes) or `{"error": "Type: message"}`."""
 
@@ -32,11 +33,22 @@ def answer(call: dict, functions: dict, output_bytes: int, memory_mb: int | None
     return {"text": encoded[:output_bytes].decode("utf-8", "ignore"), "cut": len(encoded)}
 
 
+def describe(functions: dict) -> dict:
+    """Each tool's JSON schema, for the worker: a user's tool module is imported here, in the sandbox,
+    never in the worker. A tool without one is an error naming it."""
+    from tidal.envs.tools import EnvError, Tool
+
+    try:
+        return {"schemas": {name: Tool.from_function(fn, name).schema for name, fn in functions.items()}}
+    except EnvError as err:
+        return {"error": f"EnvError: {err}"}
+
+
 def load(names: list[str], output_bytes: int, memory_mb: int | None):
     from tidal.envs.tools import tool_function
 
     functions = {name: tool_function(name) for name in names}
-    return lambda call: answer(call, functions, output_bytes, memory_mb)
+    return lambda call: describe(functions) if call.get("describe") else answer(call, functions, output_bytes, memory_mb)
 
 
 def main(argv: list[str]) -> int:

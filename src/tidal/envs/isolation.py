@@ -13,8 +13,12 @@ import threading
 from dataclasses import dataclass, replace
 
 from tidal.envs.latency import ToolLatency
-from tidal.envs.tools import Tool, ToolResult
-from tidal.hosted import HostCallError, HostProcess, HostStartError
+from tidal.envs.tools import EnvError, Tool, ToolResult
+from tidal.hosted import STARTUP_SECONDS, HostCallError, HostProcess, HostStartError
+
+
+def _runs_in_its_host(**arguments):
+    raise RuntimeError("an isolated tool runs in its tool process")  # Tool.__call__ sends it to its host
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,21 @@ class ToolHost:
 
     def isolate(self, tool: Tool) -> Tool:
         return replace(tool, host=self)
+
+    def tools(self) -> list[Tool]:
+        """The named tools, their schemas from a tool process (which imports the user's modules, so
+        the worker never does), each run in this host."""
+        process = self._acquire()
+        try:
+            reply = process.request({"describe": True}, timeout=max(STARTUP_SECONDS, self.limits.timeout_seconds))  # an import, like a start
+        except (HostStartError, HostCallError) as err:
+            raise EnvError(f"rollout.tools: {err}") from None
+        finally:
+            self.idle.put(process)
+        if "error" in reply:
+            raise EnvError(reply["error"].removeprefix("EnvError: "))
+        schemas = reply["schemas"]
+        return [Tool(schemas[n]["function"]["name"], _runs_in_its_host, schemas[n], n, self) for n in self.names]
 
     def close(self) -> None:
         with self.lock:

@@ -58,7 +58,8 @@ class Tool:
 
     @classmethod
     def from_function(cls, fn: Callable, reference: str | None = None) -> Tool:
-        from transformers.utils import get_json_schema  # here: reading a config should not import transformers
+        # here: reading a config should not import transformers; and this module of it, not its package, which imports torch
+        from transformers.utils.chat_template_utils import get_json_schema
 
         try:
             schema = get_json_schema(fn)

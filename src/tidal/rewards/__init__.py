@@ -101,15 +101,30 @@ def is_user_function(name: str) -> bool:
 
 
 def check_reward_names(cfg: RewardConfig) -> None:
-    """Every reward.functions name resolves (user modules imported here, once): the launcher's check
-    before any process of the run starts. A RewardError names the function."""
+    """Every reward.functions name resolves and can be called as fn(completion, answer): the launcher's
+    check before any process of the run starts. User modules are imported in a sandboxed reward process
+    (the one a worker starts), never in the launcher. A RewardError names the function."""
     from pathlib import Path
 
+    from tidal.hosted import HostStartError
+    from tidal.rewards.pool import reward_process
+
+    user = [f.name for f in cfg.functions if f.type == "function" and is_user_function(f.name)]
     for f in cfg.functions:
-        if f.type == "function":
+        if f.type == "function" and not is_user_function(f.name):
             check_reward_signature(f.name, resolve(f.name))
+        elif f.type == "function":
+            continue
         elif f.serve is not None and f.serve.model is not None and not Path(f.serve.model, "config.json").is_file():
             raise RewardError(f"reward.functions[{f.label}].serve.model: {f.serve.model} is not a model directory (no config.json)")
+    if user:
+        process = reward_process(user, cfg.timeout_seconds, cfg.memory_mb, cfg.cpu_seconds)
+        try:
+            process.load()
+        except HostStartError as err:
+            raise RewardError(str(err)) from None
+        finally:
+            process.close()
 
 
 def check_reward_signature(name: str, fn: RewardFn) -> None:

@@ -24,9 +24,11 @@ def answer(call: dict, functions: dict) -> dict:
 
 
 def load(names: list[str]):
-    from tidal.rewards import resolve
+    from tidal.rewards import check_reward_signature, resolve
 
     functions = {name: resolve(name) for name in names}
+    for name, fn in functions.items():
+        check_reward_signature(name, fn)
     return lambda call: answer(call, functions)
 
 
