@@ -20,6 +20,7 @@ from tidal.config import ConfigError, TidalConfig, dump_config, load_config, tra
 from tidal.logs import setup_logging
 from tidal.plan import apply_plan, cached_profile, format_pool, planned_tail, recommend_pool, wants_plan
 from tidal.preflight import check_before_start, check_this_machine
+from tidal.rewards.served import check_reward_urls
 from tidal.rundir import RunDir, RunDirError, RunDirLock, RunInfo, new_nats_token, new_run_id, run_signing_key
 from tidal.summary import agent_before_after, at_k_before_after, result_table, summarize
 from tidal.supervise import NatsSupervisor, RoleFailed, RoleProcesses, Stopped, child_options, stop_on_signals, tail
@@ -264,6 +265,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
     dataset = check_before_start(cfg)
     check_this_machine(cfg)
     check_server_reachable(cfg)
+    check_reward_urls(cfg.reward.functions)
     if cfg.mode != "sync" and cfg.transport.nats_url and not reachable(cfg.transport.nats_url):
         from tidal.transport import NatsUnavailableError
 
