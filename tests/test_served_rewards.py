@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -347,6 +348,49 @@ def test_serve_reward_outputs_the_logit_its_sigmoid_or_its_sign(reward_model_dir
 def test_serve_reward_refuses_a_directory_without_a_model(tmp_path):
     proc = run_cli("serve-reward", str(tmp_path), "--port", "1")
     assert proc.returncode == 2 and "is not a model directory (no config.json)" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def causal_lm_dir(tmp_path_factory):
+    """A tiny causal LM as saved by a policy's training: a body and an LM head, no score head."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tidal.model.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("lm")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_serve_reward_refuses_a_causal_lm_directory_naming_it(causal_lm_dir):
+    proc = run_cli("serve-reward", str(causal_lm_dir), "--port", "1")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert f"{causal_lm_dir} is a Qwen2ForCausalLM, not a reward model" in proc.stderr and "no trained score head" in proc.stderr
+
+
+def test_a_reward_model_whose_weights_lack_the_score_head_is_refused_not_given_a_random_one(causal_lm_dir, reward_model_dir):
+    """The weights decide, whatever config.json claims: a causal LM's checkpoint loaded as a classifier lacks score.weight."""
+    from tidal.rewards.server import NoScoreHeadError, RewardModel
+
+    with pytest.raises(NoScoreHeadError, match=rf"{re.escape(str(causal_lm_dir))} has no trained score head: its weights lack score\.weight"):
+        RewardModel(causal_lm_dir)
+    assert len(RewardModel(reward_model_dir).score(["1+1=2"])) == 1  # a trained head loads
+
+
+def test_a_run_serving_a_causal_lm_as_its_reward_model_is_refused_before_start(causal_lm_dir, tmp_path, write_config):
+    rm = {"type": "reward_model", "name": "rm", "serve": {"model": str(causal_lm_dir)}}
+    proc = run_cli("run", str(write_config({"reward.functions": [rm]})), "--run-dir", str(tmp_path / "run"), "--no-progress")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert f"reward.functions[rm].serve.model: {causal_lm_dir} is a Qwen2ForCausalLM, not a reward model" in proc.stderr
+    assert not (tmp_path / "run" / "logs" / "reward-server-rm.log").exists()
 
 
 # --- short real runs -----------------------------------------------------------------------------------

@@ -108,8 +108,17 @@ def check_reward_names(cfg: RewardConfig) -> None:
     for f in cfg.functions:
         if f.type == "function":
             check_reward_signature(f.name, resolve(f.name))
-        elif f.serve is not None and f.serve.model is not None and not Path(f.serve.model, "config.json").is_file():
-            raise RewardError(f"reward.functions[{f.label}].serve.model: {f.serve.model} is not a model directory (no config.json)")
+        elif f.serve is not None and f.serve.model is not None:
+            from tidal.rewards.server import architecture_without_score_head
+
+            if not Path(f.serve.model, "config.json").is_file():
+                raise RewardError(f"reward.functions[{f.label}].serve.model: {f.serve.model} is not a model directory (no config.json)")
+            architecture = architecture_without_score_head(f.serve.model)
+            if architecture is not None:
+                raise RewardError(
+                    f"reward.functions[{f.label}].serve.model: {f.serve.model} is a {architecture}, not a reward model "
+                    "(no ForSequenceClassification architecture in its config.json: no trained score head)"
+                )
 
 
 def check_reward_signature(name: str, fn: RewardFn) -> None:

@@ -40,7 +40,9 @@ class RewardModel:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(device).eval()
+        model, loading = AutoModelForSequenceClassification.from_pretrained(model_dir, output_loading_info=True)
+        check_score_head(model_dir, loading["missing_keys"])
+        self.model = model.to(device).eval()
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.batch_size, self.output, self.device, self.torch = batch_size, output, device, torch
@@ -61,6 +63,33 @@ class RewardModel:
         elif self.output == "binary":
             logits = (logits > 0).float()
         return [float(x) for x in logits.tolist()]
+
+
+class NoScoreHeadError(ValueError):
+    """A reward model directory whose weights hold no trained score head (e.g. a causal LM's)."""
+
+
+def check_score_head(model_dir: str | Path, missing_keys: list[str]) -> None:
+    """transformers gives a sequence-classification model whose checkpoint lacks the head a randomly
+    initialised one, silently: its rewards would be noise. Any weight the checkpoint lacks is refused."""
+    if missing_keys:
+        shown = ", ".join(sorted(missing_keys)[:4]) + (", ..." if len(missing_keys) > 4 else "")
+        raise NoScoreHeadError(
+            f"{model_dir} has no trained score head: its weights lack {shown} (a causal LM's checkpoint, not a reward model); "
+            "give a directory saved from an AutoModelForSequenceClassification trained as a reward model"
+        )
+
+
+def architecture_without_score_head(model_dir: str | Path) -> str | None:
+    """The architecture config.json names when it is not a sequence classifier (e.g. Qwen2ForCausalLM):
+    read before any weight loads, so a run is refused within seconds. None when it is one or names none."""
+    try:
+        names = json.loads(Path(model_dir, "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None  # unreadable here: loading it says what is wrong
+    if names and not any(str(n).endswith("ForSequenceClassification") for n in names):
+        return ", ".join(map(str, names))
+    return None
 
 
 def build_app(model: RewardModel):
@@ -116,6 +145,11 @@ def serve_command(args: argparse.Namespace) -> int:
     setup_logging()
     if not Path(args.model_dir, "config.json").is_file():
         raise FileNotFoundError(f"{args.model_dir} is not a model directory (no config.json)")
+    architecture = architecture_without_score_head(args.model_dir)
+    if architecture is not None:
+        raise NoScoreHeadError(
+            f"{args.model_dir} is a {architecture}, not a reward model: its config.json names no ForSequenceClassification architecture (no trained score head)"
+        )
     if args.threads:
         import torch
 
