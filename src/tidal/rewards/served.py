@@ -406,6 +406,10 @@ class ServedRewards:
             e.check_error_rate()
         return {e.cfg.label: scores for e, scores in zip(self.entries, results)}
 
+    def last_errors(self) -> dict[str, str]:
+        """reward label -> why its last failed request failed (the url named), for the ones that failed."""
+        return {e.cfg.label: f"{e.last_error} ({e.url})" for e in self.entries if e.last_error is not None}
+
     def take_stats(self) -> dict[str, float]:
         total: dict[str, float] = {}
         for e in self.entries:
