@@ -109,7 +109,7 @@ def check_reward_names(cfg: RewardConfig) -> None:
         if f.type == "function":
             check_reward_signature(f.name, resolve(f.name))
         elif f.serve is not None and f.serve.model is not None:
-            from tidal.rewards.server import architecture_without_score_head
+            from tidal.rewards.score_head import architecture_without_score_head
 
             if not Path(f.serve.model, "config.json").is_file():
                 raise RewardError(f"reward.functions[{f.label}].serve.model: {f.serve.model} is not a model directory (no config.json)")

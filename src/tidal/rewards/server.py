@@ -22,6 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tidal.rewards.score_head import NoScoreHeadError, architecture_without_score_head, check_score_head
 from tidal.supervise import RoleFailed
 
 log = logging.getLogger(__name__)
@@ -63,33 +64,6 @@ class RewardModel:
         elif self.output == "binary":
             logits = (logits > 0).float()
         return [float(x) for x in logits.tolist()]
-
-
-class NoScoreHeadError(ValueError):
-    """A reward model directory whose weights hold no trained score head (e.g. a causal LM's)."""
-
-
-def check_score_head(model_dir: str | Path, missing_keys: list[str]) -> None:
-    """transformers gives a sequence-classification model whose checkpoint lacks the head a randomly
-    initialised one, silently: its rewards would be noise. Any weight the checkpoint lacks is refused."""
-    if missing_keys:
-        shown = ", ".join(sorted(missing_keys)[:4]) + (", ..." if len(missing_keys) > 4 else "")
-        raise NoScoreHeadError(
-            f"{model_dir} has no trained score head: its weights lack {shown} (a causal LM's checkpoint, not a reward model); "
-            "give a directory saved from an AutoModelForSequenceClassification trained as a reward model"
-        )
-
-
-def architecture_without_score_head(model_dir: str | Path) -> str | None:
-    """The architecture config.json names when it is not a sequence classifier (e.g. Qwen2ForCausalLM):
-    read before any weight loads, so a run is refused within seconds. None when it is one or names none."""
-    try:
-        names = json.loads(Path(model_dir, "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return None  # unreadable here: loading it says what is wrong
-    if names and not any(str(n).endswith("ForSequenceClassification") for n in names):
-        return ", ".join(map(str, names))
-    return None
 
 
 def build_app(model: RewardModel):
