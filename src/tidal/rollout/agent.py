@@ -65,6 +65,19 @@ class _Row:
         return Trajectory(None, self.messages).final_text
 
 
+def env_method(env: Environment, method: str) -> str:
+    """How an environment's method is named in the failure tallies and the end-of-run table."""
+    return f"environment {type(env).__qualname__}.{method}()"
+
+
+def record_steps(ledger, row: _Row) -> None:
+    """A trajectory's step() calls into the ledger: the ones that returned, and the one that raised."""
+    if row.steps:
+        ledger.record(env_method(row.env, "step"), failed=False, calls=row.steps)
+    if row.env_error is not None:
+        ledger.record(env_method(row.env, "step"), failed=True, error=row.env_error)
+
+
 class AgentLoop:
     """Runs rollout.env over a rollout engine and builds the trajectory groups."""
 
@@ -252,7 +265,7 @@ class AgentLoop:
                     )
                 )
                 add_stats(stats, row, tokens.turns)
-                self.record_steps(scorer.ledger, row)
+                record_steps(scorer.ledger, row)
             at += request.n
             groups.append(
                 Group(
@@ -270,17 +283,6 @@ class AgentLoop:
                 )
             )
         return groups
-
-    def env_name(self, method: str) -> str:
-        """How the environment's failures are named in the end-of-run table."""
-        return f"environment {self.factory.cls.__qualname__}.{method}()"
-
-    def record_steps(self, ledger, row: _Row) -> None:
-        """A trajectory's step() calls into the ledger: the ones that returned, and the one that raised."""
-        if row.steps:
-            ledger.record(self.env_name("step"), failed=False, calls=row.steps)
-        if row.env_error is not None:
-            ledger.record(self.env_name("step"), failed=True, error=row.env_error)
 
     def first_prompt(self, item: WorkItem) -> list[int]:
         """The prompt tokens of `item`'s trajectories (one environment's first messages, rendered)."""
@@ -308,21 +310,21 @@ class AgentLoop:
         try:
             value: Any = env.reward(trajectory)
             if value is None:
-                scorer.ledger.record(self.env_name("reward"), failed=False)
+                scorer.ledger.record(env_method(env, "reward"), failed=False)
                 return scorer.score(trajectory.final_text, item.answer, item.prompt_id, item.prompt)
             if isinstance(value, dict):
                 parts = {str(k): checked_reward(v) for k, v in value.items()}
-                scorer.ledger.record(self.env_name("reward"), failed=False)
+                scorer.ledger.record(env_method(env, "reward"), failed=False)
                 return sum(parts.values()), parts
             result = checked_reward(value), {"env": checked_reward(value)}
-            scorer.ledger.record(self.env_name("reward"), failed=False)
+            scorer.ledger.record(env_method(env, "reward"), failed=False)
             return result
         except RewardFailingError:  # reward.functions failing too often: the run stops
             raise
         except Exception as err:  # noqa: BLE001 - user code: never let it take the worker down
             scorer.errors += 1
             scorer.last_error = f"environment reward: {type(err).__name__}: {err}"
-            scorer.ledger.record(self.env_name("reward"), failed=True, error=f"{type(err).__name__}: {err}")
+            scorer.ledger.record(env_method(env, "reward"), failed=True, error=f"{type(err).__name__}: {err}")
             log.warning("environment %s reward() failed: %s (prompt %s; scored 0)", type(env).__qualname__, scorer.last_error, item.prompt_id)
             return 0.0, {}
 
