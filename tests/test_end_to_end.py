@@ -126,10 +126,14 @@ def test_every_metric_is_in_mlflow_for_every_iteration(periodic_run):
 
 
 def test_a_raising_reward_function_is_logged_and_counted(periodic_run):
-    run_dir, _ = periodic_run
+    run_dir, proc = periodic_run
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(m["reward_errors"] == (6 + 2) * 4 for m in metrics)  # every sample generated, every iteration
     assert "broken_reward raised RuntimeError: user bug" in (run_dir / "logs" / "worker-0.log").read_text()
+    # named in the end-of-run table with every call failed, and the run still exits 0: max_error_rate 1 tolerates it
+    broken, calls = "tests.test_data_rewards:broken_reward", 3 * (6 + 2) * 4
+    assert json.loads((run_dir / "summary.json").read_text())["failures"][broken] == [calls, calls, "RuntimeError: user bug"]
+    assert f"{broken}: {calls} of {calls} calls failed; first: RuntimeError: user bug" in proc.stdout
 
 
 def test_trainer_starts_before_the_last_group_of_the_iteration_is_generated(periodic_run):

@@ -57,6 +57,14 @@ CASES = {
         lambda t: {"trainer.attention": "flex", "trainer.device": "cpu"},
         ["trainer.attention 'flex' trains on CUDA only, and the trainer's device here is 'cpu'"],
     ),
+    "unreachable reward server": (
+        lambda t: {"reward.functions": [{"name": "exact_match"}, {"type": "reward_model", "name": "rm", "url": "http://127.0.0.1:1/rm"}]},
+        ["cannot reach reward 'rm' at http://127.0.0.1:1/rm (reward.functions[rm].url)"],
+    ),
+    "unreachable judge": (
+        lambda t: {"reward.functions": [{"type": "judge", "url": "http://127.0.0.1:1/v1", "model": "m"}]},
+        ["cannot reach reward 'judge' at http://127.0.0.1:1/v1 (reward.functions[judge].url)"],
+    ),
     "unreachable NATS": (lambda t: {"transport.nats_url": "nats://127.0.0.1:1"}, ["nats://127.0.0.1:1", "transport.nats_url"]),
 }
 

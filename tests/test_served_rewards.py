@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -349,6 +350,49 @@ def test_serve_reward_refuses_a_directory_without_a_model(tmp_path):
     assert proc.returncode == 2 and "is not a model directory (no config.json)" in proc.stderr
 
 
+@pytest.fixture(scope="module")
+def causal_lm_dir(tmp_path_factory):
+    """A tiny causal LM as saved by a policy's training: a body and an LM head, no score head."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tidal.model.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("lm")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_serve_reward_refuses_a_causal_lm_directory_naming_it(causal_lm_dir):
+    proc = run_cli("serve-reward", str(causal_lm_dir), "--port", "1")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert f"{causal_lm_dir} is a Qwen2ForCausalLM, not a reward model" in proc.stderr and "no trained score head" in proc.stderr
+
+
+def test_a_reward_model_whose_weights_lack_the_score_head_is_refused_not_given_a_random_one(causal_lm_dir, reward_model_dir):
+    """The weights decide, whatever config.json claims: a causal LM's checkpoint loaded as a classifier lacks score.weight."""
+    from tidal.rewards.server import NoScoreHeadError, RewardModel
+
+    with pytest.raises(NoScoreHeadError, match=rf"{re.escape(str(causal_lm_dir))} has no trained score head: its weights lack score\.weight"):
+        RewardModel(causal_lm_dir)
+    assert len(RewardModel(reward_model_dir).score(["1+1=2"])) == 1  # a trained head loads
+
+
+def test_a_run_serving_a_causal_lm_as_its_reward_model_is_refused_before_start(causal_lm_dir, tmp_path, write_config):
+    rm = {"type": "reward_model", "name": "rm", "serve": {"model": str(causal_lm_dir)}}
+    proc = run_cli("run", str(write_config({"reward.functions": [rm]})), "--run-dir", str(tmp_path / "run"), "--no-progress")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert f"reward.functions[rm].serve.model: {causal_lm_dir} is a Qwen2ForCausalLM, not a reward model" in proc.stderr
+    assert not (tmp_path / "run" / "logs" / "reward-server-rm.log").exists()
+
+
 # --- short real runs -----------------------------------------------------------------------------------
 
 
@@ -378,7 +422,11 @@ def test_a_run_whose_reward_server_keeps_failing_stops_with_one_line_naming_it(s
     rm = {"type": "reward_model", "name": "rm", "url": server.base + "/rm", "retries": 1, "backoff": 0.05, "error_window": 4, "max_error_rate": 0.5}
     config = write_config({"reward.functions": [rm], "eval.enabled": False, "mode": mode})
     last = run_stopped_by_a_failing_reward(config, tmp_path / "run", mode)
-    assert last.startswith(f"reward server {server.base}/rm (rm): 3 of the last 3 requests failed"), last
+    if mode == "periodic":  # a worker's engine call is 2 groups, one request: its third fills the window mid-iteration
+        assert last.startswith(f"reward server {server.base}/rm (rm): 3 of the last 3 requests failed"), last
+    else:  # sync mode scores the iteration in fewer requests than the window: the first iteration's end stops it
+        assert last.startswith("reward rm failed every one of its 24 calls in iteration 0, the run's first: HTTP 500"), last
+        assert f"({server.base}/rm)" in last
 
 
 def test_tidal_run_serves_the_reward_model_itself_and_stops_it(reward_model_dir, tmp_path, write_config):

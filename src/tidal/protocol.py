@@ -130,6 +130,9 @@ class Group:
     # scoring: seconds spent and the served rewards' request counts (tidal.rewards.served), for the
     # engine call this group came from (on its first group); None (left off the wire) otherwise
     reward_stats: dict[str, float] | None = None
+    # calls and failures per reward (and environment step() / reward()) since the worker's last group:
+    # name -> [calls, failed, the first failure's text] (tidal.rewards.failures); None (left off the wire) when none were made
+    failures: dict[str, list] | None = None
 
     @property
     def msg_id(self) -> str:
@@ -214,7 +217,7 @@ def _ext_hook(code: int, data: bytes):
 
 # Optional fields left off the wire when unset, so messages that do not use them keep their size and
 # older readers' view of them (a single-turn sample has no loss mask).
-_OMITTED_WHEN_NONE = frozenset({"loss_mask", "env_stats", "reward_stats"})
+_OMITTED_WHEN_NONE = frozenset({"loss_mask", "env_stats", "reward_stats", "failures"})
 _MAX_ENV_STATS = 64  # named counts a group may carry
 
 
@@ -398,6 +401,26 @@ def _env_stats(value: Any, what: str) -> dict[str, float] | None:
     return {k: float(v) for k, v in value.items()}
 
 
+_MAX_ERROR_CHARS = 1000
+
+
+def _failures(value: Any, what: str) -> dict[str, list] | None:
+    """Group.failures: name -> [calls, failed, text] with 0 <= failed <= calls."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > _MAX_ENV_STATS:
+        raise ProtocolError(f"{what}: expected a map of at most {_MAX_ENV_STATS} names, got {_describe(value)}")
+    out = {}
+    for name, tally in value.items():
+        ok = isinstance(name, str) and isinstance(tally, (list, tuple)) and len(tally) == 3
+        calls, failed, text = tally if ok else (None, None, None)
+        counts = all(isinstance(n, int) and not isinstance(n, bool) for n in (calls, failed))
+        if not (ok and counts and isinstance(text, str) and 0 <= failed <= calls and len(text) <= _MAX_ERROR_CHARS):
+            raise ProtocolError(f"{what}[{name!r}]: expected [calls, failed <= calls, error text], got {_describe(tally)}")
+        out[name] = [calls, failed, text]
+    return out
+
+
 def group_from(data: Any, limits: GroupLimits = GroupLimits()) -> Group:
     d = _mapping(data, "group")
     where = "group"
@@ -433,6 +456,7 @@ def group_from(data: Any, limits: GroupLimits = GroupLimits()) -> Group:
         raise ProtocolError(f"{where}.prompt_ids: empty prompt")
     group.env_stats = _env_stats(d.get("env_stats"), f"{where}.env_stats")
     group.reward_stats = _env_stats(d.get("reward_stats"), f"{where}.reward_stats")
+    group.failures = _failures(d.get("failures"), f"{where}.failures")
     return group
 
 

@@ -73,6 +73,7 @@ def summarize(
         "eval_samples_per_prompt": cfg.eval.samples_per_prompt,
         "staleness_max": max((m["staleness_max"] for m in history), default=0.0),
         "reward_errors": sum(m["reward_errors"] for m in history),
+        "failures": run_failures(history),
         "groups_generated": extra.get("groups_generated", trained + filtered),
         "groups_trained": trained,
         "groups_discarded": int(sum(m["groups_discarded"] for m in history)),
@@ -113,15 +114,29 @@ def served_lines(summary: dict) -> list[str]:
     ]
 
 
+def run_failures(history: list[dict]) -> dict[str, list]:
+    """Each reward's and environment method's [calls, failed, first error] over the run (metrics' `failures`)."""
+    from tidal.rewards.failures import merge_tallies
+
+    totals: dict[str, list] = {}
+    for m in history:
+        merge_tallies(totals, m.get("failures"))
+    return totals
+
+
 def reward_error_lines(summary: dict) -> list[str]:
-    """Samples a failed reward scored 0: a run whose reward fails on every sample learns nothing, and says why here."""
+    """Every reward and environment method that failed, by name: how often, and its first error. A run
+    whose reward fails on every sample learns nothing, and says why here."""
+    failing = {name: t for name, t in (summary.get("failures") or {}).items() if t[1]}
     errors = int(summary.get("reward_errors") or 0)
-    if not errors:
+    if not failing and not errors:
         return []
-    return [
-        f"  reward errors        {errors} reward(s) scored 0 because the function raised, hung, crashed or returned no finite number, "
-        "or a served reward's request failed: the run's logs name the reward and its error (logs/worker-*.log; sync mode: logs/launcher.log)"
+    lines = [
+        f"  {'errors' if i == 0 else '':<21}{name}: {failed} of {calls} calls failed; first: {error}"
+        for i, (name, (calls, failed, error)) in enumerate(sorted(failing.items()))
     ]
+    logs = "the run's logs have each one (logs/worker-*.log; sync mode: logs/launcher.log)"
+    return lines + [f"  reward errors        {errors} reward(s) scored 0: {logs}"] if errors else lines
 
 
 def at_k_lines(summary: dict) -> list[str]:

@@ -314,6 +314,10 @@ class RoleProcesses:
         code = self.trainer.poll()
         if code is None:
             return False
+        if code == REWARD_SERVER_FAILED_EXIT:  # a reward failing every call, or too often: a restart would ask it again
+            from tidal.rewards.failures import RewardFailingError
+
+            raise RewardFailingError(f"{one_line_error(self.run.log('trainer')) or 'a reward failed'} (see {self.run.log('trainer')})")
         # torchrun exits 1 when one of its ranks was killed: for a multi-rank trainer any failure is retried;
         # NATS_LOST_EXIT: the trainer lost NATS for longer than its client reconnects
         restartable = code < 0 or code == NATS_LOST_EXIT or (self.cfg.trainer.ranks > 1 and code != 0)

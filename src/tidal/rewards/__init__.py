@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tidal.config import RewardConfig
-from tidal.rewards.failures import FailureWindow, RewardFailingError
+from tidal.rewards.failures import FailureLedger, FailureWindow, RewardFailingError, over_their_rate
 from tidal.rewards.pool import RewardError
 
 log = logging.getLogger(__name__)
@@ -115,8 +115,17 @@ def check_reward_names(cfg: RewardConfig) -> None:
             check_reward_signature(f.name, resolve(f.name))
         elif f.type == "function":
             continue
-        elif f.serve is not None and f.serve.model is not None and not Path(f.serve.model, "config.json").is_file():
-            raise RewardError(f"reward.functions[{f.label}].serve.model: {f.serve.model} is not a model directory (no config.json)")
+        elif f.serve is not None and f.serve.model is not None:
+            from tidal.rewards.score_head import architecture_without_score_head
+
+            if not Path(f.serve.model, "config.json").is_file():
+                raise RewardError(f"reward.functions[{f.label}].serve.model: {f.serve.model} is not a model directory (no config.json)")
+            architecture = architecture_without_score_head(f.serve.model)
+            if architecture is not None:
+                raise RewardError(
+                    f"reward.functions[{f.label}].serve.model: {f.serve.model} is a {architecture}, not a reward model "
+                    "(no ForSequenceClassification architecture in its config.json: no trained score head)"
+                )
     if user:
         process = reward_process(user, cfg.timeout_seconds, cfg.memory_mb, cfg.cpu_seconds)
         try:
@@ -125,6 +134,26 @@ def check_reward_names(cfg: RewardConfig) -> None:
             raise RewardError(str(err)) from None
         finally:
             process.close()
+
+
+def reward_error_rates(cfg: RewardConfig) -> dict[str, float]:
+    """Each reward's label -> the max_error_rate it tolerates (reward.max_error_rate for functions, the entry's own for served ones)."""
+    return {f.label: cfg.max_error_rate if f.type == "function" else f.max_error_rate for f in cfg.functions}
+
+
+def check_failure_rates(cfg: RewardConfig, failures: dict[str, list]) -> None:
+    """At the end of a run: RewardFailingError naming the first reward or environment method (those at
+    reward.max_error_rate) that failed more than its max_error_rate of the calls it made, however few:
+    the run finished, but on scores of 0."""
+    rates = reward_error_rates(cfg)
+    over = over_their_rate(failures, lambda name: rates.get(name, cfg.max_error_rate))
+    if over:
+        name = over[0]
+        calls, failed, error = failures[name]
+        raise RewardFailingError(
+            f"{name}: {failed} of its {calls} calls failed, over its max_error_rate {rates.get(name, cfg.max_error_rate):g} "
+            f"(the run trained on their scores of 0); first error: {error}"
+        )
 
 
 def check_reward_signature(name: str, fn: RewardFn) -> None:
@@ -158,6 +187,7 @@ class RewardScorer:
     served_weights: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0  # spent scoring since the last take_stats
     windows: dict[str, FailureWindow] = field(default_factory=dict, repr=False)  # per function: reward.max_error_rate
+    ledger: FailureLedger = field(default_factory=FailureLedger, repr=False)  # calls and failures per reward, for the groups
 
     @classmethod
     def from_config(cls, cfg: RewardConfig, prestart: bool = False, seed: int | None = None) -> RewardScorer:
@@ -194,6 +224,7 @@ class RewardScorer:
         t0 = time.perf_counter()
         try:
             served = self.served.score(rows) if self.served is not None else {}
+            served_errors = self.served.last_errors() if self.served is not None else {}
             out = []
             for i, (row, prompt_id) in enumerate(zip(rows, prompt_ids)):
                 parts: dict[str, float] = {}
@@ -201,6 +232,7 @@ class RewardScorer:
                 for name, fn, _ in self.functions:
                     try:
                         parts[name] = checked_reward(fn(row.completion, row.answer))
+                        self.ledger.record(name, failed=False)
                         self.record(name, failed=False)
                     except Exception as err:  # user code: never let it take the worker down
                         kind = getattr(err, "kind", type(err).__name__)
@@ -208,11 +240,13 @@ class RewardScorer:
                         self.last_error = f"{name}: {kind}: {err}"
                         log.warning("reward function %s raised %s: %s (prompt %s; scored 0)", name, kind, err, prompt_id)
                         parts[name] = 0.0
+                        self.ledger.record(name, failed=True, error=f"{kind}: {err}")
                         self.record(name, failed=True)
                 for name, scores in served.items():
                     if scores[i] is None:
                         self.errors += 1
                         self.last_error = f"{name}: its request failed"
+                    self.ledger.record(name, failed=scores[i] is None, error=served_errors.get(name))
                     parts[name] = 0.0 if scores[i] is None else scores[i]
                 total = sum(w * parts[name] for name, _, w in self.functions) + sum(w * parts[name] for name, w in self.served_weights.items())
                 out.append((total, parts, self.errors - before))

@@ -206,6 +206,49 @@ def endpoint_url(cfg: RewardFunctionConfig, served_urls: dict[str, str] | None =
     return cfg.url
 
 
+class RewardUnreachableError(ValueError):
+    """A served reward's url takes no connection before the run starts (one line, naming it)."""
+
+
+def connect_address(url: str) -> tuple[str, int]:
+    """(host, port) a url's requests connect to: the port it names, else its scheme's."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    return parsed.hostname or "127.0.0.1", parsed.port or (443 if parsed.scheme == "https" else 80)
+
+
+def unreachable_rewards(functions: list[RewardFunctionConfig], timeout: float = 5.0) -> list[str]:
+    """One line per reward_model / judge entry with a url that takes no TCP connection (refused, no such
+    host, no answer within `timeout`): without this check the run would start, and every sample would
+    score 0 after its retries. Entries `tidal run` serves itself have no url yet; a url reached through
+    a proxy is not checked (a direct connection says nothing about it)."""
+    import socket
+    import urllib.request
+
+    lines = []
+    for f in functions:
+        if f.type == "function" or f.url is None:
+            continue
+        host, port = connect_address(f.url)
+        scheme = f.url.split(":", 1)[0]
+        if urllib.request.getproxies().get(scheme) and not urllib.request.proxy_bypass(host):
+            continue
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                continue
+        except OSError as err:
+            lines.append(f"cannot reach reward {f.label!r} at {f.url} (reward.functions[{f.label}].url): {err}; is its server running?")
+    return lines
+
+
+def check_reward_urls(functions: list[RewardFunctionConfig], timeout: float = 5.0) -> None:
+    """The launcher's check before start, beside the MLflow and NATS urls: RewardUnreachableError naming the first unreachable reward."""
+    lines = unreachable_rewards(functions, timeout)
+    if lines:
+        raise RewardUnreachableError(lines[0])
+
+
 @dataclass
 class ServedReward:
     """One reward.functions entry of type reward_model or judge, scored over HTTP."""
@@ -362,6 +405,10 @@ class ServedRewards:
         for e in self.entries:
             e.check_error_rate()
         return {e.cfg.label: scores for e, scores in zip(self.entries, results)}
+
+    def last_errors(self) -> dict[str, str]:
+        """reward label -> why its last failed request failed (the url named), for the ones that failed."""
+        return {e.cfg.label: f"{e.last_error} ({e.url})" for e in self.entries if e.last_error is not None}
 
     def take_stats(self) -> dict[str, float]:
         total: dict[str, float] = {}

@@ -22,6 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tidal.rewards.score_head import NoScoreHeadError, architecture_without_score_head, check_score_head
 from tidal.supervise import RoleFailed
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,9 @@ class RewardModel:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(device).eval()
+        model, loading = AutoModelForSequenceClassification.from_pretrained(model_dir, output_loading_info=True)
+        check_score_head(model_dir, loading["missing_keys"])
+        self.model = model.to(device).eval()
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.batch_size, self.output, self.device, self.torch = batch_size, output, device, torch
@@ -116,6 +119,11 @@ def serve_command(args: argparse.Namespace) -> int:
     setup_logging()
     if not Path(args.model_dir, "config.json").is_file():
         raise FileNotFoundError(f"{args.model_dir} is not a model directory (no config.json)")
+    architecture = architecture_without_score_head(args.model_dir)
+    if architecture is not None:
+        raise NoScoreHeadError(
+            f"{args.model_dir} is a {architecture}, not a reward model: its config.json names no ForSequenceClassification architecture (no trained score head)"
+        )
     if args.threads:
         import torch
 

@@ -57,11 +57,25 @@ class _Row:
     length: int = 0  # tokens of the trajectory so far
     finish_reason: str | None = None  # set when the loop ends the trajectory for a reason of its own
     env_error: str | None = None
+    steps: int = 0  # calls of the environment's step() that returned
     truncated_observations: int = 0
 
     @property
     def final_text(self) -> str:
         return Trajectory(None, self.messages).final_text
+
+
+def env_method(env: Environment, method: str) -> str:
+    """How an environment's method is named in the failure tallies and the end-of-run table."""
+    return f"environment {type(env).__qualname__}.{method}()"
+
+
+def record_steps(ledger, row: _Row) -> None:
+    """A trajectory's step() calls into the ledger: the ones that returned, and the one that raised."""
+    if row.steps:
+        ledger.record(env_method(row.env, "step"), failed=False, calls=row.steps)
+    if row.env_error is not None:
+        ledger.record(env_method(row.env, "step"), failed=True, error=row.env_error)
 
 
 class AgentLoop:
@@ -251,6 +265,7 @@ class AgentLoop:
                     )
                 )
                 add_stats(stats, row, tokens.turns)
+                record_steps(scorer.ledger, row)
             at += request.n
             groups.append(
                 Group(
@@ -264,6 +279,7 @@ class AgentLoop:
                     gen_end=gen_end,
                     reward_errors=scorer.errors - errors_before,
                     env_stats=stats,
+                    failures=scorer.ledger.take(),
                 )
             )
         return groups
@@ -294,16 +310,21 @@ class AgentLoop:
         try:
             value: Any = env.reward(trajectory)
             if value is None:
+                scorer.ledger.record(env_method(env, "reward"), failed=False)
                 return scorer.score(trajectory.final_text, item.answer, item.prompt_id, item.prompt)
             if isinstance(value, dict):
                 parts = {str(k): checked_reward(v) for k, v in value.items()}
+                scorer.ledger.record(env_method(env, "reward"), failed=False)
                 return sum(parts.values()), parts
-            return checked_reward(value), {"env": checked_reward(value)}
+            result = checked_reward(value), {"env": checked_reward(value)}
+            scorer.ledger.record(env_method(env, "reward"), failed=False)
+            return result
         except RewardFailingError:  # reward.functions failing too often: the run stops
             raise
         except Exception as err:  # noqa: BLE001 - user code: never let it take the worker down
             scorer.errors += 1
             scorer.last_error = f"environment reward: {type(err).__name__}: {err}"
+            scorer.ledger.record(env_method(env, "reward"), failed=True, error=f"{type(err).__name__}: {err}")
             log.warning("environment %s reward() failed: %s (prompt %s; scored 0)", type(env).__qualname__, scorer.last_error, item.prompt_id)
             return 0.0, {}
 
@@ -362,7 +383,9 @@ class _Call:
         """The environment's answer to the turn; None when it raised."""
         row = self.rows[index]
         try:
-            return row.env.step(text)
+            outcome = row.env.step(text)
+            row.steps += 1
+            return outcome
         except Exception as err:  # noqa: BLE001 - user code: the trajectory ends, the worker goes on
             row.finish_reason, row.env_error = "env_error", f"{type(err).__name__}: {err}"
             log.warning("environment %s raised in step(): %s", self.agent.factory.cls.__qualname__, row.env_error)

@@ -52,8 +52,8 @@ def build_groups(
     gen_times: list[tuple[float, float]],
 ) -> list[Group]:
     """The groups of one engine call, every sample scored in one `score_many` (served rewards batch
-    across the groups). `gen_times`: each group's generation (start, end). The call's scoring seconds
-    and served-reward counts ride on its first group."""
+    across the groups). `gen_times`: each group's generation (start, end). The call's scoring seconds,
+    served-reward counts and each reward's calls and failures ride on its first group."""
     from tidal.rewards.served import Row
 
     texts = [[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions] for completions in outputs]
@@ -92,6 +92,7 @@ def build_groups(
         )
     if groups:
         groups[0].reward_stats = scorer.take_stats()
+        groups[0].failures = scorer.ledger.take()  # each reward's calls and failures, for the trainer's count
     return groups
 
 

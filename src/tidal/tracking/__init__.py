@@ -346,7 +346,7 @@ ROLLOUT_METRICS = frozenset(
     }
 )  # fmt: skip
 TIME_METRICS = frozenset({"pipeline_efficiency", "wall_time", "generated_tokens_per_s", "trained_tokens_per_s", "samples_per_s"})
-NOT_LOGGED = frozenset({"iteration"})  # it is the step
+NOT_LOGGED = frozenset({"iteration", "failures"})  # the step; failures are text (metrics.jsonl, the end-of-run table)
 
 
 def mlflow_metric_name(key: str) -> str:

@@ -251,6 +251,8 @@ class Iteration:
         }
         metrics = iteration_metrics(self.version, self.groups, self.update, self.timer, self.run.allowed_staleness, extra)
         metrics["reward_errors"] += self.plan.filtered_reward_errors  # dropped groups' reward errors still count
+        if self.plan.failures:  # name -> [calls, failed, first error]: text, so metrics.jsonl only (not MLflow)
+            metrics["failures"] = self.plan.failures
         return metrics
 
     async def _start_training(self, groups: list[Group]) -> asyncio.Future:

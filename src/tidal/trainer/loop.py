@@ -54,9 +54,24 @@ async def train(
     iteration = await Iteration.open(run, start) if start < end else None
     while iteration is not None:
         await iteration.collect()  # every expected group in, each trained as it arrived
+        if iteration.version == start:  # before its step: a reward failing on every sample would train on zeros
+            stop_on_a_reward_failing_every_call(cfg, iteration.plan)
         following = await iteration.close()  # the step, v+1 published and opened, v made durable
         history.append(run.record(iteration.metrics()))
         iteration = following
     await run.writer.drain()
     await source.finish(end)
     return history
+
+
+def stop_on_a_reward_failing_every_call(cfg: TidalConfig, plan: IterationPlan) -> None:
+    """RewardFailingError naming a reward that failed every one of its calls in `plan`'s iteration (the
+    first of this run or resume): a reward URL that refuses, a function that always raises or returns
+    no number. reward.max_error_rate's window would need hundreds of calls to say so, a short run never."""
+    from tidal.rewards import reward_error_rates
+    from tidal.rewards.failures import RewardFailingError, failing_every_call
+
+    found = failing_every_call(plan.failures, reward_error_rates(cfg.reward))
+    if found is not None:
+        name, (calls, _, error) = found
+        raise RewardFailingError(f"reward {name} failed every one of its {calls} calls in iteration {plan.version}, the run's first: {error}")
