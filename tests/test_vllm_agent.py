@@ -21,6 +21,7 @@ import yaml
 
 from tests.conftest import mask_runs as runs
 from tests.conftest import read_jsonl, run_cli
+from tests.test_sandbox import REFUSED
 from tidal.algo import token_logprobs_from_logits
 from tidal.config import config_from_dict
 from tidal.envs import Environment
@@ -226,18 +227,32 @@ def test_deterministic_trajectories_repeat_on_either_path_and_steps_overlap(setu
 
 
 def test_a_periodic_multi_turn_run_on_vllm_trains_every_group(setup, tmp_path, tiny_config_dict):
+    """... with a hostile reward function beside the real one (weight 0): the vLLM worker's user code
+    gets nothing of the run either (tests/test_sandbox.py has the HF engine's, and each attempt's)."""
     setup["stop"]()  # one vLLM engine at a time on this machine: the run starts its own
     iterations, prompts = 2, 4
+    markers = tmp_path / "markers"
+    markers.mkdir()
     data = model_settings(tiny_config_dict)
     data["rollout"] = agent_rollout(max_inflight_groups=4)
     data["trainer"].update({"iterations": iterations, "prompts_per_iteration": prompts})
     data["eval"] = {"enabled": False}
+    data["reward"] = {"functions": [{"name": "exact_match"}, {"name": "tests.hostile:hostile_reward", "weight": 0.0}]}
+    data["sandbox"] = {"write_paths": [str(markers)]}
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(data))
     started = time.time()
-    proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress")
+    targets = json.dumps({"run_dir": str((tmp_path / "run").resolve())})
+    env = {"TIDAL_TEST_MARKERS": str(markers), "TIDAL_TEST_TARGETS": targets}
+    proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress", env=env)
     worker_log = tmp_path / "run" / "logs" / "worker-0.log"
     assert proc.returncode == 0, proc.stderr[-3000:] + (worker_log.read_text()[-3000:] if worker_log.is_file() else "")
+    reports = [json.loads(p.read_text()) for p in markers.glob("hostile-*.json")]
+    assert reports
+    for report in reports:
+        assert report["env"] == "none", report
+        for attempt in ("proc_environ", "run_dir_read", "weights_write", "run_dir_write", "signal", "nats"):
+            assert report[attempt].startswith(REFUSED), (attempt, report[attempt])
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["iterations"] == iterations and summary["groups_trained"] == iterations * prompts and summary["staleness_max"] == 0
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")

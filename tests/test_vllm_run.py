@@ -117,6 +117,9 @@ def test_on_cpu_two_vllm_workers_start_with_no_memory_key_and_a_killed_one_loses
         tmp_path / "config.yaml",
         reward={"functions": [{"name": "exact_match"}, {"name": "tests.test_vllm_run:kill_once", "weight": 0.0}]},
         eval={"enabled": False},
+        # a reward that kills its own worker is what the sandbox refuses (tests/test_sandbox.py); here the
+        # worker's death is the subject, so its user code runs unconfined
+        sandbox={"enabled": False},
     )
     data = yaml.safe_load(config.read_text())
     data["rollout"]["workers"] = 2
