@@ -393,14 +393,17 @@ def test_compiled_pipeline_matches_what_the_overlay_promises(overlay, compiled):
         assert config["podMetadata"]["labels"] == {**cluster.TIDAL_POD_LABEL, **worker}, executor
         assert config["securityContext"]["runAsNonRoot"] is True
         secrets = {}
-        for s in config["secretAsEnv"]:
+        for s in config.get("secretAsEnv", []):  # the worker-pool step reads none
             secrets.setdefault(s["secretName"], {}).update({k["secretKey"]: k["envVar"] for k in s["keyToEnv"]})
-        assert secrets[cluster.MLFLOW_SECRET] == cluster.MLFLOW_SECRET_ENV
-        optional = {k["envVar"]: s.get("optional", False) for s in config["secretAsEnv"] for k in s["keyToEnv"]}
-        assert optional["MLFLOW_TRACKING_URI"] is False, executor  # no Secret: the pod does not start, and says so
-        assert optional["MLFLOW_TRACKING_USERNAME"] is True, executor
-        # every step signs or checks weight snapshots with the run's key; no Secret: the pod does not start
-        assert secrets[cluster.WEIGHTS_SECRET] == cluster.WEIGHTS_SECRET_ENV and optional["TIDAL_WEIGHTS_KEY"] is False, executor
+        optional = {k["envVar"]: s.get("optional", False) for s in config.get("secretAsEnv", []) for k in s["keyToEnv"]}
+        if cluster.MLFLOW_SECRET in secrets:  # which steps get it: tests/test_kube_pipeline.py
+            assert secrets[cluster.MLFLOW_SECRET] == cluster.MLFLOW_SECRET_ENV
+            assert optional["MLFLOW_TRACKING_URI"] is False, executor  # no Secret: the pod does not start, and says so
+            assert optional["MLFLOW_TRACKING_USERNAME"] is True, executor
+        if cluster.WEIGHTS_SIGNING_SECRET in secrets:  # the trainer's step alone; no Secret: the pod does not start
+            assert secrets[cluster.WEIGHTS_SIGNING_SECRET] == cluster.WEIGHTS_SIGNING_SECRET_ENV and not optional["TIDAL_WEIGHTS_SIGNING_KEY"], (
+                executor
+            )
         if executor in ("exec-prepare", "exec-open-round", "exec-rollout-worker", "exec-train", "exec-train-2", "exec-evaluate", "exec-finalize"):
             # the step's role's password (which role: tests/test_kube_nats_auth.py), and the server reads every one
             ((key, env_name),) = secrets[cluster.NATS_SECRET].items()
