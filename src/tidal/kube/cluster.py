@@ -135,6 +135,12 @@ TIDAL_POD_LABEL = {"app.kubernetes.io/part-of": "tidal"}
 WORKER_POD_LABEL = {"app.kubernetes.io/component": "rollout-worker"}
 """On every rollout-worker pod, the fixed pool's tasks and the elastic pool's Deployment alike: the pods the reward
 server's NetworkPolicy admits (manifests/components/reward-server)."""
+TRAINER_POD_LABEL = {"app.kubernetes.io/component": "trainer"}
+"""On every trainer pod (the trainer job's replicas, the train step with trainer_backend=local): the pods rollout
+workers exchange the NCCL weight transfer with (manifests/base/networkpolicy.yaml)."""
+TRAINER_JOB_LABEL = "tidal.trainer-job"
+"""On each trainer job's pods: the job's name. The job's own NetworkPolicy admits its rendezvous from these pods only
+(tidal.kube.trainer_job.rendezvous_network_policy)."""
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 """Kueue's LocalQueue label: on a trainer job (PyTorchJob, TrainJob) and on worker pods (Kueue's pod integration)."""
 

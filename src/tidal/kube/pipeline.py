@@ -208,6 +208,8 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
                     in_step.set_display_name("train")
                     on_accelerator(in_step, profile, trainer_accelerators_per_node)
                     in_queue(in_step, queue_name)
+                    for key, value in cluster.TRAINER_POD_LABEL.items():  # rollout workers' NCCL weight transfer reaches it
+                        kubernetes.add_pod_label(in_step, label_key=key, label_value=value)
                 for task in (launcher, in_step):
                     task.after(opened)
                     # the job's ownerReference and per-attempt name (tidal.kube.trainer_launch.launcher_pod)

@@ -170,6 +170,31 @@ def job_labels(spec: TrainerJobSpec) -> dict[str, str]:
     return labels
 
 
+def rendezvous_network_policy(spec: TrainerJobSpec) -> dict:
+    """The job's pods (label tidal.trainer-job=<job>) admit the job's own pods on every port: torchrun's rendezvous, the
+    process group's store and NCCL, whose ports are chosen at run time. manifests/base/networkpolicy.yaml denies every
+    other ingress to Tidal's pods, but the rollout workers' NCCL weight transfer. Owned, as the job is, by the launcher pod."""
+    own = {"matchLabels": {cluster.TRAINER_JOB_LABEL: spec.name}}
+    metadata = {"name": f"{spec.name}-rendezvous", "namespace": spec.namespace, "labels": job_labels(spec)}
+    if (owners := owner_references(spec)) is not None:
+        metadata["ownerReferences"] = [k8s.ApiClient().sanitize_for_serialization(o) for o in owners]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata,
+        "spec": {"podSelector": own, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": own}]}]},
+    }
+
+
+def create_rendezvous_network_policy(spec: TrainerJobSpec, api_client=None) -> None:
+    """Creates the job's NetworkPolicy before the job, so its pods can rendezvous from their start."""
+    if api_client is None:
+        from tidal.kube.trainjob import cluster_api_client
+
+        api_client = cluster_api_client()
+    k8s.NetworkingV1Api(api_client).create_namespaced_network_policy(spec.namespace, rendezvous_network_policy(spec), field_validation="Strict")
+
+
 def name_violations(metadata: dict) -> list[str]:
     """The name's rule and the label values': the API server refuses either."""
     name = metadata.get("name") or ""
