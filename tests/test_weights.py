@@ -239,3 +239,19 @@ def test_an_hmac_era_run_directory_is_re_signed_on_its_next_launch_and_its_symme
         verify_snapshot(planted, public)
     assert snapshot_keys(tmp_path) == {"public_key": public}
     assert upgrade_hmac_run(tmp_path, tmp_path / "weights", private) == []  # nothing left to upgrade
+
+
+def test_a_clusters_key_pair_is_written_once_and_the_private_key_is_0600(tmp_path):
+    import stat
+    import subprocess
+    import sys
+
+    from tidal.weights.signing import public_key_of
+
+    out = subprocess.run([sys.executable, "-m", "tidal.weights.keygen", str(tmp_path / "keys")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    private = (tmp_path / "keys" / "private-key").read_text()
+    assert stat.S_IMODE((tmp_path / "keys" / "private-key").stat().st_mode) == 0o600
+    assert public_key_of(private) == (tmp_path / "keys" / "public-key").read_text()
+    again = subprocess.run([sys.executable, "-m", "tidal.weights.keygen", str(tmp_path / "keys")], capture_output=True, text=True)
+    assert again.returncode == 2 and "already exists" in again.stderr and (tmp_path / "keys" / "private-key").read_text() == private
