@@ -255,3 +255,28 @@ def test_a_clusters_key_pair_is_written_once_and_the_private_key_is_0600(tmp_pat
     assert public_key_of(private) == (tmp_path / "keys" / "public-key").read_text()
     again = subprocess.run([sys.executable, "-m", "tidal.weights.keygen", str(tmp_path / "keys")], capture_output=True, text=True)
     assert again.returncode == 2 and "already exists" in again.stderr and (tmp_path / "keys" / "private-key").read_text() == private
+
+
+def test_the_launcher_upgrades_an_hmac_era_run_before_any_role_and_keeps_the_private_key_out_of_its_environment(tmp_path, monkeypatch):
+    """what `tidal run` does first on a run directory: its key pair (made once), HMAC-era versions re-signed, the
+    public key in the environment its children inherit, the private key returned for the trainer alone (one in the
+    user's shell dropped)."""
+    import os
+
+    from tidal.local import run_signatures
+    from tidal.rundir import RunDir
+    from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, verify_snapshot
+    from tidal.weights.signing import hmac_signature, new_key_pair, public_key_of
+
+    monkeypatch.setenv(SIGNING_KEY_ENV, new_key_pair()[0])  # the user's shell's
+    monkeypatch.setenv(PUBLIC_KEY_ENV, "")  # run_signatures sets it: restored after the test
+    (tmp_path / "weights-key").write_text("old-key")
+    path = WeightStore(tmp_path / "weights", signing_key=new_key_pair()[0]).publish(1, {"a": torch.zeros(3)})
+    manifest = {k: v for k, v in json.loads((path / "manifest.json").read_text()).items() if k != "signature"}  # as an HMAC-era trainer wrote it
+    (path / "manifest.json").write_text(json.dumps({**manifest, "hmac": hmac_signature(manifest, b"old-key")}))
+
+    private = run_signatures(RunDir(tmp_path))
+    assert SIGNING_KEY_ENV not in os.environ and os.environ[PUBLIC_KEY_ENV] == public_key_of(private)
+    assert (tmp_path / "weights-signing-key").read_text() == private and not (tmp_path / "weights-key").exists()
+    assert verify_snapshot(path)["signature"]["public_key"] == public_key_of(private)  # checked with the environment's key
+    assert run_signatures(RunDir(tmp_path)) == private  # a resume signs with the same key
