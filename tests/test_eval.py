@@ -88,23 +88,31 @@ def test_a_follower_that_fell_behind_skips_a_snapshot_weight_retention_deleted(t
     assert evaluated == ["v000004"] and [r["version"] for r in records] == [4]
 
 
-def test_tidal_eval_of_no_missing_or_corrupt_snapshot_is_one_line(tmp_path, write_config):
+def test_tidal_eval_of_no_missing_corrupt_or_not_the_trainers_snapshot_is_one_line(tmp_path, write_config):
     import json
 
     import torch
 
+    from tidal.rundir import run_key_pair
     from tidal.weights import WeightStore
+    from tidal.weights.signing import new_key_pair
 
     run = tmp_path / "run"
     run.mkdir()
     (run / "run.json").write_text(json.dumps({"run_id": "r", "base_model": str(tmp_path / "base"), "tracking_uri": "", "mlflow_run_id": ""}))
     config = str(write_config())
-    corrupt = WeightStore(tmp_path / "other").publish(1, {"a": torch.zeros(2)})
+    private, _ = run_key_pair(run)
+    corrupt = WeightStore(tmp_path / "other", signing_key=private).publish(1, {"a": torch.zeros(2)})
     (corrupt / "model.safetensors").write_bytes(b"not the tensors")
+    # consistent sha256s, but not the run's trainer's: another run's key, and none
+    other_run = WeightStore(tmp_path / "other-run", signing_key=new_key_pair()[0]).publish(1, {"a": torch.zeros(2)})
+    unsigned = WeightStore(tmp_path / "unsigned").publish(1, {"a": torch.zeros(2)})
     for weights, expected in [
         ([], "holds no weight snapshot: the run has not published any version"),
         (["--weights", str(tmp_path / "nope")], "no such snapshot directory"),
         (["--weights", str(corrupt)], "does not match manifest"),
+        (["--weights", str(other_run)], f"snapshot {other_run}: its manifest is signed with ed25519 key"),
+        (["--weights", str(unsigned)], f"snapshot {unsigned}: its manifest is not signed: not written by this run's trainer; not evaluated"),
     ]:
         proc = run_cli("eval", config, "--run-dir", str(run), *weights)
         assert proc.returncode == 2, proc.stderr[-3000:]

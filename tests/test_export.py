@@ -14,11 +14,13 @@ import pytest
 import requests
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from tests.conftest import run_cli
 from tidal import cli
 from tidal.transport.server import free_port
-from tidal.weights import SIGNING_KEY_ENV, WeightStore, sha256_of, version_dir_name
+from tidal.weights import WeightStore, sha256_of, version_dir_name
+from tidal.weights.signing import new_key_pair
 
 # a prompt, an answer line and a chat turn: what the policy reads and writes
 TEXTS = ["12+34=", "7*8=56", "tools: calc\n<u>931*140=\n<a>"]
@@ -144,11 +146,17 @@ def test_a_corrupt_or_unsigned_snapshot_is_refused_and_nothing_is_written(tool_r
     # consistent hashes, but not signed with the run's key: not the run's trainer's snapshot
     v2 = run / "weights" / "v000002"
     forged = {**manifest(run, 2), "files": {"model.safetensors": sha256_of(v2 / "model.safetensors")}}
-    forged.pop("hmac")
+    forged.pop("signature")
     (v2 / "manifest.json").write_text(json.dumps(forged))
     status, _, err = export(capsys, str(run), "--out", str(tmp_path / "b"), "--version", "2")
-    assert status == 2 and err.count("\n") == 1 and "is not signed with this run's key" in err
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert status == 2 and err.count("\n") == 1 and f"snapshot {v2}: its manifest is not signed: not written by this run's trainer" in err
+    # written by the real weight store, signed with another run's private key
+    v1 = run / "weights" / "v000001"
+    WeightStore(run / "weights", signing_key=new_key_pair()[0]).publish(1, load_file(str(v1 / "model.safetensors")))
+    status, _, err = export(capsys, str(run), "--out", str(tmp_path / "c"), "--version", "1")
+    assert status == 2 and err.count("\n") == 1 and f"snapshot {v1}: its manifest is signed with ed25519 key" in err
+    assert "not this run's trainer key" in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
@@ -165,7 +173,7 @@ def test_heldout_accuracy_is_the_versions_curve_point_else_the_final_summary_els
     assert [heldout_accuracy(run, v) for v in (2, 3)] == [None, 0.25]
 
 
-def write_adapter_version(run_dir: Path, version: int, monkeypatch) -> Path:
+def write_adapter_version(run_dir: Path, version: int) -> Path:
     """A LoRA version written by the weight store as a LoRA run's trainer writes one (peft's files, a
     manifest signed with the run's key), with an adapter moved away from its zero start."""
     from tidal.config import LoraConfig
@@ -178,19 +186,20 @@ def write_adapter_version(run_dir: Path, version: int, monkeypatch) -> Path:
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
-    monkeypatch.setenv(SIGNING_KEY_ENV, (run_dir / "weights-key").read_text().strip())
-    store = WeightStore(run_dir / "weights", base_dir, adapter_config(model, base_dir))
+    store = WeightStore(
+        run_dir / "weights", base_dir, adapter_config(model, base_dir), signing_key=(run_dir / "weights-signing-key").read_text().strip()
+    )
     return store.publish(version, adapter_state_dict(model))
 
 
-def test_an_adapter_version_exports_as_base_plus_adapter_and_merged(tool_run, tmp_path, capsys, monkeypatch):
+def test_an_adapter_version_exports_as_base_plus_adapter_and_merged(tool_run, tmp_path, capsys):
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
     from tidal.model.loading import load_model_and_tokenizer
 
     run = copy_of_run(tool_run, tmp_path / "run")
-    snapshot = write_adapter_version(run, 4, monkeypatch)
+    snapshot = write_adapter_version(run, 4)
     base, tokenizer = load_model_and_tokenizer(run_json(run)["base_model"])
     reference = token_logprobs(PeftModel.from_pretrained(base, str(snapshot)).eval(), tokenizer)
     base_logprobs = token_logprobs(load_model_and_tokenizer(run_json(run)["base_model"])[0].eval(), tokenizer)

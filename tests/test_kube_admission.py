@@ -90,6 +90,63 @@ def test_the_launcher_labels_the_job_of_a_run_dir_with_spaces_with_a_valid_value
     assert is_kubernetes_label_value(label) and label == cluster.label_value(run.root.name)
 
 
+def test_each_trainer_job_gets_a_schema_valid_network_policy_admitting_only_its_own_pods(tmp_path, monkeypatch):
+    """the job's rendezvous (torchrun, the process group's store, NCCL) is open to the pods of that job alone: the
+    policy selects and admits pods by the job's own label, which the launcher puts on the job's pod template; the
+    API server stand-in creates it under strict field validation (Kubernetes' own schema)."""
+    import kubernetes_validate
+
+    monkeypatch.setattr(trainer_launch, "nats_url_of", lambda config_path: "nats://tidal-nats:4222")
+    submitted = []
+
+    class StandInBackend:
+        def submit(self, spec):
+            submitted.append(build_trainjob(spec))
+            return spec.name
+
+        def stream_logs(self, name, namespace):
+            pass
+
+        def wait(self, name, namespace, timeout_s):
+            from tidal.kube.trainer_job import JobOutcome
+
+            return JobOutcome(name=name, succeeded=True)
+
+        def delete(self, name, namespace):
+            pass
+
+    monkeypatch.setenv("TIDAL_POD_NAME", "launcher-pod")
+    monkeypatch.setenv("TIDAL_POD_UID", "uid-1")
+    placement = trainer_launch.TrainerPlacement(backend="trainjob", accelerator="cpu", accelerators_per_node=0, namespace="team-a")
+    with StandInApi() as api:
+        trainer_launch.train_round_as_job(
+            RunDir(tmp_path / "run"), str(tmp_path / "config.yaml"), 0, 2, placement, StandInBackend(), api.api_client()
+        )
+    ((path, query, policy),) = api.created
+    assert path == "/apis/networking.k8s.io/v1/namespaces/team-a/networkpolicies" and query["fieldValidation"] == "Strict"
+    kubernetes_validate.validate(policy, cluster.KUBERNETES_VERSION, strict=True)
+    job = submitted[0]
+    own = {cluster.TRAINER_JOB_LABEL: job["metadata"]["name"]}
+    assert policy["spec"] == {
+        "podSelector": {"matchLabels": own},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [{"podSelector": {"matchLabels": own}}]}],
+    }
+    (pod_labels,) = [labels for labels in label_maps(job["spec"]) if cluster.TRAINER_POD_LABEL.items() <= labels.items()]
+    assert own.items() <= pod_labels.items()  # the job's pods are what the policy selects and admits
+    (owner,) = policy["metadata"]["ownerReferences"]  # goes with the launcher pod, as the job does
+    assert (owner["kind"], owner["name"], owner["uid"]) == ("Pod", "launcher-pod", "uid-1")
+
+
+def label_maps(node) -> list[dict]:
+    """Every ``labels`` map anywhere in a manifest."""
+    if isinstance(node, list):
+        return [m for item in node for m in label_maps(item)]
+    if not isinstance(node, dict):
+        return []
+    return ([node["labels"]] if isinstance(node.get("labels"), dict) else []) + [m for v in node.values() for m in label_maps(v)]
+
+
 RUNTIME_PATH = f"/apis/trainer.kubeflow.org/v1alpha1/clustertrainingruntimes/{RUNTIME}"
 INSTALLED_RUNTIME = {RUNTIME_PATH: {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "ClusterTrainingRuntime", "metadata": {"name": RUNTIME}}}
 

@@ -11,6 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.test_kube_pipeline import train_executors_by_backend
 from tidal.kube import cluster, trainjob, worker_pool
 from tidal.kube.pipeline import compile_pipeline
 
@@ -220,6 +221,8 @@ def test_rbac_allows_trainer_jobs_and_the_worker_pool_and_nothing_more(overlay):
         # worker_pool=elastic: the run's Deployment and ScaledObject, created by the pool step and deleted by finalize
         (("apps",), ("deployments",)): {"create", "get", "delete"},
         ((worker_pool.KEDA_GROUP,), (worker_pool.KEDA_PLURAL,)): {"create", "get", "delete"},
+        # each trainer job's rendezvous policy, created by its launcher and owned by the launcher's pod (deleted with it)
+        (("networking.k8s.io",), ("networkpolicies",)): {"create"},
     }
     (cluster_role,) = by_kind(objects, "ClusterRole").values()
     assert cluster_role["rules"] == [
@@ -317,6 +320,25 @@ def test_only_tidal_pods_reach_nats_and_mlflow(overlay):
             assert all(p == [{"port": 5000, "protocol": "TCP"}] for p in ports)
 
 
+def test_tidal_pods_admit_no_traffic_but_what_a_policy_allows(overlay):
+    """A default-deny for every Tidal pod (NATS and MLflow included: their own policies admit their clients); the NCCL
+    weight transfer between trainer and rollout-worker pods; each trainer job's rendezvous has a policy of its own
+    (tests/test_kube_admission.py)."""
+    name, objects = overlay
+    policies = by_kind(objects, "NetworkPolicy")
+    deny = policies["tidal-default-deny"]["spec"]
+    assert deny == {"podSelector": {"matchLabels": cluster.TIDAL_POD_LABEL}, "policyTypes": ["Ingress"]}, name
+    for service in ("tidal-nats", "tidal-mlflow"):  # selected by the default-deny
+        labels = by_kind(objects, "Deployment" if service == "tidal-mlflow" else "StatefulSet")[service]["spec"]["template"]["metadata"]["labels"]
+        assert cluster.TIDAL_POD_LABEL.items() <= labels.items(), (name, service)
+    for policy, target, peer in [
+        ("tidal-trainer-from-workers", cluster.TRAINER_POD_LABEL, cluster.WORKER_POD_LABEL),
+        ("tidal-workers-from-trainers", cluster.WORKER_POD_LABEL, cluster.TRAINER_POD_LABEL),
+    ]:
+        spec = policies[policy]["spec"]
+        assert spec["podSelector"] == {"matchLabels": target} and spec["ingress"] == [{"from": [{"podSelector": {"matchLabels": peer}}]}]
+
+
 def test_the_nats_service_has_the_monitoring_port_keda_reads(overlay):
     _, objects = overlay
     service = by_kind(objects, "Service")["tidal-nats"]
@@ -389,18 +411,23 @@ def test_compiled_pipeline_matches_what_the_overlay_promises(overlay, compiled):
         assert [m["pvcNameParameter"]["runtimeValue"]["constant"] for m in config["pvcMount"]] == [settings["DATA_PVC"]]
         assert config["pvcMount"][0]["mountPath"] == cluster.DATA_MOUNT_PATH
         # rollout workers also carry the label the reward server's NetworkPolicy admits (tests/test_kube_reward_server.py)
+        # and the trainer in its step the label the workers' NCCL weight transfer may reach (the overlays' policies)
         worker = cluster.WORKER_POD_LABEL if executor == "exec-rollout-worker" else {}
-        assert config["podMetadata"]["labels"] == {**cluster.TIDAL_POD_LABEL, **worker}, executor
+        trainer = cluster.TRAINER_POD_LABEL if executor == train_executors_by_backend(spec)["local"] else {}
+        assert config["podMetadata"]["labels"] == {**cluster.TIDAL_POD_LABEL, **worker, **trainer}, executor
         assert config["securityContext"]["runAsNonRoot"] is True
         secrets = {}
-        for s in config["secretAsEnv"]:
+        for s in config.get("secretAsEnv", []):  # the worker-pool step reads none
             secrets.setdefault(s["secretName"], {}).update({k["secretKey"]: k["envVar"] for k in s["keyToEnv"]})
-        assert secrets[cluster.MLFLOW_SECRET] == cluster.MLFLOW_SECRET_ENV
-        optional = {k["envVar"]: s.get("optional", False) for s in config["secretAsEnv"] for k in s["keyToEnv"]}
-        assert optional["MLFLOW_TRACKING_URI"] is False, executor  # no Secret: the pod does not start, and says so
-        assert optional["MLFLOW_TRACKING_USERNAME"] is True, executor
-        # every step signs or checks weight snapshots with the run's key; no Secret: the pod does not start
-        assert secrets[cluster.WEIGHTS_SECRET] == cluster.WEIGHTS_SECRET_ENV and optional["TIDAL_WEIGHTS_KEY"] is False, executor
+        optional = {k["envVar"]: s.get("optional", False) for s in config.get("secretAsEnv", []) for k in s["keyToEnv"]}
+        if cluster.MLFLOW_SECRET in secrets:  # which steps get it: tests/test_kube_pipeline.py
+            assert secrets[cluster.MLFLOW_SECRET] == cluster.MLFLOW_SECRET_ENV
+            assert optional["MLFLOW_TRACKING_URI"] is False, executor  # no Secret: the pod does not start, and says so
+            assert optional["MLFLOW_TRACKING_USERNAME"] is True, executor
+        if cluster.WEIGHTS_SIGNING_SECRET in secrets:  # the trainer's step alone; no Secret: the pod does not start
+            assert secrets[cluster.WEIGHTS_SIGNING_SECRET] == cluster.WEIGHTS_SIGNING_SECRET_ENV and not optional["TIDAL_WEIGHTS_SIGNING_KEY"], (
+                executor
+            )
         if executor in ("exec-prepare", "exec-open-round", "exec-rollout-worker", "exec-train", "exec-train-2", "exec-evaluate", "exec-finalize"):
             # the step's role's password (which role: tests/test_kube_nats_auth.py), and the server reads every one
             ((key, env_name),) = secrets[cluster.NATS_SECRET].items()

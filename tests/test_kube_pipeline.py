@@ -93,7 +93,51 @@ def test_workers_request_gpus_and_every_step_gets_storage_and_secrets(compiled):
     assert worker["emptyDirMounts"][0]["mountPath"] == "/dev/shm"
     for name, executor in k8s.items():
         assert executor["pvcMount"][0]["mountPath"] == cluster.DATA_MOUNT_PATH, name
-        assert cluster.MLFLOW_SECRET in {s["secretName"] for s in executor["secretAsEnv"]}, name
+
+
+STEP_CREDENTIALS = {
+    # step: (its NATS user, logs to MLflow, which snapshot keys: None, "public", or "signing" (private and public))
+    "prepare": ("control", True, None),
+    "worker-pool": (None, False, None),  # the Deployment it creates names Secrets; the step reads none
+    "open-round": ("control", True, None),
+    "job launcher": ("control", False, None),  # the trainer job's pods get the trainer's credentials, not the launcher
+    "train in step": ("trainer", True, "signing"),
+    "rollout-worker": ("worker", False, "public"),
+    "weight-sync": (None, True, "public"),
+    "evaluate": ("control", True, "public"),
+    "register-model": (None, True, "public"),
+    "finalize": ("control", True, None),
+}
+
+
+def step_credentials(executor: dict) -> tuple[str | None, bool, str | None]:
+    """What a compiled step's pod is given, in STEP_CREDENTIALS' terms."""
+    secrets = {s["secretName"]: {k["secretKey"] for k in s["keyToEnv"]} for s in executor.get("secretAsEnv", [])}
+    (password,) = secrets.get(cluster.NATS_SECRET, {None})
+    public = [c for c in executor.get("configMapAsEnv", []) if c["configMapName"] == cluster.WEIGHTS_PUBLIC_CONFIG_MAP]
+    keys = "signing" if cluster.WEIGHTS_SIGNING_SECRET in secrets else "public" if public else None
+    return password and password.removesuffix("-password"), cluster.MLFLOW_SECRET in secrets, keys
+
+
+@pytest.mark.parametrize("accelerator", sorted(cluster.PROFILES))
+def test_each_step_gets_only_the_secrets_it_uses(tmp_path, accelerator):
+    """least privilege over the compiled IR: the private key in the trainer's step alone (every other step that
+    loads or checks a snapshot gets the public key), MLflow's credentials only where a step logs to MLflow, and
+    no Secret beyond those (the rollout worker's served-reward keys aside)."""
+    from tidal.kube.pipeline import compile_pipeline
+
+    spec, platform = yaml.safe_load_all(compile_pipeline(tmp_path / "p.yaml", accelerator).read_text())
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    train = train_executors_by_backend(spec)
+    names = {train["job"].removeprefix("exec-"): "job launcher", train["local"].removeprefix("exec-"): "train in step"}
+    given = {names.get(name.removeprefix("exec-"), name.removeprefix("exec-")): step_credentials(e) for name, e in executors.items()}
+    assert given == STEP_CREDENTIALS
+    for name, executor in executors.items():
+        allowed = {cluster.NATS_SECRET, cluster.MLFLOW_SECRET, cluster.WEIGHTS_SIGNING_SECRET}
+        allowed |= {cluster.REWARD_SECRET} if name == "exec-rollout-worker" else set()
+        assert {s["secretName"] for s in executor.get("secretAsEnv", [])} <= allowed, name
+        public = [c for c in executor.get("configMapAsEnv", [])]
+        assert all(c["configMapName"] == cluster.WEIGHTS_PUBLIC_CONFIG_MAP and not c.get("optional") for c in public), name
 
 
 def test_compile_rejects_an_unknown_accelerator(tmp_path):
@@ -521,7 +565,7 @@ def test_finalize_is_the_exit_handler_of_everything_the_run_does(tmp_path, accel
     assert params["run_dir"] == {"componentInputParameter": "run_dir"}
     assert params["job_id"] == inside["prepare"]["inputs"]["parameters"]["job_id"] == {"runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}}
     k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-finalize"]
-    assert {s["secretName"] for s in k8s["secretAsEnv"]} == {cluster.NATS_SECRET, cluster.MLFLOW_SECRET, cluster.WEIGHTS_SECRET}
+    assert {s["secretName"] for s in k8s["secretAsEnv"]} == {cluster.NATS_SECRET, cluster.MLFLOW_SECRET}
     assert k8s["pvcMount"][0]["mountPath"] == cluster.DATA_MOUNT_PATH
 
 

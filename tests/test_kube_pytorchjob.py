@@ -78,10 +78,13 @@ def test_job_shape_for_nodes_and_accelerators(profile, resource, nodes):
         users = {e["name"]: e["value"] for e in container["env"] if "value" in e}
         assert (users["NATS_USER"], keys["NATS_PASSWORD"]) == ("tidal-trainer", "trainer-password")  # the trainer's own NATS user
         assert secrets["MLFLOW_TRACKING_URI"] == cluster.MLFLOW_SECRET
-        assert (secrets["TIDAL_WEIGHTS_KEY"], keys["TIDAL_WEIGHTS_KEY"]) == (cluster.WEIGHTS_SECRET, "key")  # signs the snapshots it publishes
+        # signs the snapshots it publishes
+        assert (secrets["TIDAL_WEIGHTS_SIGNING_KEY"], keys["TIDAL_WEIGHTS_SIGNING_KEY"]) == (cluster.WEIGHTS_SIGNING_SECRET, "private-key")
+        public = {e["name"]: e["valueFrom"]["configMapKeyRef"] for e in container["env"] if "configMapKeyRef" in e.get("valueFrom", {})}
+        assert public == {"TIDAL_WEIGHTS_PUBLIC_KEY": {"name": cluster.WEIGHTS_PUBLIC_CONFIG_MAP, "key": "public-key", "optional": False}}
         optional = {e["name"]: e["valueFrom"]["secretKeyRef"].get("optional") for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
         # a missing tidal-mlflow Secret stops the replica from starting, naming the Secret; only basic auth is optional
-        assert not optional["MLFLOW_TRACKING_URI"] and not optional["NATS_PASSWORD"] and not optional["TIDAL_WEIGHTS_KEY"]
+        assert not optional["MLFLOW_TRACKING_URI"] and not optional["NATS_PASSWORD"] and not optional["TIDAL_WEIGHTS_SIGNING_KEY"]
         assert optional["MLFLOW_TRACKING_USERNAME"] and optional["MLFLOW_TRACKING_PASSWORD"]
         assert {t["key"] for t in spec["tolerations"]} == {resource}
         assert spec["automountServiceAccountToken"] is False

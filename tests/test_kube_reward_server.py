@@ -410,7 +410,6 @@ def test_a_worker_pods_env_gives_the_staged_entry_its_key_and_the_server_scores(
 
     secrets = {
         cluster.NATS_SECRET: {"worker-password": "p"},
-        cluster.WEIGHTS_SECRET: {"key": "k"},
         cluster.MLFLOW_SECRET: {"tracking-uri": cluster.MLFLOW_URL},
         cluster.REWARD_SECRET: {"reward-model-api-key": "s3cret"},  # no judge-api-key: optional
     }

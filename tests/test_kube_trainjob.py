@@ -52,7 +52,11 @@ def test_trainjob_shape_for_nodes_and_accelerators(profile, resource, nodes):
     secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in trainer["env"] if "secretKeyRef" in e.get("valueFrom", {})}
     assert secrets["NATS_PASSWORD"]["name"] == cluster.NATS_SECRET and not secrets["NATS_PASSWORD"]["optional"]
     assert secrets["NATS_PASSWORD"]["key"] == "trainer-password" and {"name": "NATS_USER", "value": "tidal-trainer"} in trainer["env"]
-    assert secrets["TIDAL_WEIGHTS_KEY"]["name"] == cluster.WEIGHTS_SECRET and not secrets["TIDAL_WEIGHTS_KEY"]["optional"]
+    # the trainer signs the snapshots it publishes: the private key's Secret, and the public key's ConfigMap
+    signing = secrets["TIDAL_WEIGHTS_SIGNING_KEY"]
+    assert (signing["name"], signing["key"], signing["optional"]) == (cluster.WEIGHTS_SIGNING_SECRET, "private-key", False)
+    public = {e["name"]: e["valueFrom"]["configMapKeyRef"] for e in trainer["env"] if "configMapKeyRef" in e.get("valueFrom", {})}
+    assert public == {"TIDAL_WEIGHTS_PUBLIC_KEY": {"name": cluster.WEIGHTS_PUBLIC_CONFIG_MAP, "key": "public-key", "optional": False}}
     assert secrets["MLFLOW_TRACKING_URI"]["name"] == cluster.MLFLOW_SECRET and not secrets["MLFLOW_TRACKING_URI"]["optional"]
     assert not [e for e in trainer["env"] if "PASSWORD" in e["name"] and "value" in e]  # credentials never in the job spec
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in trainer["env"]

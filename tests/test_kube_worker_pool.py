@@ -150,7 +150,12 @@ def test_the_deployment_is_owned_by_the_run_and_its_pods_are_workers_that_get_si
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env[cluster.NATS_USER_ENV]["value"] == cluster.nats_user("worker")
     assert env[cluster.NATS_PASSWORD_ENV]["valueFrom"]["secretKeyRef"] == {"name": cluster.NATS_SECRET, "key": "worker-password", "optional": False}
-    assert env["TIDAL_WEIGHTS_KEY"]["valueFrom"]["secretKeyRef"]["optional"] is False
+    # the public key only: a worker checks snapshots, it cannot sign one; nor does it log to MLflow
+    public = {"name": cluster.WEIGHTS_PUBLIC_CONFIG_MAP, "key": "public-key", "optional": False}
+    assert env["TIDAL_WEIGHTS_PUBLIC_KEY"]["valueFrom"]["configMapKeyRef"] == public
+    secrets = {e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert secrets == {cluster.NATS_SECRET, cluster.REWARD_SECRET}
+    assert "TIDAL_WEIGHTS_SIGNING_KEY" not in env and not [name for name in env if name.startswith("MLFLOW_")]
 
 
 def test_deployment_checks_catch_what_the_api_server_refuses():

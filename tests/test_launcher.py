@@ -7,6 +7,7 @@ import os
 import signal
 import stat
 import time
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -183,6 +184,42 @@ def test_the_embedded_nats_server_refuses_a_client_without_the_runs_token(tmp_pa
     proc.communicate(timeout=120)
     leaked = [str(p) for p in run_dir.rglob("*") if p.is_file() and p != token_file and token.encode() in p.read_bytes()]
     assert leaked == []  # not in a log, the config, nats-server.conf or the JetStream store
+
+
+def test_only_the_trainer_role_is_given_the_snapshot_signing_key(tmp_path, write_config, monkeypatch):
+    """the launcher hands the run's Ed25519 private key to the trainer's environment alone: a rollout worker (and
+    nats-server) gets the public key, on no command line and in no file it is given (the config), and a key in
+    the user's shell is not passed on."""
+    from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV
+    from tidal.weights.signing import new_key_pair, public_key_of
+
+    monkeypatch.setenv(SIGNING_KEY_ENV, new_key_pair()[0])  # the shell's: reaches no role
+    config = write_config({**SLOW, "trainer.iterations": 3})
+    run_dir = tmp_path / "run"
+    proc = start_run(config, run_dir)
+    wait_until(lambda: read_jsonl(run_dir / "metrics.jsonl"), proc)
+    private = (run_dir / "weights-signing-key").read_text().strip()
+    public = public_key_of(private)
+    assert stat.S_IMODE((run_dir / "weights-signing-key").stat().st_mode) == 0o600
+    environs = {}
+    for line in run_processes(run_dir):
+        pid, cmdline = line.split(": ", 1)
+        assert private not in cmdline and os.environ[SIGNING_KEY_ENV] not in cmdline
+        role = "trainer" if " train " in cmdline else "worker" if "rollout-worker" in cmdline else "nats-server" if "nats-server" in cmdline else None
+        if role:
+            environs[role] = dict(v.split(b"=", 1) for v in (Path("/proc") / pid / "environ").read_bytes().split(b"\0") if b"=" in v)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert set(environs) == {"trainer", "worker", "nats-server"}, environs.keys()
+    assert environs["trainer"][SIGNING_KEY_ENV.encode()] == private.encode()
+    for role in ("worker", "nats-server"):
+        assert SIGNING_KEY_ENV.encode() not in environs[role], role
+        assert not any(private.encode() in value for value in environs[role].values()), role
+    assert environs["worker"][PUBLIC_KEY_ENV.encode()] == public.encode()
+    assert private not in (run_dir / "config.yaml").read_text()
+    # every version the worker loaded was signed by the trainer's key
+    manifest = json.loads((run_dir / "weights" / "v000001" / "manifest.json").read_text())
+    assert manifest["signature"]["public_key"] == public
 
 
 def test_a_run_directory_that_is_a_file_is_one_clear_line(tmp_path, write_config):

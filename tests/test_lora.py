@@ -25,6 +25,7 @@ from tidal.weights import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
     MANIFEST_FILE,
+    PUBLIC_KEY_ENV,
     SIGNING_KEY_ENV,
     WEIGHTS_FILE,
     CorruptSnapshotError,
@@ -35,6 +36,7 @@ from tidal.weights import (
     manifest_signature,
     sha256_of,
 )
+from tidal.weights.signing import new_key_pair
 
 LORA = LoraConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"])
 
@@ -250,8 +252,11 @@ def test_several_updates_per_iteration_keep_the_old_policy_as_a_second_adapter_n
 
 @pytest.fixture
 def signed(monkeypatch):
-    monkeypatch.setenv(SIGNING_KEY_ENV, "test-key")
-    return b"test-key"
+    """The trainer's private key in the environment (the store signs with it), its public key (loaders check it)."""
+    private, public = new_key_pair()
+    monkeypatch.setenv(SIGNING_KEY_ENV, private)
+    monkeypatch.setenv(PUBLIC_KEY_ENV, public)
+    return private
 
 
 def publish_adapter(tmp_path, model, version=3, probe=None):
@@ -347,7 +352,7 @@ def test_adapter_versions_are_hash_checked_signed_repaired_and_pruned_like_full_
     manifest = json.loads((path / MANIFEST_FILE).read_text())
     manifest["base_model"] = "/somewhere/else"  # the signature covers the base it names
     (path / MANIFEST_FILE).write_text(json.dumps(manifest))
-    with pytest.raises(CorruptSnapshotError, match="signature that does not match"):
+    with pytest.raises(CorruptSnapshotError, match="signature does not verify with this run's trainer key"):
         load_verified(path)
 
     for v in range(4, 8):
@@ -385,7 +390,7 @@ def test_the_arrival_check_catches_an_engine_that_did_not_apply_a_version(tmp_pa
     tensors[name] = tensors[name] + 0.05
     save_file(tensors, str(v2 / ADAPTER_FILE), metadata={"format": "pt"})
     manifest2["files"][ADAPTER_FILE] = sha256_of(v2 / ADAPTER_FILE)
-    manifest2["hmac"] = manifest_signature(manifest2, signed)
+    manifest2["signature"] = manifest_signature(manifest2, signed)
     (v2 / MANIFEST_FILE).write_text(json.dumps(manifest2))
     state, manifest = load_verified_with_manifest(v2)  # consistent and signed: the store cannot tell
     engine.load_state_dict(state)
@@ -455,7 +460,7 @@ def test_a_tampered_re_signed_version_stops_the_run_at_that_version(tmp_path, wr
     save_file(tensors, str(version / tensors_file), metadata={"format": "pt"})
     manifest = json.loads((version / MANIFEST_FILE).read_text())
     manifest["files"][tensors_file] = sha256_of(version / tensors_file)
-    manifest["hmac"] = manifest_signature(manifest, (run_dir / "weights-key").read_text().strip().encode())
+    manifest["signature"] = manifest_signature(manifest, (run_dir / "weights-signing-key").read_text().strip())
     (version / MANIFEST_FILE).write_text(json.dumps(manifest))
 
     second = run_cli("run", str(config), "--run-dir", str(run_dir), "--set", "trainer.iterations=3", "--no-progress")

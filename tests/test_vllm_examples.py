@@ -64,7 +64,7 @@ def serve_stale(run_dir: Path, version: int) -> None:
     shutil.copyfile(previous / WEIGHTS_FILE, path / WEIGHTS_FILE)
     manifest = json.loads((path / MANIFEST_FILE).read_text())
     manifest["files"][WEIGHTS_FILE] = sha256_of(path / WEIGHTS_FILE)
-    manifest["hmac"] = manifest_signature(manifest, (run_dir / "weights-key").read_text().strip().encode())
+    manifest["signature"] = manifest_signature(manifest, (run_dir / "weights-signing-key").read_text().strip())
     (path / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 

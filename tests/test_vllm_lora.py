@@ -80,7 +80,7 @@ def tamper_and_re_sign(run_dir: Path, version: int) -> None:
     save_file(tensors, str(path / ADAPTER_FILE), metadata={"format": "pt"})
     manifest = json.loads((path / MANIFEST_FILE).read_text())
     manifest["files"][ADAPTER_FILE] = sha256_of(path / ADAPTER_FILE)
-    manifest["hmac"] = manifest_signature(manifest, (run_dir / "weights-key").read_text().strip().encode())
+    manifest["signature"] = manifest_signature(manifest, (run_dir / "weights-signing-key").read_text().strip())
     (path / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 

@@ -128,41 +128,155 @@ def test_retention_settings_are_validated():
     assert load_config(None, ["weights.keep_last=null"]).weights.keep_last is None
 
 
-def test_with_the_run_key_a_planted_snapshot_is_refused_even_with_a_consistent_manifest(tmp_path, monkeypatch):
-    """the sha256s prove integrity, the HMAC under the run's key proves the run's trainer wrote it."""
-    from tidal.weights import SIGNING_KEY_ENV, sha256_of
-
-    monkeypatch.setenv(SIGNING_KEY_ENV, "run-secret")
-    store = WeightStore(tmp_path)
-    path = store.publish(1, {"a": torch.zeros(10)})
-    assert torch.equal(store.load(1)["a"], torch.zeros(10))  # signed and checked
-    assert "hmac" in json.loads((path / "manifest.json").read_text())
-
-    # an attacker with write access to the store swaps the weights and recomputes the manifest
+def forge(path: Path, tensors: dict) -> dict:
+    """What someone with write access to the store but not the trainer's private key can do: swap the weights
+    and recompute the manifest's sha256s (it stays consistent)."""
     from safetensors.torch import save_file
 
-    save_file({"a": torch.full((10,), 7.0)}, str(path / "model.safetensors"))
+    from tidal.weights import sha256_of
+
+    save_file(tensors, str(path / "model.safetensors"))
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"]["model.safetensors"] = sha256_of(path / "model.safetensors")
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CorruptSnapshotError, match=r"has a signature that does not match with this run's key \(TIDAL_WEIGHTS_KEY\)"):
-        store.load(1)
-    del manifest["hmac"]
-    (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CorruptSnapshotError, match=r"is not signed with this run's key"):
-        store.load(1)
-    monkeypatch.setenv(SIGNING_KEY_ENV, "another-run")
-    good = store.publish(2, {"a": torch.zeros(10)})
+    return manifest
+
+
+def test_a_snapshot_signed_with_anything_but_the_trainers_private_key_is_refused_by_the_workers_loader(tmp_path, monkeypatch):
+    """the sha256s prove integrity, the Ed25519 signature that only the trainer's private key makes proves the
+    run's trainer wrote it; a worker holds the public key, which checks but cannot sign."""
+    from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, load_verified_with_manifest
+    from tidal.weights.signing import manifest_signature, new_key_pair
+
+    private, public = new_key_pair()
+    other_private, _ = new_key_pair()
+    monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
+    store = WeightStore(tmp_path, signing_key=private)
+    path = store.publish(1, {"a": torch.zeros(10)})
+    monkeypatch.setenv(PUBLIC_KEY_ENV, public)  # what a rollout worker's environment holds
+    state, manifest = load_verified_with_manifest(path)  # the loader rollout workers use
+    assert torch.equal(state["a"], torch.zeros(10))
+    assert manifest["signature"]["alg"] == "ed25519" and manifest["signature"]["public_key"] == public
+
+    def refused(match: str) -> None:
+        with pytest.raises(CorruptSnapshotError, match=match) as err:
+            load_verified_with_manifest(path)
+        assert str(path) in str(err.value) and str(err.value).endswith("not written by this run's trainer")
+
+    # the weights swapped under a valid signature: the signed manifest no longer matches
+    signed = forge(path, {"a": torch.full((10,), 7.0)})
+    refused("ed25519 signature does not verify with this run's trainer key")
+    # no signature at all
+    unsigned = {k: v for k, v in signed.items() if k != "signature"}
+    (path / "manifest.json").write_text(json.dumps(unsigned))
+    refused("its manifest is not signed")
+    # signed with another run's private key, naming it, or claiming this run's public key
+    other = {**unsigned, "signature": manifest_signature(unsigned, other_private)}
+    (path / "manifest.json").write_text(json.dumps(other))
+    refused(r"signed with ed25519 key [0-9a-f]{16}…, not this run's trainer key " + public[:16])
+    other["signature"]["public_key"] = public
+    (path / "manifest.json").write_text(json.dumps(other))
+    refused("does not verify with this run's trainer key")
+    # a worker knows only the public key: using it as a private key signs for another public key
+    (path / "manifest.json").write_text(json.dumps({**unsigned, "signature": manifest_signature(unsigned, public)}))
+    refused("not this run's trainer key")
+    (path / "manifest.json").write_text(json.dumps({**unsigned, "signature": {"alg": "hmac-sha256", "value": "00"}}))
+    refused("signature field is malformed")
+
+
+def test_a_key_that_is_not_an_ed25519_key_is_named(monkeypatch):
+    from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, WeightStore
+    from tidal.weights.signing import public_key_from_env
+
     monkeypatch.setenv(SIGNING_KEY_ENV, "run-secret")
-    with pytest.raises(CorruptSnapshotError, match="signature that does not match"):
-        store.load(good)
+    with pytest.raises(ValueError, match=r"TIDAL_WEIGHTS_SIGNING_KEY: not an ed25519 key \(64 hex digits expected, got 10 characters\)"):
+        WeightStore("unused")
+    monkeypatch.setenv(PUBLIC_KEY_ENV, "ab" * 31)
+    with pytest.raises(ValueError, match="TIDAL_WEIGHTS_PUBLIC_KEY: not an ed25519 key"):
+        public_key_from_env()
 
 
-def test_the_run_key_is_made_once_private_and_kept(tmp_path):
+def test_the_run_key_pair_is_made_once_private_and_kept(tmp_path):
     import stat
 
-    from tidal.rundir import run_signing_key
+    from tidal.rundir import run_key_pair
+    from tidal.weights.signing import public_key_of
 
-    key = run_signing_key(tmp_path)
-    assert len(key) > 32 and run_signing_key(tmp_path) == key
-    assert stat.S_IMODE((tmp_path / "weights-key").stat().st_mode) == 0o600
+    private, public = run_key_pair(tmp_path)
+    assert public_key_of(private) == public and run_key_pair(tmp_path) == (private, public)
+    assert stat.S_IMODE((tmp_path / "weights-signing-key").stat().st_mode) == 0o600
+    assert (tmp_path / "weights-public-key").read_text() == public
+    (tmp_path / "weights-public-key").write_text("0" * 64)  # a changed public file is rewritten from the private key
+    assert run_key_pair(tmp_path) == (private, public) and (tmp_path / "weights-public-key").read_text() == public
+
+
+def test_an_hmac_era_run_directory_is_re_signed_on_its_next_launch_and_its_symmetric_key_deleted(tmp_path, monkeypatch):
+    """a run directory written before Ed25519 signing: versions whose HMAC verifies with RUN_DIR/weights-key are
+    re-signed with the new private key; one whose HMAC does not is left as it was, and every loader refuses it."""
+    from tidal.rundir import run_key_pair, snapshot_keys, upgrade_hmac_run
+    from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, sha256_of, verify_snapshot
+    from tidal.weights.signing import hmac_signature
+
+    monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
+    monkeypatch.delenv(PUBLIC_KEY_ENV, raising=False)
+    (tmp_path / "weights-key").write_text("t" + "ab" * 32)
+    store = WeightStore(tmp_path / "weights")
+    good, planted = store.publish(1, {"a": torch.zeros(3)}), store.publish(2, {"a": torch.ones(3)})
+    for path, key in [(good, b"t" + b"ab" * 32), (planted, b"another-key")]:  # as the HMAC-era trainer wrote them
+        manifest = json.loads((path / "manifest.json").read_text())
+        (path / "manifest.json").write_text(json.dumps({**manifest, "hmac": hmac_signature(manifest, key)}))
+    assert snapshot_keys(tmp_path) == {"hmac_key": b"t" + b"ab" * 32}  # eval and export before any relaunch
+    verify_snapshot(good, **snapshot_keys(tmp_path))
+    with pytest.raises(CorruptSnapshotError, match="HMAC-SHA256 does not match the run's weights-key"):
+        verify_snapshot(planted, **snapshot_keys(tmp_path))
+
+    private, public = run_key_pair(tmp_path)
+    assert upgrade_hmac_run(tmp_path, tmp_path / "weights", private) == [str(planted)]
+    assert not (tmp_path / "weights-key").exists()
+    resigned = verify_snapshot(good, public)
+    assert "hmac" not in resigned and resigned["files"]["model.safetensors"] == sha256_of(good / "model.safetensors")
+    with pytest.raises(CorruptSnapshotError, match="only an HMAC-SHA256 signature from before Ed25519 signing"):
+        verify_snapshot(planted, public)
+    assert snapshot_keys(tmp_path) == {"public_key": public}
+    assert upgrade_hmac_run(tmp_path, tmp_path / "weights", private) == []  # nothing left to upgrade
+
+
+def test_a_clusters_key_pair_is_written_once_and_the_private_key_is_0600(tmp_path):
+    import stat
+    import subprocess
+    import sys
+
+    from tidal.weights.signing import public_key_of
+
+    out = subprocess.run([sys.executable, "-m", "tidal.weights.keygen", str(tmp_path / "keys")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    private = (tmp_path / "keys" / "private-key").read_text()
+    assert stat.S_IMODE((tmp_path / "keys" / "private-key").stat().st_mode) == 0o600
+    assert public_key_of(private) == (tmp_path / "keys" / "public-key").read_text()
+    again = subprocess.run([sys.executable, "-m", "tidal.weights.keygen", str(tmp_path / "keys")], capture_output=True, text=True)
+    assert again.returncode == 2 and "already exists" in again.stderr and (tmp_path / "keys" / "private-key").read_text() == private
+
+
+def test_the_launcher_upgrades_an_hmac_era_run_before_any_role_and_keeps_the_private_key_out_of_its_environment(tmp_path, monkeypatch):
+    """what `tidal run` does first on a run directory: its key pair (made once), HMAC-era versions re-signed, the
+    public key in the environment its children inherit, the private key returned for the trainer alone (one in the
+    user's shell dropped)."""
+    import os
+
+    from tidal.local import run_signatures
+    from tidal.rundir import RunDir
+    from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, verify_snapshot
+    from tidal.weights.signing import hmac_signature, new_key_pair, public_key_of
+
+    monkeypatch.setenv(SIGNING_KEY_ENV, new_key_pair()[0])  # the user's shell's
+    monkeypatch.setenv(PUBLIC_KEY_ENV, "")  # run_signatures sets it: restored after the test
+    (tmp_path / "weights-key").write_text("old-key")
+    path = WeightStore(tmp_path / "weights", signing_key=new_key_pair()[0]).publish(1, {"a": torch.zeros(3)})
+    manifest = {k: v for k, v in json.loads((path / "manifest.json").read_text()).items() if k != "signature"}  # as an HMAC-era trainer wrote it
+    (path / "manifest.json").write_text(json.dumps({**manifest, "hmac": hmac_signature(manifest, b"old-key")}))
+
+    private = run_signatures(RunDir(tmp_path))
+    assert SIGNING_KEY_ENV not in os.environ and os.environ[PUBLIC_KEY_ENV] == public_key_of(private)
+    assert (tmp_path / "weights-signing-key").read_text() == private and not (tmp_path / "weights-key").exists()
+    assert verify_snapshot(path)["signature"]["public_key"] == public_key_of(private)  # checked with the environment's key
+    assert run_signatures(RunDir(tmp_path)) == private  # a resume signs with the same key

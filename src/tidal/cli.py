@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -198,14 +199,18 @@ def eval_command(args: argparse.Namespace) -> int:
     from tidal.data import load_dataset
     from tidal.evaluate import evaluate_snapshot
     from tidal.model.hub import check_hub_model
+    from tidal.rundir import snapshot_keys
     from tidal.sandbox import confine_user_code
-    from tidal.weights import WeightStore
+    from tidal.weights import PUBLIC_KEY_ENV, WeightStore
 
     run = RunDir(args.run_dir)
     confine_user_code(cfg, run.root)
     run.rehome_moved_store()
     info = run.info()
     check_hub_model(info.base_model)
+    keys = snapshot_keys(run.root)
+    if keys.get("public_key"):  # the engine's own load checks the trainer's signature too
+        os.environ[PUBLIC_KEY_ENV] = keys["public_key"]
     store = WeightStore(run.weights)
     problems = load_dataset(cfg.data, cfg.seed).eval
     problems = problems[: cfg.eval.num_prompts] if cfg.eval.num_prompts else problems
@@ -222,7 +227,7 @@ def eval_command(args: argparse.Namespace) -> int:
     from tidal.weights import CorruptSnapshotError, verify_snapshot
 
     try:
-        verify_snapshot(path)  # before an engine is opened; the engine checks it again as it loads it
+        verify_snapshot(path, **keys)  # before an engine is opened; the engine checks it again as it loads it
     except CorruptSnapshotError as err:
         raise ValueError(f"{err}; not evaluated") from None
     scores = evaluate_snapshot(cfg, info.base_model, problems, path)

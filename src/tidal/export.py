@@ -15,9 +15,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidal.rundir import WEIGHTS_KEY_FILE, RunDir, RunInfo
+from tidal.rundir import RunDir, RunInfo, snapshot_keys
 from tidal.weights import (
-    SIGNING_KEY_ENV,
     WEIGHTS_FILE,
     CorruptSnapshotError,
     WeightStore,
@@ -65,16 +64,10 @@ def is_adapter(snapshot: Path) -> bool:
     return (snapshot / ADAPTER_CONFIG).is_file()
 
 
-def signing_key(run: RunDir) -> str | None:
-    """The key the run's trainer signs snapshots with: RUN_DIR/weights-key (`tidal run`), else the
-    environment (a cluster's Secret); None: the hashes are checked, the signature is not."""
-    path = run.root / WEIGHTS_KEY_FILE
-    return path.read_text().strip() if path.is_file() else os.environ.get(SIGNING_KEY_ENV) or None
-
-
-def verified_manifest(snapshot: Path, key: str | None) -> dict:
+def verified_manifest(snapshot: Path, keys: dict) -> dict:
+    """`keys`: tidal.rundir.snapshot_keys (the run's public key: its trainer's signature is checked)."""
     try:
-        return verify_snapshot(snapshot, key.encode() if key else None)
+        return verify_snapshot(snapshot, **keys)
     except CorruptSnapshotError as err:
         raise ExportError(f"{err}; not exported") from None
 
@@ -205,7 +198,7 @@ def export_version(run: RunDir, out: str | Path, version: int | None = None, mer
     store = WeightStore(run.weights)
     version = chosen_version(store, version)
     snapshot = store.path(version)
-    manifest = verified_manifest(snapshot, signing_key(run))
+    manifest = verified_manifest(snapshot, snapshot_keys(run.root))
     adapter = is_adapter(snapshot)
     kind = ("merged" if merge else "adapter") if adapter else "full"
     tmp = temp_beside(out)

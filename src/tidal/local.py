@@ -22,14 +22,14 @@ from tidal.plan import apply_plan, cached_profile, format_pool, planned_tail, re
 from tidal.preflight import check_before_start, check_this_machine
 from tidal.rewards import check_failure_rates
 from tidal.rewards.served import check_reward_urls
-from tidal.rundir import RunDir, RunDirError, RunDirLock, RunInfo, new_nats_token, new_run_id, run_signing_key
+from tidal.rundir import RunDir, RunDirError, RunDirLock, RunInfo, new_nats_token, new_run_id, run_key_pair, upgrade_hmac_run
 from tidal.sandbox import confine_user_code
 from tidal.summary import agent_before_after, at_k_before_after, result_table, summarize
 from tidal.supervise import NatsSupervisor, RoleFailed, RoleProcesses, Stopped, child_options, stop_on_signals, tail
 from tidal.threads import resolve_threads, set_threads
 from tidal.tracking import check_server_reachable, start_run, tracking_uri
 from tidal.transport.server import TOKEN_ENV, EmbeddedNats, reachable
-from tidal.weights import SIGNING_KEY_ENV, WeightStore, sha256_of, version_dir_name
+from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, WeightStore, sha256_of, version_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +52,12 @@ class ProgressBar:
         self.bar.close()
 
 
-def run_periodic_local(cfg: TidalConfig, run: RunDir, bar: ProgressBar, lock: RunDirLock | None = None, reward_servers=None) -> dict:
+def run_periodic_local(
+    cfg: TidalConfig, run: RunDir, bar: ProgressBar, lock: RunDirLock | None = None, reward_servers=None, trainer_env: dict | None = None
+) -> dict:
     """Starts NATS (embedded unless transport.nats_url), the trainer and the workers, and supervises
-    them until the trainer is done. Stopped (a signal): every process is stopped, the run state says "stopped"."""
+    them until the trainer is done. Stopped (a signal): every process is stopped, the run state says "stopped".
+    `trainer_env`: what the trainer role alone gets (the signing key)."""
     from tidal.transport import NatsUnavailableError
 
     options = child_options(lock)
@@ -72,7 +75,7 @@ def run_periodic_local(cfg: TidalConfig, run: RunDir, bar: ProgressBar, lock: Ru
         raise NatsUnavailableError(f"cannot reach NATS at {nats_url} (transport.nats_url): is it running?")
     nats = run.nats(nats_url, cfg.transport, credentials)
     env = {TOKEN_ENV: credentials["token"]} if credentials else {}
-    roles = RoleProcesses(run, nats_url, cfg, env=env, options=options, reopen_run=nats.open_run_state)
+    roles = RoleProcesses(run, nats_url, cfg, env=env, options=options, reopen_run=nats.open_run_state, trainer_env=trainer_env)
     seen = 0
     try:
         nats.open_run_state()
@@ -253,6 +256,18 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True,
         lock.release()
 
 
+def run_signatures(run: RunDir) -> str:
+    """The run's snapshot keys, made on its first launch: the public key goes to every process this launcher starts
+    (through its environment), the private key it returns goes to the trainer alone. A run directory from before
+    Ed25519 signing has its versions re-signed here, before any role runs."""
+    signing_key, public_key = run_key_pair(run.root)
+    for snapshot in upgrade_hmac_run(run.root, run.weights, signing_key):
+        log.warning("snapshot %s: its HMAC does not verify with the run's old weights-key: not re-signed, and no role will load it", snapshot)
+    os.environ.pop(SIGNING_KEY_ENV, None)  # one in the user's shell would reach every role
+    os.environ[PUBLIC_KEY_ENV] = public_key
+    return signing_key
+
+
 def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_config: bool, lock: RunDirLock) -> dict:
     t_start = time.time()
     setup_logging(run.log("launcher"))
@@ -262,8 +277,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
         print(f"tidal: {run.root} was moved or copied from {moved_from}: its MLflow store now records this directory", flush=True)
     run.workers_request.unlink(missing_ok=True)  # an earlier launch's `tidal scale`: this one starts at rollout.workers
     check_saved_config(cfg, run, force_new_config)
-    # every role of the run (children inherit it) signs or checks snapshot manifests with the run's key
-    os.environ[SIGNING_KEY_ENV] = run_signing_key(run.root)
+    signing_key = run_signatures(run)
     confine_user_code(cfg, run.root)  # the checks import the user's tools and rewards in sandboxed processes
     dataset = check_before_start(cfg)
     check_this_machine(cfg)
@@ -311,9 +325,9 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
                 if isinstance(cfg.trainer.threads, int):  # set, or chosen by the planner; else every core
                     set_threads(cfg.trainer.threads)
                 with reward_servers.watched():
-                    sync_trainer(cfg, RunDir(run.root, bar.update), dataset, tracker, engine)
+                    sync_trainer(cfg, RunDir(run.root, bar.update), dataset, tracker, engine, signing_key)
             else:
-                extra = run_periodic_local(cfg, run, bar, lock, reward_servers)
+                extra = run_periodic_local(cfg, run, bar, lock, reward_servers, {SIGNING_KEY_ENV: signing_key})
             finish_curve_eval(curve, run)
         finally:
             reward_servers.stop()

@@ -62,18 +62,18 @@ def build_learner(cfg: TidalConfig, base_model: str, strategy: Strategy | None =
     return learner, tokenizer
 
 
-def trainer_weight_store(cfg: TidalConfig, run: RunDir, base_model: str, learner: Learner) -> WeightStore:
+def trainer_weight_store(cfg: TidalConfig, run: RunDir, base_model: str, learner: Learner, signing_key: str | None = None) -> WeightStore:
     """The run's weight store as the trainer writes it: adapters under LoRA, each version with its probe log-probs
     (every rank builds the same probe, responses sampled from the base model: each runs the probe forward, rank 0
     writes)."""
     adapter = adapter_config(learner.peft_model, str(base_model)) if learner.lora else None
     checked = cfg.weights.arrival_tolerance != 0  # None: the engine's default
     if not checked:
-        return WeightStore(run.weights, base_model, adapter)
+        return WeightStore(run.weights, base_model, adapter, signing_key=signing_key)
     # built before a resumed run loads its checkpoint: the learner holds the base model, so every start of the run
     # samples the same probe, and records the base's log-probs for engines to calibrate on (rollout.worker.ArrivalCheck)
     probe = learner.sample_probe(make_probe(cfg.seed, int(learner.model.get_input_embeddings().num_embeddings)), cfg.seed)
-    return WeightStore(run.weights, base_model, adapter, probe, learner.probe_logprobs(probe))
+    return WeightStore(run.weights, base_model, adapter, probe, learner.probe_logprobs(probe), signing_key)
 
 
 def rank_device(cfg: TidalConfig, ctx: DistContext) -> str:
@@ -229,11 +229,12 @@ def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: Weig
     return InProcessSource(generate, load_weights)
 
 
-def sync_trainer(cfg: TidalConfig, run: RunDir, dataset, tracker, engine=None) -> list[dict]:
-    """Sync mode in this process: generate, then train, all cores to each phase."""
+def sync_trainer(cfg: TidalConfig, run: RunDir, dataset, tracker, engine=None, signing_key: str | None = None) -> list[dict]:
+    """Sync mode in this process: generate, then train, all cores to each phase. `signing_key`: the run's
+    private key, handed over by the launcher (never put in the environment its other children inherit)."""
     confine_user_code(cfg, run.root)
     learner, tokenizer = build_learner(cfg, run.info().base_model)
-    store = trainer_weight_store(cfg, run, run.info().base_model, learner)
+    store = trainer_weight_store(cfg, run, run.info().base_model, learner, signing_key)
     source = in_process_source(cfg, learner, tokenizer, store, engine)
     return asyncio.run(train(cfg, learner, source, dataset, store, run, tracker))
 

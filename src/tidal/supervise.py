@@ -171,12 +171,22 @@ class RoleProcesses:
     The worker count follows RUN_DIR/workers.request: workers join as `worker-K` with K continuing,
     and the highest-numbered ones leave on SIGTERM (retiring: their exit is not a crash to restart)."""
 
-    def __init__(self, run: RunDir, nats_url: str, cfg: TidalConfig, env: dict | None = None, options: dict | None = None, reopen_run=None):
+    def __init__(
+        self,
+        run: RunDir,
+        nats_url: str,
+        cfg: TidalConfig,
+        env: dict | None = None,
+        options: dict | None = None,
+        reopen_run=None,
+        trainer_env: dict | None = None,
+    ):
         self.run, self.nats_url, self.cfg = run, nats_url, cfg
         # Marks the run running again before a restarted trainer: a dying trainer rank may have recorded
         # "failed" (a peer's death surfaces as an error in a collective), and workers exit on it.
         self.reopen_run = reopen_run or (lambda: None)
         self.env = env or {}  # e.g. the embedded server's token
+        self.trainer_env = trainer_env or {}  # the snapshot-signing key: never a worker's
         self.options = options or {}  # child_options
         trainer_total, self.worker_threads = split_cores(cfg)
         self.trainer_threads = max(1, trainer_total // cfg.trainer.ranks)  # per rank
@@ -193,12 +203,16 @@ class RoleProcesses:
     def _spawn(self, args: list[str], role: str, threads: int) -> subprocess.Popen:
         """`role` ("trainer" or a worker id) names its log and its device placement. OMP_NUM_THREADS:
         the OpenMP pool is sized before any code of the role runs."""
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), **self.devices.get(role, {}), **self.env}
+        env = self.role_env(role, threads)
         cmd = [*self._launcher(role), "tidal.cli", *args, str(self.run.config), "--run-dir", str(self.run.root), "--nats-url", self.nats_url]
         with self.run.log(role).open("ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, **self.options)
         self.run.pid_file(role).write_text(str(proc.pid))
         return proc
+
+    def role_env(self, role: str, threads: int) -> dict[str, str]:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), **self.devices.get(role, {}), **self.env}
+        return {**env, **self.trainer_env} if role == "trainer" else env
 
     def _launcher(self, role: str) -> list[str]:
         """`python -m`, or for several trainer ranks torchrun (standalone rendezvous on this machine).

@@ -137,15 +137,16 @@ def weight_sync_seconds(learner, worker_model, tok, reps: int) -> dict:
     rank 0 serializes, hashes, signs and renames into place: `publish_weights`, without the probe) and a
     rollout worker's load of it (the HF engine: verify the sha256s and signature, read, set in place;
     the arrival check's probe forward is not counted). Bytes: the version's tensor file."""
-    import secrets
     from statistics import median
 
     from tidal.model.lora import adapter_config
     from tidal.rollout.engine import HFEngine
     from tidal.trainer.distributed import all_reduce_max, barrier
-    from tidal.weights import SIGNING_KEY_ENV, WeightStore
+    from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, WeightStore
+    from tidal.weights.signing import new_key_pair
 
-    os.environ.setdefault(SIGNING_KEY_ENV, secrets.token_hex(16))  # signed like a run's versions; the key lives and dies with this process
+    if SIGNING_KEY_ENV not in os.environ:  # signed and checked like a run's versions; the keys live and die with this process
+        os.environ[SIGNING_KEY_ENV], os.environ[PUBLIC_KEY_ENV] = new_key_pair()
     main = learner.ctx.is_main
     with tempfile.TemporaryDirectory(prefix="tidal-bench-sync-") as tmp:
         base = Path(tmp) / "base"

@@ -47,10 +47,16 @@ def nats_password_key(role: str) -> str:
 NATS_SERVER_SECRET_ENV = {nats_password_key(role): f"NATS_{role.upper()}_PASSWORD" for role in NATS_ROLES}
 """The NATS server's environment: every role's password, which auth.conf names as ``$NATS_<ROLE>_PASSWORD``."""
 
-WEIGHTS_SECRET = "tidal-weights"
-"""Secret whose key ``key`` signs and checks weight-snapshot manifests (tidal.weights.manifest_signature) in
-every pod of a run (required: a missing Secret stops the pod from starting, naming it)."""
-WEIGHTS_SECRET_ENV = {"key": "TIDAL_WEIGHTS_KEY"}  # tidal.weights.SIGNING_KEY_ENV
+WEIGHTS_SIGNING_SECRET = "tidal-weights-signing"
+"""Secret whose key ``private-key`` is the trainer's Ed25519 private key (tidal.weights.signing), which signs each
+snapshot's manifest: in trainer pods only (the trainer job's replicas; the train step with trainer_backend=local).
+Required: a missing Secret stops the pod from starting, naming it."""
+WEIGHTS_SIGNING_SECRET_ENV = {"private-key": "TIDAL_WEIGHTS_SIGNING_KEY"}  # tidal.weights.SIGNING_KEY_ENV
+WEIGHTS_PUBLIC_CONFIG_MAP = "tidal-weights-public"
+"""ConfigMap whose key ``public-key`` is the matching public key: in every pod that loads or checks a snapshot
+(rollout workers, weight_sync, evaluate, register_model, trainer pods), which refuses one the trainer did not sign.
+Required, as the signing Secret is."""
+WEIGHTS_PUBLIC_ENV = {"public-key": "TIDAL_WEIGHTS_PUBLIC_KEY"}  # tidal.weights.PUBLIC_KEY_ENV
 
 MLFLOW_STATIC_PREFIX = "/tidal/mlflow"
 """The MLflow server's --static-prefix (manifests/base/mlflow.yaml): every route, the REST API included, is under it,
@@ -129,6 +135,12 @@ TIDAL_POD_LABEL = {"app.kubernetes.io/part-of": "tidal"}
 WORKER_POD_LABEL = {"app.kubernetes.io/component": "rollout-worker"}
 """On every rollout-worker pod, the fixed pool's tasks and the elastic pool's Deployment alike: the pods the reward
 server's NetworkPolicy admits (manifests/components/reward-server)."""
+TRAINER_POD_LABEL = {"app.kubernetes.io/component": "trainer"}
+"""On every trainer pod (the trainer job's replicas, the train step with trainer_backend=local): the pods rollout
+workers exchange the NCCL weight transfer with (manifests/base/networkpolicy.yaml)."""
+TRAINER_JOB_LABEL = "tidal.trainer-job"
+"""On each trainer job's pods: the job's name. The job's own NetworkPolicy admits its rendezvous from these pods only
+(tidal.kube.trainer_job.rendezvous_network_policy)."""
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 """Kueue's LocalQueue label: on a trainer job (PyTorchJob, TrainJob) and on worker pods (Kueue's pod integration)."""
 

@@ -36,20 +36,40 @@ PIPELINE_NAME = "tidal-grpo"
 DEFAULT_CONFIG_PATH = "/opt/tidal/examples/arithmetic.yaml"
 
 
-def on_cluster(task: dsl.PipelineTask, nats_role: str | None = "control", cpu: str = "500m", memory: str = "1Gi") -> dsl.PipelineTask:
-    """What every step gets on Kubernetes: the data PVC, secrets as env, the NetworkPolicy label,
-    a non-root security context, resource requests, and no caching (steps are stateful).
-    ``nats_role``: the NATS user the step logs in as (cluster.NATS_ROLES), None for steps that do not use NATS."""
+WEIGHT_KEYS = (None, "public", "signing")
+"""What a step holds of the snapshot keys: nothing, the public key (it loads or checks snapshots), or the private
+key as well (it is the trainer, which signs them)."""
+
+
+def on_cluster(
+    task: dsl.PipelineTask,
+    nats_role: str | None = "control",
+    cpu: str = "500m",
+    memory: str = "1Gi",
+    *,
+    mlflow: bool = False,
+    weights: str | None = None,
+) -> dsl.PipelineTask:
+    """What every step gets on Kubernetes: the data PVC, the NetworkPolicy label, a non-root security context,
+    resource requests, no caching (steps are stateful), and only the credentials it uses.
+    ``nats_role``: the NATS user the step logs in as (cluster.NATS_ROLES), None for steps that do not use NATS;
+    ``mlflow``: it logs to MLflow; ``weights``: which snapshot keys it holds (WEIGHT_KEYS)."""
+    if weights not in WEIGHT_KEYS:
+        raise ValueError(f"weights={weights!r}: choose one of {WEIGHT_KEYS}")
     task.set_caching_options(False)
     task.set_cpu_request(cpu).set_memory_request(memory).set_memory_limit(memory)
     consume_channels(task, cpu, memory)
     kubernetes.mount_pvc(task, pvc_name=cluster.DATA_PVC, mount_path=cluster.DATA_MOUNT_PATH)
     if nats_role is not None:
         as_nats_user(task, nats_role)
-    kubernetes.use_secret_as_env(task, secret_name=cluster.WEIGHTS_SECRET, secret_key_to_env=cluster.WEIGHTS_SECRET_ENV)
-    # the tracking URI is required (no Secret: the pod does not start, and says why); basic auth is optional
-    kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_REQUIRED_ENV)
-    kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_OPTIONAL_ENV, optional=True)
+    if weights is not None:
+        kubernetes.use_config_map_as_env(task, config_map_name=cluster.WEIGHTS_PUBLIC_CONFIG_MAP, config_map_key_to_env=cluster.WEIGHTS_PUBLIC_ENV)
+    if weights == "signing":
+        kubernetes.use_secret_as_env(task, secret_name=cluster.WEIGHTS_SIGNING_SECRET, secret_key_to_env=cluster.WEIGHTS_SIGNING_SECRET_ENV)
+    if mlflow:
+        # the tracking URI is required (no Secret: the pod does not start, and says why); basic auth is optional
+        kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_REQUIRED_ENV)
+        kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_OPTIONAL_ENV, optional=True)
     for key, value in cluster.TIDAL_POD_LABEL.items():
         kubernetes.add_pod_label(task, label_key=key, label_value=value)
     kubernetes.set_security_context(task, run_as_user=cluster.RUN_AS_USER, run_as_group=cluster.RUN_AS_GROUP, run_as_non_root=True)
@@ -156,7 +176,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
         namespace: str,
     ):
         job_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
-        opened = retried(on_cluster(open_round(run_dir=run_dir, config_path=config_path, round_index=round_index, job_id=job_id)))
+        opened = retried(on_cluster(open_round(run_dir=run_dir, config_path=config_path, round_index=round_index, job_id=job_id), mlflow=True))
         with dsl.ParallelFor(lanes, name="lanes: trainer and rollout workers") as lane:
             with dsl.If(lane == "trainer", name="trainer-lane"):
                 trainer_args = dict(
@@ -184,9 +204,12 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
                 with dsl.Else(name="trainer-in-step"):
                     # trainer_backend=local trains in this pod: it gets what a trainer replica would get
                     in_step = train(**trainer_args)
-                    on_cluster(in_step, nats_role="trainer", cpu=trainer_cpu, memory=trainer_memory).set_display_name("train")
+                    on_cluster(in_step, nats_role="trainer", cpu=trainer_cpu, memory=trainer_memory, mlflow=True, weights="signing")
+                    in_step.set_display_name("train")
                     on_accelerator(in_step, profile, trainer_accelerators_per_node)
                     in_queue(in_step, queue_name)
+                    for key, value in cluster.TRAINER_POD_LABEL.items():  # rollout workers' NCCL weight transfer reaches it
+                        kubernetes.add_pod_label(in_step, label_key=key, label_value=value)
                 for task in (launcher, in_step):
                     task.after(opened)
                     # the job's ownerReference and per-attempt name (tidal.kube.trainer_launch.launcher_pod)
@@ -194,14 +217,17 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
                     kubernetes.use_field_path_as_env(task, env_name="TIDAL_POD_UID", field_path="metadata.uid")
             with dsl.Else(name="rollout-lane"):
                 worker = rollout_worker(run_dir=run_dir, config_path=config_path, lane=lane, round_index=round_index)
-                as_rollout_worker(on_cluster(worker, nats_role="worker", cpu=worker_cpu, memory=worker_memory)).set_display_name("rollout-worker")
+                as_rollout_worker(on_cluster(worker, nats_role="worker", cpu=worker_cpu, memory=worker_memory, weights="public"))
+                worker.set_display_name("rollout-worker")
                 in_queue(on_accelerator(worker, profile, worker_accelerators), queue_name).after(opened)
-        synced = retried(on_cluster(weight_sync(run_dir=run_dir, round_index=round_index), nats_role=None))
+        synced = retried(on_cluster(weight_sync(run_dir=run_dir, round_index=round_index), nats_role=None, mlflow=True, weights="public"))
         synced.after(trainer).after(worker)
         evaluation = evaluate(
             run_dir=run_dir, config_path=config_path, weights_path=synced.outputs["weights_path"], round_index=round_index, job_id=job_id
         )
-        retried(on_cluster(evaluation, cpu=worker_cpu, memory=worker_memory), LONG_STEP_TIMEOUT_S)  # NATS: it releases the round lease
+        retried(
+            on_cluster(evaluation, cpu=worker_cpu, memory=worker_memory, mlflow=True, weights="public"), LONG_STEP_TIMEOUT_S
+        )  # NATS: it releases the round lease
         in_queue(on_accelerator(evaluation, profile, 1), queue_name)
 
     @dsl.pipeline(name=f"{PIPELINE_NAME}-loop", description="Rounds, one after another.")
@@ -299,7 +325,8 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
                     trainer_backend=trainer_backend,
                     worker_pool=pool["worker_pool"],
                     registered_model_name=registered_model_name,
-                )
+                ),
+                mlflow=True,
             ),
             LONG_STEP_TIMEOUT_S,
         )
@@ -347,7 +374,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
         )
         loop.set_caching_options(False).set_display_name("training loop").after(pool_task)
         registered = register_model(run_dir=prepared.outputs["run_dir"], registered_model_name=registered_model_name)
-        on_cluster(registered, nats_role=None).after(loop)
+        on_cluster(registered, nats_role=None, mlflow=True, weights="public").after(loop)
 
     @dsl.pipeline(
         name=PIPELINE_NAME,
@@ -410,7 +437,7 @@ def build_pipeline(profile: AcceleratorProfile, image: str = "", queue_name: str
         # The exit handler: runs however the run ends; it may only read pipeline parameters (KFP rule), so it
         # finds the run directory as prepare does (run_dir, else /mnt/tidal/runs/<job id>).
         cleanup = finalize(run_dir=run_dir, job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, namespace=namespace)
-        retried(on_cluster(cleanup)).set_display_name("finalize (run metrics, clean-up)")
+        retried(on_cluster(cleanup, mlflow=True)).set_display_name("finalize (run metrics, clean-up)")
         with dsl.ExitHandler(cleanup, name="tidal-run"):
             run_steps(
                 config_yaml=config_yaml,

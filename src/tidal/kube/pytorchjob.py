@@ -86,7 +86,7 @@ def trainer_container(spec: TrainerJobSpec) -> k8s.V1Container:
 
 
 def pod_template(spec: TrainerJobSpec) -> k8s.V1PodTemplateSpec:
-    labels = {**cluster.TIDAL_POD_LABEL, "app.kubernetes.io/component": "trainer", **spec.labels}
+    labels = {**cluster.TIDAL_POD_LABEL, **cluster.TRAINER_POD_LABEL, **spec.labels}
     tolerations = [k8s.V1Toleration(key=t.key, operator=t.operator, effect=t.effect) for t in spec.profile.tolerations] or None
     pod_spec = k8s.V1PodSpec(
         containers=[trainer_container(spec)],

@@ -86,13 +86,17 @@ def trainer_command(spec: TrainerJobSpec) -> list[str]:
 
 
 def secret_env(role: str = "trainer") -> list[k8s.V1EnvVar]:
-    """The role's NATS user and password, the run's snapshot-signing key and the MLflow endpoint (required),
-    MLflow basic-auth credentials (optional keys)."""
+    """What a pod of ``role`` ("trainer" or "worker") uses, and nothing more: its NATS user and password and the
+    snapshots' public key (required); a trainer also the snapshot-signing private key and the MLflow endpoint
+    (required) with MLflow's basic-auth credentials (optional keys). A worker neither signs nor logs to MLflow."""
     env = [
         k8s.V1EnvVar(name=cluster.NATS_USER_ENV, value=cluster.nats_user(role)),
         _secret_env_var(cluster.NATS_SECRET, cluster.nats_password_key(role), cluster.NATS_PASSWORD_ENV, optional=False),
     ]
-    env += [_secret_env_var(cluster.WEIGHTS_SECRET, key, name, optional=False) for key, name in cluster.WEIGHTS_SECRET_ENV.items()]
+    env += [_config_map_env_var(cluster.WEIGHTS_PUBLIC_CONFIG_MAP, key, name) for key, name in cluster.WEIGHTS_PUBLIC_ENV.items()]
+    if role != "trainer":
+        return env
+    env += [_secret_env_var(cluster.WEIGHTS_SIGNING_SECRET, key, name, optional=False) for key, name in cluster.WEIGHTS_SIGNING_SECRET_ENV.items()]
     env += [_secret_env_var(cluster.MLFLOW_SECRET, key, name, optional=False) for key, name in cluster.MLFLOW_SECRET_REQUIRED_ENV.items()]
     env += [_secret_env_var(cluster.MLFLOW_SECRET, key, name, optional=True) for key, name in cluster.MLFLOW_SECRET_OPTIONAL_ENV.items()]
     return env
@@ -108,6 +112,11 @@ def pod_ip_env() -> k8s.V1EnvVar:
     """The pod's IP: where rollout engines reach trainer rank 0 for the NCCL weight transfer
     (rollout.vllm.weight_sync: nccl)."""
     return k8s.V1EnvVar(name="POD_IP", value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="status.podIP")))
+
+
+def _config_map_env_var(config_map: str, key: str, name: str) -> k8s.V1EnvVar:
+    selector = k8s.V1ConfigMapKeySelector(name=config_map, key=key, optional=False)
+    return k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(config_map_key_ref=selector))
 
 
 def _secret_env_var(secret: str, key: str, name: str, optional: bool) -> k8s.V1EnvVar:
@@ -159,6 +168,31 @@ def job_labels(spec: TrainerJobSpec) -> dict[str, str]:
     if spec.queue_name:
         labels[cluster.QUEUE_LABEL] = spec.queue_name
     return labels
+
+
+def rendezvous_network_policy(spec: TrainerJobSpec) -> dict:
+    """The job's pods (label tidal.trainer-job=<job>) admit the job's own pods on every port: torchrun's rendezvous, the
+    process group's store and NCCL, whose ports are chosen at run time. manifests/base/networkpolicy.yaml denies every
+    other ingress to Tidal's pods, but the rollout workers' NCCL weight transfer. Owned, as the job is, by the launcher pod."""
+    own = {"matchLabels": {cluster.TRAINER_JOB_LABEL: spec.name}}
+    metadata = {"name": f"{spec.name}-rendezvous", "namespace": spec.namespace, "labels": job_labels(spec)}
+    if (owners := owner_references(spec)) is not None:
+        metadata["ownerReferences"] = [k8s.ApiClient().sanitize_for_serialization(o) for o in owners]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata,
+        "spec": {"podSelector": own, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": own}]}]},
+    }
+
+
+def create_rendezvous_network_policy(spec: TrainerJobSpec, api_client=None) -> None:
+    """Creates the job's NetworkPolicy before the job, so its pods can rendezvous from their start."""
+    if api_client is None:
+        from tidal.kube.trainjob import cluster_api_client
+
+        api_client = cluster_api_client()
+    k8s.NetworkingV1Api(api_client).create_namespaced_network_policy(spec.namespace, rendezvous_network_policy(spec), field_validation="Strict")
 
 
 def name_violations(metadata: dict) -> list[str]:

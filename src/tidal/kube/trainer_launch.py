@@ -121,12 +121,17 @@ def record_run_failed(run: RunDir, config_path: str, round_index: int, reason: B
         print(f"could not mark the run failed in the KV bucket: {err}", flush=True)
 
 
-def train_round_as_job(run: RunDir, config_path: str, round_index: int, iterations: int, placement: TrainerPlacement, job_backend=None) -> None:
-    from tidal.kube.trainer_job import TrainerJobSpec, run_trainer_job
+def train_round_as_job(
+    run: RunDir, config_path: str, round_index: int, iterations: int, placement: TrainerPlacement, job_backend=None, policy_api_client=None
+) -> None:
+    """``policy_api_client``: where the job's NetworkPolicy is created (default: the cluster's, when ``job_backend``
+    is too; a test's backend runs no pods that could rendezvous)."""
+    from tidal.kube.trainer_job import TrainerJobSpec, create_rendezvous_network_policy, run_trainer_job
 
     pod = launcher_pod()
+    name = trainer_job_name(placement.pipeline_job_id or run.root.name, round_index, attempt_suffix(pod))
     spec = TrainerJobSpec(
-        name=trainer_job_name(placement.pipeline_job_id or run.root.name, round_index, attempt_suffix(pod)),
+        name=name,
         namespace=placement.namespace or current_namespace(),
         config_path=config_path,
         run_dir=str(run.root),
@@ -140,12 +145,14 @@ def train_round_as_job(run: RunDir, config_path: str, round_index: int, iteratio
         nats_url=nats_url_of(config_path),
         active_deadline_seconds=placement.deadline_s or None,
         owner=pod,
-        labels={cluster.RUN_LABEL: cluster.label_value(run.root.name)},
+        labels={cluster.RUN_LABEL: cluster.label_value(run.root.name), cluster.TRAINER_JOB_LABEL: name},
         queue_name=placement.queue_name,
     )
     backend = job_backend or default_job_backend(placement.backend, placement.start_timeout_s)
     wait_s = placement.deadline_s + DEADLINE_MARGIN_S if placement.deadline_s else DEFAULT_TRAINER_WAIT_S
     record_trainer_job(run, spec.namespace, spec.name, round_index, placement.backend)  # before creating it: finalize deletes what is left
+    if job_backend is None or policy_api_client is not None:
+        create_rendezvous_network_policy(spec, policy_api_client)
     run_trainer_job(backend, spec, timeout_s=wait_s)
 
 

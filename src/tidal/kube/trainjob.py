@@ -102,7 +102,7 @@ def trainer_section(spec: TrainerJobSpec) -> dict:
 
 def pod_patch(spec: TrainerJobSpec) -> dict:
     """What the launcher patches into the runtime's ``node`` pods: the same pod as a PyTorchJob replica's."""
-    labels = {**cluster.TIDAL_POD_LABEL, "app.kubernetes.io/component": "trainer", **spec.labels}
+    labels = {**cluster.TIDAL_POD_LABEL, **cluster.TRAINER_POD_LABEL, **spec.labels}
     tolerations = [k8s.V1Toleration(key=t.key, operator=t.operator, effect=t.effect) for t in spec.profile.tolerations] or None
     pod_security = trainer_pod_security()
     volumes = trainer_volumes(spec)

@@ -5,7 +5,6 @@ file names, on top of the base model the manifest names)."""
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
 import os
@@ -14,6 +13,17 @@ import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from tidal.weights.signing import (  # noqa: F401 - every role's names for the keys, re-exported
+    PUBLIC_KEY_ENV,
+    SIGNATURE_FIELD,
+    SIGNING_KEY_ENV,
+    hmac_problem,
+    manifest_signature,
+    public_key_from_env,
+    signature_problem,
+    signing_key_from_env,
+)
 
 if TYPE_CHECKING:  # torch is imported where tensors are written or read: the launcher's checks do without it
     import torch
@@ -66,21 +76,6 @@ def retained_versions(versions: list[int], keep_last: int | None, keep_every: in
     return keep
 
 
-SIGNING_KEY_ENV = "TIDAL_WEIGHTS_KEY"  # the run's secret: `tidal run` sets it from RUN_DIR/weights-key, a cluster from a Secret
-
-
-def signing_key_from_env() -> bytes | None:
-    key = os.environ.get(SIGNING_KEY_ENV, "")
-    return key.encode() if key else None
-
-
-def manifest_signature(manifest: dict, key: bytes) -> str:
-    """HMAC-SHA256 of the manifest (its `hmac` field aside) under the run's key: a snapshot whose
-    manifest is consistent (right sha256s) but not signed with the key was not written by the run's trainer."""
-    body = json.dumps({k: v for k, v in manifest.items() if k != "hmac"}, sort_keys=True).encode()
-    return hmac.new(key, body, hashlib.sha256).hexdigest()
-
-
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
@@ -117,7 +112,9 @@ def write_adapter_files(directory: Path, tensors: dict[str, torch.Tensor], adapt
 class WeightStore:
     """`adapter_config` (peft's adapter_config.json as a dict): every version is an adapter on top of
     `base_model_dir`, which is stored once and named in each manifest. `probe` (tidal.model.probe):
-    the sequences whose log-probs `publish` records with each version for the arrival check."""
+    the sequences whose log-probs `publish` records with each version for the arrival check.
+    `signing_key` (hex; default: $TIDAL_WEIGHTS_SIGNING_KEY): the trainer's private key, which signs
+    every manifest written; without one, manifests are unsigned and a run's loaders refuse them."""
 
     def __init__(
         self,
@@ -126,8 +123,10 @@ class WeightStore:
         adapter_config: dict | None = None,
         probe: list | None = None,
         base_probe_logprobs: list | None = None,
+        signing_key: str | None = None,
     ):
         self.root = Path(root)
+        self.signing_key = signing_key or signing_key_from_env()
         self.base_model_dir = Path(base_model_dir) if base_model_dir else None
         self.adapter_config = adapter_config
         self.probe = probe
@@ -209,9 +208,8 @@ class WeightStore:
         }
         if version in self.probes:
             manifest["probe"] = self.probes[version]
-        key = signing_key_from_env()
-        if key:
-            manifest["hmac"] = manifest_signature(manifest, key)
+        if self.signing_key:
+            manifest[SIGNATURE_FIELD] = manifest_signature(manifest, self.signing_key)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
         return tmp, manifest
 
@@ -295,9 +293,11 @@ def load_verified_with_manifest(path: str | Path) -> tuple[dict[str, torch.Tenso
     return load_file(str(Path(path) / name)), manifest
 
 
-def verify_snapshot(path: str | Path, key: bytes | None = None) -> dict:
-    """Every file's sha256 against the manifest, and its signature with `key` (default: the environment's
-    run key); returns the manifest. CorruptSnapshotError names what is wrong."""
+def verify_snapshot(path: str | Path, public_key: str | None = None, hmac_key: bytes | None = None) -> dict:
+    """Every file's sha256 against the manifest, and its signature with `public_key` (hex; default:
+    $TIDAL_WEIGHTS_PUBLIC_KEY, which every role of a run holds); returns the manifest.
+    CorruptSnapshotError names what is wrong. `hmac_key`, without a public key: the symmetric key of a run
+    directory from before Ed25519 signing (tidal.rundir.snapshot_keys). Without any key only the sha256s are checked."""
     path = Path(path)
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():
@@ -307,10 +307,10 @@ def verify_snapshot(path: str | Path, key: bytes | None = None) -> dict:
         files = manifest["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise CorruptSnapshotError(f"snapshot {path}: unreadable manifest ({err})") from None
-    key = key or signing_key_from_env()
-    if key and not hmac.compare_digest(str(manifest.get("hmac", "")), manifest_signature(manifest, key)):
-        what = "is not signed" if "hmac" not in manifest else "has a signature that does not match"
-        raise CorruptSnapshotError(f"snapshot {path}: its manifest {what} with this run's key ({SIGNING_KEY_ENV}): not written by this run's trainer")
+    public_key = public_key or public_key_from_env()
+    problem = signature_problem(manifest, public_key) if public_key else hmac_problem(manifest, hmac_key) if hmac_key else None
+    if problem:
+        raise CorruptSnapshotError(f"snapshot {path}: {problem}: not written by this run's trainer")
     for name, expected in files.items():
         if not (path / name).is_file():
             raise CorruptSnapshotError(f"snapshot {path}: {name} is missing")
