@@ -81,6 +81,15 @@ class CalcFirst(Environment):
         return len(trajectory.final_text) / 10
 
 
+class CalcFirstAndHostile(CalcFirst):
+    """CalcFirst whose fallback also calls tests.hostile:hostile_tool, which tries to take the run from
+    the vLLM worker's tool process."""
+
+    def calc(self) -> dict:
+        self.call(ToolCall("hostile_tool", {}))
+        return super().calc()
+
+
 def model_settings(tiny_config_dict: dict) -> dict:
     data = copy.deepcopy(tiny_config_dict)
     data["model"]["tiny"].update({"hidden_size": 64, "intermediate_size": 128})  # head size 32: vLLM CPU needs >= 32
@@ -227,17 +236,18 @@ def test_deterministic_trajectories_repeat_on_either_path_and_steps_overlap(setu
 
 
 def test_a_periodic_multi_turn_run_on_vllm_trains_every_group(setup, tmp_path, tiny_config_dict):
-    """... with a hostile reward function beside the real one (weight 0): the vLLM worker's user code
-    gets nothing of the run either (tests/test_sandbox.py has the HF engine's, and each attempt's)."""
+    """... with a hostile tool called beside calc: the vLLM worker's user code gets nothing of the run
+    either (tests/test_sandbox.py has the HF engine's, in both modes, and each attempt's)."""
     setup["stop"]()  # one vLLM engine at a time on this machine: the run starts its own
     iterations, prompts = 2, 4
     markers = tmp_path / "markers"
     markers.mkdir()
     data = model_settings(tiny_config_dict)
-    data["rollout"] = agent_rollout(max_inflight_groups=4)
+    data["rollout"] = agent_rollout(
+        max_inflight_groups=4, env="tests.test_vllm_agent:CalcFirstAndHostile", tools=["calc", "tests.hostile:hostile_tool"]
+    )
     data["trainer"].update({"iterations": iterations, "prompts_per_iteration": prompts})
     data["eval"] = {"enabled": False}
-    data["reward"] = {"functions": [{"name": "exact_match"}, {"name": "tests.hostile:hostile_reward", "weight": 0.0}]}
     data["sandbox"] = {"write_paths": [str(markers)]}
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(data))
@@ -248,7 +258,7 @@ def test_a_periodic_multi_turn_run_on_vllm_trains_every_group(setup, tmp_path, t
     worker_log = tmp_path / "run" / "logs" / "worker-0.log"
     assert proc.returncode == 0, proc.stderr[-3000:] + (worker_log.read_text()[-3000:] if worker_log.is_file() else "")
     reports = [json.loads(p.read_text()) for p in markers.glob("hostile-*.json")]
-    assert reports
+    assert {r["kind"] for r in reports} == {"tool"}
     for report in reports:
         assert report["env"] == "none", report
         for attempt in ("proc_environ", "run_dir_read", "weights_write", "run_dir_write", "signal", "nats"):

@@ -173,6 +173,8 @@ class HostProcess:
 
     def stop(self) -> None:
         """Kills the host and everything it started, and removes its directory and control group."""
+        if self.box is not None:
+            self.box.kill_tree()  # first: a host killed alone leaves its children to the init process, out of reach
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()

@@ -144,20 +144,27 @@ class HostBox:
             return []
         return sorted({*session_members(self.pid), *descendants(self.pid)})
 
+    def kill_tree(self, spare_host: bool = False) -> None:
+        """Stops every process of the tree (SIGSTOP: a stopped process forks no more, and its children
+        stay its children), again until no new one shows, then kills them all."""
+        stopped: set[int] = set()
+        for _ in range(100):
+            new = {p for p in self.members() if not (spare_host and p == self.pid)} - stopped
+            if not new:
+                break
+            for pid in new:
+                _signal(pid, signal.SIGSTOP)
+            stopped |= new
+        for pid in stopped:
+            _kill(pid)
+
     def end_children(self) -> None:
         """Kills every process of the tree but the host: what a call started ends with the call."""
-        for _ in range(50):
-            others = [p for p in self.members() if p != self.pid]
-            if not others:
-                return
-            for pid in others:
-                _kill(pid)
-            time.sleep(0.01)
+        self.kill_tree(spare_host=True)
 
     def close(self) -> None:
-        """After the host was killed and reaped: kills what is left of its tree, removes the group(s)
-        and the directory."""
-        self.end_children()
+        """Kills what is left of the tree, removes the group(s) and the directory."""
+        self.kill_tree()
         for group in self.cgroups:
             for _ in range(100):
                 try:
@@ -183,8 +190,7 @@ class HostBox:
                 self.over = f"over {memory_mb} MB resident, its processes together"
             else:
                 continue
-            for pid in members:
-                _kill(pid)
+            self.kill_tree()
 
 
 BOX_PREFIX = "tidal-sandbox-"
@@ -230,8 +236,12 @@ def _alive(pid: int) -> bool:
 
 
 def _kill(pid: int) -> None:
+    _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, signum: int) -> None:
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
 
