@@ -63,29 +63,37 @@ def test_a_trainer_job_with_an_invalid_label_value_is_refused_when_built():
         build_trainjob(spec_with_labels({cluster.RUN_LABEL: "My Run"}))
 
 
+class RecordingBackend:
+    """A trainer-job backend stand-in (no Kubernetes API here): it builds what it is given, keeps it, and
+    reports every job done."""
+
+    def __init__(self):
+        self.submitted = []
+
+    def submit(self, spec):
+        self.submitted.append(build_trainjob(spec))
+        return spec.name
+
+    def stream_logs(self, name, namespace):
+        pass
+
+    def wait(self, name, namespace, timeout_s):
+        from tidal.kube.trainer_job import JobOutcome
+
+        return JobOutcome(name=name, succeeded=True)
+
+    def delete(self, name, namespace):
+        pass
+
+
 def test_the_launcher_labels_the_job_of_a_run_dir_with_spaces_with_a_valid_value(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_launch, "nats_url_of", lambda config_path: "nats://tidal-nats:4222")
-    submitted = []
-
-    class StandInBackend:
-        def submit(self, spec):
-            submitted.append(build_trainjob(spec))
-            return spec.name
-
-        def stream_logs(self, name, namespace):
-            pass
-
-        def wait(self, name, namespace, timeout_s):
-            from tidal.kube.trainer_job import JobOutcome
-
-            return JobOutcome(name=name, succeeded=True)
-
-        def delete(self, name, namespace):
-            pass
+    backend = RecordingBackend()
+    submitted = backend.submitted
 
     run = RunDir(tmp_path / ("My Run " + "x-" * 40))
     placement = trainer_launch.TrainerPlacement(backend="trainjob", accelerator="cpu", accelerators_per_node=0, namespace="team-a")
-    trainer_launch.train_round_as_job(run, str(tmp_path / "config.yaml"), 0, 2, placement, StandInBackend())
+    trainer_launch.train_round_as_job(run, str(tmp_path / "config.yaml"), 0, 2, placement, backend)
     label = submitted[0]["metadata"]["labels"][cluster.RUN_LABEL]
     assert is_kubernetes_label_value(label) and label == cluster.label_value(run.root.name)
 
@@ -97,31 +105,14 @@ def test_each_trainer_job_gets_a_schema_valid_network_policy_admitting_only_its_
     import kubernetes_validate
 
     monkeypatch.setattr(trainer_launch, "nats_url_of", lambda config_path: "nats://tidal-nats:4222")
-    submitted = []
-
-    class StandInBackend:
-        def submit(self, spec):
-            submitted.append(build_trainjob(spec))
-            return spec.name
-
-        def stream_logs(self, name, namespace):
-            pass
-
-        def wait(self, name, namespace, timeout_s):
-            from tidal.kube.trainer_job import JobOutcome
-
-            return JobOutcome(name=name, succeeded=True)
-
-        def delete(self, name, namespace):
-            pass
+    backend = RecordingBackend()
+    submitted = backend.submitted
 
     monkeypatch.setenv("TIDAL_POD_NAME", "launcher-pod")
     monkeypatch.setenv("TIDAL_POD_UID", "uid-1")
     placement = trainer_launch.TrainerPlacement(backend="trainjob", accelerator="cpu", accelerators_per_node=0, namespace="team-a")
     with StandInApi() as api:
-        trainer_launch.train_round_as_job(
-            RunDir(tmp_path / "run"), str(tmp_path / "config.yaml"), 0, 2, placement, StandInBackend(), api.api_client()
-        )
+        trainer_launch.train_round_as_job(RunDir(tmp_path / "run"), str(tmp_path / "config.yaml"), 0, 2, placement, backend, api.api_client())
     ((path, query, policy),) = api.created
     assert path == "/apis/networking.k8s.io/v1/namespaces/team-a/networkpolicies" and query["fieldValidation"] == "Strict"
     kubernetes_validate.validate(policy, cluster.KUBERNETES_VERSION, strict=True)
