@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,10 +186,18 @@ class EnvironmentFactory:
 
     @classmethod
     def from_names(
-        cls, env: str, tools: Sequence[str] = (), parser: str = "hermes", tokenizer=None, max_tool_calls: int = 8, isolation: ToolLimits | None = None
+        cls,
+        env: str,
+        tools: Sequence[str] = (),
+        parser: str = "hermes",
+        tokenizer=None,
+        max_tool_calls: int = 8,
+        isolation: ToolLimits | None = None,
+        fixed: Mapping[str, dict] | None = None,
     ) -> EnvironmentFactory:
-        """`isolation`: the tools run in a process of their own with these limits; None: in this one."""
-        resolved = [resolve_tool(t) for t in tools]
+        """`isolation`: the tools run in a process of their own with these limits; None: in this one.
+        `fixed`: per tool name, arguments the run sets (tidal.envs.tools.run_arguments)."""
+        resolved = [resolve_tool(t, (fixed or {}).get(t)) for t in tools]
         factory = cls(resolve_environment(env), resolved, parser, tokenizer, max_tool_calls)
         factory()  # a class that cannot be built, or tools that clash, fail here and not in the first trajectory
         if isolation is not None and resolved:
