@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
 from tests.test_agent_loop import tiny_engine
-from tidal.config import config_from_dict
+from tidal.config import config_from_dict, load_config
 from tidal.data import Problem, make_arithmetic
 from tidal.evaluate import answer_scores, held_out_agent_scores
 from tidal.model.tiny import build_char_tokenizer
-from tidal.model.tool_traces import TRACE_KINDS, make_traces, mistype, play_trace, trace_batcher
+from tidal.model.tool_traces import TRACE_KINDS, make_traces, mistype, play_trace, trace_batcher, trace_tool
 from tidal.model.warm_start import batch_loss, plays_tool_traces, warm_start_key
 from tidal.protocol import tool_use_rates
 from tidal.rollout.agent import AgentLoop
@@ -142,6 +143,8 @@ def test_only_the_built_in_environment_with_a_built_in_tool_plays_tool_traces():
     assert plays_tool_traces(calculator_config(rollout={"tools": ["tests.tools:pid", "python"]}))
     assert not plays_tool_traces(calculator_config(rollout={"tools": ["tests.tools:pid"]}))
     assert warm_start_key(calculator_config()) != warm_start_key(calculator_config(rollout={"tools": ["python"]}))
+    example = load_config(Path(__file__).resolve().parents[1] / "examples" / "python-tool.yaml")
+    assert plays_tool_traces(example) and trace_tool(example.rollout.tools) == "python"
     assert not plays_tool_traces(calculator_config(rollout={"env": "tests.test_agent_loop:Chatty"}))
     assert not plays_tool_traces(config_from_dict({"eval": {"enabled": False}}))
 
