@@ -323,7 +323,7 @@ def test_the_agent_keys_load_and_are_checked():
     [
         ({"max_turns": 3, "tools": ["calc"]}, {}, "rollout.max_turns, rollout.tools: only for multi-turn rollouts; set rollout.env"),
         ({"env": "my env"}, {}, "rollout.env: 'my env' is neither a built-in (tools) nor module:name"),
-        ({"env": "tools", "tools": ["search"]}, {}, "rollout.tools: ['search']: neither built-in tools (calc) nor module:function"),
+        ({"env": "tools", "tools": ["search"]}, {}, "rollout.tools: ['search']: neither built-in tools (calc, python) nor module:function"),
         ({"env": "tools", "tools": ["calc", "calc"]}, {}, "rollout.tools: ['calc'] listed more than once"),
         ({"env": "tools", "tool_parser": "json"}, {}, "rollout.tool_parser: 'json' is neither a built-in (hermes) nor module:name"),
         ({"env": "tools", "max_turns": 0}, {}, "rollout.max_turns: Input should be greater than 0"),

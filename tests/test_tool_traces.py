@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
 from tests.test_agent_loop import tiny_engine
-from tidal.config import config_from_dict
+from tidal.config import config_from_dict, load_config
 from tidal.data import Problem, make_arithmetic
 from tidal.evaluate import answer_scores, held_out_agent_scores
 from tidal.model.tiny import build_char_tokenizer
-from tidal.model.tool_traces import TRACE_KINDS, make_traces, mistype, play_trace, trace_batcher
+from tidal.model.tool_traces import TRACE_KINDS, make_traces, mistype, play_trace, trace_batcher, trace_tool
 from tidal.model.warm_start import batch_loss, plays_tool_traces, warm_start_key
 from tidal.protocol import tool_use_rates
 from tidal.rollout.agent import AgentLoop
@@ -83,6 +84,25 @@ def test_wrong_calls_run_through_the_environment_and_the_answer_follows_what_it_
     assert sampled_text(loop, direct) == ["A: 130340<eos>"]
 
 
+@pytest.fixture(scope="module")
+def python_loop():
+    agent = AgentLoop.from_config(calculator_config(rollout={"tools": ["python"], "max_new_tokens": 96}), build_char_tokenizer())
+    yield agent
+    agent.close()
+
+
+def test_python_traces_run_the_program_and_copy_what_it_printed(python_loop):
+    problem = Problem(0, "931*140=", "130340")
+    tool = sampled_text(python_loop, play_trace(python_loop, problem, "tool", random.Random(0), "python"))
+    assert tool == ['<tool_call>{"name":"python","arguments":{"code":"print(931*140)"}}</tool_call><eos>', "A: 130340<eos>"]
+    typo = sampled_text(python_loop, play_trace(python_loop, problem, "typo", random.Random(1), "python"))
+    code = json.loads(typo[0].removeprefix("<tool_call>").split("</tool_call>")[0])["arguments"]["code"]
+    assert code != "print(931*140)" and typo[1] == f"A: {eval(code.removeprefix('print'))}<eos>"  # noqa: S307 - digits and one operator
+    silent = play_trace(python_loop, problem, "malformed", random.Random(2), "python")
+    assert "<t>(no output)" in python_loop.tokenizer.decode(silent.token_ids)  # computed, never printed: then a guess
+    assert sampled_text(python_loop, silent) == ['<tool_call>{"name":"python","arguments":{"code":"931*140"}}</tool_call><eos>', "A: 130340<eos>"]
+
+
 def test_mistype_changes_exactly_one_digit():
     rng = random.Random(0)
     for _ in range(50):
@@ -118,8 +138,13 @@ def test_chunked_batches_give_the_loss_of_one_padded_batch(loop):
     assert torch.allclose(whole, chunked, atol=1e-5)
 
 
-def test_only_the_built_in_calculator_environment_plays_tool_traces():
+def test_only_the_built_in_environment_with_a_built_in_tool_plays_tool_traces():
     assert plays_tool_traces(calculator_config())
+    assert plays_tool_traces(calculator_config(rollout={"tools": ["tests.tools:pid", "python"]}))
+    assert not plays_tool_traces(calculator_config(rollout={"tools": ["tests.tools:pid"]}))
+    assert warm_start_key(calculator_config()) != warm_start_key(calculator_config(rollout={"tools": ["python"]}))
+    example = load_config(Path(__file__).resolve().parents[1] / "examples" / "python-tool.yaml")
+    assert plays_tool_traces(example) and trace_tool(example.rollout.tools) == "python"
     assert not plays_tool_traces(calculator_config(rollout={"env": "tests.test_agent_loop:Chatty"}))
     assert not plays_tool_traces(config_from_dict({"eval": {"enabled": False}}))
 

@@ -301,7 +301,7 @@ def vllm_max_lora_rank(r: int) -> int:
 
 # what tidal.envs registers itself (tests/test_envs.py keeps these equal): names that need no import
 BUILT_IN_ENVIRONMENTS = ("tools",)
-BUILT_IN_TOOLS = ("calc",)
+BUILT_IN_TOOLS = ("calc", "python")
 BUILT_IN_TOOL_PARSERS = ("hermes",)
 AGENT_KEYS = (
     "tools",
@@ -316,6 +316,7 @@ AGENT_KEYS = (
     "tool_output_bytes",
     "tool_processes",
     "tool_latency",
+    "python_timeout_seconds",
 )
 _MODULE_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -383,7 +384,7 @@ class RolloutConfig(_Strict):
     # subclass of tidal.envs.Environment) or the built-in `tools` (tool calls until a turn makes none);
     # unset: one response per prompt. The keys below it apply only with an environment.
     env: str | None = None
-    tools: list[str] = []  # tools every trajectory may call: built-in names (calc) or `module:function`
+    tools: list[str] = []  # tools every trajectory may call: built-in names (calc, python) or `module:function`
     tool_parser: str = "hermes"  # reads a turn's tool calls: a registered parser's name or `module:function`
     max_turns: int = Field(4, gt=0)  # assistant turns per trajectory (each at most max_new_tokens)
     max_tool_calls: int = Field(8, ge=0)  # per trajectory; a call past it gets an error observation
@@ -400,6 +401,9 @@ class RolloutConfig(_Strict):
     tool_processes: int = Field(4, gt=0)  # tool calls at once (processes), for engines that step trajectories concurrently
     # a heavy-tailed latency on every call of rollout.tools, in their process (benchmarks: slow tools); None: none
     tool_latency: ToolLatencyConfig | None = None
+    # the built-in python tool: one program's wall-clock time, after which its whole process group is
+    # killed; it also runs under tool_cpu_seconds, tool_memory_mb and tool_output_bytes (docs/agents.md)
+    python_timeout_seconds: float = Field(10.0, gt=0)
 
     @field_validator("env", "tool_parser")
     @classmethod
@@ -473,6 +477,16 @@ class RolloutConfig(_Strict):
     def workers_planned(self) -> bool:
         """Whether `tidal run` asks the capacity planner for the worker count (`auto`, or a range's `start: auto`)."""
         return self.workers == "auto" or (isinstance(self.workers, WorkerRange) and self.workers.start == "auto")
+
+    @model_validator(mode="after")
+    def _python_ends_before_its_process(self) -> RolloutConfig:
+        # past tool_timeout_seconds the tool's process is killed, and the program's other processes
+        # (its own process group) would outlive it: the program's own deadline must come first
+        if "python" in self.tools and self.python_timeout_seconds >= self.tool_timeout_seconds:
+            raise _error(
+                f"rollout.python_timeout_seconds ({self.python_timeout_seconds:g}) must be under rollout.tool_timeout_seconds ({self.tool_timeout_seconds:g})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _agent_keys_need_an_env(self) -> RolloutConfig:

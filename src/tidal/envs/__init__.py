@@ -20,4 +20,4 @@ from tidal.envs.parsing import (  # noqa: F401
     register_tool_call_parser,
     resolve_tool_call_parser,
 )
-from tidal.envs.tools import BUILT_IN_TOOLS, EnvError, Tool, ToolResult, calc, resolve_tool, tool  # noqa: F401
+from tidal.envs.tools import BUILT_IN_TOOLS, EnvError, Tool, ToolResult, calc, python, resolve_tool, run_arguments, tool  # noqa: F401

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,13 +186,22 @@ class EnvironmentFactory:
 
     @classmethod
     def from_names(
-        cls, env: str, tools: Sequence[str] = (), parser: str = "hermes", tokenizer=None, max_tool_calls: int = 8, isolation: ToolLimits | None = None
+        cls,
+        env: str,
+        tools: Sequence[str] = (),
+        parser: str = "hermes",
+        tokenizer=None,
+        max_tool_calls: int = 8,
+        isolation: ToolLimits | None = None,
+        fixed: Mapping[str, dict] | None = None,
     ) -> EnvironmentFactory:
         """`isolation`: the tools run in a process of their own with these limits, which also reads
-        their schemas (a user's tool module is imported only there, in the sandbox); None: in this one."""
+        their schemas (a user's tool module is imported only there, in the sandbox); None: in this one.
+        `fixed`: per tool name, arguments the run sets (tidal.envs.tools.run_arguments)."""
+        fixed = fixed or {}
         host = ToolHost(list(tools), isolation) if isolation is not None and tools else None
         try:
-            resolved = host.tools() if host is not None else [resolve_tool(t) for t in tools]
+            resolved = host.tools(fixed) if host is not None else [resolve_tool(t, fixed.get(t)) for t in tools]
             factory = cls(resolve_environment(env), resolved, parser, tokenizer, max_tool_calls, host)
             factory()  # a class that cannot be built, or tools that clash, fail here and not in the first trajectory
         except BaseException:

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, replace
 
 from tidal.envs.latency import ToolLatency
-from tidal.envs.tools import EnvError, Tool, ToolResult
+from tidal.envs.tools import EnvError, Tool, ToolResult, without_parameters
 from tidal.hosted import STARTUP_SECONDS, HostCallError, HostProcess, HostStartError
 
 
@@ -110,9 +110,11 @@ class ToolHost:
     def isolate(self, tool: Tool) -> Tool:
         return replace(tool, host=self)
 
-    def tools(self) -> list[Tool]:
+    def tools(self, fixed: dict[str, dict] | None = None) -> list[Tool]:
         """The named tools, their schemas from a tool process (which imports the user's modules, so
-        the worker never does), each run in this host."""
+        the worker never does), each run in this host; `fixed`: per name, arguments the run sets
+        (hidden from the schema the model sees)."""
+        fixed = fixed or {}
         process = self._acquire()
         try:
             reply = process.request({"describe": True}, timeout=max(STARTUP_SECONDS, self.limits.timeout_seconds))  # an import, like a start
@@ -123,7 +125,17 @@ class ToolHost:
         if "error" in reply:
             raise EnvError(reply["error"].removeprefix("EnvError: "))
         schemas = reply["schemas"]
-        return [Tool(schemas[n]["function"]["name"], _runs_in_its_host, schemas[n], n, self) for n in self.names]
+        return [
+            Tool(
+                schemas[n]["function"]["name"],
+                _runs_in_its_host,
+                without_parameters(schemas[n], set(fixed.get(n, {}))),
+                n,
+                self,
+                dict(fixed.get(n, {})),
+            )
+            for n in self.names
+        ]
 
     def close(self) -> None:
         with self.lock:

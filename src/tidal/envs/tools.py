@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidal.envs.python_tool import python
+
 
 class EnvError(ValueError):
     """An environment, tool or parser that cannot be used as named; the text says which and why."""
@@ -55,9 +57,12 @@ class Tool:
     schema: dict  # {"type": "function", "function": {"name", "description", "parameters", ...}}
     reference: str | None = None  # the name in rollout.tools (built-in or module:function), when it has one
     host: Any = field(default=None, compare=False, repr=False)  # the ToolHost that runs it, when isolated
+    # arguments the run sets (the python tool's limits): left out of the schema the model sees, a
+    # call that names one is refused, and every call gets them
+    fixed: dict = field(default_factory=dict)
 
     @classmethod
-    def from_function(cls, fn: Callable, reference: str | None = None) -> Tool:
+    def from_function(cls, fn: Callable, reference: str | None = None, fixed: dict | None = None) -> Tool:
         # here: reading a config should not import transformers; and this module of it, not its package, which imports torch
         from transformers.utils.chat_template_utils import get_json_schema
 
@@ -65,7 +70,8 @@ class Tool:
             schema = get_json_schema(fn)
         except Exception as err:  # noqa: BLE001 - transformers raises its own exception types for a missing hint or docstring
             raise EnvError(f"tool {_qualified(fn)}: no JSON schema from its signature and docstring ({err})") from None
-        return cls(schema["function"]["name"], fn, schema, reference)
+        fixed = dict(fixed or {})
+        return cls(schema["function"]["name"], fn, without_parameters(schema, set(fixed)), reference, fixed=fixed)
 
     @property
     def parameters(self) -> dict:
@@ -96,6 +102,7 @@ class Tool:
         problem = self.argument_error(arguments)
         if problem is not None:
             return ToolResult(f"error: {self.name}: {problem}", True)
+        arguments = {**arguments, **self.fixed}
         if self.host is not None:
             return self.host.run(self, arguments)
         try:
@@ -103,6 +110,19 @@ class Tool:
         except Exception as err:  # noqa: BLE001 - user code: the model reads the error, the worker goes on
             return ToolResult(f"error: {self.name} raised {type(err).__name__}: {err}", True)
         return ToolResult(as_text(value), False)
+
+
+def without_parameters(schema: dict, names: set[str]) -> dict:
+    """`schema` without the parameters `names` (the run sets them; the model neither sees nor sets them)."""
+    if not names:
+        return schema
+    function = dict(schema["function"])
+    parameters = dict(function.get("parameters", {}))
+    parameters["properties"] = {k: v for k, v in parameters.get("properties", {}).items() if k not in names}
+    if "required" in parameters:
+        parameters["required"] = [p for p in parameters["required"] if p not in names]
+    function["parameters"] = parameters
+    return {**schema, "function": function}
 
 
 def _is_json_type(value: Any, kind: str) -> bool:
@@ -168,7 +188,20 @@ def calc(expression: str) -> str:
     return str(result)
 
 
-BUILT_IN_TOOLS: dict[str, Callable] = {"calc": calc}
+BUILT_IN_TOOLS: dict[str, Callable] = {"calc": calc, "python": python}
+
+
+def run_arguments(name: str, rollout) -> dict:
+    """The arguments a run fixes for a tool of rollout.tools, from its config (`rollout`): the python
+    tool's limits. They travel with every call, so the tool's process needs no config of its own."""
+    if name != "python":
+        return {}
+    return {
+        "timeout_seconds": rollout.python_timeout_seconds,
+        "cpu_seconds": rollout.tool_cpu_seconds,
+        "memory_mb": rollout.tool_memory_mb,
+        "output_bytes": rollout.tool_output_bytes,
+    }
 
 
 def tool_function(name: str) -> Callable:
@@ -176,9 +209,9 @@ def tool_function(name: str) -> Callable:
     return BUILT_IN_TOOLS[name] if name in BUILT_IN_TOOLS else import_object("tool", name, callable)
 
 
-def resolve_tool(name: str) -> Tool:
-    """A built-in tool's name or `module:function`, as a Tool."""
-    return Tool.from_function(tool_function(name), name)
+def resolve_tool(name: str, fixed: dict | None = None) -> Tool:
+    """A built-in tool's name or `module:function`, as a Tool; `fixed`: arguments the run sets (run_arguments)."""
+    return Tool.from_function(tool_function(name), name, fixed)
 
 
 def import_object(kind: str, reference: str, check: Callable[[Any], bool]):

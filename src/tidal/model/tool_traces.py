@@ -1,12 +1,14 @@
-"""Synthetic tool-use traces for the tiny model's warm start (rollout.env with the `calc` tool on
-the arithmetic task).
+"""Synthetic tool-use traces for the tiny model's warm start (rollout.env with the built-in `calc` or
+`python` tool on the arithmetic task).
 
 RL on an agent needs a policy that already speaks the chat and tool-call format and sometimes uses
 the tool well: then a group's trajectories differ in whether they called the tool and how, and
 the advantage says which was better. The traces are a mix: most answer in the head (the tiny
-model cannot multiply, so those answers are mostly wrong), some call `calc` correctly and copy its
-result, and some call it wrongly (a mistyped operand, or an argument the tool does not take, which
-the environment answers with an error). Each trace is played through the run's own environment,
+model cannot multiply, so those answers are mostly wrong), some call the tool correctly and copy
+its result (`calc` with the expression, `python` with a program that prints it), and some call it
+wrongly: a mistyped operand, or a malformed call (an argument `calc` does not take, which the
+environment answers with an error; a `python` program that forgets to print, which prints nothing).
+Each trace is played through the run's own environment,
 chat template and token layout (tidal.rollout.agent), so the SFT sees exactly the tokens RL will:
 the assistant turns are labelled, the prompt and every inserted token are not.
 """
@@ -21,8 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from tidal.data import Problem
+from tidal.envs.python_tool import NO_OUTPUT
 
 TRACE_KINDS = ("direct", "tool", "typo", "malformed")
+TRACE_TOOLS = ("calc", "python")  # the built-in tools the traces know how to call
 
 
 def tool_call_text(name: str, arguments: dict) -> str:
@@ -51,21 +55,38 @@ def trace_kind(rng: random.Random, tool_use: float, tool_mistakes: float) -> str
     return rng.choice(("typo", "malformed"))
 
 
-def first_turn(kind: str, problem: Problem, rng: random.Random) -> str:
+def trace_tool(tools: list[str]) -> str | None:
+    """The tool the traces call: the first of rollout.tools they know, or None."""
+    return next((t for t in tools if t in TRACE_TOOLS), None)
+
+
+def call_arguments(tool: str, expression: str) -> dict:
+    """The arguments of a call that computes `expression`."""
+    return {"code": f"print({expression})"} if tool == "python" else {"expression": expression}
+
+
+def malformed_arguments(tool: str, expression: str) -> dict:
+    """A call that cannot give the answer: calc with an argument it does not take (an error), a
+    program that computes the value but never prints it (no output)."""
+    return {"code": expression} if tool == "python" else {"expr": expression}
+
+
+def first_turn(kind: str, problem: Problem, rng: random.Random, tool: str = "calc") -> str:
     expression = expression_of(problem.prompt)
     if kind == "direct":
         return f"A: {problem.answer}"
     if kind == "tool":
-        return tool_call_text("calc", {"expression": expression})
+        return tool_call_text(tool, call_arguments(tool, expression))
     if kind == "typo":
-        return tool_call_text("calc", {"expression": mistype(expression, rng)})
-    return tool_call_text("calc", {"expr": expression})  # malformed: calc takes `expression`
+        return tool_call_text(tool, call_arguments(tool, mistype(expression, rng)))
+    return tool_call_text(tool, malformed_arguments(tool, expression))
 
 
 def answer_after(observations: list[dict], problem: Problem) -> str:
-    """The final turn after the tool answered: its result copied, or, after an error, a guess."""
-    result = str(observations[-1].get("content", "")) if observations else ""
-    return f"A: {problem.answer}" if result.startswith("error") else f"A: {result}"
+    """The final turn after the tool answered: its result copied, or, after an error or a program
+    that printed nothing, a guess."""
+    result = str(observations[-1].get("content", "")).strip() if observations else ""
+    return f"A: {problem.answer}" if result.startswith("error") or result == NO_OUTPUT else f"A: {result}"
 
 
 @dataclass
@@ -75,13 +96,13 @@ class Trace:
     kind: str
 
 
-def play_trace(loop, problem: Problem, kind: str, rng: random.Random) -> Trace:
+def play_trace(loop, problem: Problem, kind: str, rng: random.Random, tool: str = "calc") -> Trace:
     """Plays one scripted trajectory through the run's environment and template (`loop`: an AgentLoop)."""
     row = loop.start_row(problem)
     tools = row.env.tool_schemas
     ids = loop.render(row.messages, tools, True)
     labels = [-100] * len(ids)
-    text = first_turn(kind, problem, rng)
+    text = first_turn(kind, problem, rng, tool)
     for _ in range(loop.cfg.rollout.max_turns):
         sampled = loop.tokenizer(text, add_special_tokens=False).input_ids + [loop.eos]
         ids += sampled
@@ -98,9 +119,9 @@ def play_trace(loop, problem: Problem, kind: str, rng: random.Random) -> Trace:
     return Trace(ids, labels, kind)
 
 
-def make_traces(loop, problems: list[Problem], tool_use: float, tool_mistakes: float, seed: int) -> list[Trace]:
+def make_traces(loop, problems: list[Problem], tool_use: float, tool_mistakes: float, seed: int, tool: str = "calc") -> list[Trace]:
     rng = random.Random(f"tidal-tool-traces-{seed}")
-    return [play_trace(loop, p, trace_kind(rng, tool_use, tool_mistakes), rng) for p in problems]
+    return [play_trace(loop, p, trace_kind(rng, tool_use, tool_mistakes), rng, tool) for p in problems]
 
 
 def trace_batch(traces: list[Trace], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -163,17 +163,19 @@ def answer_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem], p
 
 
 def plays_tool_traces(cfg: TidalConfig) -> bool:
-    """The built-in environment with the built-in calculator: the warm start plays tool-use traces.
-    Any other environment's steps are the user's (they may be costly, or have effects), so it gets
-    the single-answer warm start."""
-    return cfg.rollout.env == "tools" and "calc" in cfg.rollout.tools
+    """The built-in environment with a built-in tool the traces call (calc, python): the warm start
+    plays tool-use traces. Any other environment's steps are the user's (they may be costly, or have
+    effects), so it gets the single-answer warm start."""
+    from tidal.model.tool_traces import trace_tool
+
+    return cfg.rollout.env == "tools" and trace_tool(cfg.rollout.tools) is not None
 
 
 def tool_use_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem], progress=None) -> WarmStartResult:
     """Synthetic trajectories through the run's environment (tidal.model.tool_traces): answers in the
     head, calls to the tool, and wrong calls, in the proportions ws.tool_use / ws.tool_mistakes."""
     from tidal.model.tiny import TOOL_CHAT_TEMPLATE
-    from tidal.model.tool_traces import make_traces, trace_batcher
+    from tidal.model.tool_traces import make_traces, trace_batcher, trace_tool
     from tidal.rollout.agent import AgentLoop
 
     ws = cfg.model.warm_start
@@ -181,7 +183,7 @@ def tool_use_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem],
     # the traces are scripted: a benchmark's tool latency (rollout.tool_latency) would only slow them down
     loop = AgentLoop.from_config(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"tool_latency": None})}), tokenizer)
     try:
-        traces = make_traces(loop, pool, ws.tool_use, ws.tool_mistakes, warm_start_seed(cfg))
+        traces = make_traces(loop, pool, ws.tool_use, ws.tool_mistakes, warm_start_seed(cfg), trace_tool(cfg.rollout.tools))
     finally:
         loop.close()
     kinds = {k: sum(t.kind == k for t in traces) for k in sorted({t.kind for t in traces})}
