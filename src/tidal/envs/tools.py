@@ -63,11 +63,8 @@ class Tool:
 
     @classmethod
     def from_function(cls, fn: Callable, reference: str | None = None, fixed: dict | None = None) -> Tool:
-        # here: reading a config should not import transformers; and this module of it, not its package, which imports torch
-        from transformers.utils.chat_template_utils import get_json_schema
-
         try:
-            schema = get_json_schema(fn)
+            schema = json_schema_of(fn)
         except Exception as err:  # noqa: BLE001 - transformers raises its own exception types for a missing hint or docstring
             raise EnvError(f"tool {_qualified(fn)}: no JSON schema from its signature and docstring ({err})") from None
         fixed = dict(fixed or {})
@@ -123,6 +120,21 @@ def without_parameters(schema: dict, names: set[str]) -> dict:
         parameters["required"] = [p for p in parameters["required"] if p not in names]
     function["parameters"] = parameters
     return {**schema, "function": function}
+
+
+def json_schema_of(fn: Callable) -> dict:
+    """transformers' `get_json_schema`, without importing torch: it maps every hint through a table
+    that adds torch.Tensor whenever torch is installed, and a tool process under rollout.tool_memory_mb
+    (RLIMIT_AS) cannot map torch. A JSON tool takes no tensor, so the table does without it."""
+    # here, not at the top: reading a config should not import transformers (nor its package, which imports torch)
+    from transformers.utils import chat_template_utils
+
+    saved = chat_template_utils.is_torch_available
+    chat_template_utils.is_torch_available = lambda: False
+    try:
+        return chat_template_utils.get_json_schema(fn)
+    finally:
+        chat_template_utils.is_torch_available = saved
 
 
 def _is_json_type(value: Any, kind: str) -> bool:
