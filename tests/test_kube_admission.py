@@ -9,7 +9,7 @@ from kubernetes import client as k8s
 
 from tests.crd_schema import load_crd
 from tests.stand_in_api import StandInApi
-from tidal.kube import cluster, steps, trainer_launch, trainjob
+from tidal.kube import cluster, steps, trainer_job, trainer_launch
 from tidal.kube.staging import PipelineKnobs
 from tidal.kube.trainer_job import STRICT, TrainerJobSpec
 from tidal.kube.trainjob import RUNTIME, TrainerNotInstalled, TrainJobBackend, TrainJobRejected, build_trainjob, check_trainer_installed
@@ -197,7 +197,7 @@ def test_strict_field_validation_is_what_refuses_a_dropped_field_on_a_stand_in_a
 
 def test_prepare_refuses_trainer_v2_1_before_it_stages_anything_with_a_stand_in_api(tmp_path, monkeypatch):
     with StandInApi([load_crd("trainer-v2.1.0-trainjobs.json")], INSTALLED_RUNTIME) as api:
-        monkeypatch.setattr(trainjob, "cluster_api_client", api.api_client)
+        monkeypatch.setattr(trainer_job, "cluster_api_client", api.api_client)
         knobs = PipelineKnobs(rounds=1, iterations_per_round=1, rollout_workers=1)
         with pytest.raises(TrainerNotInstalled, match=r"spec\.runtimePatches, spec\.activeDeadlineSeconds: Tidal needs Kubeflow Trainer >= v2\.2"):
             steps.prepare("", "", str(tmp_path / "run"), "job-1", knobs, trainer_backend="trainjob")

@@ -143,7 +143,7 @@ def start_worker_pool(
         config.trainer.prompts_per_iteration,
     )
     if api_client is None:
-        from tidal.kube.trainjob import cluster_api_client
+        from tidal.kube.trainer_job import cluster_api_client
 
         api_client = cluster_api_client()
     pool.check_keda_installed(k8s.ApiextensionsV1Api(api_client))

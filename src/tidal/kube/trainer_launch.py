@@ -163,7 +163,8 @@ def check_trainer_backend(kind: str, api_client=None) -> None:
         return
     from kubernetes import client as k8s
 
-    from tidal.kube.trainjob import check_trainer_installed, cluster_api_client
+    from tidal.kube.trainer_job import cluster_api_client
+    from tidal.kube.trainjob import check_trainer_installed
 
     api_client = api_client or cluster_api_client()
     check_trainer_installed(k8s.ApiextensionsV1Api(api_client), k8s.CustomObjectsApi(api_client))

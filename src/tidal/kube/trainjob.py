@@ -324,17 +324,6 @@ def check_trainer_installed(apiextensions_api: Any, custom_api: Any, runtime: st
         )
 
 
-def cluster_api_client() -> k8s.ApiClient:
-    """The pod's service account on a cluster, else ``~/.kube/config`` (as ``TrainerClient`` connects)."""
-    from kubernetes import config
-
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return k8s.ApiClient()
-
-
 def _read_or_none(read: Callable[[], Any]) -> Any:
     try:
         return read()

@@ -360,7 +360,7 @@ def delete_pool(run: RunDir, api_client=None) -> list[str]:
     from tidal.kube.trainer_launch import is_not_found
 
     if api_client is None:
-        from tidal.kube.trainjob import cluster_api_client
+        from tidal.kube.trainer_job import cluster_api_client
 
         api_client = cluster_api_client()
     apps, custom = k8s.AppsV1Api(api_client), k8s.CustomObjectsApi(api_client)
