@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SANDBOX_ENV = "TIDAL_SANDBOX"  # the host's own spec (JSON), read and removed by `enter`
@@ -532,11 +532,3 @@ def enter(environ: dict | None = None) -> list[str]:
     missing += apply_landlock(read, [spec["home"], *spec["write"]], spec["network"])
     drop_capabilities()
     return missing
-
-
-def describe(missing: list[str]) -> str:
-    return "; ".join(missing)
-
-
-def policy_json(policy: SandboxPolicy) -> str:
-    return json.dumps(asdict(policy))
