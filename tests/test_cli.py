@@ -142,3 +142,20 @@ def test_a_config_file_where_the_run_writes_its_resolved_config_is_refused_not_o
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
     assert "which is the config file given: use another --run-dir" in proc.stderr
     assert config.read_text() == text
+
+
+def test_the_tidal_command_imports_module_function_names_from_the_working_directory(tmp_path):
+    """The installed `tidal` script (not `python -m`) validates a config naming a module that sits in the
+    working directory; a run directory blocked by a file then stops it, after the config was accepted."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "mine.py").write_text("def median_baseline(rewards, *, std_normalize):\n    return rewards - rewards.median()\n")
+    config = (ROOT / ROOT_CONFIG).read_text().replace("trainer:\n", 'trainer:\n  advantage: "mine:median_baseline"\n', 1)
+    (tmp_path / "config.yaml").write_text(config)
+    (tmp_path / "blocked").write_text("")
+    script = Path(sys.executable).parent / "tidal"
+    done = subprocess.run([str(script), "run", "config.yaml", "--run-dir", "blocked"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "cannot import module" not in done.stderr, done.stderr
+    assert "a file is in the way of the run directory" in done.stderr and done.returncode != 0

@@ -307,3 +307,19 @@ def test_a_name_the_registry_refuses_is_named_before_anything_is_exported_or_log
     assert status == 2 and err.count("\n") == 1, err
     assert f"--register {name!r}" in err and "must not be blank" in err and "Traceback" not in err
     assert not (tmp_path / "model").exists()
+
+
+def test_a_run_that_trained_no_step_exports_its_starting_model_and_says_so(tool_run, tmp_path, capsys):
+    untrained = tmp_path / "untrained"
+    shutil.copytree(tool_run, untrained)
+    for snapshot in (untrained / "weights").iterdir():
+        if snapshot.name.startswith("v") and snapshot.name != version_dir_name(0):
+            shutil.rmtree(snapshot)
+    (untrained / "weights" / "latest").write_text("0")  # as a run stopped before its first step leaves it
+    status, stdout, stderr = export(capsys, str(untrained), "--out", str(tmp_path / "out"))
+    assert status == 0, stderr
+    assert "exported version 0" in stdout and "the run trained no step" in stdout
+    status, stdout, _ = export(capsys, str(tool_run), "--out", str(tmp_path / "v0"), "--version", "0")
+    assert status == 0 and "version 0 is the starting model" in stdout and "trained no step" not in stdout
+    status, stdout, _ = export(capsys, str(tool_run), "--out", str(tmp_path / "v1"), "--version", "1")
+    assert status == 0 and "starting model" not in stdout

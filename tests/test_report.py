@@ -155,3 +155,25 @@ def test_the_end_of_run_table_says_how_many_rewards_failed_and_where_to_look(tmp
     assert "reward errors" not in result_table(summary, tmp_path, 1.0)
     (line,) = [line for line in result_table({**summary, "reward_errors": 32}, tmp_path, 1.0).splitlines() if "reward errors" in line]
     assert "32 reward(s) scored 0" in line and "logs/worker-*.log" in line
+
+
+def test_the_time_line_adds_the_trainers_parts_up_to_the_iteration_and_shows_generation_beside_them():
+    import re
+
+    from tidal.summary import time_line
+
+    summary = {
+        "iteration_seconds_mean": 0.74,
+        "generate_seconds_mean": 0.28,
+        "train_seconds_mean": 0.59,
+        "sync_seconds_mean": 0.02,
+        "idle_seconds_mean": 0.09,
+        "pipeline_efficiency_mean": 0.77,
+        "generation_tail_seconds_mean": 0.22,
+    }
+    line = time_line(summary)
+    total, terms = re.search(r"seconds / iteration\s+([\d.]+)\s+=\s+(.*?) \(trainer\)", line).groups()
+    parts = dict((name, float(value)) for name, value in (term.rsplit(" ", 1) for term in terms.split(" + ")))
+    assert set(parts) == {"train", "weight-sync", "idle", "other"}
+    assert abs(sum(parts.values()) - float(total)) < 0.011
+    assert "generate 0.28 beside it" in line and "generate" not in terms

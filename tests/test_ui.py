@@ -214,3 +214,17 @@ def test_a_moved_run_directory_it_cannot_write_still_opens(run_dir, tmp_path, mo
     target = ui.resolve(str(moved), None)
     assert target.tracking_uri == f"sqlite:///{moved / 'mlflow.db'}" and target.run_id == info.mlflow_run_id
     assert RunDir(moved).info().tracking_uri == info.tracking_uri  # nothing rewritten
+
+
+def test_a_moved_run_directorys_summary_names_the_store_and_weights_it_carries(run_dir, tmp_path):
+    """summary.json holds the store as a sqlite URI, not a path: it moves with the directory too."""
+    import json
+    import shutil
+
+    old = RunDir(run_dir)
+    old.summary.write_text(json.dumps({"tracking_uri": old.info().tracking_uri, "final_weights": str(run_dir / "weights" / "v000002"), "mode": "periodic"}))
+    moved = Path(shutil.move(str(run_dir), str(tmp_path / "elsewhere")))
+    assert RunDir(moved).rehome_moved_store() == run_dir.resolve()
+    summary = json.loads(RunDir(moved).summary.read_text())
+    assert summary["tracking_uri"] == f"sqlite:///{moved.resolve() / 'mlflow.db'}"
+    assert summary["final_weights"] == str(moved.resolve() / "weights" / "v000002") and summary["mode"] == "periodic"

@@ -263,6 +263,8 @@ def chaos_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        importable_from_working_directory()
     try:
         return _main(argv)
     finally:
@@ -270,6 +272,15 @@ def main(argv: list[str] | None = None) -> int:
             import gc
 
             gc.freeze()
+
+
+def importable_from_working_directory() -> None:
+    """`module:function` names (rewards, tools, estimators) resolve from the working directory, as under
+    `python -m tidal.cli` and in every role (started with -m): a console script's sys.path starts with
+    its bin directory instead."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
 
 
 def _main(argv: list[str] | None) -> int:

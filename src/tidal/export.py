@@ -291,6 +291,8 @@ def main(args: argparse.Namespace) -> int:
         mlflow_run_of(run)
     exported = export_version(run, args.out, args.version, args.merge)
     line = f"exported version {exported.version} of {exported.record['run_id']} ({exported.kind}) to {exported.path}"
+    if exported.version == 0:  # the base (or warm start), not a trained policy
+        line += " (version 0 is the starting model" + ("; the run trained no step)" if args.version is None else ", before any step)")
     if args.merge and exported.kind == "full":
         line += " (--merge: a full-weight version has no adapter to merge)"
     if args.register is not None:

@@ -373,8 +373,13 @@ class RunDir:
 
 
 def moved_path(value: str, old_root: Path, new_root: Path) -> str:
-    """`value` with the directory `old_root` it starts with replaced by `new_root`; other values as they are."""
-    return f"{new_root}{value[len(str(old_root)) :]}" if value == str(old_root) or value.startswith(f"{old_root}/") else value
+    """`value` with the directory `old_root` it starts with replaced by `new_root`, also behind a sqlite URI's
+    `sqlite:///` (the summary's tracking_uri); other values as they are."""
+    scheme = "sqlite:///" if value.startswith("sqlite:///") else ""
+    path = value[len(scheme) :]
+    if path == str(old_root) or path.startswith(f"{old_root}/"):
+        return f"{scheme}{new_root}{path[len(str(old_root)) :]}"
+    return value
 
 
 class RunNats:

@@ -214,6 +214,22 @@ def curve_lines(summary: dict) -> list[str]:
     return [f"  held-out curve       {sparkline(values)}  {pct(values[0])} -> {pct(values[-1])} ({key}, {versions}, {len(values)} points)"]
 
 
+def time_line(summary: dict) -> str:
+    """Where an iteration's seconds went. The trainer's parts (train, weight sync, idle, the rest) add up to
+    the iteration; generation runs on the rollout workers beside them (in periodic and bounded mode it
+    overlaps training), so it is shown apart rather than as one more term of the sum."""
+    total = summary["iteration_seconds_mean"]
+    parts = {label: summary[key] for label, key, _ in TIME_SPLIT[2:]}
+    parts["other"] = max(0.0, total - sum(parts.values()))
+    return (
+        f"  seconds / iteration  {total:.2f}  =  "
+        + " + ".join(f"{label} {seconds:.2f}" for label, seconds in parts.items())
+        + f" (trainer); generate {summary['generate_seconds_mean']:.2f} beside it (rollout workers), "
+        f"scoring {summary.get('reward_seconds_mean', 0.0):.2f}; "
+        f"pipeline efficiency {summary['pipeline_efficiency_mean']:.2f}, generation tail {summary['generation_tail_seconds_mean']:.2f}s"
+    )
+
+
 def result_table(summary: dict, run_dir: Path, wall: float) -> str:
     return "\n".join(
         [
@@ -224,11 +240,7 @@ def result_table(summary: dict, run_dir: Path, wall: float) -> str:
             *at_k_lines(summary),
             *agent_lines(summary),
             *curve_lines(summary),
-            f"  seconds / iteration  {summary['iteration_seconds_mean']:.2f}  =  "
-            + " | ".join(f"{label} {summary[key]:.2f}" for label, key, _ in TIME_SPLIT[1:])
-            + "; "
-            f"pipeline efficiency {summary['pipeline_efficiency_mean']:.2f}, generation tail {summary['generation_tail_seconds_mean']:.2f}s; "
-            f"scoring {summary.get('reward_seconds_mean', 0.0):.2f} (beside generate)",
+            time_line(summary),
             *served_lines(summary),
             f"  groups               generated {summary['groups_generated']}, trained {summary['groups_trained']}, "
             f"filtered {summary['groups_filtered']}, discarded {summary['groups_discarded']}; staleness max {summary['staleness_max']:.0f}, "
