@@ -18,7 +18,7 @@ from tidal.roles import build_learner
 from tidal.rundir import RunDir, latest_checkpoint
 from tidal.trainer import iteration as iteration_module
 from tidal.trainer.distributed import DistContext
-from tidal.trainer.iteration import Iteration, Run
+from tidal.trainer.iteration import Iteration, LoopContext
 from tidal.trainer.iteration_plan import Admission, IterationPlan, StalenessError
 from tidal.trainer.sources import Arrivals, InProcessSource
 from tidal.trainer.writer import BoundaryWriter
@@ -129,7 +129,7 @@ class RecordingLearner:
 
 def collect_one(cfg, source, learner) -> Iteration:
     async def scenario() -> Iteration:
-        run = Run.start(cfg, learner, source, load_dataset(cfg.data, cfg.seed), None, None, None, 1)
+        run = LoopContext.start(cfg, learner, source, load_dataset(cfg.data, cfg.seed), None, None, None, 1)
         iteration = await Iteration.open(run, 0)
         await iteration.collect()
         return iteration
@@ -172,7 +172,7 @@ def test_a_receive_in_flight_when_the_iteration_fails_is_cancelled(tiny_config):
     cancelled_on_failure = []
 
     async def scenario() -> None:
-        run = Run.start(
+        run = LoopContext.start(
             tiny_config, RecordingLearner(events, fail=True), source, load_dataset(tiny_config.data, tiny_config.seed), None, None, None, 1
         )
         iteration = await Iteration.open(run, 0)
@@ -207,7 +207,7 @@ def test_the_next_iteration_opens_once_its_weights_are_published_and_before_the_
 
     async def scenario() -> tuple[Iteration, Iteration, Iteration | None]:
         source = WatchedSource(lambda items, version: [group(item) for item in items])
-        run = Run.start(tiny_config, learner, source, dataset, store, files, None, 2)
+        run = LoopContext.start(tiny_config, learner, source, dataset, store, files, None, 2)
         run.writer = BoundaryWriter(background=False)  # each boundary written when handed over: its place in the order shows
         first = await Iteration.open(run, 0)
         await first.collect()

@@ -222,7 +222,9 @@ def test_a_moved_run_directorys_summary_names_the_store_and_weights_it_carries(r
     import shutil
 
     old = RunDir(run_dir)
-    old.summary.write_text(json.dumps({"tracking_uri": old.info().tracking_uri, "final_weights": str(run_dir / "weights" / "v000002"), "mode": "periodic"}))
+    old.summary.write_text(
+        json.dumps({"tracking_uri": old.info().tracking_uri, "final_weights": str(run_dir / "weights" / "v000002"), "mode": "periodic"})
+    )
     moved = Path(shutil.move(str(run_dir), str(tmp_path / "elsewhere")))
     assert RunDir(moved).rehome_moved_store() == run_dir.resolve()
     summary = json.loads(RunDir(moved).summary.read_text())

@@ -40,7 +40,7 @@ from pathlib import Path
 from statistics import median
 
 from tidal.rundir import RunDir
-from tidal.weights import ADAPTER_FILE, WEIGHTS_FILE
+from tidal.weights import ADAPTER_FILE, WEIGHTS_FILE, WeightStore
 
 FAULTS = ("worker-kill", "worker-stop", "trainer-kill", "nats-kill", "launcher-kill", "snapshot-corrupt", "scale")
 FAST = {"rollout.deterministic": "true", "eval.enabled": "false", "rollout.groups_per_batch": "1"}
@@ -168,11 +168,14 @@ def signal_pid(pid: int | None, sig: int) -> bool:
 
 
 def corrupt_snapshot_in_use(run_dir: Path) -> bool:
+    store = WeightStore(RunDir(run_dir).weights)
     try:
-        latest = int((run_dir / "weights" / "latest").read_text())
+        latest = store.latest_version()
     except (OSError, ValueError):
         return False
-    path = tensor_file(run_dir / "weights" / f"v{latest:06d}")
+    if latest is None:
+        return False
+    path = tensor_file(store.path(latest))
     try:
         blob = bytearray(path.read_bytes())
     except OSError:
@@ -305,7 +308,7 @@ def final_weights(run_dir: Path, iterations: int) -> dict | None:
     """The last version's tensors (under model.lora the adapter, compared like full weights)."""
     from safetensors.torch import load_file
 
-    path = tensor_file(run_dir / "weights" / f"v{iterations:06d}")
+    path = tensor_file(WeightStore(RunDir(run_dir).weights).path(iterations))
     return load_file(str(path)) if path.is_file() else None
 
 

@@ -220,7 +220,7 @@ def follow_run(cfg: TidalConfig, run_dir: Path, base_model: str, problems: list[
 
     from tidal.weights import WeightStore
 
-    store = WeightStore(run_dir / "weights")
+    store = WeightStore(RunDir(run_dir).weights)
     final = cfg.trainer.iterations
     evals = RunDir(run_dir).evals
     done = {record["version"] for record in evals.read()}

@@ -325,7 +325,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
                 if isinstance(cfg.trainer.threads, int):  # set, or chosen by the planner; else every core
                     set_threads(cfg.trainer.threads)
                 with reward_servers.watched():
-                    sync_trainer(cfg, RunDir(run.root, bar.update), dataset, tracker, engine, signing_key)
+                    sync_trainer(cfg, run, dataset, tracker, engine, signing_key, on_iteration=bar.update)
             else:
                 extra = run_periodic_local(cfg, run, bar, lock, reward_servers, {SIGNING_KEY_ENV: signing_key})
             finish_curve_eval(curve, run)

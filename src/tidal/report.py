@@ -335,7 +335,7 @@ def build_report(run_dir: str | Path) -> str:
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    path = Path(out) if out else Path(run_dir) / "report.html"
+    path = Path(out) if out else RunDir(run_dir).report
     path.write_text(build_report(run_dir))
     return path
 

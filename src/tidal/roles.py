@@ -229,14 +229,16 @@ def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: Weig
     return InProcessSource(generate, load_weights)
 
 
-def sync_trainer(cfg: TidalConfig, run: RunDir, dataset, tracker, engine=None, signing_key: str | None = None) -> list[dict]:
+def sync_trainer(
+    cfg: TidalConfig, run: RunDir, dataset, tracker, engine=None, signing_key: str | None = None, on_iteration: Callable[[dict], None] | None = None
+) -> list[dict]:
     """Sync mode in this process: generate, then train, all cores to each phase. `signing_key`: the run's
     private key, handed over by the launcher (never put in the environment its other children inherit)."""
     confine_user_code(cfg, run.root)
     learner, tokenizer = build_learner(cfg, run.info().base_model)
     store = trainer_weight_store(cfg, run, run.info().base_model, learner, signing_key)
     source = in_process_source(cfg, learner, tokenizer, store, engine)
-    return asyncio.run(train(cfg, learner, source, dataset, store, run, tracker))
+    return asyncio.run(train(cfg, learner, source, dataset, store, run, tracker, on_iteration=on_iteration))
 
 
 def rollout_engine(cfg: TidalConfig, base_model: str) -> tuple[object, object, type]:

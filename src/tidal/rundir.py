@@ -252,6 +252,8 @@ class RunDir:
       groups.jsonl       one record per trained or discarded group
       eval.jsonl         the held-out curve (one record per evaluated version)
       summary.json       the result of a finished `tidal run`
+      report.html        `tidal report`'s page
+      mlflow.db          the run's MLflow store (unless tracking.uri names another)
       workers.request    the rollout worker count `tidal scale` asked the running launcher for
       weights/           the weight store (one snapshot per version)
       checkpoint/        optimizer checkpoints (vNNNNNN/ folders)
@@ -260,7 +262,6 @@ class RunDir:
     """
 
     root: Path
-    on_iteration: Callable[[dict], None] | None = None  # e.g. the launcher's progress bar
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -269,6 +270,8 @@ class RunDir:
     info_file = property(lambda self: self.root / "run.json")
     data_digests = property(lambda self: self.root / "data.sha256.json")
     summary = property(lambda self: self.root / "summary.json")
+    report = property(lambda self: self.root / "report.html")
+    mlflow_store = property(lambda self: self.root / "mlflow.db")
     weights = property(lambda self: self.root / "weights")
     checkpoint = property(lambda self: self.root / "checkpoint")
     logs = property(lambda self: self.root / "logs")
@@ -346,7 +349,7 @@ class RunDir:
             # its processes log to the recorded paths: this is the same directory seen from another mount
             # (a container's bind mount, a network share), and rewriting would send their artifacts there
             return None
-        info, own = self.info(), self.root / "mlflow.db"
+        info, own = self.info(), self.mlflow_store
         recorded = Path(info.tracking_uri.removeprefix("sqlite:///"))
         if not info.tracking_uri.startswith("sqlite:///") or recorded.name != own.name or not own.is_file():
             return None

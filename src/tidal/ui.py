@@ -72,7 +72,7 @@ def resolve(run_dir: str | None, tracking_uri: str | None, experiment: str | Non
             pass
         info = run.info()
         uri, run_id = tracking_uri or info.tracking_uri, info.mlflow_run_id or None
-        own = run.root / "mlflow.db"
+        own = run.mlflow_store
         if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file() and own.is_file():
             uri = f"sqlite:///{own.resolve()}"  # a live run seen from another mount: read the store it carries, rewrite nothing
     else:

@@ -4,7 +4,7 @@
 releases the work of v+1..v+k); `collect()` takes groups as they complete, checks their staleness,
 replaces groups without signal (DAPO dynamic sampling) and trains each admitted group as it arrives;
 `close()` takes the iteration's (last) optimizer step, publishes v+1, opens v+1 and makes v
-durable; `metrics()` is v's metrics line. `Run` is what every iteration of one `train` call shares.
+durable; `metrics()` is v's metrics line. `LoopContext` is what every iteration of one `train` call shares.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,7 +88,7 @@ class TailThreads:
 
 
 @dataclass
-class Run:
+class LoopContext:
     """What every iteration of one `train` call shares. Under several ranks every rank has one, on the
     same groups; only rank 0 writes the run's records and MLflow."""
 
@@ -96,7 +97,7 @@ class Run:
     source: GroupSource
     dataset: Dataset
     store: WeightStore
-    files: RunDir
+    run_dir: RunDir
     tracker: object | None
     end: int  # the iteration the run stops before
     threads: TailThreads
@@ -105,15 +106,28 @@ class Run:
     # one receive may run while the learner trains: one rank (a broadcast is a collective) and a source that allows it
     receives_while_training: bool
     rejected_total: int = 0  # messages rejected as malformed, over the iterations so far
+    on_iteration: Callable[[dict], None] | None = None  # each iteration's metrics, e.g. to the launcher's progress bar
 
     @classmethod
     def start(
-        cls, cfg: TidalConfig, learner: Learner, source: GroupSource, dataset: Dataset, store: WeightStore, files: RunDir, tracker, end: int
-    ) -> Run:
+        cls,
+        cfg: TidalConfig,
+        learner: Learner,
+        source: GroupSource,
+        dataset: Dataset,
+        store: WeightStore,
+        run_dir: RunDir,
+        tracker,
+        end: int,
+        on_iteration: Callable[[dict], None] | None = None,
+    ) -> LoopContext:
         threads = TailThreads(torch.get_num_threads(), tail_threads(cfg, torch.get_num_threads()))
         one_rank = learner.ctx.world_size == 1
         release, writer = WorkRelease(cfg, dataset, end), BoundaryWriter(background=one_rank)
-        return cls(cfg, learner, source, dataset, store, files, tracker, end, threads, release, writer, one_rank and source.receives_while_training)
+        receives_while_training = one_rank and source.receives_while_training
+        return cls(
+            cfg, learner, source, dataset, store, run_dir, tracker, end, threads, release, writer, receives_while_training, on_iteration=on_iteration
+        )
 
     @property
     def allowed_staleness(self) -> int:
@@ -122,9 +136,9 @@ class Run:
     def record(self, metrics: dict) -> dict:
         """An iteration's metrics into metrics.jsonl, the on_iteration callback and MLflow (rank 0); returns them."""
         if self.learner.ctx.is_main:
-            self.files.metrics.append(metrics)
-            if self.files.on_iteration:
-                self.files.on_iteration(metrics)
+            self.run_dir.metrics.append(metrics)
+            if self.on_iteration:
+                self.on_iteration(metrics)
             self.writer.log_metrics(self.tracker, metrics, metrics["iteration"])
         return metrics
 
@@ -157,7 +171,7 @@ class PendingReceive:
 class Iteration:
     """Iteration `version` of a run, from the moment its weights are available to its metrics line."""
 
-    def __init__(self, run: Run, version: int, timer: Timer, pushed: bool, plan: IterationPlan):
+    def __init__(self, run: LoopContext, version: int, timer: Timer, pushed: bool, plan: IterationPlan):
         self.run, self.version, self.plan = run, version, plan
         self.timer = timer  # started when the iteration was opened
         self.pushed = pushed  # weights went to the workers directly: their load time is part of the push
@@ -172,7 +186,7 @@ class Iteration:
         self.update: dict = {}  # the optimizer step's figures (set by `close`)
 
     @classmethod
-    async def open(cls, run: Run, version: int) -> Iteration:
+    async def open(cls, run: LoopContext, version: int) -> Iteration:
         """Weights `version` made available and its prompts asked for: the workers start on it from
         here, and so does its timer."""
         timer = Timer()
@@ -232,7 +246,7 @@ class Iteration:
         following = await Iteration.open(run, v + 1) if v + 1 < run.end else None
         with self.timer("sync"):
             tensors = await on_compute_thread(optimizer_snapshot, run.learner)
-        write = boundary_write(run.cfg, run.files, run.store, run.learner.ctx, self.records, tensors, v + 1)
+        write = boundary_write(run.cfg, run.run_dir, run.store, run.learner.ctx, self.records, tensors, v + 1)
         await run.writer.make_durable(write, lambda: run.source.commit(v))
         if not self.pushed:  # pushed: the workers' load time is the push, already counted
             self.timer.add("sync", max((g.weight_load_seconds for g in self.groups), default=0.0))

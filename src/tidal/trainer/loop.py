@@ -9,13 +9,14 @@ for sync, the queue for periodic and bounded) and in how much staleness is allow
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 from tidal.config import TidalConfig
 from tidal.data import Dataset
 from tidal.rundir import RunDir
 from tidal.trainer.boundary import forget_unfinished, prune_snapshots, publish_weights
 from tidal.trainer.checkpoint import resume_version
-from tidal.trainer.iteration import Iteration, IterationUpdates, Run, TailThreads
+from tidal.trainer.iteration import Iteration, IterationUpdates, LoopContext, TailThreads
 from tidal.trainer.iteration_plan import IterationPlan, StalenessError
 from tidal.trainer.learner import Learner
 from tidal.trainer.sources import GroupSource
@@ -34,6 +35,7 @@ async def train(
     files: RunDir,
     tracker,
     iterations: int | None = None,
+    on_iteration: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Runs iterations from the last checkpoint to `trainer.iterations` (or `iterations` more: a
     pipeline round) and returns their metrics.
@@ -49,7 +51,7 @@ async def train(
     # Everything built so far (the model, transformers, MLflow, NATS) lives for the whole run: out of the
     # cyclic collector's scans, whose full (generation 2) passes over so many objects would stall iterations
     gc.freeze()
-    run = Run.start(cfg, learner, source, dataset, store, files, tracker, end)
+    run = LoopContext.start(cfg, learner, source, dataset, store, files, tracker, end, on_iteration)
     history: list[dict] = []
     iteration = await Iteration.open(run, start) if start < end else None
     while iteration is not None:
