@@ -24,14 +24,13 @@ from tidal.config import TidalConfig
 from tidal.protocol import WorkItem
 from tidal.rewards import RewardScorer
 from tidal.rewards.failures import RewardFailingError
-from tidal.rollout.arrival import WeightArrival, version_to_generate
-from tidal.rollout.generator import Generator
-from tidal.rollout.lease import Lease, decode_work, log_taken, raise_if_stop_requested
+from tidal.rollout.arrival import version_to_generate
+from tidal.rollout.core import WorkerCore
+from tidal.rollout.lease import decode_work, log_taken, raise_if_stop_requested
 from tidal.rollout.scoring_queue import GroupScoringQueue
 from tidal.rollout.vllm_adapter import VLLMEngine
 from tidal.rollout.vllm_weights import nccl_join, nccl_receive
 from tidal.transport import Transport, weight_handshake
-from tidal.transport.health import WorkerHealth
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +60,10 @@ class VLLMRolloutWorker:
     ):
         self.stop_requested = stop_requested  # SIGTERM came (roles.cancel_on_sigterm): stop pulling
         self.cfg, self.engine, self.transport, self.worker_id = cfg, engine, transport, worker_id
-        scorer = scorer or RewardScorer.from_config(cfg.reward, seed=cfg.seed if cfg.rollout.deterministic else None)
-        self.generator = Generator.for_worker(cfg, engine, tokenizer, scorer, worker_id)
+        core = WorkerCore.build(cfg, engine, tokenizer, transport, worker_id, weights_root, scorer)
+        self.health, self.lease, self.arrival, self.generator = core.health, core.lease, core.arrival, core.generator
         self.score_pool = ThreadPoolExecutor(max_workers=1)  # one scorer, one thread: its error count stays exact
         self.scoring = GroupScoringQueue(self.score_pool, self.generator.score, scoring_batch_samples(cfg))
-        self.health = WorkerHealth(worker_id)
-        self.lease = Lease(transport, self.health, cfg.transport.ack_wait_seconds)
-        self.arrival = WeightArrival(cfg, engine, transport, self.health, weights_root)
         self.inflight: dict[asyncio.Task, object] = {}  # task -> its NATS message
         self.backlog: deque = deque()  # (msg, item) pulled but not started: another version
         self.load_seconds = 0.0

@@ -20,12 +20,12 @@ from pathlib import Path
 from tidal.config import TidalConfig
 from tidal.protocol import Group
 from tidal.rewards import RewardScorer
-from tidal.rollout.arrival import WeightArrival, version_to_generate
+from tidal.rollout.arrival import version_to_generate
+from tidal.rollout.core import WorkerCore
 from tidal.rollout.engine import RolloutEngine
-from tidal.rollout.generator import Generator, response_tokens
+from tidal.rollout.generator import response_tokens
 from tidal.rollout.lease import Lease, decode_work, log_taken, raise_if_stop_requested
 from tidal.transport import Transport
-from tidal.transport.health import WorkerHealth
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +55,13 @@ class RolloutWorker:
     ):
         self.stop_requested = stop_requested  # SIGTERM came (roles.cancel_on_sigterm): stop pulling
         self.cfg, self.transport, self.worker_id = cfg, transport, worker_id
-        scorer = scorer or RewardScorer.from_config(cfg.reward, seed=cfg.seed if cfg.rollout.deterministic else None)
-        self.generator = Generator.for_worker(cfg, engine, tokenizer, scorer, worker_id)
-        self.health = WorkerHealth(worker_id)
-        self.lease = Lease(transport, self.health, cfg.transport.ack_wait_seconds)
-        self.arrival = WeightArrival(cfg, engine, transport, self.health, weights_root)
+        core = WorkerCore.build(cfg, engine, tokenizer, transport, worker_id, weights_root, scorer)
+        self.health, self.lease, self.arrival, self.generator = core.health, core.lease, core.arrival, core.generator
         self.prompt_tokens = 16  # until the first prompts are seen: the longest encoded prompt sizes later pulls
         # served rewards: one engine call's groups are scored while the engine runs the next (one thread: the
         # scorer's counts stay exact). In-process functions score in microseconds: they stay inline, where
         # the groups go out soonest (tests/test_end_to_end.py's overlap check saw the thread hop delay them)
-        self.scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring") if scorer.served is not None else None
+        self.scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring") if self.generator.scorer.served is not None else None
 
     @property
     def version(self) -> int | None:
