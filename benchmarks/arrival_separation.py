@@ -103,16 +103,16 @@ async def vllm_logprobs(
             if state is None:
                 engine.lora_request = None
             else:
-                result = await engine.load_snapshot(store.publish(i, state))
+                result = await engine.load_weights(store.publish(i, state))
                 assert "error" not in result, result
-            out[name] = await engine.probe_logprobs(probe)
+            out[name] = await engine.probe(probe)
     finally:
         engine.shutdown()
     return out
 
 
 def default_tolerance(engine: str, serving: str, record: str, calibration: float | None) -> float:
-    """The tolerance the worker applies (tidal.rollout.worker.ArrivalCheck): calibrated on the base model where a
+    """The tolerance the worker applies (tidal.rollout.arrival.ArrivalCheck): calibrated on the base model where a
     side computes in half precision."""
     tolerance = arrival_tolerance(None, engine, serving, record)
     if calibration is None or tolerance <= DTYPE_TOLERANCE["float32"]:

@@ -44,11 +44,11 @@ async def timed_loads(engine, store: WeightStore, versions: list[int]) -> tuple[
     seconds, differences = [], []
     for v in versions:
         t0 = time.perf_counter()
-        result = await engine.load_snapshot(store.path(v))
+        result = await engine.load_weights(store.path(v))
         seconds.append(time.perf_counter() - t0)
         assert "error" not in result, result
         probe = result["probe"]
-        differences.append(probe_difference(probe["logprobs"], await engine.probe_logprobs(probe["sequences"])))
+        differences.append(probe_difference(probe["logprobs"], await engine.probe(probe["sequences"])))
     return seconds, differences
 
 
@@ -60,7 +60,7 @@ def run(cfg_dict: dict, base_dir: Path, store: WeightStore, versions: list[int])
     async def main():
         engine = VLLMEngine.create(cfg, base_dir)
         try:
-            await engine.probe_logprobs(store.probe)  # warm-up: the first request compiles and allocates
+            await engine.probe(store.probe)  # warm-up: the first request compiles and allocates
             return await timed_loads(engine, store, versions)
         finally:
             engine.shutdown()

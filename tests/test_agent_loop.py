@@ -22,7 +22,8 @@ from tidal.rewards import RewardScorer
 from tidal.roles import group_limits
 from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import HFEngine
-from tidal.rollout.worker import generate_groups, pull_size
+from tidal.rollout.generator import generate_groups
+from tidal.rollout.worker import pull_size
 from tidal.trainer.learner import Learner
 
 G, MAX_NEW_TOKENS = 3, 6
@@ -105,7 +106,7 @@ def test_trajectory_groups_are_the_sampled_tokens_and_the_templates_rendering_of
     cfg = agent_config("tests.test_agent_loop:Chatty")
     agent = AgentLoop.from_config(cfg, tok, 256)
     assert agent.chat_template == TOOL_CHAT_TEMPLATE  # the tiny tokenizer has none of its own
-    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, 0, "w", agent=agent)
+    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, version=0, worker_id="w", agent=agent)
     assert [g.prompt_id for g in groups] == [0, 1]
     assert tok.decode(groups[0].prompt_ids.tolist()) == "tools: calc\n<u>12+34=\n<a>"
     inserted = tok("<t>ok\n<a>", add_special_tokens=False).input_ids
@@ -142,10 +143,12 @@ def test_the_hf_engine_runs_one_turns_environment_steps_at_once():
     per row. The trajectories are the ones the steps one at a time give."""
     engine, tok = tiny_engine()
     cfg = agent_config("tests.test_agent_loop:Overlapping")
-    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, 0, "w")
+    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, version=0, worker_id="w")
     assert Overlapping.most > 1
     assert groups[0].env_stats["turns"] > G  # some rows took several turns, each stepped
-    chatty = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), agent_config("tests.test_agent_loop:Chatty"), 0, "w")
+    chatty = generate_groups(
+        engine, tok, RewardScorer.from_config(cfg.reward), items(), agent_config("tests.test_agent_loop:Chatty"), version=0, worker_id="w"
+    )
     for g, h in zip(groups, chatty):
         assert [s.token_ids.tolist() for s in g.samples] == [s.token_ids.tolist() for s in h.samples]
 
@@ -153,7 +156,7 @@ def test_the_hf_engine_runs_one_turns_environment_steps_at_once():
 def test_long_observations_are_cut_to_the_per_turn_limit_and_counted():
     engine, tok = tiny_engine()
     cfg = agent_config("tests.test_agent_loop:Verbose", max_env_tokens_per_turn=20)
-    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items()[:1], cfg, 0, "w")
+    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items()[:1], cfg, version=0, worker_id="w")
     inserted = [end - start for g in groups for s in g.samples for v, start, end in runs(s.loss_mask) if v == 0]
     assert inserted and max(inserted) <= 20
     assert groups[0].env_stats["truncated_observations"] >= len(inserted)
@@ -162,7 +165,7 @@ def test_long_observations_are_cut_to_the_per_turn_limit_and_counted():
 def test_an_environment_that_raises_ends_only_its_own_trajectory():
     engine, tok = tiny_engine()
     cfg = agent_config("tests.test_agent_loop:Fragile")
-    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, 0, "w")
+    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, version=0, worker_id="w")
     reasons = [s.finish_reason for g in groups for s in g.samples]
     errors = sum(g.env_stats["env_errors"] for g in groups)
     assert errors == reasons.count("env_error") > 0
@@ -172,7 +175,7 @@ def test_an_environment_that_raises_ends_only_its_own_trajectory():
 def test_a_trajectory_past_its_time_ends_at_the_next_turn_boundary():
     engine, tok = tiny_engine()
     cfg = agent_config("tests.test_agent_loop:Chatty", trajectory_timeout_seconds=1e-9)
-    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items()[:1], cfg, 0, "w")
+    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items()[:1], cfg, version=0, worker_id="w")
     for s in groups[0].samples:
         assert s.loss_mask.all() and s.finish_reason in ("timeout", "length")
 
@@ -180,7 +183,7 @@ def test_a_trajectory_past_its_time_ends_at_the_next_turn_boundary():
 def test_a_turn_cut_at_max_new_tokens_ends_the_trajectory():
     engine, tok = tiny_engine(eos_logit=-50.0)  # never samples EOS
     cfg = agent_config("tests.test_agent_loop:Chatty")
-    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items()[:1], cfg, 0, "w")
+    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items()[:1], cfg, version=0, worker_id="w")
     assert all(s.finish_reason == "length" and len(s.token_ids) == MAX_NEW_TOKENS and s.loss_mask.all() for s in groups[0].samples)
 
 

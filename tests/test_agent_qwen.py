@@ -18,7 +18,8 @@ from tidal.model.loading import load_tokenizer
 from tidal.protocol import WorkItem
 from tidal.rewards import RewardScorer
 from tidal.rollout.agent import AgentLoop
-from tidal.rollout.engine import GroupRequest, Turn
+from tidal.rollout.engine import GroupRequest
+from tidal.rollout.trajectory import Turn
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "agent-qwen.yaml"
@@ -119,7 +120,7 @@ def play(agent, turns: list[str]):
         ids = tok(turn_text, add_special_tokens=False).input_ids + [tok.eos_token_id]
         tokens += ids
         mask += [1] * len(ids)
-        inserted = call.respond(0, Turn(ids, [0.0] * len(ids), "stop"))
+        inserted = call.respond_all({0: Turn(ids, [0.0] * len(ids), "stop")})[0]
         if inserted is None:
             assert i == len(turns) - 1
             break

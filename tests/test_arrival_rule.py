@@ -25,8 +25,9 @@ from tidal.model.probe import (
     trainer_compute_dtypes,
 )
 from tidal.model.tiny import build_char_tokenizer, build_tiny_model
-from tidal.rollout.vllm_adapter import serving_dtype
-from tidal.rollout.worker import WeightsDidNotArriveError, compare_probe
+from tidal.rollout.arrival import compare_probe
+from tidal.rollout.vllm_args import serving_dtype
+from tidal.weights import WeightsDidNotArriveError
 
 
 def test_the_statistic_is_the_mean_so_a_few_far_tokens_pass_and_a_moved_distribution_does_not():
@@ -133,7 +134,7 @@ def test_a_process_that_logs_to_a_file_keeps_its_children_and_its_teardown_off_t
 
 def test_in_half_precision_an_engine_calibrates_its_tolerance_on_the_base_model_and_refuses_a_base_that_is_not_the_trainers():
     from tidal.model.probe import BASE_BOUND, CALIBRATION_FACTOR
-    from tidal.rollout.worker import ArrivalCheck
+    from tidal.rollout.arrival import ArrivalCheck
 
     base = [[-1.0, -2.0, -0.5] for _ in range(3)]
     trained = [[x - 0.5 for x in row] for row in base]

@@ -64,7 +64,7 @@ def test_visible_device_ids_follow_the_parents_list():
 
 def test_vllm_on_cpu_sizes_each_engines_kv_cache_from_the_memory_available():
     from tidal.config import config_from_dict
-    from tidal.rollout.vllm_adapter import cpu_kv_cache_bytes, engines_on_this_machine, start_failure_hint
+    from tidal.rollout.vllm_args import cpu_kv_cache_bytes, engines_on_this_machine, start_failure_hint
 
     gib = 2**30
     assert cpu_kv_cache_bytes(20 * gib, 2) == int(20 * gib * 0.4 / 2)  # two engines share 40% of what is free

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.rollout.worker import generation_chunks
+from tidal.rollout.generator import generation_chunks
 
 
 def sizes(chunks: list[range]) -> list[int]:

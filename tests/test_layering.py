@@ -1,6 +1,7 @@
 """The import graph of src/tidal (every import, including ones inside functions) keeps the
 layering: the trainer and the rollout package never import each other, environments are the rollout
-side's alone (the trainer sees trajectories, never an environment), and algo/ is pure tensor math."""
+side's alone (the trainer sees trajectories, never an environment), algo/ is pure tensor math, and vLLM
+is imported only by the rollout/vllm* modules (every version-specific call in one place)."""
 
 import ast
 import sys
@@ -53,6 +54,8 @@ def forbidden_edges(graph: dict[str, set[str]]) -> list[str]:
             if inside(module, "tidal.envs") and (inside(name, "tidal.trainer") or inside(name, "tidal.rollout")):
                 bad.append(f"{module} -> {name} (envs are below the roles: no trainer or rollout import)")
             top = name.split(".")[0]
+            if top == "vllm" and not module.startswith("tidal.rollout.vllm"):
+                bad.append(f"{module} -> {name} (only tidal.rollout.vllm* imports vllm)")
             if inside(module, "tidal.algo") and not (top in stdlib or top == "torch" or inside(name, "tidal.algo") or name == "__future__"):
                 bad.append(f"{module} -> {name} (algo may import only torch and the standard library)")
     return bad
@@ -71,9 +74,13 @@ def test_the_check_catches_each_kind_of_forbidden_edge():
         "tidal.algo.losses": {"tidal.model.packing", "numpy", "torch", "math"},
         "tidal.trainer.learner": {"tidal.envs.base"},
         "tidal.envs.base": {"tidal.rollout.engine"},
+        "tidal.rollout.generator": {"vllm.sampling_params", "tidal.rollout.vllm_adapter"},
+        "tidal.rollout.vllm_weights": {"vllm.distributed.weight_transfer.base", "torch"},
     }
     bad = forbidden_edges(graph)
-    assert len(bad) == 6 and any("numpy" in b for b in bad) and any("tidal.model.packing" in b for b in bad)
+    assert "tidal.rollout.generator -> vllm.sampling_params (only tidal.rollout.vllm* imports vllm)" in bad
+    assert not any(b.startswith("tidal.rollout.vllm_weights") or "vllm_adapter" in b for b in bad)
+    assert len(bad) == 7 and any("numpy" in b for b in bad) and any("tidal.model.packing" in b for b in bad)
     assert "tidal.trainer.learner -> tidal.envs.base (trainer must not import envs)" in bad
     assert any(b.startswith("tidal.envs.base -> tidal.rollout.engine") for b in bad)
 

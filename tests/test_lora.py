@@ -1,6 +1,7 @@
 """LoRA (model.lora) with real peft models: what trains, the reference policy, the adapter-only weight
 store, the arrival check, and `tidal run` end to end."""
 
+import asyncio
 import copy
 import json
 import re
@@ -18,8 +19,8 @@ from tidal.model.lora import adapter_config, adapter_state_dict, apply_lora
 from tidal.model.probe import make_probe, probe_logprobs
 from tidal.model.tiny import build_char_tokenizer, build_tiny_model
 from tidal.protocol import Group, Sample
+from tidal.rollout.arrival import check_arrival
 from tidal.rollout.engine import HFEngine
-from tidal.rollout.worker import check_arrival
 from tidal.trainer.learner import Learner, warmup_then_constant
 from tidal.weights import (
     ADAPTER_CONFIG_FILE,
@@ -270,7 +271,7 @@ def test_with_nccl_weight_sync_the_trainer_sends_the_adapter_alone_as_the_store_
     """The GPU fast path under LoRA: what the trainer broadcasts is the adapter's tensors (no base weight),
     under the names and with the values the store's version holds; what the engine writes from them
     (write_adapter_files, the first worker's write) is byte for byte the store's adapter file."""
-    from tidal.rollout.vllm_adapter import nccl_update_info
+    from tidal.rollout.vllm_weights import nccl_update_info
     from tidal.weights import write_adapter_files
 
     cfg = config_from_dict({"model": {"lora": {}}, "rollout": {"engine": "vllm", "vllm": {"weight_sync": "nccl"}}})
@@ -376,14 +377,14 @@ def test_the_arrival_check_catches_an_engine_that_did_not_apply_a_version(tmp_pa
     engine = HFEngine(apply_lora(copy.deepcopy(base), LORA), tok.eos_token_id, tok.pad_token_id, 4)
     state, manifest = load_verified_with_manifest(v1)
     engine.load_state_dict(state)
-    assert check_arrival(engine, manifest, 1, 1e-3, "w0") < 1e-5  # the right adapter: passes
+    assert asyncio.run(check_arrival(engine, manifest.get("probe"), 1, 1e-3, "w0")) < 1e-5  # the right adapter: passes
     _, manifest2 = load_verified_with_manifest(v2)
     with pytest.raises(
         WeightsDidNotArriveError,
         match=r"^weights v2 did not arrive on worker w0: .* by [0-9.e-]+ per token on average, up to [0-9.e-]+ \(weights.arrival_tolerance 0.001, for the mean\)$",
     ):
-        check_arrival(engine, manifest2, 2, 1e-3, "w0")  # still v1's adapter
-    assert check_arrival(engine, manifest2, 2, 0.0, "w0") is None  # tolerance 0: the check is off
+        asyncio.run(check_arrival(engine, manifest2.get("probe"), 2, 1e-3, "w0"))  # still v1's adapter
+    assert asyncio.run(check_arrival(engine, manifest2.get("probe"), 2, 0.0, "w0")) is None  # tolerance 0: the check is off
 
     tensors = load_file(str(v2 / ADAPTER_FILE))
     name = next(k for k in tensors if "lora_B" in k)
@@ -395,7 +396,7 @@ def test_the_arrival_check_catches_an_engine_that_did_not_apply_a_version(tmp_pa
     state, manifest = load_verified_with_manifest(v2)  # consistent and signed: the store cannot tell
     engine.load_state_dict(state)
     with pytest.raises(WeightsDidNotArriveError, match="weights v2 did not arrive"):
-        check_arrival(engine, manifest, 2, 1e-3, "w0")
+        asyncio.run(check_arrival(engine, manifest.get("probe"), 2, 1e-3, "w0"))
 
 
 # ---------------------------------------------------------------- tidal run

@@ -15,7 +15,8 @@ from tidal.algo import token_logprobs_from_logits
 from tidal.config import TinyModelConfig, TrainerConfig
 from tidal.model.tiny import build_char_tokenizer, build_tiny_model
 from tidal.protocol import Group, GroupLimits, Sample, decode_group, pack
-from tidal.rollout.engine import GroupRequest, HFEngine, Turn, group_generator, run_trajectories
+from tidal.rollout.engine import GroupRequest, HFEngine, group_generator
+from tidal.rollout.trajectory import Turn
 from tidal.trainer.learner import Learner, as_packing_group, token_logprobs
 
 MAX_NEW_TOKENS = 7
@@ -40,12 +41,22 @@ class ScriptedEnvironment:
     def inserted(self, row: int, t: int) -> list[int]:
         return [] if row in self.silent else self.tok(f"<r{row}t{t}>" + "=" * (row % 3), add_special_tokens=False).input_ids
 
-    def __call__(self, row: int, turn: Turn) -> list[int] | None:
+    def answer(self, row: int, turn: Turn) -> list[int] | None:
         self.seen.setdefault(row, []).append(turn)
         t = len(self.seen[row])
         if t >= self.ends_after.get(row, 99):
             return None
         return self.inserted(row, t)
+
+    def respond_all(self, turns: dict[int, Turn]) -> dict[int, list[int] | None]:  # the HF engine's turn loop asks this
+        return {row: self.answer(row, turn) for row, turn in turns.items()}
+
+
+class EndsEveryTrajectory:
+    """A responder that ends each trajectory after its first turn."""
+
+    def respond_all(self, turns: dict[int, Turn]) -> dict[int, None]:
+        return dict.fromkeys(turns)
 
 
 def requests(tok, seed: int = 0):
@@ -66,7 +77,7 @@ def test_behaviour_logprobs_equal_the_trainers_forward_over_the_assembled_trajec
     engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS, temperature)
     reqs = requests(tok)
     env = ScriptedEnvironment(tok, ends_after={0: 1, 3: 2, 6: 2}, silent=frozenset({1, 4, 7, 8}))
-    trajectories = run_trajectories(engine, reqs, env, max_turns=3)
+    trajectories = engine.play_blocking(reqs, env, max_turns=3)
     prompts = [r.prompt_ids for r in reqs for _ in range(r.n)]
     assert len(trajectories) == len(prompts) == 9
     assert {t.turns for t in trajectories} == {1, 2, 3} and {t.finish_reason for t in trajectories} >= {"stop", "max_turns"}
@@ -93,7 +104,7 @@ def test_the_trainer_sees_the_engines_logprobs_on_every_sampled_token():
     model, tok = tiny()
     engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
     req = requests(tok)[2]
-    trajectories = run_trajectories(engine, [req], ScriptedEnvironment(tok, ends_after={1: 2}), max_turns=3)
+    trajectories = engine.play_blocking([req], ScriptedEnvironment(tok, ends_after={1: 2}), max_turns=3)
     samples = [
         Sample(np.asarray(t.token_ids, np.int32), np.asarray(t.logprobs, np.float32), float(i % 2), loss_mask=np.asarray(t.loss_mask, np.uint8))
         for i, t in enumerate(trajectories)
@@ -121,7 +132,7 @@ def test_inserted_tokens_extend_the_cache_without_recomputing_the_prefix():
     hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     try:
         env = ScriptedEnvironment(tok, ends_after={})
-        trajectories = run_trajectories(engine, reqs, env, max_turns=3)
+        trajectories = engine.play_blocking(reqs, env, max_turns=3)
     finally:
         hook.remove()
     longest_insert = max(len(tok(f"<r{r}t2>" + "=" * (r % 3), add_special_tokens=False).input_ids) for r in range(9))
@@ -140,7 +151,7 @@ def test_one_turn_is_the_single_turn_engine():
     model, tok = tiny()
     engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
     single = [s for group in engine.generate(requests(tok, seed=4)) for s in group]
-    trajectories = run_trajectories(engine, requests(tok, seed=4), lambda row, turn: None, max_turns=3)
+    trajectories = engine.play_blocking(requests(tok, seed=4), EndsEveryTrajectory(), max_turns=3)
     assert [t.token_ids for t in trajectories] == [s.token_ids for s in single]
     for t, s in zip(trajectories, single, strict=True):
         torch.testing.assert_close(torch.tensor(t.logprobs), torch.tensor(s.logprobs), atol=1e-5, rtol=0)
@@ -151,7 +162,7 @@ def test_one_turn_is_the_single_turn_engine():
 def test_trajectories_are_a_function_of_the_seed():
     model, tok = tiny()
     engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
-    runs = [run_trajectories(engine, requests(tok, seed=9), ScriptedEnvironment(tok, ends_after={2: 2}), max_turns=3) for _ in range(2)]
+    runs = [engine.play_blocking(requests(tok, seed=9), ScriptedEnvironment(tok, ends_after={2: 2}), max_turns=3) for _ in range(2)]
     assert [t.token_ids for t in runs[0]] == [t.token_ids for t in runs[1]]
-    other = run_trajectories(engine, requests(tok, seed=10), ScriptedEnvironment(tok, ends_after={2: 2}), max_turns=3)
+    other = engine.play_blocking(requests(tok, seed=10), ScriptedEnvironment(tok, ends_after={2: 2}), max_turns=3)
     assert [t.token_ids for t in other] != [t.token_ids for t in runs[0]]

@@ -11,7 +11,7 @@ from tidal.model.tiny import build_char_tokenizer, build_tiny_model
 from tidal.protocol import WorkItem
 from tidal.rewards import RewardScorer
 from tidal.rollout.engine import HFEngine
-from tidal.rollout.worker import generate_groups
+from tidal.rollout.generator import generate_groups
 
 CHATML = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 
@@ -82,7 +82,7 @@ def test_workers_and_eval_generate_from_the_same_chat_prompt():
     engine = HFEngine.for_rollout(model, tok, cfg.rollout)
     problem = Problem(3, "12+7=", "19")
     (group,) = generate_groups(
-        engine, tok, RewardScorer.from_config(cfg.reward), [WorkItem(0, problem.id, problem.prompt, problem.answer)], cfg, 0, "w0"
+        engine, tok, RewardScorer.from_config(cfg.reward), [WorkItem(0, problem.id, problem.prompt, problem.answer)], cfg, version=0, worker_id="w0"
     )
     assert tok.decode(group.prompt_ids.tolist()) == "<|user|>12+7=\n<|assistant|>"
 

@@ -108,8 +108,8 @@ def test_a_rewritten_policy_pointer_cannot_redirect_a_worker_to_other_weights(na
         t = await Transport.connect(nats_server.url, "redirect", TransportConfig())
         await t.put_policy(0, str(tmp_path / "elsewhere" / "v000000"))  # a forged pointer: nothing there
         engine = HFEngine.for_rollout(build_tiny_model(tiny_config.model.tiny, tok), tok, tiny_config.rollout)
-        own = await RolloutWorker(tiny_config, engine, tok, t, "w0", weights_root=tmp_path / "weights")._load_version(0)
-        follows_pointer = await RolloutWorker(tiny_config, engine, tok, t, "w1")._load_version(0)
+        own = await RolloutWorker(tiny_config, engine, tok, t, "w0", weights_root=tmp_path / "weights").arrival.load(0)
+        follows_pointer = await RolloutWorker(tiny_config, engine, tok, t, "w1").arrival.load(0)
         await t.close()
         return own, follows_pointer
 
@@ -186,7 +186,7 @@ def test_a_periodic_worker_drops_work_of_an_iteration_the_trainer_has_left(nats_
     """A redelivered or spare item of iteration 1 once the policy is at 3: generating it would load v1, which
     weight retention may have deleted, for a group the trainer discards anyway."""
     from tidal.config import TidalConfig
-    from tidal.rollout.worker import version_to_generate
+    from tidal.rollout.arrival import version_to_generate
 
     async def scenario():
         t = await Transport.connect(nats_server.url, "leftover", TransportConfig())
@@ -293,6 +293,7 @@ def test_the_worker_publisher_acks_an_item_only_after_its_group_is_published_and
     """GroupPublisher (the worker publishes a call's groups while the engine runs the next call): every
     group lands in ROLLOUTS before its work item is acked; a group that cannot be published leaves its
     item unacked and held (it is redelivered) and fails the worker at its next check."""
+    from tidal.rollout.lease import Lease
     from tidal.rollout.worker import GroupPublisher
     from tidal.transport.health import WorkerHealth
 
@@ -302,8 +303,11 @@ def test_the_worker_publisher_acks_an_item_only_after_its_group_is_published_and
         for i in range(3):
             await t.publish_work(item(i))
         msgs = await t.fetch(sub, 3, timeout=5, linger=0.2)
-        held, health = {id(m): (m, None) for m in msgs}, WorkerHealth("w")
-        publisher = GroupPublisher(t, health, held)
+        health = WorkerHealth("w")
+        lease = Lease(t, health, ack_wait_seconds=30.0)
+        lease.hold([(m, None) for m in msgs])
+        held = lease.held
+        publisher = GroupPublisher(t, lease)
         publisher.submit([(big_group(0, 4), msgs[0]), (big_group(1, 4), msgs[1])])
         publisher.submit([(big_group(2, 400_000), msgs[2])])  # 3.2 MB: over max_payload_mb
         with pytest.raises(MessageTooLargeError):
@@ -328,7 +332,7 @@ def test_a_leaving_worker_hands_back_its_items_for_immediate_redelivery_and_says
     """hand_back NAKs what a worker holds: another worker gets the items at once, on their second
     delivery (the ack deadline here is an hour away, so nothing else could have redelivered them), and
     the leaving worker's last heartbeat lists nothing for the trainer to ask again."""
-    from tidal.rollout.worker import delivery_count, hand_back
+    from tidal.rollout.lease import delivery_count, hand_back
     from tidal.transport.health import WorkerHealth, watch_workers
 
     async def scenario():

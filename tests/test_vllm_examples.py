@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import run_cli
 from tidal.model.probe import CALIBRATION_FACTOR, DTYPE_TOLERANCE
-from tidal.rollout.vllm_adapter import vllm_available
+from tidal.rollout.vllm_args import vllm_available
 from tidal.weights import MANIFEST_FILE, WEIGHTS_FILE, manifest_signature, sha256_of
 
 pytestmark = [
@@ -39,7 +39,7 @@ def test_every_example_with_only_the_switch_serves_vllm_the_dtype_it_trains_in_o
     rollout.vllm.dtype (the GPU examples: bfloat16 against a float32 trainer) keeps it, and its check is bfloat16's."""
     from tidal.config import load_config
     from tidal.model.probe import arrival_tolerance, trainer_compute_dtypes
-    from tidal.rollout.vllm_adapter import engine_args
+    from tidal.rollout.vllm_args import engine_args
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "examples" / example, SWITCH)
     args = engine_args(cfg, tmp_path, "cpu")

@@ -28,7 +28,9 @@ from tidal.config.schema import VLLM_LORA_RANKS
 from tidal.model.lora import adapter_config, adapter_state_dict, apply_lora
 from tidal.model.probe import make_probe, probe_difference, probe_logprobs
 from tidal.model.tiny import build_char_tokenizer, build_tiny_model
-from tidal.rollout.vllm_adapter import VLLMEngine, nccl_update_info, vllm_available
+from tidal.rollout.vllm_adapter import VLLMEngine
+from tidal.rollout.vllm_args import vllm_available
+from tidal.rollout.vllm_weights import nccl_update_info
 from tidal.weights import ADAPTER_FILE, MANIFEST_FILE, WeightStore, manifest_signature, sha256_of, write_adapter_files
 
 pytestmark = [
@@ -183,12 +185,12 @@ def test_an_adapter_received_over_nccl_lands_as_peft_files_the_engine_adds_like_
     async def main():
         engine = VLLMEngine.create(cfg, tmp_path / "base")
         try:
-            assert "error" not in await engine.load_snapshot(store.path(1))
-            from_store = await engine.probe_logprobs(probe)
+            assert "error" not in await engine.load_weights(store.path(1))
+            from_store = await engine.probe(probe)
             landing = engine.landing_dir(2)
             write_adapter_files(landing, adapters[2][0], info["adapter_config"])  # the first worker's write
             assert await engine.add_adapter(2, landing) is None
-            landed = await engine.probe_logprobs(probe)
+            landed = await engine.probe(probe)
             held = await engine.adapters()
             stale = engine.landing_dir(3)  # the next version's directory: the one serving v2 stays
             kept = sorted(p.name for p in engine.landing.iterdir())

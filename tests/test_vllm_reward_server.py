@@ -18,7 +18,7 @@ import yaml
 
 from tidal.kube import cluster
 from tidal.rewards.server import free_port, healthy
-from tidal.rollout.vllm_adapter import vllm_available
+from tidal.rollout.vllm_args import vllm_available
 
 pytestmark = [
     pytest.mark.vllm,

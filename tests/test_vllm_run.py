@@ -19,7 +19,7 @@ import yaml
 
 from tests.conftest import background_run, run_cli, wait_until
 from tests.processes import command, descendants_of, kill, left_running, start_time
-from tidal.rollout.vllm_adapter import vllm_available
+from tidal.rollout.vllm_args import vllm_available
 
 pytestmark = [
     pytest.mark.vllm,

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from tidal.config import TransportConfig
-from tidal.rollout.vllm_adapter import nccl_update_info
+from tidal.rollout.vllm_weights import nccl_update_info
 from tidal.trainer.weight_push import NcclWeightPush, call_with_deadline
 from tidal.transport import Transport, weight_handshake
 
@@ -356,7 +356,7 @@ def test_a_version_received_over_the_stand_in_broadcast_is_probed_and_a_wrong_on
         assert sequences == probe
         return served[received[-1][0]]
 
-    engine = SimpleNamespace(device="cuda", dtype="float32", probe_logprobs=engine_logprobs)
+    engine = SimpleNamespace(device="cuda", kind="vllm", compute_dtypes=("float32",), probe=engine_logprobs)
 
     async def main():
         t = await connect(nats_server.url)

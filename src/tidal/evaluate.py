@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections import Counter
@@ -13,7 +14,7 @@ from tidal.data import Problem, prompt_encoder
 from tidal.model.loading import load_model_and_tokenizer, load_tokenizer
 from tidal.protocol import tool_use_rates
 from tidal.rewards import exact_match, extract_final_answer
-from tidal.rollout.engine import GroupRequest, HFEngine, RolloutEngine, group_generator, group_seed
+from tidal.rollout.engine import BlockingEngine, GroupRequest, HFEngine, group_generator, group_seed
 from tidal.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def majority_correct(answers: list[str | None], gold: str) -> bool:
 
 
 def held_out_scores(
-    engine: RolloutEngine,
+    engine: BlockingEngine,
     tokenizer,
     problems: list[Problem],
     batch_size: int = 64,
@@ -69,7 +70,7 @@ def held_out_scores(
 
 
 def held_out_agent_scores(
-    loop, engine: HFEngine, problems: list[Problem], batch_size: int = 64, samples: int = 0, seed: int = 0, ks: tuple[int, ...] = ()
+    loop, engine: BlockingEngine, problems: list[Problem], batch_size: int = 64, samples: int = 0, seed: int = 0, ks: tuple[int, ...] = ()
 ) -> dict[str, float]:
     """`held_out_scores` through the run's environment (`loop`: an AgentLoop): each problem's
     trajectories, scored on their final answers, plus how the policy used its tools
@@ -81,7 +82,7 @@ def held_out_agent_scores(
 
     def answers() -> Iterator[tuple[Problem, list[str]]]:
         for chunk, requests in eval_requests(problems, batch_size, n, seed, None):
-            played = loop.play(engine, [loop.framed(p.id, p.prompt, p.answer) for p in chunk], requests, greedy=samples == 0)
+            played = asyncio.run(loop.play(engine, [loop.framed(p.id, p.prompt, p.answer) for p in chunk], requests, greedy=samples == 0))
             for i, p in enumerate(chunk):
                 rows = played[i * n : (i + 1) * n]
                 for row, tokens in rows:
@@ -132,7 +133,7 @@ def held_out_accuracy(*args, **kwargs) -> float:
     return held_out_scores(*args, **kwargs)["accuracy"]
 
 
-def open_engine(cfg: TidalConfig, model_dir: str | Path, kind: str) -> RolloutEngine:
+def open_engine(cfg: TidalConfig, model_dir: str | Path, kind: str) -> BlockingEngine:
     """A standalone engine over `model_dir` (its own model copy): "hf" or "vllm"."""
     if kind == "vllm":
         from tidal.rollout.vllm_adapter import BlockingVLLMEngine
@@ -151,7 +152,7 @@ def eval_engine_kind(cfg: TidalConfig) -> str:
 
 
 def evaluate_snapshot(
-    cfg: TidalConfig, model_dir: str | Path, problems: list[Problem], snapshot: str | Path | None = None, engine: RolloutEngine | None = None
+    cfg: TidalConfig, model_dir: str | Path, problems: list[Problem], snapshot: str | Path | None = None, engine: BlockingEngine | None = None
 ) -> dict:
     """Held-out accuracy of `snapshot` (a weight-store version directory; None: the base model):
     `accuracy` greedy, `sampled_accuracy` at the rollout temperature (what RL optimises; None when
@@ -183,14 +184,13 @@ def evaluate_snapshot(
             engine.shutdown()
 
 
-def agent_snapshot_scores(cfg: TidalConfig, engine: HFEngine, tokenizer, problems: list[Problem]) -> dict:
+def agent_snapshot_scores(cfg: TidalConfig, engine: BlockingEngine, tokenizer, problems: list[Problem]) -> dict:
     """evaluate_snapshot's scores through rollout.env (turns of rollout.max_new_tokens each), with
     the greedy and the sampled trajectories' tool use (tool_use_rate, tool_success_rate, turns_mean;
     `sampled_` in front for the sampled ones)."""
     from tidal.rollout.agent import AgentLoop
-    from tidal.rollout.worker import model_context
 
-    loop = AgentLoop.from_config(cfg, tokenizer, model_context(engine))
+    loop = AgentLoop.from_config(cfg, tokenizer, engine.context_length)
     k = cfg.eval.samples_per_prompt
     try:
         scores: dict = held_out_agent_scores(loop, engine, problems, cfg.eval.batch_size)

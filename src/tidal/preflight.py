@@ -105,7 +105,7 @@ def check_this_machine(cfg: TidalConfig) -> None:
         key for key, kind in (("rollout.engine", cfg.rollout.engine), ("eval.engine", cfg.eval.engine if cfg.eval.enabled else "")) if kind == "vllm"
     ]
     if engines and importlib.util.find_spec("vllm") is None:
-        from tidal.rollout.vllm_adapter import INSTALL_HINT
+        from tidal.rollout.vllm_args import INSTALL_HINT
 
         raise ValueError(f"{' and '.join(engines)} is 'vllm' but vllm is not installed in this environment: {INSTALL_HINT}")
     for key, requested in (("trainer.device", cfg.trainer.device), ("trainer.reference_device", cfg.trainer.reference_device)):

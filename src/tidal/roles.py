@@ -28,7 +28,8 @@ from tidal.protocol import GroupLimits, RunState
 from tidal.rewards import RewardScorer
 from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import HFEngine
-from tidal.rollout.worker import RolloutWorker, generate_groups, model_context
+from tidal.rollout.generator import generate_groups
+from tidal.rollout.worker import RolloutWorker
 from tidal.rundir import RunDir, RunInfo
 from tidal.sandbox import confine_user_code
 from tidal.threads import set_threads, split_cores, trainer_threads
@@ -71,7 +72,7 @@ def trainer_weight_store(cfg: TidalConfig, run: RunDir, base_model: str, learner
     if not checked:
         return WeightStore(run.weights, base_model, adapter, signing_key=signing_key)
     # built before a resumed run loads its checkpoint: the learner holds the base model, so every start of the run
-    # samples the same probe, and records the base's log-probs for engines to calibrate on (rollout.worker.ArrivalCheck)
+    # samples the same probe, and records the base's log-probs for engines to calibrate on (rollout.arrival.ArrivalCheck)
     probe = learner.sample_probe(make_probe(cfg.seed, int(learner.model.get_input_embeddings().num_embeddings)), cfg.seed)
     return WeightStore(run.weights, base_model, adapter, probe, learner.probe_logprobs(probe), signing_key)
 
@@ -124,9 +125,9 @@ async def nccl_weight_push(cfg: TidalConfig, transport: Transport, adapter: dict
     `adapter` (model.lora: peft's adapter config): each version is the adapter's tensors alone, added as a LoRA adapter."""
     if cfg.rollout.engine != "vllm" or cfg.rollout.vllm.weight_sync != "nccl":
         return None
-    from tidal.rollout import vllm_adapter
+    from tidal.rollout import vllm_weights
 
-    reason = vllm_adapter.nccl_unavailable_reason()
+    reason = vllm_weights.nccl_unavailable_reason()
     if reason:
         await weight_handshake.turn_off(transport, reason)
         return None
@@ -136,8 +137,8 @@ async def nccl_weight_push(cfg: TidalConfig, transport: Transport, adapter: dict
         cfg.rollout.initial_workers,
         v.tensor_parallel_size,
         v.nccl_timeout_seconds,
-        vllm_adapter.NcclWeightSender,
-        functools.partial(vllm_adapter.nccl_update_info, adapter_config=adapter),
+        vllm_weights.NcclWeightSender,
+        functools.partial(vllm_weights.nccl_update_info, adapter_config=adapter),
         rendezvous_endpoint(),
     )
 
@@ -221,10 +222,20 @@ def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: Weig
                 engine.load_snapshot(store.path(version), version)
                 log.info("sync mode: the engine loaded weights v%d in %.3fs", version, time.perf_counter() - t0)
 
-    agent = AgentLoop.from_config(cfg, tokenizer, model_context(engine)) if cfg.rollout.env is not None else None
+    agent = AgentLoop.from_config(cfg, tokenizer, engine.context_length) if cfg.rollout.env is not None else None
 
     def generate(items, version):
-        return generate_groups(engine, tokenizer, scorer, items, cfg, version, "sync", cfg.rollout.sync_groups_per_call, agent)
+        return generate_groups(
+            engine,
+            tokenizer,
+            scorer,
+            items,
+            cfg,
+            version=version,
+            worker_id="sync",
+            max_groups_per_call=cfg.rollout.sync_groups_per_call,
+            agent=agent,
+        )
 
     return InProcessSource(generate, load_weights)
 

@@ -98,7 +98,7 @@ async def bench_vllm(args, path: Path, prompt_ids: list[list[int]]) -> dict:
     )
     engine = VLLMEngine.create(cfg, path)
     try:
-        await engine.generate([GroupRequest(p, args.group_size) for p in prompt_ids[: args.hf_groups_per_batch]])  # warm-up
+        await engine.complete([GroupRequest(p, args.group_size) for p in prompt_ids[: args.hf_groups_per_batch]])  # warm-up
         slots = asyncio.Semaphore(args.inflight)
         start, finished = time.perf_counter(), []
 

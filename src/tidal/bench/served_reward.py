@@ -15,6 +15,7 @@ model (random weights); the servers are OpenRLHF-protocol servers in this proces
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import threading
 import time
@@ -29,7 +30,7 @@ from tidal.model.tiny import build_char_tokenizer, build_tiny_model
 from tidal.protocol import WorkItem
 from tidal.rewards import RewardScorer, exact_match
 from tidal.rollout.engine import HFEngine
-from tidal.rollout.worker import generate_group_calls
+from tidal.rollout.generator import Generator
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,7 +73,12 @@ def one_pass(engine, tok, scorer, items, cfg, overlap: bool) -> float:
     scoring = ThreadPoolExecutor(max_workers=1) if overlap else None
     t0 = time.perf_counter()
     try:
-        results = list(generate_group_calls(engine, tok, scorer, items, cfg, 1, "bench", cfg.rollout.groups_per_batch, scoring=scoring))
+        calls = Generator(cfg, engine, tok, scorer, "bench").calls(items, 1, max_groups_per_call=cfg.rollout.groups_per_batch, scoring=scoring)
+
+        async def collect() -> list:
+            return [call async for call in calls]
+
+        results = asyncio.run(collect())
         groups = [g for r in results for g in (r.result() if overlap else r)]
     finally:
         if scoring is not None:

@@ -579,7 +579,7 @@ def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, mi
     from tidal.rewards import RewardScorer
     from tidal.rollout.agent import AgentLoop
     from tidal.rollout.engine import HFEngine
-    from tidal.rollout.worker import generate_groups
+    from tidal.rollout.generator import generate_groups
     from tidal.trainer.learner import Learner
 
     torch.manual_seed(cfg.seed)
@@ -592,7 +592,17 @@ def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, mi
     engine = HFEngine.for_rollout(model, tokenizer, cfg.rollout)
     agent = AgentLoop.from_config(cfg, tokenizer) if cfg.rollout.env is not None else None
     try:
-        groups = generate_groups(engine, tokenizer, RewardScorer.from_config(cfg.reward), items, cfg, 0, "gradient-check", len(items), agent=agent)
+        groups = generate_groups(
+            engine,
+            tokenizer,
+            RewardScorer.from_config(cfg.reward),
+            items,
+            cfg,
+            version=0,
+            worker_id="gradient-check",
+            max_groups_per_call=len(items),
+            agent=agent,
+        )
     finally:
         if agent is not None:
             agent.close()

@@ -47,7 +47,7 @@ def measure_child(argv: list[str]) -> None:
     from tidal.rewards import RewardScorer
     from tidal.roles import build_learner
     from tidal.rollout.engine import HFEngine
-    from tidal.rollout.worker import generate_groups, generation_chunks
+    from tidal.rollout.generator import generate_groups, generation_chunks
     from tidal.trainer.loop import IterationPlan
     from tidal.weights import WeightStore
 
@@ -59,7 +59,9 @@ def measure_child(argv: list[str]) -> None:
     r = cfg.rollout
 
     def generate(version: int):
-        return generate_groups(engine, tokenizer, scorer, IterationPlan.for_iteration(cfg, dataset, version)[1], cfg, version, "plan")
+        return generate_groups(
+            engine, tokenizer, scorer, IterationPlan.for_iteration(cfg, dataset, version)[1], cfg, version=version, worker_id="plan"
+        )
 
     def train(groups) -> int:
         """Forward and backward of the iteration's groups in arrival-sized calls; returns the number of calls."""

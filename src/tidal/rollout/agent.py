@@ -10,10 +10,11 @@ hits max_new_tokens (it was cut mid-turn), past rollout.trajectory_timeout_secon
 turns), when it would outgrow the model's context, or when the environment raises (counted, the
 worker goes on).
 
-The environment logic (`_Call`) is the same for both engines. The HF engine runs a call's rows as
-one batch over its KV cache (engine.run_trajectories); the vLLM engine runs each trajectory as a
-request per turn, every trajectory at once, and the environment's steps on threads so that the
-others keep decoding meanwhile (vllm_adapter).
+The environment logic (`EnvResponder`, the trajectory.Responder of one engine call) is the same for
+both engines. The HF engine runs a call's rows as one batch over its KV cache and asks for every row's
+answer to a turn at once (`respond_all`: the steps run together on threads); the vLLM engine runs each
+trajectory as a request per turn, every trajectory at once, and asks row by row (`respond`: the step on
+a thread, so that the others keep decoding meanwhile). Both turn loops are in tidal.rollout.trajectory.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +30,11 @@ import numpy as np
 
 from tidal.config import TidalConfig
 from tidal.envs import EnvError, Environment, EnvironmentFactory, ToolLimits, Trajectory, run_arguments
-from tidal.protocol import Group, Sample, WorkItem
+from tidal.protocol import Sample, WorkItem
 from tidal.rewards import RewardScorer, checked_reward, exact_match
 from tidal.rewards.failures import RewardFailingError
-from tidal.rollout.engine import GroupRequest, HFEngine, TrajectoryTokens, Turn, run_trajectories
+from tidal.rollout.engine import GroupRequest, RolloutEngine
+from tidal.rollout.trajectory import TrajectoryTokens, Turn
 
 log = logging.getLogger(__name__)
 
@@ -173,52 +175,17 @@ class AgentLoop:
 
     # --- one engine call ---------------------------------------------------------------------
 
-    def generate(
-        self, engine, items: list[WorkItem], requests: list[GroupRequest], scorer: RewardScorer, policy_version: int, worker_id: str
-    ) -> list[Group]:
-        """One group per item (`requests` give the RNGs; their prompts are set here). The HF engine
-        runs the rows as one batch over its KV cache; a blocking vLLM engine (sync mode) runs each
-        trajectory as its own requests, with the environment's steps on threads."""
-        gen_start = time.time()
-        played = self.play(engine, [self.problem(item) for item in items], requests)
-        return self.groups(played, items, requests, scorer, policy_version, worker_id, gen_start, time.time())
-
-    def play(self, engine, problems: list[Problem], requests: list[GroupRequest], greedy: bool = False) -> list[tuple[_Row, TrajectoryTokens]]:
+    async def play(
+        self, engine: RolloutEngine, problems: list[Problem], requests: list[GroupRequest], greedy: bool = False
+    ) -> list[tuple[_Row, TrajectoryTokens]]:
         """The trajectories of `problems` (request i gives problem i's G rows their RNG; its prompt is
-        set here): each row's environment and messages, and its tokens, in row order. `greedy`: the
-        HF engine only (held-out evaluation)."""
+        set here): each row's environment and messages, and its tokens, in row order."""
         r = self.cfg.rollout
-        call = self.begin(problems, requests)
-        if isinstance(engine, HFEngine):
-            trajectories = run_trajectories(engine, requests, call.respond, r.max_turns, r.max_new_tokens, greedy, call.step_all)
-        else:
-            trajectories = engine.run_trajectories(requests, call.respond_async, r.max_turns, r.max_new_tokens)
-        return list(zip(call.rows, trajectories))
+        responder = self.begin(problems, requests)
+        trajectories = await engine.play(requests, responder, r.max_turns, r.max_new_tokens, greedy)
+        return list(zip(responder.rows, trajectories))
 
-    async def generate_async(
-        self,
-        engine,
-        items: list[WorkItem],
-        requests: list[GroupRequest],
-        scorer: RewardScorer,
-        policy_version: int,
-        worker_id: str,
-        score_pool: Executor | None = None,
-    ) -> list[Group]:
-        """`generate` on an async engine (vLLM's): every trajectory of every group in flight at once,
-        each environment step on a thread while the others decode; the groups are scored on
-        `score_pool` (rewards may be slow user code)."""
-        r = self.cfg.rollout
-        call = self.begin([self.problem(item) for item in items], requests)
-        gen_start = time.time()
-        trajectories = await engine.run_trajectories(requests, call.respond_async, r.max_turns, r.max_new_tokens)
-        gen_end = time.time()
-        played = list(zip(call.rows, trajectories))
-        return await asyncio.get_running_loop().run_in_executor(
-            score_pool, self.groups, played, items, requests, scorer, policy_version, worker_id, gen_start, gen_end
-        )
-
-    def begin(self, problems: list[Problem], requests: list[GroupRequest]) -> _Call:
+    def begin(self, problems: list[Problem], requests: list[GroupRequest]) -> EnvResponder:
         """One environment per row (G per problem, in order), and each request's prompt: the first messages, rendered."""
         rows: list[_Row] = []
         prompt_lengths: list[int] = []
@@ -232,58 +199,30 @@ class AgentLoop:
             request.prompt_ids = encoded[0]
             rows += group_rows
             prompt_lengths += [len(encoded[0])] * request.n
-        return _Call(self, rows, prompt_lengths, time.monotonic())
+        return EnvResponder(self, rows, prompt_lengths, time.monotonic())
 
-    def groups(
-        self,
-        played: list[tuple[_Row, TrajectoryTokens]],
-        items: list[WorkItem],
-        requests: list[GroupRequest],
-        scorer: RewardScorer,
-        policy_version: int,
-        worker_id: str,
-        gen_start: float,
-        gen_end: float,
-    ) -> list[Group]:
-        """The finished trajectories as scored groups, one per item."""
-        groups, at = [], 0
-        for item, request in zip(items, requests):
-            errors_before = scorer.errors
-            samples, stats = [], {}
-            for row, tokens in played[at : at + request.n]:
-                finish = row.finish_reason or tokens.finish_reason
-                trajectory = Trajectory(self.problem(item), row.messages, row.env.stats, finish)
-                reward, parts = self.reward(row.env, trajectory, item, scorer)
-                samples.append(
-                    Sample(
-                        token_ids=np.asarray(tokens.token_ids, dtype=np.int32),
-                        logprobs=np.asarray(tokens.logprobs, dtype=np.float32),
-                        reward=reward,
-                        finish_reason=finish,
-                        reward_parts=parts,
-                        correct=exact_match(trajectory.final_text, item.answer),
-                        loss_mask=np.asarray(tokens.loss_mask, dtype=np.uint8),
-                    )
-                )
-                add_stats(stats, row, tokens.turns)
-                record_steps(scorer.ledger, row)
-            at += request.n
-            groups.append(
-                Group(
-                    iteration=item.iteration,
-                    prompt_id=item.prompt_id,
-                    policy_version=policy_version,
-                    worker_id=worker_id,
-                    prompt_ids=np.asarray(request.prompt_ids, dtype=np.int32),
-                    samples=samples,
-                    gen_start=gen_start,
-                    gen_end=gen_end,
-                    reward_errors=scorer.errors - errors_before,
-                    env_stats=stats,
-                    failures=scorer.ledger.take(),
+    def scored(self, played: list[tuple[_Row, TrajectoryTokens]], item: WorkItem, scorer: RewardScorer) -> tuple[list[Sample], dict[str, float]]:
+        """One group's finished trajectories as scored samples, and the group's environment counts."""
+        samples: list[Sample] = []
+        stats: dict[str, float] = {}
+        for row, tokens in played:
+            finish = row.finish_reason or tokens.finish_reason
+            trajectory = Trajectory(self.problem(item), row.messages, row.env.stats, finish)
+            reward, parts = self.reward(row.env, trajectory, item, scorer)
+            samples.append(
+                Sample(
+                    token_ids=np.asarray(tokens.token_ids, dtype=np.int32),
+                    logprobs=np.asarray(tokens.logprobs, dtype=np.float32),
+                    reward=reward,
+                    finish_reason=finish,
+                    reward_parts=parts,
+                    correct=exact_match(trajectory.final_text, item.answer),
+                    loss_mask=np.asarray(tokens.loss_mask, dtype=np.uint8),
                 )
             )
-        return groups
+            add_stats(stats, row, tokens.turns)
+            record_steps(scorer.ledger, row)
+        return samples, stats
 
     def first_prompt(self, item: WorkItem) -> list[int]:
         """The prompt tokens of `item`'s trajectories (one environment's first messages, rendered)."""
@@ -330,32 +269,24 @@ class AgentLoop:
             return 0.0, {}
 
 
-class _Call:
-    """The rows of one engine call and what answers their turns: `respond(row, turn)` gives the
-    token ids to insert before the row's next turn, or None when its trajectory is over. Both
-    engines use it; `respond_async` runs the environment's step on a thread, so other trajectories
-    decode meanwhile."""
+class EnvResponder:
+    """The rows of one engine call and their environments, answering their turns (trajectory.Responder):
+    the token ids to insert before a row's next turn, or None when its trajectory is over."""
 
     def __init__(self, agent: AgentLoop, rows: list[_Row], prompt_lengths: list[int], started: float):
         self.agent, self.rows, self.prompt_lengths, self.started = agent, rows, prompt_lengths, started
-        self.stepped: dict[int, tuple[list[dict], bool] | None] = {}  # step_all's outcomes, until respond takes them
 
-    def step_all(self, turns: dict[int, Turn]) -> None:
-        """Every row's environment step of one turn at once, on the step threads: the HF engine's
+    def respond_all(self, turns: dict[int, Turn]) -> dict[int, list[int] | None]:
+        """Every row's answer to one turn: the environment steps run at once, on the step threads, so the
         rows wait for the slowest step of the turn, not for the sum of them (a slow tool's latency is
-        paid once per turn). Reading and tokenising stay on this thread; `respond` then answers."""
+        paid once per turn). Reading and tokenising stay on this thread."""
         texts = {index: self.read(index, turn) for index, turn in turns.items()}
         pool = self.agent.env_pool()
         futures = {index: pool.submit(self.step, index, text) for index, text in texts.items() if text is not None}
-        self.stepped = {index: (futures[index].result() if index in futures else None) for index in texts}
+        return {index: self.answer(index, futures[index].result() if index in futures else None) for index in texts}
 
-    def respond(self, index: int, turn: Turn) -> list[int] | None:
-        if index in self.stepped:
-            return self.answer(index, self.stepped.pop(index))
-        text = self.read(index, turn)
-        return None if text is None else self.answer(index, self.step(index, text))
-
-    async def respond_async(self, index: int, turn: Turn) -> list[int] | None:
+    async def respond(self, index: int, turn: Turn) -> list[int] | None:
+        """One row's answer, its environment step on a thread: the other rows decode meanwhile."""
         text = self.read(index, turn)
         if text is None:
             return None

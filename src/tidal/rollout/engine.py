@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from tidal.rollout.trajectory import Responder, TrajectoryTokens, Turn, play_batch
 
 
 @dataclass
@@ -26,13 +28,45 @@ class GroupRequest:
 
 
 class RolloutEngine(Protocol):
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None: ...
+    """What a rollout worker drives, async; both engines declare it (HFEngine runs its blocking calls on
+    a thread, VLLMEngine is async at heart). Callers never ask which engine they hold."""
+
+    kind: str  # "hf" or "vllm": the arrival check's default tolerance depends on it
+
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence (prompt and generated tokens) the engine's model takes, when known."""
+
+    @property
+    def compute_dtypes(self) -> tuple[str, ...]:
+        """The dtypes the engine computes in besides the trainer's (the arrival check's tolerance)."""
+
+    async def complete(
+        self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None, tag: str = "b"
+    ) -> list[list[Completion]]:
+        """One response per row, G rows per request, grouped by request."""
+
+    async def play(
+        self, requests: list[GroupRequest], responder: Responder, max_turns: int, max_new_tokens: int | None = None, greedy: bool = False
+    ) -> list[TrajectoryTokens]:
+        """One multi-turn trajectory per row (G per request, in order): see tidal.rollout.trajectory."""
+
+    async def probe(self, sequences: list[dict]) -> list[list[float]]:
+        """The arrival check's probe: each response token's log-prob given what precedes it (temperature 1)."""
+
+    async def load_weights(self, path: str) -> dict:
+        """Loads weight-store snapshot `path` (checksums verified). {"loaded": n, "probe": the manifest's
+        probe record or None}, or {"error": why, "partial": whether tensors were loaded before it failed}."""
+
+    def shutdown(self) -> None: ...
+
+
+class BlockingEngine(RolloutEngine, Protocol):
+    """An engine that also answers without an event loop (HFEngine, BlockingVLLMEngine): held-out eval."""
 
     def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Completion]]: ...
 
     def load_snapshot(self, path, version: int | None = None) -> None: ...
-
-    def shutdown(self) -> None: ...
 
 
 def group_seed(seed: int, iteration: int, prompt_id: int) -> int:
@@ -67,7 +101,11 @@ def returned_cache(output):
 
 
 class HFEngine:
-    """Generates G samples per prompt with a hand-written decode loop over a stock HF causal LM."""
+    """Generates G samples per prompt with a hand-written decode loop over a stock HF causal LM. Its
+    calls block; RolloutEngine's async ones run them on a thread."""
+
+    kind = "hf"
+    compute_dtypes: tuple[str, ...] = ()  # the model's, which is the trainer's
 
     def __init__(self, model, eos_token_id: int, pad_token_id: int, max_new_tokens: int, temperature: float = 1.0):
         self.model = model.eval()
@@ -109,6 +147,40 @@ class HFEngine:
     def shutdown(self) -> None:
         pass
 
+    @property
+    def context_length(self) -> int | None:
+        return getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+
+    async def complete(
+        self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None, tag: str = "b"
+    ) -> list[list[Completion]]:
+        return await asyncio.to_thread(self.generate, requests, greedy, max_new_tokens)
+
+    def play_blocking(
+        self, requests: list[GroupRequest], responder: Responder, max_turns: int, max_new_tokens: int | None = None, greedy: bool = False
+    ) -> list[TrajectoryTokens]:
+        """The rows of `requests` as one batch over one KV cache, turn after turn (trajectory.play_batch)."""
+        return play_batch(self.start(requests), responder, max_turns, max_new_tokens or self.max_new_tokens, greedy)
+
+    async def play(
+        self, requests: list[GroupRequest], responder: Responder, max_turns: int, max_new_tokens: int | None = None, greedy: bool = False
+    ) -> list[TrajectoryTokens]:
+        return await asyncio.to_thread(self.play_blocking, requests, responder, max_turns, max_new_tokens, greedy)
+
+    async def probe(self, sequences: list[dict]) -> list[list[float]]:
+        return await asyncio.to_thread(self.probe_logprobs, sequences)
+
+    async def load_weights(self, path: str) -> dict:
+        """A refused snapshot (checksums, or tensors that do not fit) leaves the loaded version as it was."""
+        from tidal.weights import CorruptSnapshotError, load_verified_with_manifest
+
+        try:
+            state, manifest = await asyncio.to_thread(load_verified_with_manifest, path)
+            await asyncio.to_thread(self.load_state_dict, state)
+        except (CorruptSnapshotError, ValueError) as err:
+            return {"error": str(err), "partial": False}
+        return {"loaded": len(state), "probe": manifest.get("probe")}
+
     def _noise(self, requests: list[GroupRequest], vocab: int) -> torch.Tensor:
         parts = [torch.rand(r.n, vocab, generator=r.generator) for r in requests]
         return torch.cat(parts)
@@ -130,15 +202,6 @@ class HFEngine:
             grouped.append(samples[start : start + r.n])
             start += r.n
         return grouped
-
-
-@dataclass
-class Turn:
-    """One assistant turn of one row: the tokens sampled and their behaviour log-probs."""
-
-    token_ids: list[int]
-    logprobs: list[float]  # under the processed (temperature-scaled) distribution
-    finish_reason: str  # "stop" (EOS) or "length"
 
 
 class HFTrajectories:
@@ -259,76 +322,3 @@ class HFTrajectories:
         last = logits[torch.arange(len(rows), device=self.device), (lengths - 1).clamp(min=0)]
         self.logits = torch.where(lengths[:, None] > 0, last, self.logits)
         self.next_pos = self.next_pos + lengths[:, None]
-
-
-@dataclass
-class TrajectoryTokens:
-    """A finished trajectory as a sample carries it: every token after the prompt, sampled or inserted."""
-
-    token_ids: list[int]
-    logprobs: list[float]  # the engine's, on sampled tokens; 0 on inserted ones
-    loss_mask: list[int]  # 1 = sampled by the policy, 0 = inserted by the environment or the template
-    turns: int = 0
-    finish_reason: str = "stop"  # the last turn's (stop, length), or max_turns when the environment wanted more
-
-    def add(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
-        self.token_ids += tokens
-        self.logprobs += [0.0] * len(tokens) if logprobs is None else logprobs
-        self.loss_mask += [0 if logprobs is None else 1] * len(tokens)
-
-    def add_turn(self, turn: Turn) -> None:
-        """A sampled turn: its tokens and log-probs, mask 1."""
-        self.add(turn.token_ids, turn.logprobs)
-        self.turns += 1
-        self.finish_reason = turn.finish_reason
-
-    def insert(self, tokens: list[int] | None, last: bool) -> list[int] | None:
-        """The answer to the turn just added (None: the trajectory is over), appended with mask 0 and
-        returned when another turn follows. After the `last` allowed turn, an answer only sets the
-        finish reason: the environment wanted more (max_turns)."""
-        if tokens is None:
-            return None
-        if last:
-            self.finish_reason = "max_turns"
-            return None
-        self.add(list(tokens))
-        return list(tokens)
-
-
-Respond = Callable[[int, Turn], "list[int] | None"]
-
-
-def run_trajectories(
-    engine: HFEngine,
-    requests: list[GroupRequest],
-    respond: Respond,
-    max_turns: int,
-    max_new_tokens: int | None = None,
-    greedy: bool = False,
-    before_responses: Callable[[dict[int, Turn]], None] | None = None,
-) -> list[TrajectoryTokens]:
-    """Generates one trajectory per row (G per request, in order), turn after turn.
-
-    After each turn, ``respond(row, turn)`` returns the token ids to insert before the row's next turn
-    (the environment's answer in the chat template), or None when the trajectory is over. The tokens
-    kept are the ones sampled and the ones `respond` gave, never a re-tokenisation of decoded text.
-    A trajectory that still wants a turn after `max_turns` ends there (finish reason max_turns).
-    `before_responses(turns)`, if given, sees every row's turn first (to run the environment's steps
-    of all rows at once)."""
-    batch = engine.start(requests)
-    out = {row: TrajectoryTokens([], [], []) for row in batch.rows}
-    for turn_index in range(max_turns):
-        last = turn_index + 1 == max_turns
-        inserted: dict[int, list[int]] = {}
-        turns = batch.sample_turn(max_new_tokens or engine.max_new_tokens, greedy, final=last)
-        if before_responses is not None:
-            before_responses(turns)
-        for row, turn in turns.items():
-            out[row].add_turn(turn)
-            tokens = out[row].insert(respond(row, turn), last)
-            if tokens is not None:
-                inserted[row] = tokens
-        if not inserted:
-            break
-        batch.extend(inserted)
-    return [out[row] for row in sorted(out)]

@@ -2,7 +2,7 @@
 
 The weight store stays the source of truth: every version is published there first, and any
 failure here only turns the fast path off (workers then load from the store). The handshake is in
-tidal.transport.weight_handshake; the vLLM calls are in tidal.rollout.vllm_adapter.
+tidal.transport.weight_handshake; the vLLM calls are in tidal.rollout.vllm_weights.
 """
 
 from __future__ import annotations

@@ -1,0 +1,256 @@
+"""Group generation: work items in, scored groups out, on any engine (rollout.engine.RolloutEngine).
+
+A `Generator` owns what making a group needs: the engine, the tokenizer, the scorer and, with
+rollout.env, the agent loop. `calls` generates the groups of many work items in engine calls of
+`generation_chunks` (the HF worker, sync mode); `group` one group, alone in its engine call (the vLLM
+worker, many in flight at once). Every group is assembled by `make_group`.
+
+Deterministic mode (rollout.deterministic): each group's samples depend on (seed, iteration, prompt
+id) alone, through its own RNG (HF) or seed (vLLM), and every engine call holds one group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor, Future
+from functools import partial
+
+import numpy as np
+
+from tidal.config import TidalConfig
+from tidal.data import prompt_encoder
+from tidal.protocol import Group, Sample, WorkItem
+from tidal.rewards import RewardScorer, exact_match
+from tidal.rollout.agent import AgentLoop
+from tidal.rollout.engine import Completion, GroupRequest, RolloutEngine, group_generator, group_seed
+from tidal.rollout.scoring_queue import GroupScoringQueue
+
+
+def generation_chunks(
+    prompt_lengths: list[int],
+    group_size: int,
+    max_new_tokens: int,
+    token_budget: int,
+    max_groups: int | None = None,
+    first_groups: int | None = None,
+) -> list[range]:
+    """Consecutive groups per engine call: as many whole groups as fit ``token_budget`` tokens
+    (G rows of prompt + max_new_tokens each), at most ``max_groups``, at least one. Evened out, so an
+    iteration's last call is not a small remainder. ``first_groups``: the first call holds only that
+    many, so the trainer gets its first groups sooner (the rest are chunked as before)."""
+    if not prompt_lengths:
+        return []
+    if first_groups:  # never more than the budget and cap would give the first call anyway
+        head = len(generation_chunks(prompt_lengths, group_size, max_new_tokens, token_budget, max_groups)[0])
+        if head > first_groups:
+            rest = generation_chunks(prompt_lengths[first_groups:], group_size, max_new_tokens, token_budget, max_groups)
+            return [range(0, first_groups), *(range(r.start + first_groups, r.stop + first_groups) for r in rest)]
+    per_group = [group_size * (p + max_new_tokens) for p in prompt_lengths]
+    cap = max(1, max_groups or len(per_group))
+    calls, used, count = 1, 0, 0
+    for tokens in per_group:
+        if count and (used + tokens > token_budget or count >= cap):
+            calls, used, count = calls + 1, 0, 0
+        used, count = used + tokens, count + 1
+    size = -(-len(per_group) // calls)  # ceil: the same number of calls, sizes within one of each other
+    return [range(start, min(start + size, len(per_group))) for start in range(0, len(per_group), size)]
+
+
+def response_tokens(cfg: TidalConfig) -> int:
+    """The most tokens one row may add after its prompt: one response, or with rollout.env every
+    turn and what the environment inserts between turns."""
+    r = cfg.rollout
+    if r.env is None:
+        return r.max_new_tokens
+    return r.max_turns * r.max_new_tokens + (r.max_turns - 1) * r.max_env_tokens_per_turn
+
+
+def finished(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+class Generator:
+    """Generates and scores groups for one worker (or sync mode's trainer)."""
+
+    def __init__(self, cfg: TidalConfig, engine: RolloutEngine, tokenizer, scorer: RewardScorer, worker_id: str, agent: AgentLoop | None = None):
+        self.cfg, self.engine, self.tokenizer, self.scorer, self.worker_id = cfg, engine, tokenizer, scorer, worker_id
+        self.agent = agent
+        self.encode = prompt_encoder(tokenizer, cfg.data)
+
+    @classmethod
+    def for_worker(cls, cfg: TidalConfig, engine: RolloutEngine, tokenizer, scorer: RewardScorer, worker_id: str) -> Generator:
+        """With rollout.env, with an agent loop of its own (`close` stops its tools)."""
+        agent = AgentLoop.from_config(cfg, tokenizer, engine.context_length) if cfg.rollout.env is not None else None
+        return cls(cfg, engine, tokenizer, scorer, worker_id, agent)
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()  # its tools' process
+
+    def prompt(self, item: WorkItem) -> list[int]:
+        """The prompt tokens of `item`'s group (with rollout.env: one environment's first messages, rendered)."""
+        return self.agent.first_prompt(item) if self.agent is not None else self.encode(item.prompt)
+
+    def request(self, item: WorkItem, prompt: list[int]) -> GroupRequest:
+        """The group's request: G rows, and in deterministic mode its own RNG (HF) and seed (vLLM)."""
+        r, seed = self.cfg.rollout, self.cfg.seed
+        return GroupRequest(
+            prompt,
+            r.group_size,
+            group_generator(seed, item.iteration, item.prompt_id),
+            group_seed(seed, item.iteration, item.prompt_id) if r.deterministic else None,
+        )
+
+    async def calls(
+        self,
+        items: list[WorkItem],
+        version: int,
+        *,
+        max_groups_per_call: int | None = None,
+        first_call_groups: int | None = None,
+        scoring: Executor | None = None,
+    ) -> AsyncIterator[list[Group] | Future]:
+        """One group per work item, one engine call at a time: yields each call's groups as soon as they
+        are scored. With `scoring` (an executor of one thread), a call's groups are scored there while the
+        engine runs the next call, and each yield is a Future of them."""
+        r = self.cfg.rollout
+        prompts = [self.prompt(it) for it in items]
+        cap = 1 if r.deterministic else max_groups_per_call
+        for chunk in generation_chunks(
+            [len(p) for p in prompts], r.group_size, response_tokens(self.cfg), r.generation_token_budget, cap, first_call_groups
+        ):
+            batch = [items[i] for i in chunk]
+            requests = [self.request(it, prompts[i]) for i, it in zip(chunk, batch)]
+            if self.agent is not None:  # the agent loop scores each trajectory as it ends
+                groups = await self.agent_groups(batch, requests, version)
+                yield groups if scoring is None else finished(groups)
+                continue
+            gen_start = time.time()
+            outputs = await self.engine.complete(requests)
+            entries = [(it, request.prompt_ids, out, version, gen_start, time.time()) for it, request, out in zip(batch, requests, outputs)]
+            score = partial(self.score, entries)
+            yield (await asyncio.to_thread(score)) if scoring is None else scoring.submit(score)
+
+    async def group(self, item: WorkItem, version: int, queue: GroupScoringQueue, score_pool: Executor) -> Group:
+        """One group, alone in its engine call; scored through `queue` (batched with the groups that
+        finish meanwhile), or with rollout.env on `score_pool`."""
+        request = self.request(item, [] if self.agent is not None else self.prompt(item))  # the agent loop renders its prompt
+        if self.agent is not None:
+            (group,) = await self.agent_groups([item], [request], version, score_pool)
+            return group
+        gen_start = time.time()
+        (completions,) = await self.engine.complete([request], tag=f"{item.iteration}-{item.prompt_id}")
+        return await queue.score((item, request.prompt_ids, completions, version, gen_start, time.time()), len(completions))
+
+    async def agent_groups(
+        self, items: list[WorkItem], requests: list[GroupRequest], version: int, score_pool: Executor | None = None
+    ) -> list[Group]:
+        """rollout.env: the items' trajectories, scored on `score_pool` (rewards may be slow user code)."""
+        agent = self.agent
+        gen_start = time.time()
+        played = await agent.play(self.engine, [agent.problem(item) for item in items], requests)
+        gen_end = time.time()
+
+        def scored() -> list[Group]:
+            groups, at = [], 0
+            for item, request in zip(items, requests):
+                errors_before = self.scorer.errors
+                samples, stats = agent.scored(played[at : at + request.n], item, self.scorer)
+                at += request.n
+                errors = self.scorer.errors - errors_before
+                failures = self.scorer.ledger.take()
+                groups.append(
+                    self.make_group(item, request.prompt_ids, samples, version, (gen_start, gen_end), errors, env_stats=stats, failures=failures)
+                )
+            return groups
+
+        return await asyncio.get_running_loop().run_in_executor(score_pool, scored)
+
+    def score(self, entries: list[tuple]) -> list[Group]:
+        """Single-turn groups, every sample scored in one `score_many` (served rewards batch across the
+        groups). `entries`: (item, prompt, completions, version, generation start, end) per group, of one
+        version. The call's scoring seconds, served-reward counts and each reward's calls and failures
+        ride on its first group."""
+        from tidal.rewards.served import Row
+
+        items, prompts, outputs, versions, starts, ends = zip(*entries, strict=True)
+        assert len(set(versions)) == 1, f"groups of versions {sorted(set(versions))} scored together"
+        decode = self.tokenizer.decode
+        texts = [[decode(c.token_ids, skip_special_tokens=True) for c in completions] for completions in outputs]
+        prompt_texts = [decode(p, skip_special_tokens=False) for p in prompts]
+        rows = [Row(pt, text, it.answer) for it, pt, group_texts in zip(items, prompt_texts, texts) for text in group_texts]
+        prompt_ids = [it.prompt_id for it, group_texts in zip(items, texts) for _ in group_texts]
+        scored = iter(self.scorer.score_many(rows, prompt_ids))
+        groups = []
+        for item, prompt, completions, group_texts, times in zip(items, prompts, outputs, texts, zip(starts, ends), strict=True):
+            samples, errors = [], 0
+            for c, text in zip(completions, group_texts):
+                reward, parts, failed = next(scored)
+                errors += failed
+                samples.append(completion_sample(c, reward, parts, exact_match(text, item.answer)))
+            groups.append(self.make_group(item, prompt, samples, versions[0], times, errors))
+        if groups:
+            groups[0].reward_stats = self.scorer.take_stats()
+            groups[0].failures = self.scorer.ledger.take()  # each reward's calls and failures, for the trainer's count
+        return groups
+
+    def make_group(
+        self, item: WorkItem, prompt: list[int], samples: list[Sample], version: int, times: tuple[float, float], reward_errors: int, **extra
+    ) -> Group:
+        """The one place a group is assembled."""
+        return Group(
+            iteration=item.iteration,
+            prompt_id=item.prompt_id,
+            policy_version=version,
+            worker_id=self.worker_id,
+            prompt_ids=np.asarray(prompt, dtype=np.int32),
+            samples=samples,
+            gen_start=times[0],
+            gen_end=times[1],
+            reward_errors=reward_errors,
+            **extra,
+        )
+
+
+def completion_sample(c: Completion, reward: float, parts: dict[str, float], correct: float) -> Sample:
+    return Sample(
+        token_ids=np.asarray(c.token_ids, dtype=np.int32),
+        logprobs=np.asarray(c.logprobs, dtype=np.float32),
+        reward=reward,
+        finish_reason=c.finish_reason,
+        reward_parts=parts,
+        correct=correct,
+    )
+
+
+def generate_groups(
+    engine: RolloutEngine,
+    tokenizer,
+    scorer: RewardScorer,
+    items: list[WorkItem],
+    cfg: TidalConfig,
+    *,
+    version: int,
+    worker_id: str,
+    max_groups_per_call: int | None = None,
+    agent: AgentLoop | None = None,
+) -> list[Group]:
+    """Generator.calls, blocking, every call's groups in one list (sync mode, planning, benchmarks); call
+    it where no event loop runs. With rollout.env and no `agent`, one is built here and closed after."""
+    own = agent is None and cfg.rollout.env is not None
+    generator = (
+        Generator.for_worker(cfg, engine, tokenizer, scorer, worker_id) if own else Generator(cfg, engine, tokenizer, scorer, worker_id, agent)
+    )
+
+    async def collect() -> list[Group]:
+        return [group async for call in generator.calls(items, version, max_groups_per_call=max_groups_per_call) for group in call]
+
+    try:
+        return asyncio.run(collect())
+    finally:
+        if own:
+            generator.close()

@@ -1,0 +1,133 @@
+"""One trajectory: its token record, its state, and the turn loops both engines run.
+
+A trajectory is every token after the prompt, sampled or inserted. The loss mask is written where
+the tokens are appended: `add_sampled` (a turn the policy sampled: its log-probs, mask 1) and
+`add_inserted` (what the environment and the chat template put between turns: log-prob 0, mask 0).
+After each sampled turn a `Responder` gives the tokens to insert before the next turn, or None when
+the trajectory is over. The kept tokens are the ones sampled and the ones the responder gave, never
+a re-tokenisation of decoded text.
+
+The turn loops: `play_batch` runs the rows of one engine call together over one KV cache (the HF
+engine: every row's turn is sampled, then the responder answers all of them at once); `play_row`
+runs one row as one request per turn (vLLM: every row its own task, so while one waits on its
+environment the others decode).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class Turn:
+    """One assistant turn of one row: the tokens sampled and their behaviour log-probs."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # under the processed (temperature-scaled) distribution
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+class TrajectoryState(enum.Enum):
+    SAMPLING = "sampling"  # its next turn is to be sampled
+    ANSWERING = "answering"  # a turn was sampled: the responder decides what follows
+    DONE = "done"
+
+
+@dataclass
+class TrajectoryTokens:
+    """A trajectory as a sample carries it: every token after the prompt, sampled or inserted."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # the engine's, on sampled tokens; 0 on inserted ones
+    loss_mask: list[int] = field(default_factory=list)  # 1 = sampled by the policy, 0 = inserted by the environment or the template
+    turns: int = 0
+    finish_reason: str = "stop"  # the last turn's (stop, length), or max_turns when the environment wanted more
+    state: TrajectoryState = TrajectoryState.SAMPLING
+
+    def add_sampled(self, turn: Turn) -> None:
+        """A turn the policy sampled: its tokens and log-probs, mask 1."""
+        self.token_ids += turn.token_ids
+        self.logprobs += turn.logprobs
+        self.loss_mask += [1] * len(turn.token_ids)
+        self.turns += 1
+        self.finish_reason = turn.finish_reason
+        self.state = TrajectoryState.ANSWERING
+
+    def add_inserted(self, tokens: list[int]) -> None:
+        """Tokens the environment or the chat template inserted: log-prob 0, mask 0."""
+        self.token_ids += tokens
+        self.logprobs += [0.0] * len(tokens)
+        self.loss_mask += [0] * len(tokens)
+        self.state = TrajectoryState.SAMPLING
+
+    def answered(self, tokens: list[int] | None, last: bool) -> list[int] | None:
+        """The responder's answer to the turn just sampled (None: the trajectory is over), inserted and
+        returned when another turn follows. After the `last` allowed turn an answer only sets the finish
+        reason: the environment wanted more (max_turns)."""
+        if tokens is None or last:
+            if tokens is not None:
+                self.finish_reason = "max_turns"
+            self.state = TrajectoryState.DONE
+            return None
+        self.add_inserted(list(tokens))
+        return list(tokens)
+
+
+class Responder(Protocol):
+    """What answers a row's turn: the token ids to insert before its next turn, or None when its
+    trajectory is over. `respond_all` answers every row of one turn at once (a batch engine);
+    `respond` one row, on the event loop, while the other rows decode (a request-per-turn engine)."""
+
+    def respond_all(self, turns: dict[int, Turn]) -> dict[int, list[int] | None]: ...
+
+    async def respond(self, row: int, turn: Turn) -> list[int] | None: ...
+
+
+class TurnBatch(Protocol):
+    """The rows of one engine call over one KV cache (the HF engine's HFTrajectories)."""
+
+    @property
+    def rows(self) -> list[int]: ...
+
+    def sample_turn(self, max_new_tokens: int, greedy: bool = False, final: bool = False) -> dict[int, Turn]: ...
+
+    def extend(self, inserted: dict[int, list[int]]) -> None: ...
+
+
+def play_batch(batch: TurnBatch, responder: Responder, max_turns: int, max_new_tokens: int, greedy: bool = False) -> list[TrajectoryTokens]:
+    """One trajectory per row of `batch`, in row order, turn after turn: every row's turn is sampled,
+    the responder answers them all, and the rows that go on get their inserted tokens. A trajectory
+    that still wants a turn after `max_turns` ends there (finish reason max_turns)."""
+    out = {row: TrajectoryTokens() for row in batch.rows}
+    for turn_index in range(max_turns):
+        last = turn_index + 1 == max_turns
+        turns = batch.sample_turn(max_new_tokens, greedy, final=last)
+        answers = responder.respond_all(turns)
+        inserted: dict[int, list[int]] = {}
+        for row, turn in turns.items():
+            out[row].add_sampled(turn)
+            tokens = out[row].answered(answers[row], last)
+            if tokens is not None:
+                inserted[row] = tokens
+        if not inserted:
+            break
+        batch.extend(inserted)
+    return [out[row] for row in sorted(out)]
+
+
+SampleTurn = Callable[[list[int], int], Awaitable[Turn]]
+
+
+async def play_row(sample: SampleTurn, prompt_ids: list[int], row: int, responder: Responder, max_turns: int) -> TrajectoryTokens:
+    """Row `row`'s trajectory, one request per turn: `sample(token_prompt, turn_index)` samples a turn
+    on the prompt and every token so far, exactly as sampled and inserted."""
+    out = TrajectoryTokens()
+    for turn_index in range(max_turns):
+        turn = await sample([*prompt_ids, *out.token_ids], turn_index)
+        out.add_sampled(turn)
+        if out.answered(await responder.respond(row, turn), turn_index + 1 == max_turns) is None:
+            break
+    return out
