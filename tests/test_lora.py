@@ -98,7 +98,8 @@ def test_lora_refuses_what_it_does_not_run_on_in_one_line_naming_the_keys(overri
 
 
 @pytest.mark.parametrize("trainer", [{"strategy": "fsdp2", "ranks": 2}, {"strategy": "deepspeed", "ranks": 2, "zero_stage": 3}, {"ranks": 2}])
-def test_lora_runs_on_several_trainer_ranks(trainer):
+def test_a_lora_config_is_accepted_with_several_trainer_ranks(trainer):
+    """The config only; the runs themselves, two ranks each: tests/test_arrival_ranks.py (fsdp2, ZeRO-3)."""
     cfg = config_from_dict({"model": {"lora": {}}, "trainer": trainer})
     assert cfg.model.lora is not None and cfg.trainer.ranks == 2
 

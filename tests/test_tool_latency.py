@@ -12,15 +12,19 @@ import pytest
 
 from tidal.config import ConfigError, load_config
 from tidal.envs import ToolHost, ToolLimits, resolve_tool
-from tidal.envs.latency import Z99, ToolLatency, lognormal_mean_over_p50, lognormal_sigma
+from tidal.envs.latency import ToolLatency, lognormal_mean_over_p50, lognormal_sigma
 
 
 def test_lognormal_sigma_puts_the_99th_percentile_at_the_ratio():
-    assert lognormal_sigma(1.0) == 0.0
-    assert lognormal_sigma(10.0) == pytest.approx(math.log(10) / 2.326, rel=1e-3)
-    assert lognormal_sigma(10.0) == pytest.approx(0.98979, abs=1e-5)
-    assert math.exp(Z99 * lognormal_sigma(37.0)) == pytest.approx(37.0)
-    assert lognormal_mean_over_p50(10.0) == pytest.approx(math.exp(0.98979**2 / 2), rel=1e-5)
+    """A log-normal with median m and this sigma has its 99th percentile at ratio x m: checked against the
+    normal distribution's own quantile (statistics.NormalDist), and its mean against a numerical integral."""
+    z99 = statistics.NormalDist().inv_cdf(0.99)
+    for ratio in (1.0, 2.0, 10.0, 37.0):
+        assert math.exp(z99 * lognormal_sigma(ratio)) == pytest.approx(ratio, rel=1e-3)
+        sigma, steps = lognormal_sigma(ratio), 20000
+        # E[exp(sigma Z)] by the midpoint rule over z in [-10, 10]
+        mean = sum(math.exp(sigma * z) * statistics.NormalDist().pdf(z) for z in (-10 + (i + 0.5) * 20 / steps for i in range(steps))) * 20 / steps
+        assert lognormal_mean_over_p50(ratio) == pytest.approx(mean, rel=1e-4)
     with pytest.raises(ValueError, match="at least 1"):
         lognormal_sigma(0.5)
 
