@@ -12,8 +12,10 @@ import pytest
 import yaml
 
 from tests.test_kube_pipeline import train_executors_by_backend
-from tidal.kube import cluster, trainjob, worker_pool
-from tidal.kube.pipeline import compile_pipeline
+from tidal.kube import cluster
+from tidal.kube.pipeline.definition import compile_pipeline
+from tidal.kube.pool import elastic
+from tidal.kube.trainer import trainjob
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERLAYS = ["gpu", "ascend", "cpu-dev"]
@@ -220,7 +222,7 @@ def test_rbac_allows_trainer_jobs_and_the_worker_pool_and_nothing_more(overlay):
         (("",), ("pods", "pods/log")): {"get", "list", "watch"},
         # worker_pool=elastic: the run's Deployment and ScaledObject, created by the pool step and deleted by finalize
         (("apps",), ("deployments",)): {"create", "get", "delete"},
-        ((worker_pool.KEDA_GROUP,), (worker_pool.KEDA_PLURAL,)): {"create", "get", "delete"},
+        ((elastic.KEDA_GROUP,), (elastic.KEDA_PLURAL,)): {"create", "get", "delete"},
         # each trainer job's rendezvous policy, created by its launcher and owned by the launcher's pod (deleted with it)
         (("networking.k8s.io",), ("networkpolicies",)): {"create"},
     }
@@ -231,7 +233,7 @@ def test_rbac_allows_trainer_jobs_and_the_worker_pool_and_nothing_more(overlay):
         {
             "apiGroups": ["apiextensions.k8s.io"],
             "resources": ["customresourcedefinitions"],
-            "resourceNames": [trainjob.CRD_NAME, worker_pool.KEDA_CRD],
+            "resourceNames": [trainjob.CRD_NAME, elastic.KEDA_CRD],
             "verbs": ["get"],
         },
     ]
@@ -315,7 +317,7 @@ def test_only_tidal_pods_reach_nats_and_mlflow(overlay):
         assert peers == expected, (name, service)
         ports = [rule["ports"] for rule in policy["spec"]["ingress"]]
         if service == "tidal-nats":
-            assert ports == [[{"port": 4222, "protocol": "TCP"}], [{"port": worker_pool.NATS_MONITOR_PORT, "protocol": "TCP"}]]
+            assert ports == [[{"port": 4222, "protocol": "TCP"}], [{"port": elastic.NATS_MONITOR_PORT, "protocol": "TCP"}]]
         else:
             assert all(p == [{"port": 5000, "protocol": "TCP"}] for p in ports)
 
@@ -343,14 +345,12 @@ def test_the_nats_service_has_the_monitoring_port_keda_reads(overlay):
     _, objects = overlay
     service = by_kind(objects, "Service")["tidal-nats"]
     ports = {p["name"]: p for p in service["spec"]["ports"]}
-    assert ports["monitor"]["port"] == worker_pool.NATS_MONITOR_PORT and ports["monitor"]["targetPort"] == "monitor"
+    assert ports["monitor"]["port"] == elastic.NATS_MONITOR_PORT and ports["monitor"]["targetPort"] == "monitor"
     container = by_kind(objects, "StatefulSet")["tidal-nats"]["spec"]["template"]["spec"]["containers"][0]
-    assert {"name": "monitor", "containerPort": worker_pool.NATS_MONITOR_PORT} in container["ports"]
-    assert f"http_port: {worker_pool.NATS_MONITOR_PORT}" in by_kind(objects, "ConfigMap")["tidal-nats-config"]["data"]["nats.conf"]
+    assert {"name": "monitor", "containerPort": elastic.NATS_MONITOR_PORT} in container["ports"]
+    assert f"http_port: {elastic.NATS_MONITOR_PORT}" in by_kind(objects, "ConfigMap")["tidal-nats-config"]["data"]["nats.conf"]
     # what the ScaledObject's trigger names: the Service, in the run's namespace, at that port
-    assert (
-        worker_pool.PoolSpec.monitoring_endpoint.fget(SimpleNamespace(namespace="tidal")) == f"tidal-nats.tidal.svc:{worker_pool.NATS_MONITOR_PORT}"
-    )
+    assert elastic.PoolSpec.monitoring_endpoint.fget(SimpleNamespace(namespace="tidal")) == f"tidal-nats.tidal.svc:{elastic.NATS_MONITOR_PORT}"
 
 
 @pytest.mark.parametrize("name", OVERLAYS)

@@ -23,12 +23,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tidal.kube import gate
-from tidal.kube.gate import Check, Outcome, Requirement, RequirementError, check_requirements, outcome_dict, outcome_markdown, parse_requirement
-from tidal.kube.parent_run import RunLinks, end_parent_run, log_to_parent_run, open_parent_run
-from tidal.kube.staging import PipelineKnobs, stage_config
-from tidal.kube.step_records import StepRecords
-from tidal.kube.submit import KfpApiError, api_status_error, follow_run, unreachable_reason
+from tidal.kube.steps.parent_run import RunLinks, end_parent_run, log_to_parent_run, open_parent_run
+from tidal.kube.steps.records import StepRecords
+from tidal.kube.steps.staging import PipelineKnobs, stage_config
+from tidal.kube.submit import gate
+from tidal.kube.submit.client import KfpApiError, api_status_error, follow_run, unreachable_reason
+from tidal.kube.submit.gate import (
+    Check,
+    Outcome,
+    Requirement,
+    RequirementError,
+    check_requirements,
+    outcome_dict,
+    outcome_markdown,
+    parse_requirement,
+)
 from tidal.rundir import RunDir
 
 # ---------------------------------------------------------------- requirements (pure)

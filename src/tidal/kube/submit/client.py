@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from tidal.kube import cluster
-from tidal.kube.gate import FINAL_STATES, NOT_FOLLOWED, Outcome, Requirement, check_requirements, outcome_dict, outcome_markdown
-from tidal.kube.pipeline import compile_pipeline
+from tidal.kube.pipeline.definition import compile_pipeline
+from tidal.kube.submit.gate import FINAL_STATES, NOT_FOLLOWED, Outcome, Requirement, check_requirements, outcome_dict, outcome_markdown
 
 
 class SubmitError(RuntimeError):
@@ -169,7 +169,7 @@ def pipeline_arguments(config_path: str, params: dict[str, Any]) -> dict[str, An
     except ConfigError as err:
         raise SubmitError(str(err)) from None
     from tidal.kube import cluster
-    from tidal.kube.staging import served_reward_problem
+    from tidal.kube.steps.staging import served_reward_problem
 
     problem = served_reward_problem(config, set(cluster.REWARD_SECRET_ENV.values()))  # what prepare would refuse, before submitting
     if problem:
@@ -345,7 +345,7 @@ class MlflowRun:
 def pipeline_mlflow_run(tracking_uri: str, kfp_run_id: str, mlflow_ui_url: str = "") -> MlflowRun | None:
     """The MLflow parent run that the pipeline's prepare step opened for this KFP run (``parent_run.open_parent_run``
     tags it ``kfp.run_id`` and ``tidal.role=pipeline``); None when there is none."""
-    from tidal.kube.parent_run import RunLinks, mlflow_ui_base
+    from tidal.kube.steps.parent_run import RunLinks, mlflow_ui_base
     from tidal.tracking import find_run, run_page_url
 
     if not re.fullmatch(r"[\w.-]+", kfp_run_id):
