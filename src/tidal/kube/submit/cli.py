@@ -18,6 +18,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "compile", help="write the Kubeflow pipeline YAML", description="Compile Tidal's KFP pipeline for one accelerator profile."
     )
     compile_parser.add_argument("--output", "-o", required=True, help="where to write the pipeline YAML")
+    compile_parser.add_argument(
+        "--check-backend",
+        default=None,
+        metavar="VERSION",
+        help="refuse (exit 2) if a KFP backend of this version (e.g. 2.5.0) cannot run the compiled pipeline; note what it drops",
+    )
     add_profile_arguments(compile_parser)
     compile_parser.set_defaults(func=compile_command)
 
@@ -103,6 +109,18 @@ def compile_command(args: argparse.Namespace) -> int:
 
     path = compile_pipeline(args.output, accelerator=args.accelerator, image=args.image, queue_name=args.queue_name)
     print(f"wrote {path}")
+    if args.check_backend is not None:
+        import yaml
+
+        from tidal.kube.submit.backend import BackendTooOld, check_backend
+
+        try:
+            notes = check_backend(args.check_backend, list(yaml.safe_load_all(path.read_text())))
+        except BackendTooOld as err:
+            print(f"tidal compile: {err}", file=sys.stderr)
+            return 2
+        for note in notes:
+            print(f"note: {note}")
     return 0
 
 
