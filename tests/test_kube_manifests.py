@@ -211,6 +211,19 @@ def test_nats_has_jetstream_on_a_pvc_and_auth_from_the_secret(overlay):
     }
 
 
+def test_every_statefulset_is_governed_by_a_headless_service_of_its_own_pods(overlay):
+    _, objects = overlay
+    services = by_kind(objects, "Service")
+    statefulsets = by_kind(objects, "StatefulSet")
+    assert "tidal-nats" in statefulsets
+    for name, statefulset in statefulsets.items():
+        governing = services[statefulset["spec"]["serviceName"]]
+        assert governing["spec"].get("clusterIP") == "None", name  # a stable DNS name per pod
+        pod_labels = statefulset["spec"]["template"]["metadata"]["labels"]
+        assert governing["spec"]["selector"].items() <= pod_labels.items(), name
+    assert services["tidal-nats"]["spec"].get("clusterIP") != "None"  # clients' Service keeps its virtual IP
+
+
 def test_rbac_allows_trainer_jobs_and_the_worker_pool_and_nothing_more(overlay):
     _, objects = overlay
     (role,) = by_kind(objects, "Role").values()
@@ -220,6 +233,7 @@ def test_rbac_allows_trainer_jobs_and_the_worker_pool_and_nothing_more(overlay):
         (("trainer.kubeflow.org",), ("trainjobs",)): {"create", "get", "list", "watch", "delete"},
         (("trainer.kubeflow.org",), ("trainingruntimes",)): {"get", "list"},  # TrainerClient looks the runtime up
         (("",), ("pods", "pods/log")): {"get", "list", "watch"},
+        (("",), ("events",)): {"get", "list", "watch"},  # TrainerClient.get_job_events lists them for a failure's message
         # worker_pool=elastic: the run's Deployment and ScaledObject, created by the pool step and deleted by finalize
         (("apps",), ("deployments",)): {"create", "get", "delete"},
         ((elastic.KEDA_GROUP,), (elastic.KEDA_PLURAL,)): {"create", "get", "delete"},

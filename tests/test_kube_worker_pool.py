@@ -157,6 +157,15 @@ def test_the_deployment_is_owned_by_the_run_and_its_pods_are_workers_that_get_si
     assert "TIDAL_WEIGHTS_SIGNING_KEY" not in env and not [name for name in env if name.startswith("MLFLOW_")]
 
 
+def test_a_queued_pool_carries_kueues_label_on_the_deployment_itself_and_on_its_pods():
+    queued = elastic.build_deployment(pool_spec(queue_name="team-a-queue"))
+    assert queued["metadata"]["labels"][cluster.QUEUE_LABEL] == "team-a-queue"  # Kueue's Deployment integration reads this
+    assert queued["spec"]["template"]["metadata"]["labels"][cluster.QUEUE_LABEL] == "team-a-queue"
+    assert cluster.QUEUE_LABEL not in elastic.build_scaled_object(pool_spec(queue_name="team-a-queue"))["metadata"]["labels"]
+    plain = elastic.build_deployment(pool_spec())
+    assert cluster.QUEUE_LABEL not in plain["metadata"]["labels"] and cluster.QUEUE_LABEL not in plain["spec"]["template"]["metadata"]["labels"]
+
+
 def test_deployment_checks_catch_what_the_api_server_refuses():
     deployment = elastic.build_deployment(pool_spec())
     broken = copy.deepcopy(deployment)

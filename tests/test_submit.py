@@ -272,7 +272,7 @@ class StandInKfpApi:
         if self.refuse:
             return self.refuse, {"error": "refused", "code": 16, "message": "the stand-in refuses every call"}
         if path == "/apis/v2beta1/healthz":
-            return 200, {"multi_user": False}
+            return 200, {"commit_sha": "0123abc", "tag_name": "2.17.0", "multi_user": False}  # as KFP 2.x answers
         if method == "GET" and path == "/apis/v2beta1/experiments":
             return 200, {"experiments": []}
         if method == "POST" and path == "/apis/v2beta1/experiments":
@@ -376,7 +376,7 @@ def test_an_unreachable_kfp_api_is_one_line_naming_the_host(config):
     assert result.stdout == ""
 
 
-@pytest.mark.parametrize(("namespace", "when"), [("", "checking its health"), ("team-a", "creating the run")])
+@pytest.mark.parametrize(("namespace", "when"), [("", "checking its health"), ("team-a", "reading its version")])
 def test_a_kfp_api_that_refuses_is_one_line_with_the_status_with_a_stand_in_api_server(stand_in, config, namespace, when):
     host, api = stand_in(refuse=401)
     result = submit(config, "--host", host, env_extra={"KFP_NAMESPACE": namespace, "KFP_TOKEN": "stale"} if namespace else {})

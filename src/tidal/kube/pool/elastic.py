@@ -173,7 +173,8 @@ def build_deployment(spec: PoolSpec) -> dict:
     limits = {"memory": spec.memory}
     if spec.profile.has_accelerator and spec.accelerators > 0:
         resources[spec.profile.resource] = limits[spec.profile.resource] = str(spec.accelerators)
-    pod_labels = pool_labels(spec) | ({cluster.QUEUE_LABEL: spec.queue_name} if spec.queue_name else {})
+    queue_label = {cluster.QUEUE_LABEL: spec.queue_name} if spec.queue_name else {}
+    pod_labels = pool_labels(spec) | queue_label
     tolerations = [*spec.profile.tolerations, *spec.tolerations]
     container = k8s.V1Container(
         name=CONTAINER,
@@ -205,7 +206,8 @@ def build_deployment(spec: PoolSpec) -> dict:
     deployment = k8s.V1Deployment(
         api_version="apps/v1",
         kind="Deployment",
-        metadata=metadata(spec),
+        # Kueue's Deployment integration reads the queue from the Deployment's own labels, its pod integration from the pods'
+        metadata={**metadata(spec), "labels": metadata(spec)["labels"] | queue_label},
         spec=k8s.V1DeploymentSpec(
             replicas=spec.min_workers,
             revision_history_limit=1,
