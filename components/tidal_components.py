@@ -1,6 +1,6 @@
-"""Tidal's KFP components (defined in :mod:`tidal.kube.components`; see README.md here)."""
+"""Tidal's KFP components (defined in :mod:`tidal.kube.pipeline.components`; see README.md here)."""
 
-from tidal.kube.components import (  # noqa: F401
+from tidal.kube.pipeline.components import (  # noqa: F401
     evaluate,
     finalize,
     open_round,

@@ -2,7 +2,7 @@
 
 import sys
 
-from tidal.kube.pipeline import build_pipeline, compile_pipeline  # noqa: F401
+from tidal.kube.pipeline.definition import build_pipeline, compile_pipeline  # noqa: F401
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3):

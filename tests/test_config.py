@@ -112,8 +112,8 @@ def test_the_pipeline_stages_an_image_config_with_its_data_paths_from_the_image(
     from pathlib import Path
 
     from tidal.config import load_config
-    from tidal.kube.staging import stage_config
-    from tidal.kube.step_records import StepRecords
+    from tidal.kube.steps.records import StepRecords
+    from tidal.kube.steps.staging import stage_config
     from tidal.rundir import RunDir
 
     example = Path(__file__).resolve().parents[1] / "examples" / "gsm8k.yaml"

@@ -9,10 +9,12 @@ from kubernetes import client as k8s
 
 from tests.crd_schema import load_crd
 from tests.stand_in_api import StandInApi
-from tidal.kube import cluster, steps, trainer_job, trainer_launch
-from tidal.kube.staging import PipelineKnobs
-from tidal.kube.trainer_job import STRICT, TrainerJobSpec
-from tidal.kube.trainjob import RUNTIME, TrainerNotInstalled, TrainJobBackend, TrainJobRejected, build_trainjob, check_trainer_installed
+from tidal.kube import cluster, in_cluster
+from tidal.kube.steps import run_start
+from tidal.kube.steps.staging import PipelineKnobs
+from tidal.kube.trainer import launch as trainer_launch
+from tidal.kube.trainer.shared import STRICT, TrainerJobSpec
+from tidal.kube.trainer.trainjob import RUNTIME, TrainerNotInstalled, TrainJobBackend, TrainJobRejected, build_trainjob, check_trainer_installed
 from tidal.rundir import RunDir
 
 # apimachinery's IsValidLabelValue: "(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?", LabelValueMaxLength 63
@@ -78,7 +80,7 @@ class RecordingBackend:
         pass
 
     def wait(self, name, namespace, timeout_s):
-        from tidal.kube.trainer_job import JobOutcome
+        from tidal.kube.trainer.shared import JobOutcome
 
         return JobOutcome(name=name, succeeded=True)
 
@@ -197,10 +199,10 @@ def test_strict_field_validation_is_what_refuses_a_dropped_field_on_a_stand_in_a
 
 def test_prepare_refuses_trainer_v2_1_before_it_stages_anything_with_a_stand_in_api(tmp_path, monkeypatch):
     with StandInApi([load_crd("trainer-v2.1.0-trainjobs.json")], INSTALLED_RUNTIME) as api:
-        monkeypatch.setattr(trainer_job, "cluster_api_client", api.api_client)
+        monkeypatch.setattr(in_cluster, "cluster_api_client", api.api_client)
         knobs = PipelineKnobs(rounds=1, iterations_per_round=1, rollout_workers=1)
         with pytest.raises(TrainerNotInstalled, match=r"spec\.runtimePatches, spec\.activeDeadlineSeconds: Tidal needs Kubeflow Trainer >= v2\.2"):
-            steps.prepare("", "", str(tmp_path / "run"), "job-1", knobs, trainer_backend="trainjob")
+            run_start.prepare("", "", str(tmp_path / "run"), "job-1", knobs, trainer_backend="trainjob")
     assert not (tmp_path / "run").exists()
 
 

@@ -9,8 +9,8 @@ import pytest
 from tests.crd_schema import load_crd, schema_errors
 from tests.test_kube_manifests import GATEWAY_OVERLAYS, build_overlay, by_kind
 from tests.test_kube_trainjob import make_spec as trainjob_spec
-from tidal.kube.pytorchjob import build_pytorchjob, pytorchjob_to_dict
-from tidal.kube.trainjob import build_trainjob
+from tidal.kube.trainer.pytorchjob import build_pytorchjob, pytorchjob_to_dict
+from tidal.kube.trainer.trainjob import build_trainjob
 
 TRAINJOB_CRD = "trainer-v2.2.0-trainjobs.json"
 TRAINJOB_CRDS = [TRAINJOB_CRD, "trainer-v2.3.0-trainjobs.json"]

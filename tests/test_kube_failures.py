@@ -17,11 +17,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tidal.kube import cluster, core_hooks, parent_run, steps, trainer_launch
-from tidal.kube.pod_sandbox import pod_sandbox
-from tidal.kube.pytorchjob import build_pytorchjob, check_pytorchjob, pytorchjob_to_dict
-from tidal.kube.step_records import PipelineStepError, StepRecords
-from tidal.kube.trainer_job import JobOutcome, TrainerJobSpec
+from tidal.kube import cluster
+from tidal.kube.pool import fixed as fixed_pool
+from tidal.kube.steps import parent_run, rounds, run_end, run_start, run_state
+from tidal.kube.steps.pod_sandbox import pod_sandbox
+from tidal.kube.steps.records import PipelineStepError, StepRecords
+from tidal.kube.trainer import launch as trainer_launch
+from tidal.kube.trainer.pytorchjob import build_pytorchjob, check_pytorchjob, pytorchjob_to_dict
+from tidal.kube.trainer.shared import JobOutcome, TrainerJobSpec
 from tidal.rundir import RunDir
 
 # ---------------------------------------------------------------- defect 2: the base model outlives the prepare pod
@@ -36,12 +39,12 @@ def test_staged_base_model_is_readable_from_another_pods_home(tmp_path, tiny_con
     config_path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    monkeypatch.setattr(core_hooks, "_create_transport", _no_transport)  # no NATS needed for staging
+    monkeypatch.setattr(run_start, "create_transport", _no_transport)  # no NATS needed for staging
     monkeypatch.delenv("TIDAL_CACHE", raising=False)
 
     with pod_sandbox("prepare", tmp_path / "pods") as prepare_pod:
         assert Path.home() == prepare_pod / "home"
-        core_hooks.prepare_run(RunDir(run_dir), str(config_path), "sqlite:///x.db", "mlflow-run")
+        run_start.prepare_run(RunDir(run_dir), str(config_path), "sqlite:///x.db", "mlflow-run")
         cache = Path(os.environ["TIDAL_CACHE"])
         assert any(cache.rglob("config.json"))  # the warm start was built in this pod's cache ...
     assert not prepare_pod.exists()  # ... which is gone with the pod
@@ -50,10 +53,11 @@ def test_staged_base_model_is_readable_from_another_pods_home(tmp_path, tiny_con
     assert base_model == str(run_dir.resolve() / "base-model")
     with pod_sandbox("rollout-worker", tmp_path / "pods"):
         model, tokenizer = load_model_and_tokenizer(base_model, "float32")
-        assert model is not None and tokenizer is not None
+        logits = model(**tokenizer("12+30=", return_tensors="pt")).logits  # the staged weights run a forward pass
+        assert logits.shape[-1] == model.config.vocab_size and bool(logits.isfinite().all())
 
 
-async def _no_transport(cfg, run_dir):
+def _no_transport(run, config_path):
     return None
 
 
@@ -63,11 +67,11 @@ def test_stage_base_model_copies_local_dirs_keeps_shared_ones_and_hub_ids(tmp_pa
     (model / "config.json").write_text("{}")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    staged = core_hooks.stage_base_model(model, RunDir(run_dir))
+    staged = run_start.stage_base_model(model, RunDir(run_dir))
     assert staged == str(run_dir / "base-model") and (run_dir / "base-model" / "config.json").is_file()
-    assert core_hooks.stage_base_model(model, RunDir(run_dir)) == staged  # a retried prepare finds it
-    assert core_hooks.stage_base_model("Qwen/Qwen2.5-0.5B-Instruct", RunDir(run_dir)) == "Qwen/Qwen2.5-0.5B-Instruct"
-    assert core_hooks.stage_base_model(model, RunDir(run_dir), shared_roots=(str(tmp_path / "home"),)) == str(model)
+    assert run_start.stage_base_model(model, RunDir(run_dir)) == staged  # a retried prepare finds it
+    assert run_start.stage_base_model("Qwen/Qwen2.5-0.5B-Instruct", RunDir(run_dir)) == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert run_start.stage_base_model(model, RunDir(run_dir), shared_roots=(str(tmp_path / "home"),)) == str(model)
     assert not list(run_dir.glob(".base-model.tmp-*"))
 
 
@@ -129,8 +133,8 @@ def pipeline_run(tmp_path, nats_server, tiny_config_dict):
     run_dir.mkdir(parents=True)
     config_path = run_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    core_hooks.open_round(RunDir(run_dir), str(config_path), 0)
-    assert core_hooks.read_run_state(RunDir(run_dir), str(config_path)) == "running"
+    run_state.open_round(RunDir(run_dir), str(config_path), 0)
+    assert run_state.read_run_state(RunDir(run_dir), str(config_path)) == "running"
     return str(run_dir), str(config_path)
 
 
@@ -153,7 +157,7 @@ def test_a_trainer_that_fails_marks_the_run_failed_and_is_deleted_with_a_stand_i
     handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises((RuntimeError, TimeoutError)):
         trainer_launch.train_round(run_dir, config_path, 0, 2, PLACEMENT, job_backend=backend)
-    assert core_hooks.read_run_state(RunDir(run_dir), config_path) == "failed"
+    assert run_state.read_run_state(RunDir(run_dir), config_path) == "failed"
     deleted = [c for c in backend.calls if c[0] == "delete"]
     assert deleted == ([("delete", backend.specs[0].name)] if FAILURES[fail_at][1] else [])
     assert signal.getsignal(signal.SIGTERM) == handler  # the step's SIGTERM handling is undone
@@ -167,7 +171,7 @@ def test_a_trainer_refused_before_any_job_exists_marks_the_run_failed_with_a_sta
     bad_shape = trainer_launch.TrainerPlacement(backend="pytorchjob", accelerator="nvidia", nodes=0)
     with pytest.raises(ValueError, match="trainer nodes must be at least 1"):
         trainer_launch.train_round(run_dir, config_path, 0, 2, bad_shape, job_backend=backend)
-    assert core_hooks.read_run_state(RunDir(run_dir), config_path) == "failed"
+    assert run_state.read_run_state(RunDir(run_dir), config_path) == "failed"
     assert [c[0] for c in backend.calls] == ["submit"]  # refused while building: nothing to delete
 
 
@@ -181,9 +185,9 @@ def test_a_trainer_that_never_starts_stops_the_rounds_workers_in_bounded_time_wi
             trainer_launch.train_round(run_dir, config_path, 0, 2, PLACEMENT, job_backend=StandInBackend(fail_at="start", message="Pending"))
         started = time.monotonic()
         with pytest.raises(PipelineStepError, match="trainer marked the run as failed"):
-            steps.supervise_worker(worker, lambda: steps.run_state(RunDir(run_dir), config_path), poll_s=0.1, grace_s=1)
+            fixed_pool.supervise_worker(worker, lambda: fixed_pool.current_run_state(RunDir(run_dir), config_path), poll_s=0.1, grace_s=1)
         assert time.monotonic() - started < 10
-        assert worker.wait(10) is not None
+        assert worker.wait(10) == -signal.SIGTERM  # stopped by the step, not left running
     finally:
         if worker.poll() is None:
             worker.kill()
@@ -216,7 +220,7 @@ def test_job_gets_the_deadline_owner_and_a_per_attempt_name_with_a_stand_in_back
         assert manifest["metadata"]["namespace"] == "team-a"
         names.append(spec.name)
     assert names[0] != names[1] and all(n.startswith("tidal-job-7-r003-") for n in names)  # a KFP retry gets a new job
-    assert core_hooks.read_run_state(RunDir(run_dir), config_path) == "running"  # success leaves the state to the trainer
+    assert run_state.read_run_state(RunDir(run_dir), config_path) == "running"  # success leaves the state to the trainer
 
 
 def test_job_names_are_unique_per_attempt_and_leave_room_for_service_names():
@@ -230,7 +234,7 @@ def test_job_names_are_unique_per_attempt_and_leave_room_for_service_names():
 
 
 def test_train_step_gets_its_pod_name_and_uid_from_the_downward_api(tmp_path):
-    from tidal.kube.pipeline import compile_pipeline
+    from tidal.kube.pipeline.definition import compile_pipeline
 
     path = compile_pipeline(tmp_path / "p.yaml", "nvidia")
     spec, platform = yaml.safe_load_all(path.read_text())
@@ -349,13 +353,13 @@ def test_finalize_deletes_streams_kv_and_leftover_jobs_and_ends_the_mlflow_run_w
         records.write(records.registered, {"version": "1"})
     assert len(stream_names_on_server(run_dir, config_path)) == 3  # WORK, ROLLOUTS, the KV bucket's stream
     api = StandInJobApi(existing={"tidal-run-7-r001-bbbbb"})
-    done = steps.finalize_run(run_dir, "", job_backend=api)
+    done = run_end.finalize_run(run_dir, "", job_backend=api)
     assert api.deleted == [("team-a", "tidal-run-7-r001-bbbbb")]  # the one already gone (404) is no error
     assert stream_names_on_server(run_dir, config_path) == []
     assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(parent_run_id).info.status == mlflow_status
     assert any(line.startswith("deleted KV bucket") for line in done)
     assert Path(config_path).is_file()  # the run directory (config, weights, checkpoints) is the run's result: untouched
-    again = steps.finalize_run(run_dir, "", job_backend=api)  # a retried finalize
+    again = run_end.finalize_run(run_dir, "", job_backend=api)  # a retried finalize
     assert not [line for line in again if line.startswith("deleted")]
 
 
@@ -364,7 +368,7 @@ def test_finalize_does_every_part_and_then_fails_naming_the_one_that_failed_with
 
     run_dir, config_path, parent_run_id = finished_pipeline_run
     with pytest.raises(PipelineStepError, match="deleting trainer jobs: RuntimeError: Failed to delete PyTorchJob"):
-        steps.finalize_run(run_dir, "", job_backend=StandInJobApi(existing={"tidal-run-7-r001-bbbbb"}, forbidden=True))
+        run_end.finalize_run(run_dir, "", job_backend=StandInJobApi(existing={"tidal-run-7-r001-bbbbb"}, forbidden=True))
     assert stream_names_on_server(run_dir, config_path) == []
     assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(parent_run_id).info.status == "FAILED"
 
@@ -372,7 +376,7 @@ def test_finalize_does_every_part_and_then_fails_naming_the_one_that_failed_with
 def test_finalize_after_a_prepare_that_created_nothing_succeeds(tmp_path):
     run_dir = tmp_path / "runs" / "job-1"
     run_dir.mkdir(parents=True)
-    assert steps.finalize_run(str(run_dir), "") == []
+    assert run_end.finalize_run(str(run_dir), "") == []
 
 
 def test_the_launcher_records_each_job_before_creating_it_with_a_stand_in_backend(pipeline_run):
@@ -388,17 +392,17 @@ def test_the_launcher_records_each_job_before_creating_it_with_a_stand_in_backen
 
 def test_rounds_take_the_lease_in_order_and_a_retried_step_is_let_through(prepared_run):
     run_dir, config_path, _ = prepared_run
-    assert core_hooks.reset_rounds(RunDir(run_dir), config_path, "job-a") is None
-    steps.open_round(run_dir, config_path, 0, "job-a")
-    steps.open_round(run_dir, config_path, 0, "job-a")  # a KFP retry of open_round
+    assert run_state.reset_rounds(RunDir(run_dir), config_path, "job-a") is None
+    rounds.open_round(run_dir, config_path, 0, "job-a")
+    rounds.open_round(run_dir, config_path, 0, "job-a")  # a KFP retry of open_round
     with pytest.raises(PipelineStepError, match=r"round 1 cannot start: round 0 of this run is open\. .*KFP backends honour from 2\.4\.0"):
-        steps.open_round(run_dir, config_path, 1, "job-a")
-    core_hooks.end_round(RunDir(run_dir), config_path, "job-a", 0)
-    core_hooks.end_round(RunDir(run_dir), config_path, "job-a", 0)  # a KFP retry of evaluate
-    steps.open_round(run_dir, config_path, 1, "job-a")
+        rounds.open_round(run_dir, config_path, 1, "job-a")
+    run_state.end_round(RunDir(run_dir), config_path, "job-a", 0)
+    run_state.end_round(RunDir(run_dir), config_path, "job-a", 0)  # a KFP retry of evaluate
+    rounds.open_round(run_dir, config_path, 1, "job-a")
     with pytest.raises(PipelineStepError, match="round 3 cannot start: round 1 of this run is open"):
-        steps.open_round(run_dir, config_path, 3, "job-a")
-    assert core_hooks.read_run_state(RunDir(run_dir), config_path) == "running"
+        rounds.open_round(run_dir, config_path, 3, "job-a")
+    assert run_state.read_run_state(RunDir(run_dir), config_path) == "running"
 
 
 def test_rounds_started_all_at_once_as_by_an_old_kfp_backend_leave_one_running_and_fail_the_others_clearly(prepared_run):
@@ -407,11 +411,11 @@ def test_rounds_started_all_at_once_as_by_an_old_kfp_backend_leave_one_running_a
     from concurrent.futures import ThreadPoolExecutor
 
     run_dir, config_path, _ = prepared_run
-    core_hooks.reset_rounds(RunDir(run_dir), config_path, "job-b")
+    run_state.reset_rounds(RunDir(run_dir), config_path, "job-b")
 
     def start(round_index):
         try:
-            steps.open_round(run_dir, config_path, round_index, "job-b")
+            rounds.open_round(run_dir, config_path, round_index, "job-b")
             return "started"
         except PipelineStepError as err:
             return str(err)
@@ -424,10 +428,10 @@ def test_rounds_started_all_at_once_as_by_an_old_kfp_backend_leave_one_running_a
 
 def test_a_second_pipeline_run_on_the_same_run_directory_stops_the_first_at_its_next_round(prepared_run):
     run_dir, config_path, _ = prepared_run
-    core_hooks.reset_rounds(RunDir(run_dir), config_path, "job-old")
-    steps.open_round(run_dir, config_path, 0, "job-old")
-    warning = core_hooks.reset_rounds(RunDir(run_dir), config_path, "job-new")  # another run's prepare on the same run_dir
+    run_state.reset_rounds(RunDir(run_dir), config_path, "job-old")
+    rounds.open_round(run_dir, config_path, 0, "job-old")
+    warning = run_state.reset_rounds(RunDir(run_dir), config_path, "job-new")  # another run's prepare on the same run_dir
     assert warning and "pipeline run job-old had round 0 of this run directory open" in warning
-    with pytest.raises(core_hooks.RoundSequenceError, match="pipeline run job-new has since taken over this run directory"):
-        core_hooks.end_round(RunDir(run_dir), config_path, "job-old", 0)
-    steps.open_round(run_dir, config_path, 0, "job-new")
+    with pytest.raises(run_state.RoundSequenceError, match="pipeline run job-new has since taken over this run directory"):
+        run_state.end_round(RunDir(run_dir), config_path, "job-old", 0)
+    rounds.open_round(run_dir, config_path, 0, "job-new")

@@ -1,7 +1,11 @@
 """The Dockerfiles cannot be built here; check what they promise: an accelerator stack that Tidal's
 requirements accept (so installing Tidal replaces none of it), non-root, tidal[kube]."""
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -81,3 +85,43 @@ def test_the_ascend_image_freezes_its_installed_stack_as_pip_constraints():
     assert {"torch", "transformers", "numpy"} <= set(constraints)  # installed here; torch-npu, vllm-ascend are not
     assert Version(version("torch")) in constraints["torch"].specifier
     assert "COPY images/ascend/freeze_stack.py" in (ROOT / "images" / "ascend" / "Dockerfile").read_text()
+
+
+def dockerfile_env(image: str) -> dict[str, str]:
+    """The ENV instruction's plain NAME=value pairs (no $ expansions)."""
+    text = (ROOT / "images" / image / "Dockerfile").read_text().replace("\\\n", " ")
+    pairs = {}
+    for line in re.findall(r"^ENV\s+(.*)$", text, re.M):
+        pairs.update(re.findall(r"(\w+)=([^\s$]+)(?=\s|$)", line))
+    return pairs
+
+
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+
+
+def user_name_as_uid_without_passwd_entry(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``getpass.getuser()`` in a child running as a uid no passwd entry names, with only ``env``."""
+    uid = 54321
+    import pwd
+
+    with pytest.raises(KeyError):
+        pwd.getpwuid(uid)
+    return subprocess.run(
+        [SYSTEM_PYTHON, "-c", "import getpass; print(getpass.getuser())"],  # the venv may be unreadable to that uid
+        env={"PATH": "/usr/bin:/bin", **env},
+        preexec_fn=lambda: os.setuid(uid),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a child under another uid")
+@pytest.mark.parametrize("image", IMAGES)
+def test_a_library_asking_for_the_user_name_works_under_a_uid_with_no_passwd_entry(image):
+    env = dockerfile_env(image)
+    assert env.get("HOME") == "/home/tidal" and env.get("USER") == "tidal"
+    named = user_name_as_uid_without_passwd_entry({k: env[k] for k in ("HOME", "USER", "LOGNAME") if k in env})
+    assert named.returncode == 0 and named.stdout.strip() == "tidal", named.stderr
+    unnamed = user_name_as_uid_without_passwd_entry({"HOME": env["HOME"]})  # what the pods had before USER was set
+    assert unnamed.returncode != 0 and "uid not found: 54321" in unnamed.stderr

@@ -12,8 +12,10 @@ import pytest
 import yaml
 
 from tests.test_kube_pipeline import train_executors_by_backend
-from tidal.kube import cluster, trainjob, worker_pool
-from tidal.kube.pipeline import compile_pipeline
+from tidal.kube import cluster
+from tidal.kube.pipeline.definition import compile_pipeline
+from tidal.kube.pool import elastic
+from tidal.kube.trainer import trainjob
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERLAYS = ["gpu", "ascend", "cpu-dev"]
@@ -209,6 +211,19 @@ def test_nats_has_jetstream_on_a_pvc_and_auth_from_the_secret(overlay):
     }
 
 
+def test_every_statefulset_is_governed_by_a_headless_service_of_its_own_pods(overlay):
+    _, objects = overlay
+    services = by_kind(objects, "Service")
+    statefulsets = by_kind(objects, "StatefulSet")
+    assert "tidal-nats" in statefulsets
+    for name, statefulset in statefulsets.items():
+        governing = services[statefulset["spec"]["serviceName"]]
+        assert governing["spec"].get("clusterIP") == "None", name  # a stable DNS name per pod
+        pod_labels = statefulset["spec"]["template"]["metadata"]["labels"]
+        assert governing["spec"]["selector"].items() <= pod_labels.items(), name
+    assert services["tidal-nats"]["spec"].get("clusterIP") != "None"  # clients' Service keeps its virtual IP
+
+
 def test_rbac_allows_trainer_jobs_and_the_worker_pool_and_nothing_more(overlay):
     _, objects = overlay
     (role,) = by_kind(objects, "Role").values()
@@ -218,9 +233,10 @@ def test_rbac_allows_trainer_jobs_and_the_worker_pool_and_nothing_more(overlay):
         (("trainer.kubeflow.org",), ("trainjobs",)): {"create", "get", "list", "watch", "delete"},
         (("trainer.kubeflow.org",), ("trainingruntimes",)): {"get", "list"},  # TrainerClient looks the runtime up
         (("",), ("pods", "pods/log")): {"get", "list", "watch"},
+        (("",), ("events",)): {"get", "list", "watch"},  # TrainerClient.get_job_events lists them for a failure's message
         # worker_pool=elastic: the run's Deployment and ScaledObject, created by the pool step and deleted by finalize
         (("apps",), ("deployments",)): {"create", "get", "delete"},
-        ((worker_pool.KEDA_GROUP,), (worker_pool.KEDA_PLURAL,)): {"create", "get", "delete"},
+        ((elastic.KEDA_GROUP,), (elastic.KEDA_PLURAL,)): {"create", "get", "delete"},
         # each trainer job's rendezvous policy, created by its launcher and owned by the launcher's pod (deleted with it)
         (("networking.k8s.io",), ("networkpolicies",)): {"create"},
     }
@@ -231,7 +247,7 @@ def test_rbac_allows_trainer_jobs_and_the_worker_pool_and_nothing_more(overlay):
         {
             "apiGroups": ["apiextensions.k8s.io"],
             "resources": ["customresourcedefinitions"],
-            "resourceNames": [trainjob.CRD_NAME, worker_pool.KEDA_CRD],
+            "resourceNames": [trainjob.CRD_NAME, elastic.KEDA_CRD],
             "verbs": ["get"],
         },
     ]
@@ -315,7 +331,7 @@ def test_only_tidal_pods_reach_nats_and_mlflow(overlay):
         assert peers == expected, (name, service)
         ports = [rule["ports"] for rule in policy["spec"]["ingress"]]
         if service == "tidal-nats":
-            assert ports == [[{"port": 4222, "protocol": "TCP"}], [{"port": worker_pool.NATS_MONITOR_PORT, "protocol": "TCP"}]]
+            assert ports == [[{"port": 4222, "protocol": "TCP"}], [{"port": elastic.NATS_MONITOR_PORT, "protocol": "TCP"}]]
         else:
             assert all(p == [{"port": 5000, "protocol": "TCP"}] for p in ports)
 
@@ -343,14 +359,12 @@ def test_the_nats_service_has_the_monitoring_port_keda_reads(overlay):
     _, objects = overlay
     service = by_kind(objects, "Service")["tidal-nats"]
     ports = {p["name"]: p for p in service["spec"]["ports"]}
-    assert ports["monitor"]["port"] == worker_pool.NATS_MONITOR_PORT and ports["monitor"]["targetPort"] == "monitor"
+    assert ports["monitor"]["port"] == elastic.NATS_MONITOR_PORT and ports["monitor"]["targetPort"] == "monitor"
     container = by_kind(objects, "StatefulSet")["tidal-nats"]["spec"]["template"]["spec"]["containers"][0]
-    assert {"name": "monitor", "containerPort": worker_pool.NATS_MONITOR_PORT} in container["ports"]
-    assert f"http_port: {worker_pool.NATS_MONITOR_PORT}" in by_kind(objects, "ConfigMap")["tidal-nats-config"]["data"]["nats.conf"]
+    assert {"name": "monitor", "containerPort": elastic.NATS_MONITOR_PORT} in container["ports"]
+    assert f"http_port: {elastic.NATS_MONITOR_PORT}" in by_kind(objects, "ConfigMap")["tidal-nats-config"]["data"]["nats.conf"]
     # what the ScaledObject's trigger names: the Service, in the run's namespace, at that port
-    assert (
-        worker_pool.PoolSpec.monitoring_endpoint.fget(SimpleNamespace(namespace="tidal")) == f"tidal-nats.tidal.svc:{worker_pool.NATS_MONITOR_PORT}"
-    )
+    assert elastic.PoolSpec.monitoring_endpoint.fget(SimpleNamespace(namespace="tidal")) == f"tidal-nats.tidal.svc:{elastic.NATS_MONITOR_PORT}"
 
 
 @pytest.mark.parametrize("name", OVERLAYS)

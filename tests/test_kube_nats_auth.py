@@ -19,10 +19,11 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import BadRequestError
 
 from tests.test_kube_manifests import build_overlay, by_kind
-from tidal.config import TransportConfig, load_config
-from tidal.kube import cluster, core_hooks
-from tidal.kube.pipeline import compile_pipeline
-from tidal.kube.trainer_job import secret_env
+from tidal.config import TransportConfig
+from tidal.kube import cluster
+from tidal.kube.pipeline.definition import compile_pipeline
+from tidal.kube.steps import run_start, run_state
+from tidal.kube.trainer.shared import secret_env
 from tidal.protocol import Group, KVKey, RunState, Sample, WorkItem, decode_group, decode_work_item
 from tidal.rundir import RunDir
 from tidal.transport import (
@@ -193,11 +194,11 @@ def test_each_role_can_do_its_part_of_a_round_on_the_clusters_nats(server, compi
     cfg = TransportConfig(nats_url=server.url, ack_wait_seconds=5.0)
 
     as_pod(monkeypatch, server, role_env(compiled_env, "exec-prepare"))
-    asyncio.run(core_hooks._create_transport(load_config(config), run))  # what prepare_run does after staging the model
-    assert core_hooks.reset_rounds(run, config, "job-1") is None
+    run_start.create_transport(run, config)  # what prepare_run does after staging the model
+    assert run_state.reset_rounds(run, config, "job-1") is None
     as_pod(monkeypatch, server, role_env(compiled_env, "exec-open-round"))
-    core_hooks.begin_round(run, config, "job-1", 0)
-    core_hooks.open_round(run, config, 0)
+    run_state.begin_round(run, config, "job-1", 0)
+    run_state.open_round(run, config, 0)
 
     as_pod(monkeypatch, server, trainer_job_env())
 
@@ -213,7 +214,7 @@ def test_each_role_can_do_its_part_of_a_round_on_the_clusters_nats(server, compi
     assert asyncio.run(trainer_starts()) == 3
 
     as_pod(monkeypatch, server, role_env(compiled_env, "exec-rollout-worker"))
-    assert core_hooks.read_run_state(run, config) == RunState.RUNNING.value  # the worker step's supervisor
+    assert run_state.read_run_state(run, config) == RunState.RUNNING.value  # the worker step's supervisor
 
     async def worker_answers():
         t = await Transport.connect(server.url, RUN, cfg, create=False)
@@ -255,12 +256,12 @@ def test_each_role_can_do_its_part_of_a_round_on_the_clusters_nats(server, compi
     assert asyncio.run(trainer_consumes()) == answered
 
     as_pod(monkeypatch, server, role_env(compiled_env, executor_of_role(compiled_env, "control", ("exec-train", "exec-train-2"))))
-    core_hooks.mark_run_failed(run, config, 0)  # the launcher of a failed trainer job
+    run_state.mark_run_failed(run, config, 0)  # the launcher of a failed trainer job
     as_pod(monkeypatch, server, role_env(compiled_env, "exec-evaluate"))
-    assert core_hooks.read_run_state(run, config) == RunState.FAILED.value
-    core_hooks.end_round(run, config, "job-1", 0)
+    assert run_state.read_run_state(run, config) == RunState.FAILED.value
+    run_state.end_round(run, config, "job-1", 0)
     as_pod(monkeypatch, server, role_env(compiled_env, "exec-finalize"))
-    assert sorted(core_hooks.delete_run_transport(run, config)) == sorted(
+    assert sorted(run_state.delete_run_transport(run, config)) == sorted(
         [
             f"stream {stream_names(RUN)['work_stream']}",
             f"stream {stream_names(RUN)['rollouts_stream']}",

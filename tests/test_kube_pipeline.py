@@ -13,11 +13,14 @@ import pytest
 import yaml
 
 from tidal import tracking
-from tidal.kube import cluster, parent_run, staging, steps, trainer_launch
-from tidal.kube.ir_check import driver_resolution_violations
-from tidal.kube.kfp_local import KfpLocalError, split_loop_overrides
-from tidal.kube.step_records import PipelineStepError, StepRecords
-from tidal.kube.submit import SubmitError, parse_params, submit_run
+from tidal.kube import cluster
+from tidal.kube.pipeline.ir_check import driver_resolution_violations
+from tidal.kube.pool import fixed as fixed_pool
+from tidal.kube.steps import parent_run, rounds, run_start, staging
+from tidal.kube.steps.records import PipelineStepError, StepRecords
+from tidal.kube.submit.client import SubmitError, parse_params, submit_run
+from tidal.kube.submit.kfp_local import KfpLocalError, split_loop_overrides
+from tidal.kube.trainer import launch as trainer_launch
 from tidal.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +127,7 @@ def test_each_step_gets_only_the_secrets_it_uses(tmp_path, accelerator):
     """least privilege over the compiled IR: the private key in the trainer's step alone (every other step that
     loads or checks a snapshot gets the public key), MLflow's credentials only where a step logs to MLflow, and
     no Secret beyond those (the rollout worker's served-reward keys aside)."""
-    from tidal.kube.pipeline import compile_pipeline
+    from tidal.kube.pipeline.definition import compile_pipeline
 
     spec, platform = yaml.safe_load_all(compile_pipeline(tmp_path / "p.yaml", accelerator).read_text())
     executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
@@ -232,9 +235,9 @@ def test_pipeline_knobs_become_config_overrides():
 
 
 def test_lanes_put_the_trainer_first():
-    assert steps.worker_lanes(2) == ["trainer", "rollout-0", "rollout-1"]
+    assert run_start.worker_lanes(2) == ["trainer", "rollout-0", "rollout-1"]
     with pytest.raises(PipelineStepError, match="rollout_workers must be at least 1"):
-        steps.worker_lanes(0)
+        run_start.worker_lanes(0)
 
 
 def test_trainer_job_names_are_dns_labels():
@@ -255,19 +258,19 @@ def sleeper(seconds: float, code: int = 0) -> subprocess.Popen:
 
 def test_worker_step_stops_a_worker_that_outlives_its_round():
     process = sleeper(600)
-    steps.supervise_worker(process, lambda: "round_done", poll_s=0.05, grace_s=0.2)
+    fixed_pool.supervise_worker(process, lambda: "round_done", poll_s=0.05, grace_s=0.2)
     assert process.poll() is not None
 
 
 def test_worker_step_fails_when_the_worker_crashes_mid_round():
     with pytest.raises(PipelineStepError, match="exited with status 3 while the run was 'running'"):
-        steps.supervise_worker(sleeper(0, code=3), lambda: "running", poll_s=0.05, grace_s=0.2)
+        fixed_pool.supervise_worker(sleeper(0, code=3), lambda: "running", poll_s=0.05, grace_s=0.2)
 
 
 def test_worker_step_stops_when_the_trainer_failed():
     process = sleeper(600)
     with pytest.raises(PipelineStepError, match="trainer marked the run as failed"):
-        steps.supervise_worker(process, lambda: "failed", poll_s=0.05, grace_s=0.2)
+        fixed_pool.supervise_worker(process, lambda: "failed", poll_s=0.05, grace_s=0.2)
     process.wait(10)
 
 
@@ -275,7 +278,7 @@ def test_worker_step_stops_when_the_trainer_failed():
 
 
 def compiled_spec(tmp_path, accelerator, image=""):
-    from tidal.kube.pipeline import compile_pipeline
+    from tidal.kube.pipeline.definition import compile_pipeline
 
     path = compile_pipeline(tmp_path / f"{accelerator}.yaml", accelerator=accelerator, image=image)
     return next(yaml.safe_load_all(path.read_text()))
@@ -287,7 +290,7 @@ def test_every_task_input_resolves_from_its_parent_dag(tmp_path, accelerator, im
     """The driver's rule, on every variant the compiler produces (profiles × step image). Runtime
     parameters (trainer_backend pytorchjob/local, the lane conditions) choose branches of this same IR,
     so both branches of every condition are checked here."""
-    from tidal.kube.ir_check import driver_resolution_violations
+    from tidal.kube.pipeline.ir_check import driver_resolution_violations
 
     spec = compiled_spec(tmp_path, accelerator, image)
     assert driver_resolution_violations(spec) == []
@@ -305,8 +308,8 @@ def test_driver_check_flags_a_resource_parameter_read_from_an_outer_scope():
     kfp.local, and fails on a cluster; the check names the task and the channel."""
     from kfp import compiler, dsl
 
-    from tidal.kube.ir_check import driver_resolution_violations
-    from tidal.kube.pipeline import consume_channels
+    from tidal.kube.pipeline.ir_check import driver_resolution_violations
+    from tidal.kube.pipeline.task_settings import consume_channels
 
     @dsl.component(base_image="python:3.11")
     def step(x: str):
@@ -336,7 +339,7 @@ def test_driver_check_flags_a_resource_parameter_read_from_an_outer_scope():
 
 
 def test_driver_check_flags_outputs_of_tasks_outside_the_dag_and_undeclared_placeholders():
-    from tidal.kube.ir_check import driver_resolution_violations
+    from tidal.kube.pipeline.ir_check import driver_resolution_violations
 
     spec = {
         "components": {"comp-a": {"outputDefinitions": {"parameters": {"out": {}}}}, "comp-b": {}},
@@ -391,7 +394,7 @@ def test_submit_with_image_sends_a_pipeline_whose_trainer_image_is_that_image_wi
 
 
 def test_submit_maps_relative_data_paths_of_the_examples_into_the_image():
-    from tidal.kube.submit import pipeline_arguments
+    from tidal.kube.submit.client import pipeline_arguments
 
     text = pipeline_arguments(str(ROOT / "examples" / "gsm8k.yaml"), {})["config_yaml"]
     data = yaml.safe_load(text)["data"]
@@ -443,9 +446,9 @@ def test_prepare_refuses_a_registered_model_name_the_registry_would_refuse_befor
     knobs = staging.PipelineKnobs(rounds=1, iterations_per_round=1, rollout_workers=1)
     run_dir = tmp_path / "run"
     with pytest.raises(PipelineStepError, match=rf"registered_model_name {re.escape(repr(name))}: a registered model's name must not"):
-        steps.prepare("", "", str(run_dir), "job-1", knobs, trainer_backend="local", registered_model_name=name)
+        run_start.prepare("", "", str(run_dir), "job-1", knobs, trainer_backend="local", registered_model_name=name)
     assert not run_dir.exists()
-    steps.check_registered_model_name("tidal-policy")  # the pipeline's default passes
+    run_start.check_registered_model_name("tidal-policy")  # the pipeline's default passes
 
 
 @pytest.mark.parametrize("name", ["policy", ".policy", "policy..", "a.b", " .", "", " ", ".", "..", "..policy", "...", "a/b", "a:b"])
@@ -488,7 +491,7 @@ def train_executors_by_backend(spec):
 def test_the_trainer_in_step_gets_the_trainers_resources_and_the_launcher_stays_small(tmp_path, accelerator):
     """trainer_backend=local trains inside the train step's pod: that pod must get trainer_cpu / trainer_memory
     and trainer_accelerators_per_node accelerators; the job launcher only waits, so it keeps 500m / 1Gi."""
-    from tidal.kube.pipeline import compile_pipeline
+    from tidal.kube.pipeline.definition import compile_pipeline
 
     spec, platform = yaml.safe_load_all(compile_pipeline(tmp_path / "p.yaml", accelerator).read_text())
     executors = spec["deploymentSpec"]["executors"]
@@ -545,7 +548,7 @@ def test_a_step_without_a_tracking_uri_fails_naming_the_secret_instead_of_loggin
 def test_finalize_is_the_exit_handler_of_everything_the_run_does(tmp_path, accelerator):
     """KFP runs an exit task after the group it guards ends, succeeded, failed or cancelled: finalize must guard
     prepare (it creates the streams), the worker pool, the rounds (trainer jobs, workers) and the model registration."""
-    from tidal.kube.pipeline import compile_pipeline
+    from tidal.kube.pipeline.definition import compile_pipeline
 
     spec, platform = yaml.safe_load_all(compile_pipeline(tmp_path / "p.yaml", accelerator).read_text())
     root = spec["root"]["dag"]["tasks"]
@@ -572,7 +575,7 @@ def test_finalize_is_the_exit_handler_of_everything_the_run_does(tmp_path, accel
 def test_each_round_takes_and_releases_the_round_lease_of_its_pipeline_run(tmp_path):
     """open_round takes the lease, evaluate (the round's last step) releases it, both under the pipeline run's id,
     the one prepare resets the lease with: what lets a backend that ignores parallelism=1 fail clearly."""
-    from tidal.kube.pipeline import compile_pipeline
+    from tidal.kube.pipeline.definition import compile_pipeline
 
     spec, _ = yaml.safe_load_all(compile_pipeline(tmp_path / "p.yaml", "nvidia").read_text())
     round_tasks = spec["components"]["comp-tidal-grpo-round"]["dag"]["tasks"]
@@ -615,7 +618,7 @@ def test_trainjob_is_the_default_trainer_backend(compiled):
 
 
 def test_queue_name_labels_the_accelerator_pods_and_reaches_the_trainer_job_launcher(tmp_path):
-    from tidal.kube.pipeline import compile_pipeline
+    from tidal.kube.pipeline.definition import compile_pipeline
 
     documents = list(yaml.safe_load_all(compile_pipeline(tmp_path / "q.yaml", queue_name="team-a-gpus").read_text()))
     executors = documents[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
@@ -658,11 +661,11 @@ def test_the_mlflow_run_links_to_its_kfp_run_and_the_final_metrics_are_the_last_
     markdown = parent_run.mlflow_run_markdown(str(run_dir))
     assert f"(https://kf.example/tidal-mlflow/#/experiments/{run.info.experiment_id}/runs/{parent.run_id}?workflowType=machine_learning)" in markdown
 
-    assert steps.final_metrics(str(run_dir), "") == {}
+    assert rounds.final_metrics(str(run_dir), "") == {}
     records = StepRecords(RunDir(run_dir))
     for round_index, accuracy in ((0, 0.25), (1, 0.5)):
         records.write(records.eval_file(round_index), {"round": round_index, "metrics": {"accuracy": accuracy}})
-    assert steps.final_metrics(str(run_dir), "") == {"final_accuracy": 0.5, "rounds_evaluated": 2.0}
+    assert rounds.final_metrics(str(run_dir), "") == {"final_accuracy": 0.5, "rounds_evaluated": 2.0}
 
 
 @pytest.mark.parametrize(

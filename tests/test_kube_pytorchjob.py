@@ -8,14 +8,14 @@ from kubernetes import client as k8s
 from tests.crd_schema import load_crd
 from tests.stand_in_api import StandInApi
 from tidal.kube import cluster
-from tidal.kube.pytorchjob import (
+from tidal.kube.trainer.pytorchjob import (
     PyTorchJobBackend,
     PyTorchJobRejected,
     build_pytorchjob,
     check_pytorchjob,
     pytorchjob_to_dict,
 )
-from tidal.kube.trainer_job import JobOutcome, TrainerJobSpec, run_trainer_job
+from tidal.kube.trainer.shared import JobOutcome, TrainerJobSpec, run_trainer_job
 
 
 def make_spec(profile="nvidia", nodes=1, accelerators=8, **extra):

@@ -22,10 +22,13 @@ from tests.test_kube_manifests import (
 )
 from tidal.config import load_config
 from tidal.config.schema import RewardFunctionConfig
-from tidal.kube import cluster, pytorchjob, staging, trainjob, worker_pool
-from tidal.kube.pod_sandbox import POD_SANDBOX_ENV
-from tidal.kube.step_records import PipelineStepError
-from tidal.kube.trainer_job import TrainerJobSpec
+from tidal.kube import cluster
+from tidal.kube.pool import elastic
+from tidal.kube.steps import staging
+from tidal.kube.steps.pod_sandbox import POD_SANDBOX_ENV
+from tidal.kube.steps.records import PipelineStepError
+from tidal.kube.trainer import pytorchjob, trainjob
+from tidal.kube.trainer.shared import TrainerJobSpec
 from tidal.rewards.served import endpoint_url
 from tidal.rundir import RunDir
 
@@ -227,8 +230,8 @@ def step_pod_labels(compiled_pipeline) -> dict[str, dict]:
 
 
 def pool_pod(profile: str) -> dict:
-    spec = worker_pool.PoolSpec(
-        name=worker_pool.pool_name("run-1"),
+    spec = elastic.PoolSpec(
+        name=elastic.pool_name("run-1"),
         namespace="tidal",
         run_label="run-1",
         config_path="/mnt/tidal/runs/run-1/config.yaml",
@@ -241,7 +244,7 @@ def pool_pod(profile: str) -> dict:
         lag_threshold=4,
         queue_name="team-a",
     )
-    return worker_pool.build_deployment(spec)["spec"]["template"]
+    return elastic.build_deployment(spec)["spec"]["template"]
 
 
 def trainer_pod_labels(profile: str) -> list[dict]:

@@ -9,10 +9,11 @@ from kubernetes import client as k8s
 
 from tests.crd_schema import load_crd
 from tests.stand_in_api import StandInApi
-from tidal.kube import cluster, trainer_launch
-from tidal.kube.pytorchjob import build_pytorchjob, pytorchjob_to_dict
-from tidal.kube.trainer_job import TrainerJobFailed, TrainerJobSpec, run_trainer_job
-from tidal.kube.trainjob import RUNTIME, TrainJobBackend, TrainJobRejected, build_trainjob, check_trainjob
+from tidal.kube import cluster
+from tidal.kube.trainer import launch as trainer_launch
+from tidal.kube.trainer.pytorchjob import build_pytorchjob, pytorchjob_to_dict
+from tidal.kube.trainer.shared import TrainerJobFailed, TrainerJobSpec, run_trainer_job
+from tidal.kube.trainer.trainjob import RUNTIME, TrainJobBackend, TrainJobRejected, build_trainjob, check_trainjob
 from tidal.rundir import RunDir
 
 

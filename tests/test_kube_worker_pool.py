@@ -23,10 +23,13 @@ from tests.crd_schema import load_crd, schema_errors
 from tests.stand_in_api import StandInApi
 from tests.test_kube_nats_auth import RUN, running_round, server  # noqa: F401 (fixtures)
 from tests.test_kube_pipeline import FakeKfpApi, kfp_api_server  # noqa: F401 (a fixture)
-from tidal.kube import cluster, pool_worker, staging, steps, worker_pool
-from tidal.kube.staging import PoolSettings
-from tidal.kube.step_records import PipelineStepError
-from tidal.kube.worker_process import SigtermForward, forward_sigterm
+from tidal.kube import cluster
+from tidal.kube.pool import elastic, elastic_step, pod_entry
+from tidal.kube.pool import fixed as fixed_pool
+from tidal.kube.pool.rollout_process import SigtermForward, forward_sigterm
+from tidal.kube.steps import run_end, run_start, staging
+from tidal.kube.steps.records import PipelineStepError
+from tidal.kube.steps.staging import PoolSettings
 from tidal.rundir import RunDir
 
 KEDA_CRDS = ["keda-v2.16.1-scaledobjects.json", "keda-v2.18.3-scaledobjects.json"]
@@ -43,14 +46,12 @@ NATS_JETSTREAM_SCALER_METADATA = {
 """The trigger metadata kedacore/keda's pkg/scalers/nats_jetstream_scaler.go reads (v2.16.1: parseNATSJetStreamMetadata;
 v2.18.3: the natsJetStreamMetadata struct's ``keda:"name=..."`` tags; accountID is v2.18's alternative to account)."""
 SCALER_REQUIRED = {"natsServerMonitoringEndpoint", "account", "stream", "consumer"}
-WORKFLOW = worker_pool.OwnerRef(
-    api_version="argoproj.io/v1alpha1", kind="Workflow", name="tidal-grpo-x7k2p", uid="0b9c3e8e-5d2a-4e53-9a57-1c0f3b7a2d11"
-)
+WORKFLOW = elastic.OwnerRef(api_version="argoproj.io/v1alpha1", kind="Workflow", name="tidal-grpo-x7k2p", uid="0b9c3e8e-5d2a-4e53-9a57-1c0f3b7a2d11")
 
 
-def pool_spec(**changes) -> worker_pool.PoolSpec:
+def pool_spec(**changes) -> elastic.PoolSpec:
     values = dict(
-        name=worker_pool.pool_name("8f1d2c3a-run"),
+        name=elastic.pool_name("8f1d2c3a-run"),
         namespace="team-a",
         run_label="8f1d2c3a-run",
         config_path="/mnt/tidal/runs/8f1d2c3a-run/config.yaml",
@@ -67,7 +68,7 @@ def pool_spec(**changes) -> worker_pool.PoolSpec:
         owner=WORKFLOW,
     )
     values.update(changes)
-    return worker_pool.PoolSpec(**values)
+    return elastic.PoolSpec(**values)
 
 
 # ---------------------------------------------------------------- the objects
@@ -75,11 +76,11 @@ def pool_spec(**changes) -> worker_pool.PoolSpec:
 
 @pytest.mark.parametrize("crd", KEDA_CRDS)
 def test_the_scaled_object_is_admitted_by_kedas_crd(crd):
-    assert schema_errors(worker_pool.build_scaled_object(pool_spec()), load_crd(crd)) == []
+    assert schema_errors(elastic.build_scaled_object(pool_spec()), load_crd(crd)) == []
 
 
 def test_an_unknown_field_in_the_scaled_object_is_an_error():
-    scaled = worker_pool.build_scaled_object(pool_spec())
+    scaled = elastic.build_scaled_object(pool_spec())
     scaled["spec"]["maxReplicas"] = 4
     scaled["spec"]["triggers"][0]["metadata"]["lagThreshold"] = 8  # trigger metadata is a map of strings
     assert schema_errors(scaled, load_crd(KEDA_CRDS[-1])) == [
@@ -90,31 +91,31 @@ def test_an_unknown_field_in_the_scaled_object_is_an_error():
 
 def test_the_trigger_reads_the_work_streams_workers_consumer_with_the_names_kedas_scaler_knows():
     spec = pool_spec()
-    (trigger,) = worker_pool.build_scaled_object(spec)["spec"]["triggers"]
+    (trigger,) = elastic.build_scaled_object(spec)["spec"]["triggers"]
     metadata = trigger["metadata"]
     assert trigger["type"] == "nats-jetstream"
     assert SCALER_REQUIRED <= set(metadata) <= NATS_JETSTREAM_SCALER_METADATA
     assert metadata["stream"] == spec.stream and metadata["consumer"] == "workers"  # tidal.transport.streams.WORKERS_CONSUMER
-    assert metadata["natsServerMonitoringEndpoint"] == f"tidal-nats.team-a.svc:{worker_pool.NATS_MONITOR_PORT}"
+    assert metadata["natsServerMonitoringEndpoint"] == f"tidal-nats.team-a.svc:{elastic.NATS_MONITOR_PORT}"
     assert metadata["account"] == "$G" and int(metadata["lagThreshold"]) == 8
 
 
 def test_the_scaled_object_sizes_the_pools_deployment_between_min_and_max():
-    scaled = worker_pool.build_scaled_object(pool_spec(min_workers=0, max_workers=6))
+    scaled = elastic.build_scaled_object(pool_spec(min_workers=0, max_workers=6))
     assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": pool_spec().name}
     assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (0, 6)
-    assert scaled["metadata"]["ownerReferences"] == worker_pool.build_deployment(pool_spec())["metadata"]["ownerReferences"]
+    assert scaled["metadata"]["ownerReferences"] == elastic.build_deployment(pool_spec())["metadata"]["ownerReferences"]
 
 
 def test_the_deployment_validates_strictly_against_kubernetes():
-    deployment = worker_pool.build_deployment(pool_spec())
+    deployment = elastic.build_deployment(pool_spec())
     kubernetes_validate.validate(deployment, cluster.KUBERNETES_VERSION, strict=True)  # raises if refused
-    assert worker_pool.deployment_violations(deployment) == []
+    assert elastic.deployment_violations(deployment) == []
 
 
 def test_the_deployment_is_owned_by_the_run_and_its_pods_are_workers_that_get_sigterm():
     spec = pool_spec()
-    deployment = worker_pool.build_deployment(spec)
+    deployment = elastic.build_deployment(spec)
     assert deployment["metadata"]["ownerReferences"] == [
         {
             "apiVersion": "argoproj.io/v1alpha1",
@@ -126,9 +127,7 @@ def test_the_deployment_is_owned_by_the_run_and_its_pods_are_workers_that_get_si
         }
     ]
     template = deployment["spec"]["template"]
-    assert (
-        template["metadata"]["labels"][worker_pool.POOL_LABEL] == spec.name == deployment["spec"]["selector"]["matchLabels"][worker_pool.POOL_LABEL]
-    )
+    assert template["metadata"]["labels"][elastic.POOL_LABEL] == spec.name == deployment["spec"]["selector"]["matchLabels"][elastic.POOL_LABEL]
     assert cluster.TIDAL_POD_LABEL.items() <= template["metadata"]["labels"].items()  # the NetworkPolicy lets it reach NATS
     pod = template["spec"]
     assert pod["terminationGracePeriodSeconds"] == staging.DEFAULT_TERMINATION_GRACE_S
@@ -141,10 +140,10 @@ def test_the_deployment_is_owned_by_the_run_and_its_pods_are_workers_that_get_si
         {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["us-central1-a"]},
     ]
     assert "requiredDuringSchedulingIgnoredDuringExecution" not in pod["affinity"]["nodeAffinity"]  # other nodes stay allowed
-    assert "affinity" not in worker_pool.build_deployment(pool_spec(preferred_nodes={}))["spec"]["template"]["spec"]
+    assert "affinity" not in elastic.build_deployment(pool_spec(preferred_nodes={}))["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     # no shell in between: the pool worker is the container's first process, and the pod's SIGTERM is its
-    assert container["command"][:3] == ["python3", "-m", "tidal.kube.pool_worker"]
+    assert container["command"][:3] == ["python3", "-m", "tidal.kube.pool.pod_entry"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
@@ -158,14 +157,23 @@ def test_the_deployment_is_owned_by_the_run_and_its_pods_are_workers_that_get_si
     assert "TIDAL_WEIGHTS_SIGNING_KEY" not in env and not [name for name in env if name.startswith("MLFLOW_")]
 
 
+def test_a_queued_pool_carries_kueues_label_on_the_deployment_itself_and_on_its_pods():
+    queued = elastic.build_deployment(pool_spec(queue_name="team-a-queue"))
+    assert queued["metadata"]["labels"][cluster.QUEUE_LABEL] == "team-a-queue"  # Kueue's Deployment integration reads this
+    assert queued["spec"]["template"]["metadata"]["labels"][cluster.QUEUE_LABEL] == "team-a-queue"
+    assert cluster.QUEUE_LABEL not in elastic.build_scaled_object(pool_spec(queue_name="team-a-queue"))["metadata"]["labels"]
+    plain = elastic.build_deployment(pool_spec())
+    assert cluster.QUEUE_LABEL not in plain["metadata"]["labels"] and cluster.QUEUE_LABEL not in plain["spec"]["template"]["metadata"]["labels"]
+
+
 def test_deployment_checks_catch_what_the_api_server_refuses():
-    deployment = worker_pool.build_deployment(pool_spec())
+    deployment = elastic.build_deployment(pool_spec())
     broken = copy.deepcopy(deployment)
-    broken["spec"]["selector"]["matchLabels"][worker_pool.POOL_LABEL] = "another-pool"
+    broken["spec"]["selector"]["matchLabels"][elastic.POOL_LABEL] = "another-pool"
     broken["metadata"]["ownerReferences"][0]["uid"] = ""
     broken["metadata"]["ownerReferences"].append({**deployment["metadata"]["ownerReferences"][0], "controller": True, "name": "a"})
     broken["metadata"]["ownerReferences"].append({**deployment["metadata"]["ownerReferences"][0], "controller": True, "name": "b"})
-    assert worker_pool.deployment_violations(broken) == [
+    assert elastic.deployment_violations(broken) == [
         "spec.template.metadata.labels: must match spec.selector",
         "metadata.ownerReferences[0]: uid required",
         "metadata.ownerReferences: at most one controller",
@@ -174,22 +182,27 @@ def test_deployment_checks_catch_what_the_api_server_refuses():
 
 @pytest.mark.parametrize("run_name", ["demo", "My Run " + "x-" * 40, "8f1d2c3a-5e6f-4a1b-9c0d-123456789abc"])
 def test_pool_names_are_dns_labels_unique_per_run_and_leave_room_for_pod_names(run_name):
-    name = worker_pool.pool_name(run_name)
-    assert worker_pool.name_violations({"name": name}) == []
-    assert len(name) <= worker_pool.MAX_POOL_NAME and len(name) + len("-7d9f8c6b5d-x2k4q") <= 63
-    assert name != worker_pool.pool_name(run_name + "2")
+    name = elastic.pool_name(run_name)
+    assert elastic.name_violations({"name": name}) == []
+    assert len(name) <= elastic.MAX_POOL_NAME and len(name) + len("-7d9f8c6b5d-x2k4q") <= 63
+    assert name != elastic.pool_name(run_name + "2")
 
 
 def test_pool_sizes_default_from_the_run_and_refuse_bad_bounds():
-    assert worker_pool.pool_sizes(1, 0, 0, rollout_workers=3, prompts_per_iteration=32) == (1, 3, 11)  # ceil(32 / 3)
-    assert worker_pool.pool_sizes(0, 8, 5, rollout_workers=3, prompts_per_iteration=32) == (0, 8, 5)
+    for prompts in (1, 5, 6, 32, 100):
+        for workers in (1, 3, 4, 8):
+            minimum, maximum, lag = elastic.pool_sizes(1, 0, 0, rollout_workers=workers, prompts_per_iteration=prompts)
+            assert (minimum, maximum) == (1, workers)  # the run's workers are the pool's maximum
+            # at its maximum the pool covers a whole iteration's items within the threshold, and no smaller threshold would
+            assert maximum * lag >= prompts and (lag == 1 or maximum * (lag - 1) < prompts), (prompts, workers, lag)
+    assert elastic.pool_sizes(0, 8, 5, rollout_workers=3, prompts_per_iteration=32) == (0, 8, 5)
     with pytest.raises(PipelineStepError, match=r"pool_min_workers \(5\) and pool_max_workers \(2\)"):
-        worker_pool.pool_sizes(5, 2, 0, rollout_workers=3, prompts_per_iteration=32)
+        elastic.pool_sizes(5, 2, 0, rollout_workers=3, prompts_per_iteration=32)
     with pytest.raises(PipelineStepError, match="pool_node_selector: 'spot' must look like label=value"):
-        worker_pool.parse_node_selector("spot")
-    assert worker_pool.parse_node_selector("a=1, b/c=2") == {"a": "1", "b/c": "2"}
+        elastic.parse_node_selector("spot")
+    assert elastic.parse_node_selector("a=1, b/c=2") == {"a": "1", "b/c": "2"}
     with pytest.raises(PipelineStepError, match="pool_preferred_nodes: 'spot' must look like label=value"):
-        worker_pool.parse_node_selector("spot", "pool_preferred_nodes")
+        elastic.parse_node_selector("spot", "pool_preferred_nodes")
 
 
 # ---------------------------------------------------------------- on a stand-in API server
@@ -214,7 +227,7 @@ STEP_POD = {
         ],
     },
 }
-KEDA_CRD_PATH = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{worker_pool.KEDA_CRD}"
+KEDA_CRD_PATH = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{elastic.KEDA_CRD}"
 DEPLOYMENTS = "/apis/apps/v1/namespaces/team-a/deployments"
 SCALED_OBJECTS = "/apis/keda.sh/v1alpha1/namespaces/team-a/scaledobjects"
 
@@ -232,7 +245,7 @@ SCALE_TO_ZERO = PoolSettings(min_workers=0, max_workers=0)
 
 def start_pool(api, run, config_path, monkeypatch, settings=SCALE_TO_ZERO):
     monkeypatch.setenv("TIDAL_POD_NAME", STEP_POD["metadata"]["name"])
-    return steps.start_worker_pool(
+    return elastic_step.start_worker_pool(
         worker_pool="elastic",
         run_dir=str(run.root),
         config_path=config_path,
@@ -256,49 +269,51 @@ def test_the_pool_step_creates_both_objects_strictly_owned_by_the_run_and_finali
         assert all(query.get("fieldValidation") == "Strict" for _, query, _ in api.created)
         deployment, scaled = (body for _, _, body in api.created)
         assert deployment["metadata"]["ownerReferences"][0]["uid"] == scaled["metadata"]["ownerReferences"][0]["uid"] == WORKFLOW.uid
-        # the run's config: rollout.workers 3 is the maximum, prompts_per_iteration 6 gives ceil(6 / 3) items per worker
+        # the run's config: rollout.workers 3 is the maximum; at it, the pool covers an iteration's 6 prompts
         assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (0, 3)
-        assert scaled["spec"]["triggers"][0]["metadata"]["lagThreshold"] == "2"
+        assert 3 * int(scaled["spec"]["triggers"][0]["metadata"]["lagThreshold"]) >= 6
         assert scaled["spec"]["triggers"][0]["metadata"]["stream"] == "TIDAL_8f1d2c3a-run_WORK"
         assert done[-1] == "pool of 0 to 3 rollout workers, one more per 2 pending work items of TIDAL_8f1d2c3a-run_WORK"
         # a retried step finds both there and keeps them
         again = start_pool(api, run, config_path, monkeypatch)
         assert len(api.created) == 2 and "already there" in again[0] and "already there" in again[1]
-        lines = steps.delete_worker_pool(run, api.api_client())
+        lines = run_end.delete_worker_pool(run, api.api_client())
         assert api.deleted == [f"{SCALED_OBJECTS}/{deployment['metadata']['name']}", f"{DEPLOYMENTS}/{deployment['metadata']['name']}"]
         assert lines == [
             f"deleted ScaledObject team-a/{deployment['metadata']['name']}",
             f"deleted Deployment team-a/{deployment['metadata']['name']}",
         ]
-        assert steps.delete_worker_pool(run, api.api_client()) == []  # gone already: nothing to do, no error
+        assert run_end.delete_worker_pool(run, api.api_client()) == []  # gone already: nothing to do, no error
 
 
 def test_a_deployment_with_an_unknown_field_is_refused_by_strict_validation_on_a_stand_in_api():
-    deployment = worker_pool.build_deployment(pool_spec(namespace="team-a"))
+    deployment = elastic.build_deployment(pool_spec(namespace="team-a"))
     deployment["spec"]["template"]["spec"]["terminationGracePeriod"] = 30
     with StandInApi() as api:
         apps = k8s.AppsV1Api(api.api_client())
         with pytest.raises(k8s.ApiException, match="terminationGracePeriod"):
-            apps.create_namespaced_deployment("team-a", deployment, field_validation=worker_pool.STRICT)
+            apps.create_namespaced_deployment("team-a", deployment, field_validation=elastic.STRICT)
     assert api.created == []
 
 
 def test_without_keda_the_pool_step_creates_nothing_and_says_what_to_install_with_a_stand_in_api(staged_run, monkeypatch):
     run, config_path = staged_run
     with StandInApi([], {POD_PATH: STEP_POD}) as api:
-        with pytest.raises(worker_pool.KedaNotInstalled) as refused:
+        with pytest.raises(elastic.KedaNotInstalled) as refused:
             start_pool(api, run, config_path, monkeypatch)
     message = str(refused.value)
-    assert "\n" not in message and f"KEDA >= {worker_pool.KEDA_MIN_VERSION}" in message and worker_pool.KEDA_CRD in message
+    assert "\n" not in message and f"KEDA >= {elastic.KEDA_MIN_VERSION}" in message and elastic.KEDA_CRD in message
     assert api.created == []
 
 
 def test_a_fixed_pool_creates_nothing(staged_run):
     run, config_path = staged_run
-    done = steps.start_worker_pool("fixed", str(run.root), config_path, "team-a", "nvidia", "", 1, "8", "32Gi", PoolSettings(), api_client=object())
-    assert done == [] and not worker_pool.pool_record(run).exists()
+    done = elastic_step.start_worker_pool(
+        "fixed", str(run.root), config_path, "team-a", "nvidia", "", 1, "8", "32Gi", PoolSettings(), api_client=object()
+    )
+    assert done == [] and not elastic.pool_record(run).exists()
     with pytest.raises(PipelineStepError, match="worker_pool must be one of fixed, elastic, got 'elastc'"):
-        steps.start_worker_pool("elastc", str(run.root), config_path, "team-a", "nvidia", "", 1, "8", "32Gi", PoolSettings())
+        elastic_step.start_worker_pool("elastc", str(run.root), config_path, "team-a", "nvidia", "", 1, "8", "32Gi", PoolSettings())
 
 
 def test_finalize_deletes_the_pool_too_with_a_stand_in_api(staged_run, monkeypatch):
@@ -306,7 +321,7 @@ def test_finalize_deletes_the_pool_too_with_a_stand_in_api(staged_run, monkeypat
     with StandInApi([load_crd(KEDA_CRDS[-1])], {POD_PATH: STEP_POD}) as api:
         start_pool(api, run, config_path, monkeypatch)
         try:
-            steps.finalize_run(str(run.root), "", pool_api_client=api.api_client())
+            run_end.finalize_run(str(run.root), "", pool_api_client=api.api_client())
         except PipelineStepError as err:  # another part (no MLflow parent run here) may fail: the pool goes anyway
             assert "deleting the worker pool" not in str(err)
         assert [path.rsplit("/", 2)[-2] for path in api.deleted] == ["scaledobjects", "deployments"]
@@ -316,10 +331,10 @@ def test_finalize_deletes_the_pool_too_with_a_stand_in_api(staged_run, monkeypat
 
 
 def test_an_elastic_pool_leaves_the_trainer_alone_in_each_rounds_lanes():
-    assert steps.worker_lanes(3, "fixed") == ["trainer", "rollout-0", "rollout-1", "rollout-2"]
-    assert steps.worker_lanes(3, "elastic") == ["trainer"]
+    assert run_start.worker_lanes(3, "fixed") == ["trainer", "rollout-0", "rollout-1", "rollout-2"]
+    assert run_start.worker_lanes(3, "elastic") == ["trainer"]
     with pytest.raises(PipelineStepError, match="worker_pool must be one of fixed, elastic"):
-        steps.worker_lanes(3, "autoscaled")
+        run_start.worker_lanes(3, "autoscaled")
 
 
 def test_an_elastic_pool_turns_the_nccl_transfer_off_in_one_line(tmp_path, tiny_config_dict, capsys):
@@ -386,7 +401,7 @@ def test_the_fixed_pools_step_passes_sigterm_on_to_its_worker(tmp_path):
     try:
         with forward_sigterm(process) as sigterm:
             with pytest.raises(PipelineStepError, match=r"this pod got SIGTERM; the rollout worker stopped in order \(status 143\)"):
-                steps.supervise_worker(process, lambda: "running", poll_s=0.2, terminated=lambda: sigterm.received)
+                fixed_pool.supervise_worker(process, lambda: "running", poll_s=0.2, terminated=lambda: sigterm.received)
     finally:
         sender.join()
         if process.poll() is None:
@@ -416,7 +431,7 @@ def test_the_pool_worker_waits_between_rounds_starts_a_worker_per_round_and_pass
     sender = sigterm_self_when(lambda: len(started) == 2 and said_ready(started[1]))
     previous = signal.signal(signal.SIGTERM, lambda *_: setattr(sigterm, "received", True))
     try:
-        code = pool_worker.serve(current_state, start, sigterm, poll_s=0.1, end_grace_s=5.0)
+        code = pod_entry.serve(current_state, start, sigterm, poll_s=0.1, end_grace_s=5.0)
     finally:
         signal.signal(signal.SIGTERM, previous)
         sender.join()
@@ -426,15 +441,15 @@ def test_the_pool_worker_waits_between_rounds_starts_a_worker_per_round_and_pass
 
 def test_a_pool_pod_without_its_name_says_what_sets_it():
     with pytest.raises(SystemExit, match="POD_NAME is not set: the pool's Deployment sets it from the pod's metadata.name"):
-        pool_worker.pool_worker_id("")
-    assert pool_worker.pool_worker_id("tidal-pool-demo-1a2b3c-7d9f8c6b5d-x2k4q") == "tidal-pool-demo-1a2b3c-7d9f8c6b5d-x2k4q"
+        pod_entry.pool_worker_id("")
+    assert pod_entry.pool_worker_id("tidal-pool-demo-1a2b3c-7d9f8c6b5d-x2k4q") == "tidal-pool-demo-1a2b3c-7d9f8c6b5d-x2k4q"
 
 
 # ---------------------------------------------------------------- the pipeline
 
 
 def test_the_pipeline_has_the_pool_parameters_with_defaults_and_the_rounds_wait_for_the_pool(tmp_path):
-    from tidal.kube.pipeline import compile_pipeline
+    from tidal.kube.pipeline.definition import compile_pipeline
 
     spec, platform = yaml.safe_load_all(compile_pipeline(tmp_path / "p.yaml", "nvidia").read_text())
     parameters = spec["root"]["inputDefinitions"]["parameters"]
@@ -468,11 +483,11 @@ def wait_for(condition, proc: subprocess.Popen, log: Path, timeout: float = 300)
 
 
 def test_a_pool_pod_runs_a_real_worker_per_round_waits_between_rounds_and_passes_sigterm_on(tmp_path, nats_server, tiny_config_dict):
-    """``python3 -m tidal.kube.pool_worker`` as the container would run it (POD_NAME from the downward API): round 0's
+    """``python3 -m tidal.kube.pool.pod_entry`` as the container would run it (POD_NAME from the downward API): round 0's
     worker heartbeats under the pod's name, ends with its round while the pod stays, round 1 gets a new worker
     process under the same id, and the pod's SIGTERM stops that worker in order (status 143, the worker's)."""
     from tidal.config import load_config
-    from tidal.kube import core_hooks
+    from tidal.kube.steps import run_state
     from tidal.protocol import KVKey
     from tidal.transport import run_in_session
 
@@ -480,14 +495,14 @@ def test_a_pool_pod_runs_a_real_worker_per_round_waits_between_rounds_and_passes
     config_path.parent.mkdir(parents=True)
     config_path.write_text(yaml.safe_dump(dict(tiny_config_dict, transport={"nats_url": nats_server.url})))
     run, cfg = RunDir(config_path.parent), load_config(config_path)
-    core_hooks.prepare_run(run, str(config_path), f"sqlite:///{tmp_path / 'mlflow.db'}", "")
-    core_hooks.open_round(run, str(config_path), 0)
+    run_start.prepare_run(run, str(config_path), f"sqlite:///{tmp_path / 'mlflow.db'}", "")
+    run_state.open_round(run, str(config_path), 0)
 
     def heartbeat():
         return run_in_session(nats_server.url, run.run_id, cfg.transport, lambda t: t.get(KVKey.worker(POD_NAME)))
 
     log = tmp_path / "pod.log"
-    command = [sys.executable, "-m", "tidal.kube.pool_worker", "--config", str(config_path), "--run-dir", str(run.root)]
+    command = [sys.executable, "-m", "tidal.kube.pool.pod_entry", "--config", str(config_path), "--run-dir", str(run.root)]
     with log.open("w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "POD_NAME": POD_NAME})
     try:
@@ -496,7 +511,7 @@ def test_a_pool_pod_runs_a_real_worker_per_round_waits_between_rounds_and_passes
         run.nats(nats_server.url, cfg.transport).record_run_state("round_done")
         wait_for(lambda: "the rollout worker ended with its round; waiting for the next one" in log.read_text(), proc, log)
         assert proc.poll() is None  # between rounds the pod waits: exiting would make the Deployment restart it
-        core_hooks.open_round(run, str(config_path), 1)
+        run_state.open_round(run, str(config_path), 1)
         wait_for(lambda: heartbeat()["incarnation"] != first, proc, log)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=300) == 143, log.read_text()[-3000:]
@@ -523,7 +538,7 @@ ELASTIC_PARAMS = {
 
 @pytest.mark.parametrize("pool", ["fixed", "elastic"])
 def test_submit_sends_the_pool_parameters_the_compiled_pipeline_declares_with_mocked_kfp_api_server(pool, kfp_api_server, monkeypatch):  # noqa: F811
-    from tidal.kube.submit import submit_run
+    from tidal.kube.submit.client import submit_run
 
     monkeypatch.setenv("KFP_TOKEN", "t")
     params = ELASTIC_PARAMS if pool == "elastic" else {"worker_pool": "fixed"}
@@ -557,7 +572,7 @@ def test_the_monitoring_endpoint_reports_the_work_streams_lag_where_kedas_scaler
 
     http_port = re.search(r"(?m)^http_port: (\d+)$", (server.dir / "nats.conf").read_text()).group(1)
     spec = pool_spec(stream=stream_names(RUN)["work_stream"])
-    (trigger,) = worker_pool.build_scaled_object(spec)["spec"]["triggers"]
+    (trigger,) = elastic.build_scaled_object(spec)["spec"]["triggers"]
     metadata = trigger["metadata"]
     url = f"http://127.0.0.1:{http_port}/jsz?acc={metadata['account']}&consumers=true&config=true"
     with urllib.request.urlopen(url, timeout=60) as answer:
@@ -568,15 +583,15 @@ def test_the_monitoring_endpoint_reports_the_work_streams_lag_where_kedas_scaler
 def test_a_negative_grace_period_is_refused_naming_the_parameter(staged_run):
     run, config_path = staged_run
     with pytest.raises(PipelineStepError, match=r"^pool_termination_grace_s must be 0 or more seconds, got -5$"):
-        steps.start_worker_pool(
+        elastic_step.start_worker_pool(
             "elastic", str(run.root), config_path, "team-a", "nvidia", "", 1, "8", "32Gi", PoolSettings(termination_grace_s=-5), api_client=object()
         )
-    assert not worker_pool.pool_record(run).exists()
+    assert not elastic.pool_record(run).exists()
 
 
 def pool_pod_nats_env() -> dict:
     """The NATS env of the pool Deployment's container, as tests/test_kube_nats_auth.py's as_pod takes it."""
-    (container,) = worker_pool.build_deployment(pool_spec())["spec"]["template"]["spec"]["containers"]
+    (container,) = elastic.build_deployment(pool_spec())["spec"]["template"]["spec"]["containers"]
     env = {}
     for e in container["env"]:
         if e["name"].startswith("NATS_"):
@@ -620,6 +635,6 @@ def test_a_sigterm_that_comes_while_a_worker_starts_still_reaches_it(tmp_path):
         started.append(fake_worker(out))
         return started[-1]
 
-    code = pool_worker.serve(lambda: "running", start, sigterm, poll_s=0.1, end_grace_s=5.0)
+    code = pod_entry.serve(lambda: "running", start, sigterm, poll_s=0.1, end_grace_s=5.0)
     assert code == 143  # the worker's handler ran, or SIGTERM's default action ended it (reported as 128 + 15)
     assert len(started) == 1 and started[0].returncode in (143, -signal.SIGTERM)

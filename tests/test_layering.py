@@ -1,7 +1,10 @@
 """The import graph of src/tidal (every import, including ones inside functions) keeps the
 layering: the trainer and the rollout package never import each other, environments are the rollout
 side's alone (the trainer sees trajectories, never an environment), algo/ is pure tensor math, and vLLM
-is imported only by the rollout/vllm* modules (every version-specific call in one place)."""
+is imported only by the rollout/vllm* modules (every version-specific call in one place).
+The Kubeflow layer's rooms (tidal.kube.*) keep theirs: code of the step pods never imports the
+compiler or the client, the core never imports the Kubeflow layer, and the Kubeflow layer reaches the
+core only through the modules listed in KUBE_REACHES_CORE."""
 
 import ast
 import sys
@@ -40,6 +43,46 @@ def inside(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
 
+POD_ROOMS = ("tidal.kube.steps", "tidal.kube.trainer", "tidal.kube.pool")
+"""Code that runs inside the pipeline's step and worker pods."""
+KUBE_REACHES_CORE = {
+    "tidal.config": "load and check a run's config",
+    "tidal.rundir": "the run directory's layout",
+    "tidal.transport": "the run's NATS streams and KV bucket",
+    "tidal.protocol": "the run state and its encoding",
+    "tidal.tracking": "MLflow",
+    "tidal.weights": "the weight store's snapshots",
+    "tidal.export": "register_model's export",
+    "tidal.preflight": "prepare's checks, as tidal run makes them",
+    "tidal.roles": "prepare's base model (a warm start trains: torch)",
+}
+"""The core modules the Kubeflow layer imports (everything else goes through the tidal CLI verbs)."""
+ONLY_FROM = {"tidal.roles": "tidal.kube.steps.run_start"}
+
+
+def kube_edges(module: str, name: str) -> list[str]:
+    bad = []
+    kube = inside(module, "tidal.kube")
+    if any(inside(module, room) for room in POD_ROOMS):
+        if inside(name, "tidal.kube.pipeline") or inside(name, "tidal.kube.submit") or name.split(".")[0] == "kfp":
+            bad.append(f"{module} -> {name} (pod code does not import the compiler or the client)")
+    if inside(module, "tidal.kube.pipeline") and module != "tidal.kube.pipeline.components" and any(inside(name, room) for room in POD_ROOMS):
+        bad.append(f"{module} -> {name} (only the components' bodies call into the pods' code)")
+    if inside(module, "tidal.kube.trainer") and inside(name, "tidal.kube.pool"):
+        bad.append(f"{module} -> {name} (the trainer does not import the worker pools)")
+    if inside(module, "tidal.kube.pool") and inside(name, "tidal.kube.trainer") and not inside(name, "tidal.kube.trainer.shared"):
+        bad.append(f"{module} -> {name} (the pools share only the trainer's pod parts)")
+    if not kube and inside(name, "tidal.kube") and not (module == "tidal.cli" and inside(name, "tidal.kube.submit")):
+        bad.append(f"{module} -> {name} (the core does not import the Kubeflow layer; tidal.cli registers its verbs)")
+    if kube and inside(name, "tidal") and name != "tidal" and not inside(name, "tidal.kube"):
+        core = ".".join(name.split(".")[:2])
+        if core not in KUBE_REACHES_CORE:
+            bad.append(f"{module} -> {name} (the Kubeflow layer reaches the core only through KUBE_REACHES_CORE)")
+        elif core in ONLY_FROM and module != ONLY_FROM[core]:
+            bad.append(f"{module} -> {name} ({core} only from {ONLY_FROM[core]})")
+    return bad
+
+
 def forbidden_edges(graph: dict[str, set[str]]) -> list[str]:
     stdlib = sys.stdlib_module_names
     bad = []
@@ -53,6 +96,7 @@ def forbidden_edges(graph: dict[str, set[str]]) -> list[str]:
                 bad.append(f"{module} -> {name} (trainer must not import envs)")
             if inside(module, "tidal.envs") and (inside(name, "tidal.trainer") or inside(name, "tidal.rollout")):
                 bad.append(f"{module} -> {name} (envs are below the roles: no trainer or rollout import)")
+            bad.extend(kube_edges(module, name))
             top = name.split(".")[0]
             if top == "vllm" and not module.startswith("tidal.rollout.vllm"):
                 bad.append(f"{module} -> {name} (only tidal.rollout.vllm* imports vllm)")
@@ -83,6 +127,38 @@ def test_the_check_catches_each_kind_of_forbidden_edge():
     assert len(bad) == 7 and any("numpy" in b for b in bad) and any("tidal.model.packing" in b for b in bad)
     assert "tidal.trainer.learner -> tidal.envs.base (trainer must not import envs)" in bad
     assert any(b.startswith("tidal.envs.base -> tidal.rollout.engine") for b in bad)
+
+
+def test_the_kube_rooms_check_catches_each_kind_of_forbidden_edge():
+    graph = {
+        "tidal.kube.steps.rounds": {"tidal.kube.pipeline.definition", "kfp.dsl", "tidal.roles", "tidal.model.loading"},
+        "tidal.kube.pipeline.definition": {"tidal.kube.steps.rounds", "tidal.kube.pipeline.components"},
+        "tidal.kube.pipeline.components": {"tidal.kube.steps.rounds"},
+        "tidal.kube.trainer.launch": {"tidal.kube.pool.fixed"},
+        "tidal.kube.pool.elastic": {"tidal.kube.trainer.shared", "tidal.kube.trainer.launch"},
+        "tidal.kube.steps.run_start": {"tidal.roles"},
+        "tidal.rundir": {"tidal.kube.cluster"},
+        "tidal.cli": {"tidal.kube.submit.cli"},
+    }
+    bad = forbidden_edges(graph)
+    assert bad == [
+        "tidal.kube.pipeline.definition -> tidal.kube.steps.rounds (only the components' bodies call into the pods' code)",
+        "tidal.kube.pool.elastic -> tidal.kube.trainer.launch (the pools share only the trainer's pod parts)",
+        "tidal.kube.steps.rounds -> kfp.dsl (pod code does not import the compiler or the client)",
+        "tidal.kube.steps.rounds -> tidal.kube.pipeline.definition (pod code does not import the compiler or the client)",
+        "tidal.kube.steps.rounds -> tidal.model.loading (the Kubeflow layer reaches the core only through KUBE_REACHES_CORE)",
+        "tidal.kube.steps.rounds -> tidal.roles (tidal.roles only from tidal.kube.steps.run_start)",
+        "tidal.kube.trainer.launch -> tidal.kube.pool.fixed (the trainer does not import the worker pools)",
+        "tidal.rundir -> tidal.kube.cluster (the core does not import the Kubeflow layer; tidal.cli registers its verbs)",
+    ]
+
+
+def test_every_kube_module_is_in_a_room():
+    graph = import_graph()
+    rooms = {m.split(".")[2] for m in graph if inside(m, "tidal.kube") and m.count(".") >= 3}
+    assert rooms == {"pipeline", "steps", "trainer", "pool", "submit"}
+    flat = {m for m in graph if inside(m, "tidal.kube") and m.count(".") == 2} - {f"tidal.kube.{room}" for room in rooms}
+    assert flat == {"tidal.kube.cluster", "tidal.kube.in_cluster"}  # shared names and the pod's API client; the rest in rooms
 
 
 def test_relative_and_function_level_imports_are_seen():

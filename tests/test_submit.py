@@ -23,12 +23,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tidal.kube import gate
-from tidal.kube.gate import Check, Outcome, Requirement, RequirementError, check_requirements, outcome_dict, outcome_markdown, parse_requirement
-from tidal.kube.parent_run import RunLinks, end_parent_run, log_to_parent_run, open_parent_run
-from tidal.kube.staging import PipelineKnobs, stage_config
-from tidal.kube.step_records import StepRecords
-from tidal.kube.submit import KfpApiError, api_status_error, follow_run, unreachable_reason
+from tidal.kube.steps.parent_run import RunLinks, end_parent_run, log_to_parent_run, open_parent_run
+from tidal.kube.steps.records import StepRecords
+from tidal.kube.steps.staging import PipelineKnobs, stage_config
+from tidal.kube.submit import gate
+from tidal.kube.submit.client import KfpApiError, api_status_error, follow_run, unreachable_reason
+from tidal.kube.submit.gate import (
+    Check,
+    Outcome,
+    Requirement,
+    RequirementError,
+    check_requirements,
+    outcome_dict,
+    outcome_markdown,
+    parse_requirement,
+)
 from tidal.rundir import RunDir
 
 # ---------------------------------------------------------------- requirements (pure)
@@ -263,7 +272,7 @@ class StandInKfpApi:
         if self.refuse:
             return self.refuse, {"error": "refused", "code": 16, "message": "the stand-in refuses every call"}
         if path == "/apis/v2beta1/healthz":
-            return 200, {"multi_user": False}
+            return 200, {"commit_sha": "0123abc", "tag_name": "2.17.0", "multi_user": False}  # as KFP 2.x answers
         if method == "GET" and path == "/apis/v2beta1/experiments":
             return 200, {"experiments": []}
         if method == "POST" and path == "/apis/v2beta1/experiments":
@@ -367,7 +376,7 @@ def test_an_unreachable_kfp_api_is_one_line_naming_the_host(config):
     assert result.stdout == ""
 
 
-@pytest.mark.parametrize(("namespace", "when"), [("", "checking its health"), ("team-a", "creating the run")])
+@pytest.mark.parametrize(("namespace", "when"), [("", "checking its health"), ("team-a", "reading its version")])
 def test_a_kfp_api_that_refuses_is_one_line_with_the_status_with_a_stand_in_api_server(stand_in, config, namespace, when):
     host, api = stand_in(refuse=401)
     result = submit(config, "--host", host, env_extra={"KFP_NAMESPACE": namespace, "KFP_TOKEN": "stale"} if namespace else {})

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.register(sub)
     export.register(sub)
     try:
-        from tidal.kube import commands as kube_commands
+        from tidal.kube.submit import cli as kube_commands
 
         kube_commands.register(sub)
     except ImportError:  # the kube extra is not installed
@@ -150,7 +150,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"tidal: run directory {run_dir} (--run-dir sets another)", flush=True)
     refuse_config_in_the_way(args.config, run_dir)
     if args.via == "kfp-local":
-        from tidal.kube.commands import run_via_kfp_local
+        from tidal.kube.submit.cli import run_via_kfp_local
 
         return run_via_kfp_local(args.config, run_dir, args.overrides)
     from tidal.local import run_local

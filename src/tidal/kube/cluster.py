@@ -140,7 +140,7 @@ TRAINER_POD_LABEL = {"app.kubernetes.io/component": "trainer"}
 workers exchange the NCCL weight transfer with (manifests/base/networkpolicy.yaml)."""
 TRAINER_JOB_LABEL = "tidal.trainer-job"
 """On each trainer job's pods: the job's name. The job's own NetworkPolicy admits its rendezvous from these pods only
-(tidal.kube.trainer_job.rendezvous_network_policy)."""
+(tidal.kube.trainer.shared.rendezvous_network_policy)."""
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 """Kueue's LocalQueue label: on a trainer job (PyTorchJob, TrainJob) and on worker pods (Kueue's pod integration)."""
 
@@ -236,3 +236,8 @@ def accelerator_profile(name: str) -> AcceleratorProfile:
     except KeyError:
         known = ", ".join(sorted(PROFILES))
         raise ValueError(f"unknown accelerator profile {name!r}; choose one of: {known}") from None
+
+
+DEFAULT_TERMINATION_GRACE_S = 120
+"""How long a preempted or scaled-down pool pod may take to stop: its worker hands back its work items and
+shuts its engine down (a spot node's notice is often 30 s to 2 min)."""

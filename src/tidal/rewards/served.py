@@ -271,7 +271,7 @@ class ServedReward:
             return {}
         key = os.environ.get(name)
         if not key:
-            raise RewardServerError(f"reward {self.cfg.label!r}: api_key_env names {name}, which is not set in the environment")
+            raise RewardServerError(f"reward {self.cfg.label!r}: api_key_env names {name}, which is not set (or empty) in the environment")
         return {"Authorization": f"Bearer {key}"}
 
     async def score(self, rows: list[Row]) -> list[float | None]:

@@ -46,9 +46,7 @@ def check_server_reachable(cfg: TidalConfig, timeout: float = 5.0) -> None:
 
 def local_store_uri(run_dir: str | Path) -> str:
     """The sqlite store in the run directory, where a run that names no store logs."""
-    from tidal.rundir import RunDir
-
-    return f"sqlite:///{RunDir(Path(run_dir).resolve()).mlflow_store}"
+    return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"  # RunDir.mlflow_store (rundir imports this module)
 
 
 # where MLflow's sqlite store records files by absolute path (experiments' and logged models' artifact

@@ -1,5 +1,5 @@
 """The ``tidal rollout-worker`` process of a pod, started by the fixed pool's step or by an elastic pool's pod entry
-(:mod:`tidal.kube.pool_worker`), and SIGTERM passed on to it.
+(:mod:`tidal.kube.pool.pod_entry`), and SIGTERM passed on to it.
 
 A pod's SIGTERM (a cancelled run, a deleted pod, a preempted spot node) reaches the container's first
 process only. The worker runs in a process group of its own (so what it starts can be ended with it), so
@@ -15,7 +15,7 @@ import subprocess
 import threading
 from contextlib import contextmanager
 
-from tidal.kube.verbs import nats_url_of, tidal_executable
+from tidal.kube.steps.tidal_cli import nats_url_of, tidal_executable
 
 
 def worker_command(config_path: str, run_dir: str, worker_id: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""The first process of an elastic pool's rollout-worker pod: ``python3 -m tidal.kube.pool_worker``.
+"""The first process of an elastic pool's rollout-worker pod: ``python3 -m tidal.kube.pool.pod_entry``.
 
 A pod of the pool's Deployment lives across rounds (KEDA adds and removes pods; the pipeline's rounds
 come and go), but ``tidal rollout-worker`` exits when its round is over. So this process, PID 1 of the
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tidal.kube.worker_process import SigtermForward, end_group, forward_sigterm, start_worker, stop_worker, worker_command
+from tidal.kube.pool.rollout_process import SigtermForward, end_group, forward_sigterm, start_worker, stop_worker, worker_command
 
 POD_NAME_ENV = "POD_NAME"
 STATE_POLL_SECONDS = 5.0
@@ -111,11 +111,11 @@ def supervise_round(process: subprocess.Popen, current_state, sigterm: SigtermFo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m tidal.kube.pool_worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python3 -m tidal.kube.pool.pod_entry", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the run's staged config.yaml")
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)
-    from tidal.kube.steps import run_state
+    from tidal.kube.pool.fixed import current_run_state
     from tidal.rundir import RunDir
 
     run = RunDir(Path(args.run_dir))
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         sigterm.received = True
 
     signal.signal(signal.SIGTERM, between_workers)
-    return serve(lambda: run_state(run, args.config), lambda: start_worker(worker_command(args.config, str(run.root), worker_id)), sigterm)
+    return serve(lambda: current_run_state(run, args.config), lambda: start_worker(worker_command(args.config, str(run.root), worker_id)), sigterm)
 
 
 if __name__ == "__main__":

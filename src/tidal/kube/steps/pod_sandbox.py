@@ -16,17 +16,21 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from tidal.kube.steps.pod_env import check_pod_env
+
 POD_SANDBOX_ENV = "TIDAL_KFP_LOCAL_PODS"
 """Set by ``tidal run --via kfp-local``: a folder under which each step gets a fresh HOME, cache and
 working directory, removed when the step ends, as a pod's would be. Only the run directory is shared."""
 
 
 def as_separate_pod(step: str):
-    """Run the decorated step function as if in its own pod when :data:`POD_SANDBOX_ENV` is set."""
+    """Run the decorated step function as if in its own pod when :data:`POD_SANDBOX_ENV` is set; first, on a cluster
+    or not, check the pod's credentials (:mod:`tidal.kube.steps.pod_env`)."""
 
     def decorate(function):
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
+            check_pod_env()
             root = os.environ.get(POD_SANDBOX_ENV)
             if not root:
                 return function(*args, **kwargs)

@@ -6,8 +6,8 @@ command, nodes, processes per node, resources and env (``spec.trainer``) and pat
 template (``spec.runtimePatches``: volumes, mounts, security contexts, placement, the service
 account, the Istio opt-out and the NetworkPolicy label).
 
-Same layers as :mod:`tidal.kube.pytorchjob`, around the same trainer pod, from the same
-:class:`~tidal.kube.trainer_job.TrainerJobSpec` (:mod:`tidal.kube.trainer_job`):
+Same layers as :mod:`tidal.kube.trainer.pytorchjob`, around the same trainer pod, from the same
+:class:`~tidal.kube.trainer.shared.TrainerJobSpec` (:mod:`tidal.kube.trainer.shared`):
 
 - :func:`build_trainjob` turns the spec into the manifest and checks it with :func:`check_trainjob`
   (the SDK's typed models must keep every field, plus the Trainer webhook's rules);
@@ -28,7 +28,7 @@ from typing import Any
 from kubernetes import client as k8s
 
 from tidal.kube import cluster
-from tidal.kube.trainer_job import (
+from tidal.kube.trainer.shared import (
     POD_ANNOTATIONS,
     STRICT,
     JobOutcome,
@@ -248,7 +248,7 @@ def _replicated_job_violations(path: str, job: dict) -> list[str]:
 
 
 class TrainJobBackend:
-    """:class:`~tidal.kube.trainer_job.TrainerJobBackend` on Kubeflow Trainer v2, through ``TrainerClient``.
+    """:class:`~tidal.kube.trainer.shared.TrainerJobBackend` on Kubeflow Trainer v2, through ``TrainerClient``.
 
     ``client_factory(namespace)`` defaults to a ``TrainerClient`` on the in-cluster service account
     (or ``~/.kube/config``) for that namespace; one client per namespace, made on first use.

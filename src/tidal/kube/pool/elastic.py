@@ -1,7 +1,7 @@
 """The elastic rollout-worker pool (``worker_pool=elastic``): one Deployment per run, scaled by KEDA.
 
 Instead of a fixed set of rollout-worker tasks in every round, the ``worker_pool`` step creates, once per
-run, a Deployment of rollout-worker pods (:mod:`tidal.kube.pool_worker` is their entry) and a KEDA
+run, a Deployment of rollout-worker pods (:mod:`tidal.kube.pool.pod_entry` is their entry) and a KEDA
 ``ScaledObject`` that sizes it from the WORK stream: KEDA's ``nats-jetstream`` scaler reads the
 ``workers`` consumer's pending plus unacknowledged items from nats-server's monitoring port and asks for
 ``ceil(lag / lagThreshold)`` pods, between the pool's minimum and maximum.
@@ -23,10 +23,9 @@ from pathlib import Path
 from kubernetes import client as k8s
 
 from tidal.kube import cluster
-from tidal.kube.cluster import AcceleratorProfile, Toleration
-from tidal.kube.staging import DEFAULT_TERMINATION_GRACE_S
-from tidal.kube.step_records import PipelineStepError, StepRecords
-from tidal.kube.trainer_job import POD_ANNOTATIONS, STRICT, name_violations, reward_key_env, secret_env, trainer_pod_security
+from tidal.kube.cluster import DEFAULT_TERMINATION_GRACE_S, AcceleratorProfile, Toleration
+from tidal.kube.steps.records import PipelineStepError, StepRecords
+from tidal.kube.trainer.shared import POD_ANNOTATIONS, STRICT, name_violations, reward_key_env, secret_env, trainer_pod_security
 from tidal.rundir import RunDir
 
 KEDA_GROUP, KEDA_VERSION, KEDA_PLURAL = "keda.sh", "v1alpha1", "scaledobjects"
@@ -156,7 +155,7 @@ def pool_env() -> list[k8s.V1EnvVar]:
 def pool_command(spec: PoolSpec) -> list[str]:
     """The container's entry is the pool worker itself (no shell between): it is PID 1 and gets the pod's SIGTERM.
     ``python3``: the interpreter's name in every Tidal image (the CUDA image's venv, python:3.11-slim, vllm-ascend's)."""
-    return ["python3", "-m", "tidal.kube.pool_worker", "--config", spec.config_path, "--run-dir", spec.run_dir]
+    return ["python3", "-m", "tidal.kube.pool.pod_entry", "--config", spec.config_path, "--run-dir", spec.run_dir]
 
 
 def preferred_node_affinity(labels: dict[str, str]) -> k8s.V1Affinity | None:
@@ -174,7 +173,8 @@ def build_deployment(spec: PoolSpec) -> dict:
     limits = {"memory": spec.memory}
     if spec.profile.has_accelerator and spec.accelerators > 0:
         resources[spec.profile.resource] = limits[spec.profile.resource] = str(spec.accelerators)
-    pod_labels = pool_labels(spec) | ({cluster.QUEUE_LABEL: spec.queue_name} if spec.queue_name else {})
+    queue_label = {cluster.QUEUE_LABEL: spec.queue_name} if spec.queue_name else {}
+    pod_labels = pool_labels(spec) | queue_label
     tolerations = [*spec.profile.tolerations, *spec.tolerations]
     container = k8s.V1Container(
         name=CONTAINER,
@@ -206,7 +206,8 @@ def build_deployment(spec: PoolSpec) -> dict:
     deployment = k8s.V1Deployment(
         api_version="apps/v1",
         kind="Deployment",
-        metadata=metadata(spec),
+        # Kueue's Deployment integration reads the queue from the Deployment's own labels, its pod integration from the pods'
+        metadata={**metadata(spec), "labels": metadata(spec)["labels"] | queue_label},
         spec=k8s.V1DeploymentSpec(
             replicas=spec.min_workers,
             revision_history_limit=1,
@@ -357,10 +358,10 @@ def delete_pool(run: RunDir, api_client=None) -> list[str]:
         return []
     record = StepRecords(run).read(path)
     namespace, name = record["namespace"], record["name"]
-    from tidal.kube.trainer_launch import is_not_found
+    from tidal.kube.in_cluster import is_not_found
 
     if api_client is None:
-        from tidal.kube.trainer_job import cluster_api_client
+        from tidal.kube.in_cluster import cluster_api_client
 
         api_client = cluster_api_client()
     apps, custom = k8s.AppsV1Api(api_client), k8s.CustomObjectsApi(api_client)
@@ -379,6 +380,6 @@ def delete_pool(run: RunDir, api_client=None) -> list[str]:
 
 
 def step_pod_name() -> str:
-    from tidal.kube.trainer_launch import POD_NAME_ENV
+    from tidal.kube.in_cluster import POD_NAME_ENV
 
     return next((os.environ[k] for k in POD_NAME_ENV if os.environ.get(k)), "")

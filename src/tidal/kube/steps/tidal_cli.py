@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tidal.kube.step_records import PipelineStepError
+from tidal.kube.steps.records import PipelineStepError
 
 
 def tidal_executable() -> list[str]:

@@ -17,10 +17,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidal.kube import cluster, core_hooks
-from tidal.kube.pod_sandbox import as_separate_pod
-from tidal.kube.step_records import PipelineStepError, StepRecords
-from tidal.kube.verbs import nats_url_of, run_command, tidal_executable, torchrun_executable
+from tidal.kube import cluster
+from tidal.kube.in_cluster import POD_NAME_ENV, POD_UID_ENV, current_namespace, is_not_found
+from tidal.kube.steps import run_state
+from tidal.kube.steps.pod_sandbox import as_separate_pod
+from tidal.kube.steps.records import PipelineStepError, StepRecords
+from tidal.kube.steps.tidal_cli import nats_url_of, run_command, tidal_executable, torchrun_executable
 from tidal.rundir import RunDir
 
 
@@ -116,7 +118,7 @@ def record_run_failed(run: RunDir, config_path: str, round_index: int, reason: B
     """Best effort: the step is failing anyway; a NATS error here must not hide the original one."""
     print(f"round {round_index}: the trainer failed ({type(reason).__name__}: {reason}); marking the run failed", flush=True)
     try:
-        core_hooks.mark_run_failed(run, config_path, round_index)
+        run_state.mark_run_failed(run, config_path, round_index)
     except Exception as err:
         print(f"could not mark the run failed in the KV bucket: {err}", flush=True)
 
@@ -126,7 +128,7 @@ def train_round_as_job(
 ) -> None:
     """``policy_api_client``: where the job's NetworkPolicy is created (default: the cluster's, when ``job_backend``
     is too; a test's backend runs no pods that could rendezvous)."""
-    from tidal.kube.trainer_job import TrainerJobSpec, create_rendezvous_network_policy, run_trainer_job
+    from tidal.kube.trainer.shared import TrainerJobSpec, create_rendezvous_network_policy, run_trainer_job
 
     pod = launcher_pod()
     name = trainer_job_name(placement.pipeline_job_id or run.root.name, round_index, attempt_suffix(pod))
@@ -158,13 +160,13 @@ def train_round_as_job(
 
 def check_trainer_backend(kind: str, api_client=None) -> None:
     """At prepare, before anything is staged: a TrainJob needs Kubeflow Trainer >= v2.2 and its torch-distributed
-    runtime (:func:`tidal.kube.trainjob.check_trainer_installed`); the other backends are checked when used."""
+    runtime (:func:`tidal.kube.trainer.trainjob.check_trainer_installed`); the other backends are checked when used."""
     if kind != "trainjob":
         return
     from kubernetes import client as k8s
 
-    from tidal.kube.trainer_job import cluster_api_client
-    from tidal.kube.trainjob import check_trainer_installed
+    from tidal.kube.in_cluster import cluster_api_client
+    from tidal.kube.trainer.trainjob import check_trainer_installed
 
     api_client = api_client or cluster_api_client()
     check_trainer_installed(k8s.ApiextensionsV1Api(api_client), k8s.CustomObjectsApi(api_client))
@@ -172,10 +174,10 @@ def check_trainer_backend(kind: str, api_client=None) -> None:
 
 def default_job_backend(kind: str, start_timeout_s: int = 3600):
     if kind == "trainjob":
-        from tidal.kube.trainjob import TrainJobBackend
+        from tidal.kube.trainer.trainjob import TrainJobBackend
 
         return TrainJobBackend(start_timeout_s=start_timeout_s)
-    from tidal.kube.pytorchjob import PyTorchJobBackend
+    from tidal.kube.trainer.pytorchjob import PyTorchJobBackend
 
     return PyTorchJobBackend(start_timeout_s=start_timeout_s)
 
@@ -210,17 +212,6 @@ def delete_trainer_jobs(run: RunDir, job_backend=None) -> list[str]:
     return done
 
 
-def is_not_found(err: BaseException) -> bool:
-    """A Kubernetes 404, also when an SDK wrapped it (TrainingClient and TrainerClient raise RuntimeError from the ApiException)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if getattr(err, "status", None) == 404:
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
 # ---------------------------------------------------------------- job naming and ownership
 
 
@@ -236,10 +227,6 @@ def trainer_job_name(run_name: str, round_index: int, attempt: str = "") -> str:
     return ("tidal-" + slug)[: MAX_JOB_NAME - len(suffix)].rstrip("-") + suffix
 
 
-POD_NAME_ENV = ("TIDAL_POD_NAME", "KFP_POD_NAME")
-POD_UID_ENV = ("TIDAL_POD_UID", "KFP_POD_UID")
-
-
 def launcher_pod() -> tuple[str, str] | None:
     """``(name, uid)`` of this step's pod from the downward API (set on the train step), else None."""
     name = next((os.environ[k] for k in POD_NAME_ENV if os.environ.get(k)), "")
@@ -252,8 +239,3 @@ def attempt_suffix(pod: tuple[str, str] | None) -> str:
     if pod is not None:
         return pod[1].replace("-", "")[:5].lower()
     return secrets.token_hex(3)[:5]
-
-
-def current_namespace() -> str:
-    path = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-    return path.read_text().strip() if path.is_file() else "tidal"

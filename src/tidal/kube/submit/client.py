@@ -23,6 +23,7 @@ import io
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 import warnings
@@ -32,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from tidal.kube import cluster
-from tidal.kube.gate import FINAL_STATES, NOT_FOLLOWED, Outcome, Requirement, check_requirements, outcome_dict, outcome_markdown
-from tidal.kube.pipeline import compile_pipeline
+from tidal.kube.pipeline.definition import compile_pipeline
+from tidal.kube.submit.gate import FINAL_STATES, NOT_FOLLOWED, Outcome, Requirement, check_requirements, outcome_dict, outcome_markdown
 
 
 class SubmitError(RuntimeError):
@@ -169,7 +170,7 @@ def pipeline_arguments(config_path: str, params: dict[str, Any]) -> dict[str, An
     except ConfigError as err:
         raise SubmitError(str(err)) from None
     from tidal.kube import cluster
-    from tidal.kube.staging import served_reward_problem
+    from tidal.kube.steps.staging import served_reward_problem
 
     problem = served_reward_problem(config, set(cluster.REWARD_SECRET_ENV.values()))  # what prepare would refuse, before submitting
     if problem:
@@ -265,6 +266,7 @@ def submit_run(
     client = client or kfp_client_from_env(resolved_host)
     with tempfile.TemporaryDirectory() as tmp:
         package = compile_pipeline(Path(tmp) / "tidal-pipeline.yaml", accelerator=accelerator, image=image, queue_name=queue_name)
+        check_backend_of(client, resolved_host, package)
         # kfp prints its own "Experiment details: / Run details:" links (to the API host, not KFP_UI_HOST): the
         # caller prints the run's link, so stdout starts with it
         with kfp_api_calls(resolved_host, "creating the run"), contextlib.redirect_stdout(io.StringIO()):
@@ -277,6 +279,22 @@ def submit_run(
                 enable_caching=False,
             )
     return SubmittedRun(run_id=result.run_id, url=run_url(resolved_host, result.run_id), client=client)
+
+
+def check_backend_of(client: Any, host: str, package: Path) -> None:
+    """Before anything is created: the backend's version (its healthz) against the floor; a note for what it drops."""
+    import yaml
+
+    from tidal.kube.submit.backend import BackendTooOld, check_backend, reported_version
+
+    with kfp_api_calls(host, "reading its version"):
+        version = reported_version(client)
+    try:
+        notes = check_backend(version, list(yaml.safe_load_all(package.read_text())))
+    except BackendTooOld as err:
+        raise SubmitError(str(err)) from None
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- --wait: follow the run, read its final metrics
@@ -345,7 +363,7 @@ class MlflowRun:
 def pipeline_mlflow_run(tracking_uri: str, kfp_run_id: str, mlflow_ui_url: str = "") -> MlflowRun | None:
     """The MLflow parent run that the pipeline's prepare step opened for this KFP run (``parent_run.open_parent_run``
     tags it ``kfp.run_id`` and ``tidal.role=pipeline``); None when there is none."""
-    from tidal.kube.parent_run import RunLinks, mlflow_ui_base
+    from tidal.kube.steps.parent_run import RunLinks, mlflow_ui_base
     from tidal.tracking import find_run, run_page_url
 
     if not re.fullmatch(r"[\w.-]+", kfp_run_id):

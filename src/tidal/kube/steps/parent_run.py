@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tidal import tracking
 from tidal.kube import cluster
-from tidal.kube.step_records import PipelineStepError, StepRecords
+from tidal.kube.steps.records import PipelineStepError, StepRecords
 from tidal.rundir import RunDir
 
 

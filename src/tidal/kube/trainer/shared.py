@@ -1,6 +1,6 @@
 """A round's trainer as a Kubernetes job, whichever kind runs it: what both kinds share.
 
-:mod:`tidal.kube.pytorchjob` (Training Operator v1) and :mod:`tidal.kube.trainjob` (Kubeflow
+:mod:`tidal.kube.trainer.pytorchjob` (Training Operator v1) and :mod:`tidal.kube.trainer.trainjob` (Kubeflow
 Trainer v2) build different objects around the same trainer pod, from the same spec:
 
 - :class:`TrainerJobSpec`: everything that varies between trainer jobs (the rest comes from
@@ -186,20 +186,11 @@ def rendezvous_network_policy(spec: TrainerJobSpec) -> dict:
     }
 
 
-def cluster_api_client() -> k8s.ApiClient:
-    """The pod's service account on a cluster, else ``~/.kube/config`` (as ``TrainerClient`` connects)."""
-    from kubernetes import config
-
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return k8s.ApiClient()
-
-
 def create_rendezvous_network_policy(spec: TrainerJobSpec, api_client=None) -> None:
     """Creates the job's NetworkPolicy before the job, so its pods can rendezvous from their start."""
     if api_client is None:
+        from tidal.kube.in_cluster import cluster_api_client
+
         api_client = cluster_api_client()
     k8s.NetworkingV1Api(api_client).create_namespaced_network_policy(spec.namespace, rendezvous_network_policy(spec), field_validation="Strict")
 

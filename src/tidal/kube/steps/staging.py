@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.kube import cluster
-from tidal.kube.step_records import PipelineStepError, StepRecords
+from tidal.kube.cluster import DEFAULT_TERMINATION_GRACE_S
+from tidal.kube.steps.records import PipelineStepError, StepRecords
 from tidal.rundir import RunDir
 
 
@@ -59,14 +60,11 @@ class PipelineKnobs:
 
 
 WORKER_POOLS = ("fixed", "elastic")
-DEFAULT_TERMINATION_GRACE_S = 120
-"""How long a preempted or scaled-down pool pod may take to stop: its worker hands back its work items and
-shuts its engine down (a spot node's notice is often 30 s to 2 min)."""
 
 
 @dataclass(frozen=True)
 class PoolSettings:
-    """The run form's settings of an elastic worker pool (:mod:`tidal.kube.worker_pool`)."""
+    """The run form's settings of an elastic worker pool (:mod:`tidal.kube.pool.elastic`)."""
 
     min_workers: int = 1
     max_workers: int = 0
@@ -136,7 +134,7 @@ def stage_config(run: RunDir, config_yaml: str, config_path: str, overrides: lis
 def pipeline_worker_env() -> set[str]:
     """The variables a served reward's ``api_key_env`` may name in the pipeline: what the compiled worker pods get from
     Secret tidal-rewards; under ``--via kfp-local`` the workers are processes of this machine, with its environment."""
-    from tidal.kube.pod_sandbox import POD_SANDBOX_ENV
+    from tidal.kube.steps.pod_sandbox import POD_SANDBOX_ENV
 
     return set(cluster.REWARD_SECRET_ENV.values()) | (set(os.environ) if os.environ.get(POD_SANDBOX_ENV) else set())
 

@@ -2,15 +2,15 @@
 
 Three layers, each usable alone:
 
-- :func:`build_pytorchjob` turns a :class:`~tidal.kube.trainer_job.TrainerJobSpec` into the SDK's
+- :func:`build_pytorchjob` turns a :class:`~tidal.kube.trainer.shared.TrainerJobSpec` into the SDK's
   typed ``KubeflowOrgV1PyTorchJob`` (a misspelled field is a ``TypeError`` there), around the
-  trainer pod every job kind shares (:mod:`tidal.kube.trainer_job`);
+  trainer pod every job kind shares (:mod:`tidal.kube.trainer.shared`);
 - :func:`check_webhook_rules` applies the operator's admission-webhook rules and
   :func:`schema_violations` checks the serialized object strictly
   against a schema made from the SDK's models and Kubernetes' own pod schema,
   so a job that the API server would reject fails here, offline;
-- :class:`PyTorchJobBackend` implements :class:`~tidal.kube.trainer_job.TrainerJobBackend`
-  with ``TrainingClient`` (:class:`tidal.kube.trainjob.TrainJobBackend`, Kubeflow Trainer v2,
+- :class:`PyTorchJobBackend` implements :class:`~tidal.kube.trainer.shared.TrainerJobBackend`
+  with ``TrainingClient`` (:class:`tidal.kube.trainer.trainjob.TrainJobBackend`, Kubeflow Trainer v2,
   with ``TrainerClient``).
 
 Training Operator v1 is deprecated: PyTorchJob stays for clusters that run it; new clusters use TrainJob.
@@ -29,7 +29,7 @@ from kubeflow.training.api_client import ApiClient
 from kubernetes import client as k8s
 
 from tidal.kube import cluster
-from tidal.kube.trainer_job import (
+from tidal.kube.trainer.shared import (
     POD_ANNOTATIONS,
     STRICT,
     JobOutcome,

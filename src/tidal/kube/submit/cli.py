@@ -18,6 +18,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "compile", help="write the Kubeflow pipeline YAML", description="Compile Tidal's KFP pipeline for one accelerator profile."
     )
     compile_parser.add_argument("--output", "-o", required=True, help="where to write the pipeline YAML")
+    compile_parser.add_argument(
+        "--check-backend",
+        default=None,
+        metavar="VERSION",
+        help="refuse (exit 2) if a KFP backend of this version (e.g. 2.5.0) cannot run the compiled pipeline; note what it drops",
+    )
     add_profile_arguments(compile_parser)
     compile_parser.set_defaults(func=compile_command)
 
@@ -99,16 +105,28 @@ def _find_spec(util, module: str):
 
 def compile_command(args: argparse.Namespace) -> int:
     require_kube_extra()
-    from tidal.kube.pipeline import compile_pipeline
+    from tidal.kube.pipeline.definition import compile_pipeline
 
     path = compile_pipeline(args.output, accelerator=args.accelerator, image=args.image, queue_name=args.queue_name)
     print(f"wrote {path}")
+    if args.check_backend is not None:
+        import yaml
+
+        from tidal.kube.submit.backend import BackendTooOld, check_backend
+
+        try:
+            notes = check_backend(args.check_backend, list(yaml.safe_load_all(path.read_text())))
+        except BackendTooOld as err:
+            print(f"tidal compile: {err}", file=sys.stderr)
+            return 2
+        for note in notes:
+            print(f"note: {note}")
     return 0
 
 
 def submit_command(args: argparse.Namespace) -> int:
     require_kube_extra()
-    from tidal.kube.submit import SubmitError, follow_submitted, kfp_host, parse_params, submit_run, submitted_only, write_outcome
+    from tidal.kube.submit.client import SubmitError, follow_submitted, kfp_host, parse_params, submit_run, submitted_only, write_outcome
 
     try:
         params = parse_params(args.param)
@@ -147,8 +165,8 @@ def gate_options(args: argparse.Namespace, params: dict):
     """The ``--wait`` options, checked before anything is submitted; None without ``--wait``."""
     import os
 
-    from tidal.kube.gate import RequirementError, parse_requirement
-    from tidal.kube.submit import POLL_SECONDS, GateOptions, SubmitError
+    from tidal.kube.submit.client import POLL_SECONDS, GateOptions, SubmitError
+    from tidal.kube.submit.gate import RequirementError, parse_requirement
 
     if not args.wait:
         given = [
@@ -175,7 +193,7 @@ def gate_options(args: argparse.Namespace, params: dict):
 def run_via_kfp_local(config_path: str, run_dir: str, overrides: list[str]) -> int:
     """``tidal run --via kfp-local``: the whole pipeline with kfp.local's SubprocessRunner."""
     require_kube_extra()
-    from tidal.kube.kfp_local import KfpLocalError, run_pipeline_locally
+    from tidal.kube.submit.kfp_local import KfpLocalError, run_pipeline_locally
 
     try:
         run_pipeline_locally(config_path, run_dir, overrides)

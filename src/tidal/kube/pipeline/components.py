@@ -1,6 +1,6 @@
 """KFP v2 lightweight components, one per pipeline step.
 
-Each body imports :mod:`tidal.kube.steps` (the train step: :mod:`tidal.kube.trainer_launch`; Tidal is
+Each body imports :mod:`tidal.kube.steps` (the train step: :mod:`tidal.kube.trainer.launch`; Tidal is
 installed in the image: no per-task pip install, ``install_kfp_package=False``) and calls one step. The
 image here is a placeholder: :func:`tidal.kube.pipeline.compile_pipeline`
 writes the image of the chosen accelerator profile into the compiled YAML.
@@ -45,7 +45,7 @@ def prepare(
     link (artifact ``mlflow_run``)."""
     from collections import namedtuple
 
-    from tidal.kube import parent_run, staging, steps
+    from tidal.kube.steps import parent_run, run_start, staging
 
     knobs = staging.PipelineKnobs(
         rounds=rounds,
@@ -60,7 +60,7 @@ def prepare(
         overrides=overrides,
     )
     links = parent_run.RunLinks(kfp_ui_url=kfp_ui_url, mlflow_ui_url=mlflow_ui_url)
-    run = steps.prepare(
+    run = run_start.prepare(
         config_yaml=config_yaml,
         config_path=config_path,
         run_dir=run_dir,
@@ -99,8 +99,8 @@ def worker_pool(
 ):
     """worker_pool=elastic: the run's rollout-worker Deployment and its KEDA ScaledObject (scaled on the WORK stream);
     fixed: nothing (each round runs its own rollout-worker tasks)."""
-    from tidal.kube import steps
-    from tidal.kube.staging import PoolSettings
+    from tidal.kube.pool import elastic_step
+    from tidal.kube.steps.staging import PoolSettings
 
     settings = PoolSettings(
         min_workers=min_workers,
@@ -111,7 +111,7 @@ def worker_pool(
         toleration_key=toleration_key,
         termination_grace_s=termination_grace_s,
     )
-    steps.start_worker_pool(
+    elastic_step.start_worker_pool(
         worker_pool=worker_pool,
         run_dir=run_dir,
         config_path=config_path,
@@ -129,17 +129,17 @@ def worker_pool(
 @component
 def open_round(run_dir: str, config_path: str, round_index: int, job_id: str):
     """Take the round lease (the previous round must have ended), set the KV run state to 'running round N'."""
-    from tidal.kube import steps
+    from tidal.kube.steps import rounds
 
-    steps.open_round(run_dir=run_dir, config_path=config_path, round_index=int(round_index), job_id=job_id)
+    rounds.open_round(run_dir=run_dir, config_path=config_path, round_index=int(round_index), job_id=job_id)
 
 
 @component
 def rollout_worker(run_dir: str, config_path: str, lane: str, round_index: int):
     """One long-running rollout worker; exits when the round is over."""
-    from tidal.kube import steps
+    from tidal.kube.pool import fixed as fixed_pool
 
-    steps.rollout_worker(run_dir=run_dir, config_path=config_path, lane=lane, round_index=int(round_index))
+    fixed_pool.rollout_worker(run_dir=run_dir, config_path=config_path, lane=lane, round_index=int(round_index))
 
 
 @component
@@ -163,7 +163,7 @@ def train(
 ):
     """The round's trainer: a TrainJob or PyTorchJob (waited for, logs streamed) or, locally, the trainer role itself.
     On any failure it marks the run failed (the round's workers stop) and deletes the job."""
-    from tidal.kube import trainer_launch
+    from tidal.kube.trainer import launch as trainer_launch
 
     placement = trainer_launch.TrainerPlacement(
         backend=backend,
@@ -187,18 +187,18 @@ def weight_sync(run_dir: str, round_index: int) -> NamedTuple("Synced", version=
     """Verify and publish the round's checkpoint: move `latest`, log it to MLflow."""
     from collections import namedtuple
 
-    from tidal.kube import steps
+    from tidal.kube.steps import rounds
 
-    synced = steps.weight_sync(run_dir=run_dir, round_index=int(round_index))
+    synced = rounds.weight_sync(run_dir=run_dir, round_index=int(round_index))
     return namedtuple("Synced", ["version", "weights_path"])(synced.version, synced.path)
 
 
 @component
 def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int, job_id: str, metrics: dsl.Output[dsl.Metrics]) -> float:
     """Held-out accuracy of the round's checkpoint, to MLflow and as KFP metrics; releases the round lease."""
-    from tidal.kube import steps
+    from tidal.kube.steps import rounds
 
-    values = steps.evaluate(run_dir=run_dir, config_path=config_path, weights_path=weights_path, round_index=int(round_index), job_id=job_id)
+    values = rounds.evaluate(run_dir=run_dir, config_path=config_path, weights_path=weights_path, round_index=int(round_index), job_id=job_id)
     for name, value in values.items():
         metrics.log_metric(name, value)
     return float(values.get("accuracy", next(iter(values.values()))))
@@ -207,9 +207,9 @@ def evaluate(run_dir: str, config_path: str, weights_path: str, round_index: int
 @component
 def register_model(run_dir: str, registered_model_name: str) -> str:
     """Register the final checkpoint in the MLflow model registry; returns the model version."""
-    from tidal.kube import steps
+    from tidal.kube.steps import run_end
 
-    return steps.register_model(run_dir=run_dir, registered_model_name=registered_model_name)
+    return run_end.register_model(run_dir=run_dir, registered_model_name=registered_model_name)
 
 
 @component
@@ -217,8 +217,8 @@ def finalize(run_dir: str, job_id: str, namespace: str, run_metrics: dsl.Output[
     """The exit handler (runs after success, failure or cancellation): the run's final held-out metrics as a
     KFP metrics artifact at the top of the run, then delete leftover trainer jobs, end the MLflow run as
     FINISHED or FAILED, delete the run's NATS streams and KV bucket."""
-    from tidal.kube import steps
+    from tidal.kube.steps import rounds, run_end
 
-    for name, value in steps.final_metrics(run_dir=run_dir, job_id=job_id).items():
+    for name, value in rounds.final_metrics(run_dir=run_dir, job_id=job_id).items():
         run_metrics.log_metric(name, value)
-    return "\n".join(steps.finalize_run(run_dir=run_dir, job_id=job_id, namespace=namespace))
+    return "\n".join(run_end.finalize_run(run_dir=run_dir, job_id=job_id, namespace=namespace))

@@ -78,7 +78,7 @@ def separate_pods():
     """Every step runs with its own HOME, cache and working directory, removed when it ends (as a pod's
     file system is), so a step that leaves something outside the run directory for a later one fails
     here as it would on a cluster. ``TIDAL_KFP_LOCAL_SHARED_HOME=1`` turns this off."""
-    from tidal.kube.pod_sandbox import POD_SANDBOX_ENV
+    from tidal.kube.steps.pod_sandbox import POD_SANDBOX_ENV
 
     if os.environ.get("TIDAL_KFP_LOCAL_SHARED_HOME") == "1":
         yield
@@ -99,7 +99,7 @@ def run_pipeline_locally(config_path: str, run_dir: str, overrides: list[str]) -
     """Run the whole pipeline; returns the run directory. Raises :class:`KfpLocalError` on failure."""
     from kfp import local
 
-    from tidal.kube.pipeline import build_pipeline
+    from tidal.kube.pipeline.definition import build_pipeline
     from tidal.rundir import RunDir
     from tidal.tracking import local_store_uri
     from tidal.transport.server import EmbeddedNats
