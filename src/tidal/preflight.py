@@ -3,6 +3,8 @@ line, within seconds (no warm start, no model weights loaded). The launcher runs
 
 from __future__ import annotations
 
+import functools
+
 from tidal.config import TidalConfig
 from tidal.data import Dataset, DatasetError, Problem, load_dataset, prompt_encoder
 from tidal.rewards import check_reward_names
@@ -73,9 +75,16 @@ def prompt_tokenizer(cfg: TidalConfig):
         from tidal.model.tiny import build_char_tokenizer
 
         return build_char_tokenizer()
+    return tokenizer_of(cfg.model.name_or_path)
+
+
+@functools.lru_cache(maxsize=2)
+def tokenizer_of(path: str):
+    """A model's tokenizer, loaded once per process: the launcher checks prompts against it before the
+    warm start (model.name_or_path) and after it (the base model, the same path when nothing warm-starts)."""
     from tidal.model.loading import load_tokenizer
 
-    return load_tokenizer(cfg.model.name_or_path)
+    return load_tokenizer(path)
 
 
 def check_prompt_lengths(cfg: TidalConfig, dataset: Dataset) -> None:

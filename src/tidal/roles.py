@@ -308,9 +308,9 @@ def check_prompt_settings(cfg: TidalConfig, base_model: str | Path) -> None:
     """data.prompt_template / chat_template against the model's tokenizer, once, before any worker
     starts (a tokenizer without a chat template is a DatasetError naming the key)."""
     from tidal.data import prompt_encoder
-    from tidal.model.loading import load_tokenizer
+    from tidal.preflight import tokenizer_of
 
-    prompt_encoder(load_tokenizer(base_model), cfg.data)("1+1=")
+    prompt_encoder(tokenizer_of(str(base_model)), cfg.data)("1+1=")
 
 
 def run_async(coro):
