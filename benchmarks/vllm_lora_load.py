@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from tidal.config import config_from_dict, load_config
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 from tidal.model.lora import adapter_config, adapter_state_dict, apply_lora
 from tidal.model.probe import make_probe, probe_difference, probe_logprobs
-from tidal.model.tiny import build_char_tokenizer, build_tiny_model
 from tidal.weights import WeightStore
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "arithmetic-lora.yaml"

@@ -47,9 +47,9 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from tidal.config import LoraConfig, TinyModelConfig, TrainerConfig  # noqa: E402
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from tidal.model.lora import adapter_config, apply_lora  # noqa: E402
 from tidal.model.probe import make_probe  # noqa: E402
-from tidal.model.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from tidal.protocol import Group, Sample  # noqa: E402
 from tidal.trainer.boundary import publish_weights  # noqa: E402
 from tidal.trainer.checkpoint import optimizer_snapshot  # noqa: E402

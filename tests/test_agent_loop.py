@@ -15,8 +15,8 @@ import torch
 from tests.conftest import eos_prone
 from tests.conftest import mask_runs as runs
 from tidal.config import TrainerConfig, config_from_dict
+from tidal.demo.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
 from tidal.envs import Environment, Trajectory
-from tidal.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
 from tidal.protocol import WorkItem, decode_group, pack
 from tidal.rewards import RewardScorer
 from tidal.roles import group_limits

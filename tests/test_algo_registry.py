@@ -142,7 +142,7 @@ def test_algo_imports_only_torch_and_the_standard_library():
 
 def test_token_logprobs_live_in_algo_and_the_packing_module_reuses_them():
     from tidal.algo.logprobs import token_logprobs_from_logits
-    from tidal.model import packing
+    from tidal.trainer import packing
 
     assert tidal.algo.token_logprobs_from_logits is token_logprobs_from_logits is packing.token_logprobs_from_logits
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tidal.config import config_from_dict
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 from tidal.model.probe import (
     DTYPE_TOLERANCE,
     HF_TOLERANCE,
@@ -24,7 +25,6 @@ from tidal.model.probe import (
     sample_responses,
     trainer_compute_dtypes,
 )
-from tidal.model.tiny import build_char_tokenizer, build_tiny_model
 from tidal.rollout.arrival import compare_probe
 from tidal.rollout.vllm_args import serving_dtype
 from tidal.weights import WeightsDidNotArriveError

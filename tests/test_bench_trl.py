@@ -25,7 +25,7 @@ from tidal.bench.versus_trl import (
 )
 from tidal.config import config_from_dict
 from tidal.data import load_dataset, prompts_for_iteration
-from tidal.model.warm_start import prepare_base_model
+from tidal.demo.warm_start import prepare_base_model
 from tidal.rewards import RewardScorer
 
 ARITHMETIC = {  # examples/arithmetic.yaml's RL settings
@@ -300,7 +300,7 @@ def test_trl_accepts_the_tiny_tokenizer_only_with_the_benchs_templates_and_parse
     from trl.chat_template_utils import is_chat_template_prefix_preserving, parse_response, supports_tool_calling
 
     from tidal.bench.versus_trl import prepare_tokenizer
-    from tidal.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer
+    from tidal.demo.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer
 
     saved = build_char_tokenizer()
     saved.chat_template = TOOL_CHAT_TEMPLATE  # what the warm start saves: calls live in the text, tool_calls are not rendered
@@ -326,8 +326,8 @@ def test_trl_gets_tidals_tool_with_its_schema_error_texts_and_observation_cut():
     from transformers.utils import get_json_schema
 
     from tidal.bench.versus_trl import agent_loop, prepare_tokenizer, trl_tools
+    from tidal.demo.tiny import build_char_tokenizer
     from tidal.envs import resolve_tool
-    from tidal.model.tiny import build_char_tokenizer
 
     tok = prepare_tokenizer(calculator(), build_char_tokenizer())
     (calc,) = trl_tools(calculator(), tok)

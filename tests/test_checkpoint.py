@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from tidal.config import config_from_dict
 from tidal.data import load_dataset
-from tidal.model.warm_start import prepare_base_model
+from tidal.demo.warm_start import prepare_base_model
 from tidal.protocol import Group, Sample
 from tidal.roles import build_learner
 from tidal.rundir import RunDir, latest_checkpoint, shard_name, versioned_shard_name

@@ -194,7 +194,7 @@ def test_periodic_trainer_fails_loudly_on_a_stale_group(tmp_path, tiny_config, n
     import numpy as np
 
     from tidal.data import load_dataset, prompts_for_iteration
-    from tidal.model.warm_start import prepare_base_model
+    from tidal.demo.warm_start import prepare_base_model
     from tidal.protocol import Group, Sample
     from tidal.roles import build_learner, group_limits
     from tidal.rundir import RunDir
@@ -241,7 +241,7 @@ def test_a_rejected_group_of_an_expected_prompt_is_asked_for_again_and_the_itera
     import numpy as np
 
     from tidal.data import load_dataset
-    from tidal.model.warm_start import prepare_base_model
+    from tidal.demo.warm_start import prepare_base_model
     from tidal.protocol import Group, Sample, decode_work_item
     from tidal.roles import build_learner, group_limits
     from tidal.rundir import RunDir

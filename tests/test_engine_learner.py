@@ -9,7 +9,7 @@ import torch
 from tests.conftest import eos_prone
 from tidal.algo import token_logprobs_from_logits
 from tidal.config import TinyModelConfig, TrainerConfig
-from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 from tidal.rollout.engine import GroupRequest, HFEngine, group_generator
 from tidal.trainer.learner import Learner
 

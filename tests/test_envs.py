@@ -10,6 +10,7 @@ from transformers.utils import get_json_schema
 
 from tidal.config import BUILT_IN_ENVIRONMENTS, BUILT_IN_TOOL_PARSERS, BUILT_IN_TOOLS, ConfigError, config_from_dict
 from tidal.data import Problem
+from tidal.demo.tiny import build_char_tokenizer
 from tidal.envs import (
     BUILT_IN_TOOLS as REGISTERED_TOOLS,
 )
@@ -29,7 +30,6 @@ from tidal.envs import (
     tool,
 )
 from tidal.envs.base import BUILT_IN_ENVIRONMENTS as REGISTERED_ENVIRONMENTS
-from tidal.model.tiny import build_char_tokenizer
 from tidal.preflight import check_environment
 
 # --- tools used by the tests (importable as tests.test_envs:NAME) ------------------------------

@@ -27,7 +27,7 @@ def closed_port_url() -> str:
 
 def cache_a_hub_model(hf_home: Path, tiny: dict) -> None:
     """The tiny model and its tokenizer saved where a download of REPO_ID would be."""
-    from tidal.model.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+    from tidal.demo.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
     repo = hf_home / "hub" / f"models--{REPO_ID.replace('/', '--')}"
     snapshot = repo / "snapshots" / REVISION

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tidal.data import load_dataset
-from tidal.model.warm_start import prepare_base_model
+from tidal.demo.warm_start import prepare_base_model
 from tidal.protocol import Group, Sample, WorkItem
 from tidal.roles import build_learner
 from tidal.rundir import RunDir, latest_checkpoint

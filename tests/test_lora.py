@@ -15,9 +15,9 @@ from tests.conftest import run_cli
 from tidal.algo import grpo_advantages, kl_estimate, token_logprobs_from_logits
 from tidal.config import ConfigError, LoraConfig, TinyModelConfig, TrainerConfig, config_from_dict
 from tidal.config.schema import vllm_max_lora_rank
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 from tidal.model.lora import adapter_config, adapter_state_dict, apply_lora
 from tidal.model.probe import make_probe, probe_logprobs
-from tidal.model.tiny import build_char_tokenizer, build_tiny_model
 from tidal.protocol import Group, Sample
 from tidal.rollout.arrival import check_arrival
 from tidal.rollout.engine import HFEngine
@@ -156,8 +156,8 @@ def test_the_reference_is_the_base_with_the_adapter_disabled_not_a_copy():
     assert learner.step()["kl"] == 0.0  # the adapter starts at zero: the policy is the base
     learner.train_on_group(group)
     assert learner.step()["kl"] > 0.0
-    from tidal.model.packing import naive_token_logprobs
     from tidal.trainer.learner import as_packing_group
+    from tidal.trainer.packing import naive_token_logprobs
 
     reference = learner._reference_logprobs([as_packing_group(group)])[0]
     with torch.no_grad():
@@ -212,8 +212,8 @@ def test_several_updates_per_iteration_keep_the_old_policy_as_a_second_adapter_n
     """updates_per_iteration 2: the old policy is a frozen second adapter on the same base, set from the
     trained adapter at each iteration's start; its log-probs are those of the adapter at that start."""
     from tidal.model.lora import load_adapter_state_dict
-    from tidal.model.packing import naive_token_logprobs
     from tidal.trainer.learner import as_packing_group
+    from tidal.trainer.packing import naive_token_logprobs
 
     model, base, tok = lora_model()
     base_numel = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)

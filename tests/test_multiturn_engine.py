@@ -13,7 +13,7 @@ import torch
 from tests.conftest import eos_prone
 from tidal.algo import token_logprobs_from_logits
 from tidal.config import TinyModelConfig, TrainerConfig
-from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 from tidal.protocol import Group, GroupLimits, Sample, decode_group, pack
 from tidal.rollout.engine import GroupRequest, HFEngine, group_generator
 from tidal.rollout.trajectory import Turn

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from tests.conftest import read_jsonl, run_cli
 from tidal.config import config_from_dict, load_config
 from tidal.data import load_dataset
-from tidal.model.warm_start import prepare_base_model
+from tidal.demo.warm_start import prepare_base_model
 from tidal.protocol import Group, Sample
 from tidal.roles import build_learner, ensure_base_model
 from tidal.rundir import latest_checkpoint

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from tidal.model.packing import (
+from tidal.trainer.packing import (
     dense_attention_mask,
     flex_attention_supported,
     group_num_tokens,

@@ -6,8 +6,8 @@ import torch
 
 from tidal.config import ConfigError, DataConfig, TinyModelConfig, config_from_dict
 from tidal.data import DatasetError, Problem, prompt_encoder, render_prompt
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 from tidal.evaluate import held_out_accuracy
-from tidal.model.tiny import build_char_tokenizer, build_tiny_model
 from tidal.protocol import WorkItem
 from tidal.rewards import RewardScorer
 from tidal.rollout.engine import HFEngine
@@ -98,7 +98,7 @@ def test_workers_and_eval_generate_from_the_same_chat_prompt():
 
 
 def test_the_warm_start_trains_on_the_prompts_rl_will_use():
-    from tidal.model.warm_start import sft_batch
+    from tidal.demo.warm_start import sft_batch
 
     tok = build_char_tokenizer()
     encode = prompt_encoder(tok, data_cfg(prompt_template="Q {prompt}"))

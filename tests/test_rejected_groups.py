@@ -12,7 +12,7 @@ import numpy as np
 
 from tidal.config import config_from_dict
 from tidal.data import load_dataset
-from tidal.model.warm_start import prepare_base_model
+from tidal.demo.warm_start import prepare_base_model
 from tidal.protocol import Group, Sample, decode_work_item
 from tidal.roles import build_learner, group_limits
 from tidal.rundir import RunDir

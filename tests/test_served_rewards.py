@@ -301,7 +301,7 @@ def reward_model_dir(tmp_path_factory) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from tidal.model.tiny import build_char_tokenizer
+    from tidal.demo.tiny import build_char_tokenizer
 
     tok = build_char_tokenizer()
     torch.manual_seed(0)
@@ -356,7 +356,7 @@ def causal_lm_dir(tmp_path_factory):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from tidal.model.tiny import build_char_tokenizer
+    from tidal.demo.tiny import build_char_tokenizer
 
     tok = build_char_tokenizer()
     torch.manual_seed(0)
@@ -482,7 +482,7 @@ def test_the_reward_models_examples_are_one_right_and_one_wrong_answer_per_probl
     import random
 
     from tidal.data import Problem
-    from tidal.model.reward_model import labelled_examples, wrong_answers
+    from tidal.demo.reward_model import labelled_examples, wrong_answers
     from tidal.rewards import exact_match
 
     rng = random.Random(0)
@@ -494,7 +494,7 @@ def test_the_reward_models_examples_are_one_right_and_one_wrong_answer_per_probl
 
 
 def test_the_built_in_reward_model_is_for_the_tiny_arithmetic_model_only(tiny_config):
-    from tidal.model.reward_model import prepare_reward_model
+    from tidal.demo.reward_model import prepare_reward_model
 
     cfg = tiny_config.model_copy(update={"model": tiny_config.model.model_copy(update={"name_or_path": "/models/qwen"})})
     with pytest.raises(ValueError, match=r"reward.functions\[\].serve.model is unset: the built-in reward model is for the tiny model"):
@@ -504,7 +504,7 @@ def test_the_built_in_reward_model_is_for_the_tiny_arithmetic_model_only(tiny_co
 def test_the_reward_models_loss_ranks_each_right_answer_above_its_wrong_one():
     import torch
 
-    from tidal.model.reward_model import pair_loss
+    from tidal.demo.reward_model import pair_loss
 
     labels = torch.tensor([1.0, 0.0, 1.0, 0.0])
     ranked = pair_loss(torch.tensor([3.0, -3.0, 2.0, -2.0]), labels)
@@ -518,8 +518,8 @@ def test_the_reward_model_learns_from_the_policys_own_samples_labelled_by_exact_
     import torch
 
     from tidal.data import Problem, prompt_encoder
-    from tidal.model.reward_model import policy_pairs, policy_samples
-    from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+    from tidal.demo.reward_model import policy_pairs, policy_samples
+    from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
     from tidal.rewards import exact_match
 
     tok = build_char_tokenizer()
@@ -543,7 +543,7 @@ def test_the_reward_model_learns_from_the_policys_own_samples_labelled_by_exact_
 
 def test_the_reward_models_policy_pair_accuracy_counts_the_pairs_within_each_problem():
     from tidal.data import Problem
-    from tidal.model.reward_model import PolicySamples, pair_accuracy
+    from tidal.demo.reward_model import PolicySamples, pair_accuracy
 
     samples = [
         PolicySamples(Problem(0, "1+1=", "2"), ["A: 2"], ["A: 3", "A: 12"]),  # scores 0.9 | 0.1, 0.95: 1 of 2 pairs
@@ -554,7 +554,7 @@ def test_the_reward_models_policy_pair_accuracy_counts_the_pairs_within_each_pro
 
 
 def test_the_reward_models_classifier_trains_until_a_check_reaches_the_target_and_fails_without_it():
-    from tidal.model.reward_model import train_until
+    from tidal.demo.reward_model import train_until
 
     steps: list[int] = []
     accuracies = iter([0.6, 0.85, 0.93, 0.99])

@@ -13,10 +13,10 @@ import pytest
 from tests.test_agent_loop import tiny_engine
 from tidal.config import config_from_dict, load_config
 from tidal.data import Problem, make_arithmetic
+from tidal.demo.tiny import build_char_tokenizer
+from tidal.demo.tool_traces import TRACE_KINDS, make_traces, mistype, play_trace, trace_batcher, trace_tool
+from tidal.demo.warm_start import batch_loss, plays_tool_traces, warm_start_key
 from tidal.evaluate import answer_scores, held_out_agent_scores
-from tidal.model.tiny import build_char_tokenizer
-from tidal.model.tool_traces import TRACE_KINDS, make_traces, mistype, play_trace, trace_batcher, trace_tool
-from tidal.model.warm_start import batch_loss, plays_tool_traces, warm_start_key
 from tidal.protocol import tool_use_rates
 from tidal.rollout.agent import AgentLoop
 from tidal.summary import agent_before_after, agent_lines, agent_training
@@ -124,7 +124,7 @@ def test_chunked_batches_give_the_loss_of_one_padded_batch(loop):
     import torch
 
     from tidal.config import TinyModelConfig
-    from tidal.model.tiny import build_tiny_model
+    from tidal.demo.tiny import build_tiny_model
 
     torch.manual_seed(0)
     model = build_tiny_model(

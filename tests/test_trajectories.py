@@ -12,7 +12,7 @@ import torch
 
 from tidal.algo import grpo_advantages, token_logprobs_from_logits
 from tidal.config import TinyModelConfig, TrainerConfig
-from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 from tidal.protocol import Group, Sample
 from tidal.trainer.learner import Learner
 

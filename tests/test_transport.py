@@ -93,7 +93,7 @@ def test_a_rewritten_policy_pointer_cannot_redirect_a_worker_to_other_weights(na
     """The KV pointer says which version is current; the weights come from the run's own store."""
     import torch
 
-    from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+    from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
     from tidal.rollout.engine import HFEngine
     from tidal.rollout.worker import RolloutWorker
     from tidal.weights import WeightStore

@@ -116,8 +116,8 @@ def agent_rollout(**extra) -> dict:
 def setup(tiny_config_dict):
     """The warm-started tiny model (it ends turns with EOS), its tokenizer and one blocking engine."""
     from tidal.data import load_dataset
+    from tidal.demo.warm_start import prepare_base_model
     from tidal.model.loading import load_model_and_tokenizer
-    from tidal.model.warm_start import prepare_base_model
     from tidal.rollout.vllm_adapter import BlockingVLLMEngine
 
     data = model_settings(tiny_config_dict)

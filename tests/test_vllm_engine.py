@@ -16,7 +16,7 @@ import torch
 
 from tidal.algo import token_logprobs_from_logits
 from tidal.config import config_from_dict
-from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 from tidal.rollout.engine import GroupRequest
 from tidal.rollout.vllm_args import check_head_size, vllm_available
 from tidal.weights import WeightStore

@@ -25,9 +25,9 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import run_cli
 from tidal.config import config_from_dict
 from tidal.config.schema import VLLM_LORA_RANKS
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 from tidal.model.lora import adapter_config, adapter_state_dict, apply_lora
 from tidal.model.probe import make_probe, probe_difference, probe_logprobs
-from tidal.model.tiny import build_char_tokenizer, build_tiny_model
 from tidal.rollout.vllm_adapter import VLLMEngine
 from tidal.rollout.vllm_args import vllm_available
 from tidal.rollout.vllm_weights import nccl_update_info

@@ -61,7 +61,7 @@ def reward_model_dir(tmp_path_factory) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from tidal.model.tiny import build_char_tokenizer
+    from tidal.demo.tiny import build_char_tokenizer
 
     tok = build_char_tokenizer()
     torch.manual_seed(0)

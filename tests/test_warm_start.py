@@ -8,8 +8,8 @@ import torch
 
 from tidal.config import TinyModelConfig, config_from_dict
 from tidal.data import load_dataset
-from tidal.model.tiny import build_char_tokenizer, build_tiny_model
-from tidal.model.warm_start import answer_batcher, prepare_base_model, supervised_warm_start
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
+from tidal.demo.warm_start import answer_batcher, prepare_base_model, supervised_warm_start
 
 
 def tiny_model():

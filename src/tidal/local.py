@@ -198,7 +198,7 @@ def prepare_run(cfg: TidalConfig, run: RunDir, dataset, show_progress: bool = Tr
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
 
-    from tidal.model.warm_start import prepare_base_model
+    from tidal.demo.warm_start import prepare_base_model
     from tidal.roles import check_prompt_settings
 
     base = prepare_base_model(cfg, dataset, progress)

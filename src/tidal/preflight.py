@@ -72,7 +72,7 @@ def model_context(cfg: TidalConfig) -> tuple[int | None, str]:
 
 def prompt_tokenizer(cfg: TidalConfig):
     if cfg.model.name_or_path is None:
-        from tidal.model.tiny import build_char_tokenizer
+        from tidal.demo.tiny import build_char_tokenizer
 
         return build_char_tokenizer()
     return tokenizer_of(cfg.model.name_or_path)
@@ -124,7 +124,7 @@ def check_this_machine(cfg: TidalConfig) -> None:
             resolve_device(requested, key)
     if cfg.trainer.attention == "flex":
         from tidal.devices import resolve_device
-        from tidal.model.packing import flex_attention_supported
+        from tidal.trainer.packing import flex_attention_supported
 
         device = resolve_device(cfg.trainer.device)
         if not flex_attention_supported(device):

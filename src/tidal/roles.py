@@ -19,11 +19,11 @@ import torch
 
 from tidal.config import TidalConfig
 from tidal.data import load_dataset
+from tidal.demo.warm_start import prepare_base_model
 from tidal.devices import resolve_device
 from tidal.model.loading import load_model_and_tokenizer
 from tidal.model.lora import adapter_config, apply_lora
 from tidal.model.probe import make_probe
-from tidal.model.warm_start import prepare_base_model
 from tidal.protocol import GroupLimits, RunState
 from tidal.rewards import RewardScorer
 from tidal.rollout.agent import AgentLoop

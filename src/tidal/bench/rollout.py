@@ -25,8 +25,8 @@ import torch
 
 from tidal.config import DataConfig, TinyModelConfig, config_from_dict
 from tidal.data import load_dataset
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 from tidal.model.loading import load_model_and_tokenizer
-from tidal.model.tiny import build_char_tokenizer, build_tiny_model
 from tidal.rollout.engine import GroupRequest, HFEngine
 
 SIZES = {  # random-init Qwen2 models with the char tokenizer; head size 32/64 (vLLM CPU needs >= 32)

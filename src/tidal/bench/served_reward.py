@@ -26,7 +26,7 @@ import torch
 
 from tidal.config import config_from_dict
 from tidal.data import load_dataset
-from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 from tidal.protocol import WorkItem
 from tidal.rewards import RewardScorer, exact_match
 from tidal.rollout.engine import HFEngine

@@ -88,7 +88,7 @@ def make_groups(spec: dict):
 
 
 def make_step(model, groups, layout: str, kernel: str, device):
-    from tidal.model.packing import naive_token_logprobs, pack_groups, packed_token_logprobs
+    from tidal.trainer.packing import naive_token_logprobs, pack_groups, packed_token_logprobs
 
     def step():
         model.zero_grad(set_to_none=True)

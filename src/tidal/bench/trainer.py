@@ -75,7 +75,7 @@ def worker(args) -> None:
     import torch
 
     from tidal.config import TinyModelConfig, TrainerConfig
-    from tidal.model.tiny import build_char_tokenizer
+    from tidal.demo.tiny import build_char_tokenizer
     from tidal.trainer.distributed import all_reduce_max, all_reduce_sum, context_from_env, init_process_group, shutdown
     from tidal.trainer.learner import Learner
     from tidal.trainer.strategy import build_strategy
@@ -120,7 +120,7 @@ def fresh_policy(tiny, tok, lora_r: int):
     """The base from seed 0, under LoRA wrapped by peft: the trainer's policy, and the model a rollout worker loads versions into."""
     import torch
 
-    from tidal.model.tiny import build_tiny_model
+    from tidal.demo.tiny import build_tiny_model
 
     torch.manual_seed(0)
     model = build_tiny_model(tiny, tok)

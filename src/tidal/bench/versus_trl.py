@@ -253,7 +253,7 @@ def agent_mismatches(cfg: TidalConfig) -> list[str]:
     return bad
 
 
-# The tiny model's tool template (tidal.model.tiny.TOOL_CHAT_TEMPLATE) renders an assistant message
+# The tiny model's tool template (tidal.demo.tiny.TOOL_CHAT_TEMPLATE) renders an assistant message
 # as its text, tool calls included: the model writes them into the text and Tidal never renders a
 # parsed call back. TRL refuses a template that drops an assistant message's `tool_calls`
 # (trl.chat_template_utils.supports_tool_calling: "The provided chat template does not support tool
@@ -289,12 +289,12 @@ def prepare_tokenizer(cfg: TidalConfig, tokenizer):
     """TRL's copy of the tokenizer for a multi-turn config: the tiny model's tool template (with its
     tool-call rendering, above) and its response template. A user's model keeps its own template (TRL
     sets a response template for the chat templates it knows)."""
-    from tidal.model.tiny import TOOL_CHAT_TEMPLATE
+    from tidal.demo.tiny import TOOL_CHAT_TEMPLATE
 
     if cfg.rollout.env is None or cfg.model.name_or_path is not None:
         return tokenizer
     if getattr(tokenizer, "chat_template", None) not in (None, TOOL_CHAT_TEMPLATE):
-        raise SystemExit("tidal bench trl: the tiny model's tokenizer has a chat template other than tidal.model.tiny.TOOL_CHAT_TEMPLATE")
+        raise SystemExit("tidal bench trl: the tiny model's tokenizer has a chat template other than tidal.demo.tiny.TOOL_CHAT_TEMPLATE")
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE.replace(TINY_ASSISTANT, TINY_ASSISTANT_WITH_CALLS)
     tokenizer.response_template = TINY_RESPONSE_TEMPLATE
     return tokenizer
@@ -303,8 +303,8 @@ def prepare_tokenizer(cfg: TidalConfig, tokenizer):
 def agent_loop(cfg: TidalConfig, tokenizer):
     """Tidal's environment loop for rendering and fitting (its tools in this process): the prompts and
     the observation cuts TRL's side must match."""
+    from tidal.demo.tiny import TOOL_CHAT_TEMPLATE
     from tidal.envs import EnvironmentFactory
-    from tidal.model.tiny import TOOL_CHAT_TEMPLATE
     from tidal.rollout.agent import AgentLoop
 
     r = cfg.rollout
@@ -350,7 +350,7 @@ def final_text(messages: list[dict]) -> str:
     """The final answer a reward function reads, from TRL's messages of a trajectory: the last
     assistant message's text, with its parsed tool calls written back as the model writes them
     (compact Hermes blocks), as Tidal's trajectory.final_text holds the turn's text."""
-    from tidal.model.tool_traces import tool_call_text
+    from tidal.demo.tool_traces import tool_call_text
 
     for m in reversed(messages):
         if isinstance(m, dict) and m.get("role", "assistant") == "assistant":
@@ -810,8 +810,8 @@ def _child_setup(config_path: str):
     import warnings
 
     from tidal.data import load_dataset
+    from tidal.demo.warm_start import prepare_base_model
     from tidal.logs import setup_logging
-    from tidal.model.warm_start import prepare_base_model
     from tidal.threads import set_threads
 
     setup_logging()

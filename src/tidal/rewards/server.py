@@ -215,7 +215,7 @@ class RewardServers:
                 continue
             model = f.serve.model
             if model is None:
-                from tidal.model.reward_model import prepare_reward_model
+                from tidal.demo.reward_model import prepare_reward_model
 
                 model = prepare_reward_model(cfg, base_model)
             self.servers.append(RewardServer(f.label, f.serve, logs / f"reward-server-{f.label}.log", popen_options, model))

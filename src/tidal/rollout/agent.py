@@ -104,9 +104,9 @@ class AgentLoop:
 
     @classmethod
     def from_config(cls, cfg: TidalConfig, tokenizer, context: int | None = None) -> AgentLoop:
-        """The built-in tiny model renders with tidal.model.tiny.TOOL_CHAT_TEMPLATE unless its
+        """The built-in tiny model renders with tidal.demo.tiny.TOOL_CHAT_TEMPLATE unless its
         tokenizer has a template of its own; any other model with its tokenizer's."""
-        from tidal.model.tiny import TOOL_CHAT_TEMPLATE
+        from tidal.demo.tiny import TOOL_CHAT_TEMPLATE
 
         r = cfg.rollout
         limits, fixed = ToolLimits.from_config(r, cfg.seed), {name: run_arguments(name, r) for name in r.tools}

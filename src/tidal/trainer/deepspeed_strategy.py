@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 from tidal.config import TrainerConfig
-from tidal.model.packing import enable_activation_checkpointing
 from tidal.trainer.deepspeed_config import deepspeed_config, frozen_config
 from tidal.trainer.distributed import DistContext, ensure_process_group
+from tidal.trainer.packing import enable_activation_checkpointing
 
 INSTALL_HINT = "pip install 'tidal[deepspeed]'"
 ACCELERATORS = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}

@@ -29,12 +29,12 @@ from tidal.algo import (
 from tidal.config import RewardConfig, TrainerConfig
 from tidal.devices import resolve_device
 from tidal.model.lora import OLD_ADAPTER, AdapterForward, adapter_keys, adapter_pairs, adapter_state_dict, add_old_adapter, is_lora
-from tidal.model.packing import GroupTokenLogprobs, naive_token_logprobs, pack_groups, packed_token_logprobs, split_into_microbatches
 from tidal.model.probe import probe_logprobs, sample_responses
 from tidal.protocol import Group, Sample
 from tidal.trainer.assignment import assign_groups, group_token_count
 from tidal.trainer.distributed import SINGLE, all_reduce_max, all_reduce_sum
 from tidal.trainer.guard import record_skip, step_is_finite
+from tidal.trainer.packing import GroupTokenLogprobs, naive_token_logprobs, pack_groups, packed_token_logprobs, split_into_microbatches
 from tidal.trainer.strategy import SingleStrategy, Strategy
 
 

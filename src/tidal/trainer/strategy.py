@@ -19,8 +19,8 @@ import torch
 from tidal.config import TrainerConfig
 from tidal.devices import resolve_device
 from tidal.model.loading import load_state_dict_tied
-from tidal.model.packing import enable_activation_checkpointing
 from tidal.trainer.distributed import DistContext, ensure_process_group
+from tidal.trainer.packing import enable_activation_checkpointing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

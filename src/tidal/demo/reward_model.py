@@ -266,7 +266,7 @@ def train_reward_model(cfg: TidalConfig, base_model: str | Path, problems: list[
 def _train(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], held_out: list[Problem], seed: int):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from tidal.model.warm_start import answer_batcher, batch_loss, supervised_warm_start
+    from tidal.demo.warm_start import answer_batcher, batch_loss, supervised_warm_start
 
     tokenizer = AutoTokenizer.from_pretrained(base_model)
     encode = prompt_encoder(tokenizer, cfg.data)
@@ -343,7 +343,7 @@ def _train(cfg: TidalConfig, base_model: str | Path, problems: list[Problem], he
 
 def prepare_reward_model(cfg: TidalConfig, base_model: str | Path) -> Path:
     """The cached built-in reward model for this run's task and warm start, built on first use."""
-    from tidal.model.warm_start import cache_root, save_to_cache
+    from tidal.demo.warm_start import cache_root, save_to_cache
 
     if cfg.model.name_or_path or cfg.data.task != "arithmetic":
         raise ValueError(

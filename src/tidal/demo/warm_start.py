@@ -166,16 +166,16 @@ def plays_tool_traces(cfg: TidalConfig) -> bool:
     """The built-in environment with a built-in tool the traces call (calc, python): the warm start
     plays tool-use traces. Any other environment's steps are the user's (they may be costly, or have
     effects), so it gets the single-answer warm start."""
-    from tidal.model.tool_traces import trace_tool
+    from tidal.demo.tool_traces import trace_tool
 
     return cfg.rollout.env == "tools" and trace_tool(cfg.rollout.tools) is not None
 
 
 def tool_use_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem], progress=None) -> WarmStartResult:
-    """Synthetic trajectories through the run's environment (tidal.model.tool_traces): answers in the
+    """Synthetic trajectories through the run's environment (tidal.demo.tool_traces): answers in the
     head, calls to the tool, and wrong calls, in the proportions ws.tool_use / ws.tool_mistakes."""
-    from tidal.model.tiny import TOOL_CHAT_TEMPLATE
-    from tidal.model.tool_traces import make_traces, trace_batcher, trace_tool
+    from tidal.demo.tiny import TOOL_CHAT_TEMPLATE
+    from tidal.demo.tool_traces import make_traces, trace_batcher, trace_tool
     from tidal.rollout.agent import AgentLoop
 
     ws = cfg.model.warm_start
@@ -197,7 +197,7 @@ def prepare_base_model(cfg: TidalConfig, dataset: Dataset, progress=None) -> Pat
     """The weights RL starts from: the user's model, or the cached tiny warm start (built once)."""
     if cfg.model.name_or_path:
         return cfg.model.name_or_path
-    from tidal.model.tiny import build_char_tokenizer, build_tiny_model
+    from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 
     target = cache_root(cfg) / "warm-start" / warm_start_key(cfg)
     if (target / "config.json").is_file():
