@@ -130,3 +130,40 @@ class CalcFirstAndHostile(CalcFirst):
     def calc(self) -> dict:
         self.call(ToolCall("hostile_tool", {}))
         return super().calc()
+
+
+class Misbehaves(Environment):
+    """Does what the turn's text says: `count` (its steps so far: its state), `daemon` (starts a
+    sleeper in a session of its own; its pid), `raise`, `hang`, `exit`, `allocate MB` (touches MB)."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def step(self, assistant_text: str):
+        self.steps += 1
+        command, _, argument = assistant_text.partition(" ")
+        if command == "daemon":
+            pid = os.fork()
+            if pid == 0:
+                os.setsid()
+                time.sleep(600)
+                os._exit(0)
+            return [{"role": "tool", "content": str(pid)}], False
+        if command == "raise":
+            raise KeyError("no such cell")
+        if command == "hang":
+            time.sleep(600)
+        if command == "exit":
+            os._exit(3)
+        if command == "allocate":
+            block = bytearray(int(argument) << 20)
+            for i in range(0, len(block), 4096):
+                block[i] = 1
+        return [{"role": "tool", "content": str(self.steps)}], False
+
+
+class Exits(Chatty):
+    """Chatty whose process exits in every step: each trajectory that steps fails, none is lost."""
+
+    def step(self, assistant_text: str):
+        os._exit(3)
