@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 from tidal.envs import Environment, Trajectory
-from tidal.envs.parsing import ToolCall
+from tidal.envs.parsing import ParsedTurn, ToolCall
 
 MARKERS = "TIDAL_TEST_MARKERS"
 
@@ -167,3 +167,13 @@ class Exits(Chatty):
 
     def step(self, assistant_text: str):
         os._exit(3)
+
+
+class Plain(Environment):
+    """The base environment, as a user's class: tool calls until a turn makes none."""
+
+
+def colon_calls(text: str, tokenizer=None, tools=None) -> ParsedTurn:
+    """A user's tool-call parser: a turn `NAME: EXPRESSION` calls NAME(expression=EXPRESSION)."""
+    name, sep, expression = text.partition(": ")
+    return ParsedTurn(text, [ToolCall(name, {"expression": expression})] if sep else [])

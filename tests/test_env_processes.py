@@ -17,6 +17,7 @@ from tidal import sandbox
 from tidal.config import config_from_dict
 from tidal.envs import EnvError, EnvironmentFactory
 from tidal.envs.env_host import Problem
+from tidal.envs.isolation import ToolLimits
 from tidal.envs.sandboxed import EnvLimits, EnvProcessFailed
 from tidal.preflight import check_environment
 
@@ -79,6 +80,22 @@ def test_an_exit_and_a_memory_limit_fail_one_call():
         failure = f"{type(over.value).__name__}: {over.value}"  # its address space (RLIMIT_AS), or its control group's limit
         assert failure.startswith(("MemoryError: over its memory limit (600 MB, rollout.env_memory_mb)", "EnvProcessFailed: ProcessDied")), failure
         assert text(started(factory), "count") == "1"
+    finally:
+        factory.close()
+
+
+def test_its_tool_calls_run_in_the_workers_tool_processes_and_a_users_parser_in_the_worker():
+    """A turn's tool calls, read by the run's parser (a user's: the worker runs it, with its tokenizer),
+    run in the worker's tool processes (rollout.tools); the instance counts them."""
+    factory = EnvironmentFactory.from_names(
+        "tests.environments:Plain", ["calc"], "tests.environments:colon_calls", isolation=ToolLimits(), hosting=EnvLimits(processes=1)
+    )
+    try:
+        env = started(factory)
+        observations, done = env.step("calc: 6*7")
+        assert observations == [{"role": "tool", "name": "calc", "content": "42"}] and not done
+        assert env.step("42") == ([], True)
+        assert (env.stats.turns, env.stats.tool_calls, env.stats.tool_errors) == (2, 1, 0)
     finally:
         factory.close()
 

@@ -1,8 +1,9 @@
 """`python -m tidal.envs.env_host [--memory-mb M] [--cpu-seconds S] --bind JSON module:Class`: a process
 that holds a user's environment instances (rollout.env) for its worker, in the sandbox
 (tidal.hosted.serve: JSON lines, prints to stderr, exits with its parent, rlimits). The user's module
-is imported here, never in the worker. `--bind`: `{"tools": [schema...], "max_tool_calls": n}`, the
-run's tools (rollout.tools) as the worker resolved them.
+is imported here, never in the worker. `--bind`: `{"tools": [schema...], "max_tool_calls": n, "parser":
+name or null}`, the run's tools (rollout.tools) as the worker resolved them, and the built-in tool-call
+parser to run here (null: ask the worker, which holds the tokenizer and a user's parser).
 
 The worker writes `{"op", "id", ...}` for one instance (`"create": true` on its first call, `"drop":
 [ids]` for instances whose trajectories ended):
@@ -16,7 +17,7 @@ The worker writes `{"op", "id", ...}` for one instance (`"create": true` on its 
 or `{"error": "Type: message"}` when user code raised, `{"lost": true}` for an instance this process
 does not hold (it was started after a failure took the one that did). Mid-call the host asks its
 worker `{"tool": name, "arguments": {...}}` (rollout.tools run in the worker's tool processes) and
-`{"parse": text}` (the run's tool-call parser, which needs the worker's tokenizer)."""
+`{"parse": text}` (the run's tool-call parser, when it needs the worker's tokenizer or is a user's)."""
 
 from __future__ import annotations
 
@@ -133,7 +134,8 @@ def load(reference: str, bind: dict, ask, memory_mb: int | None):
     from tidal.envs.tools import Tool
 
     tools = [Tool(s["function"]["name"], _runs_in_the_worker, s, s["function"]["name"], AskedTools(ask)) for s in bind["tools"]]
-    build = EnvironmentFactory(resolve_environment(reference), tools, asked_parser(ask), None, bind["max_tool_calls"])
+    parser = bind.get("parser") or asked_parser(ask)  # a built-in parser's name: it reads the text alone, here
+    build = EnvironmentFactory(resolve_environment(reference), tools, parser, None, bind["max_tool_calls"])
     instances: dict = {}
     return lambda call: answer(call, build, instances, memory_mb)
 
@@ -142,7 +144,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tidal.envs.env_host")
     parser.add_argument("--memory-mb", type=int)
     parser.add_argument("--cpu-seconds", type=int)
-    parser.add_argument("--bind", default='{"tools": [], "max_tool_calls": 8}')
+    parser.add_argument("--bind", default='{"tools": [], "max_tool_calls": 8, "parser": "hermes"}')
     parser.add_argument("reference")
     args = parser.parse_args(argv)
     return serve(lambda ask: load(args.reference, json.loads(args.bind), ask, args.memory_mb), args.memory_mb, args.cpu_seconds, asks=True)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 from tidal.envs.base import EnvStats
-from tidal.envs.parsing import resolve_tool_call_parser
+from tidal.envs.parsing import TOOL_CALL_PARSERS, resolve_tool_call_parser
 from tidal.envs.tools import EnvError, Tool
 from tidal.hosted import HostCallError, HostProcess, HostStartError
 
@@ -85,6 +85,15 @@ def _checked_dicts(value, what: str) -> list[dict]:
     return value
 
 
+def local_parser(parser: str | Callable, tokenizer) -> str | None:
+    """The parser's name when the environment's process can run it itself (a built-in parser and a
+    tokenizer without a response template: it reads the text alone), saving a question per step;
+    None when it must ask the worker (a user's parser is never imported there, and none gets the tokenizer)."""
+    if isinstance(parser, str) and parser in TOOL_CALL_PARSERS and getattr(tokenizer, "response_template", None) is None:
+        return parser
+    return None
+
+
 class EnvHost:
     """The environment processes of one class, each started at once (they import the user's module
     while the worker loads its model) and replaced after a failure; `new()` is an instance in the one
@@ -94,7 +103,8 @@ class EnvHost:
         self.reference, self.limits, self.tokenizer = reference, limits, tokenizer
         self.tools = {t.name: t for t in tools}
         self.parser = parser if callable(parser) else resolve_tool_call_parser(parser)
-        bind = json.dumps({"tools": [t.schema for t in tools], "max_tool_calls": max_tool_calls})
+        bind = {"tools": [t.schema for t in tools], "max_tool_calls": max_tool_calls, "parser": local_parser(parser, tokenizer)}
+        bind = json.dumps(bind)
         args = [*limits.host_args(), f"--bind={bind}", reference]
         self.processes = [
             HostProcess("tidal.envs.env_host", args, limits.timeout_seconds, "rollout.env_timeout_seconds", memory_mb=limits.memory_mb)
