@@ -185,11 +185,11 @@ def test_deterministic_trajectories_repeat_on_either_path_and_steps_overlap(setu
     tokens = lambda groups: [(s.token_ids.tolist(), s.loss_mask.tolist()) for g in groups for s in g.samples]  # noqa: E731
     try:
         first = tokens(async_groups(setup, seed=7)[0])
+        assert steps_at_once(tmp_path)[0] > 1, "environment steps ran one at a time"
+        assert tokens(sync_groups(setup, seed=7)) == first
+        assert tokens(async_groups(setup, seed=8)[0]) != first
     finally:
         sandbox.configure(sandbox.SandboxPolicy())
-    assert steps_at_once(tmp_path)[0] > 1, "environment steps ran one at a time"
-    assert tokens(sync_groups(setup, seed=7)) == first
-    assert tokens(async_groups(setup, seed=8)[0]) != first
 
 
 def test_a_periodic_multi_turn_run_on_vllm_trains_every_group(setup, tmp_path, tiny_config_dict):
