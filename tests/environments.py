@@ -177,3 +177,11 @@ def colon_calls(text: str, tokenizer=None, tools=None) -> ParsedTurn:
     """A user's tool-call parser: a turn `NAME: EXPRESSION` calls NAME(expression=EXPRESSION)."""
     name, sep, expression = text.partition(": ")
     return ParsedTurn(text, [ToolCall(name, {"expression": expression})] if sep else [])
+
+
+class CallsForEver(Environment):
+    """A step that calls a tool of rollout.tools again and again, never answering."""
+
+    def step(self, assistant_text: str):
+        while True:
+            self.call(ToolCall("calc", {"expression": "1+1"}))

@@ -70,6 +70,19 @@ def test_a_call_past_its_timeout_fails_and_the_process_is_replaced_with_the_inst
         factory.close()
 
 
+def test_a_step_that_calls_tools_for_ever_ends_at_the_trajectory_timeout():
+    """Each tool call is a question to the worker, and the environment's own timeout counts only the
+    time between them: the whole call is bounded by rollout.trajectory_timeout_seconds."""
+    factory = EnvironmentFactory.from_names(
+        "tests.environments:CallsForEver", ["calc"], isolation=ToolLimits(), hosting=EnvLimits(processes=1, timeout_seconds=1, trajectory_seconds=2)
+    )
+    try:
+        with pytest.raises(EnvProcessFailed, match=r"^Timeout: no answer within 2s \(rollout.trajectory_timeout_seconds, its questions included\)"):
+            started(factory).step("go")
+    finally:
+        factory.close()
+
+
 def test_an_exit_and_a_memory_limit_fail_one_call():
     factory = hosted("tests.environments:Misbehaves", memory_mb=600)
     try:

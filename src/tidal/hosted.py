@@ -205,25 +205,30 @@ class HostProcess:
             if self.proc is None or not self.ready:
                 self._start()
 
-    def request(self, message: dict, timeout: float | None = None, asked: Callable[[dict], dict] | None = None) -> dict:
+    def request(
+        self, message: dict, timeout: float | None = None, asked: Callable[[dict], dict] | None = None, whole: tuple[float, str] | None = None
+    ) -> dict:
         """Sends one call and returns the host's reply; HostCallError when the process failed it (the
         process is then replaced at the next call). `timeout`: this call's, instead of the host's.
         `asked`: answers the questions the host puts mid-call (`serve(..., asks=True)`); the timeout
-        counts the host's own time between them, not the time `asked` takes."""
+        counts the host's own time between them, not the time `asked` takes. `whole`: (seconds, the
+        key that sets them), a bound on the whole call, questions included (a host that asks for ever)."""
         timeout = self.timeout if timeout is None else timeout
+        end = time.monotonic() + whole[0] if whole else float("inf")
         with self.lock:
             if self.proc is None or not self.ready:
                 self._start()
             self.stderr.new_call()
             try:
                 self._send(message)
-                line = self.reader.line(time.monotonic() + timeout)
+                line = self.reader.line(min(time.monotonic() + timeout, end))
                 while line is not None and asked is not None and line.startswith(ASK_PREFIX):
                     self._send(answer_question(asked, line))
-                    line = self.reader.line(time.monotonic() + timeout)
+                    line = self.reader.line(min(time.monotonic() + timeout, end))
             except TimeoutError:
                 self.stop()
-                raise HostCallError("Timeout", f"no answer within {timeout:g}s ({self.timeout_key}); its process was replaced") from None
+                seconds, key = (whole[0], f"{whole[1]}, its questions included") if time.monotonic() >= end else (timeout, self.timeout_key)
+                raise HostCallError("Timeout", f"no answer within {seconds:g}s ({key}); its process was replaced") from None
             except LineTooLong:
                 self.stop()
                 raise HostCallError("ReplyTooLarge", f"its answer was over {self.max_reply_bytes} bytes; its process was replaced") from None

@@ -39,16 +39,19 @@ ERROR_CHARS = 2000  # of an error text from an environment's process (its log li
 
 @dataclass(frozen=True)
 class EnvLimits:
-    """rollout.env_timeout_seconds, env_cpu_seconds, env_memory_mb and env_processes."""
+    """rollout.env_timeout_seconds, env_cpu_seconds, env_memory_mb and env_processes; and
+    trajectory_timeout_seconds, which bounds one call with its tool calls (a step that calls tools for ever)."""
 
     timeout_seconds: float = 60.0
     cpu_seconds: int | None = 60
     memory_mb: int | None = 4096
     processes: int = 4
+    trajectory_seconds: float = 120.0
 
     @classmethod
     def from_config(cls, rollout) -> EnvLimits:
-        return cls(rollout.env_timeout_seconds, rollout.env_cpu_seconds, rollout.env_memory_mb, rollout.env_processes)
+        r = rollout
+        return cls(r.env_timeout_seconds, r.env_cpu_seconds, r.env_memory_mb, r.env_processes, r.trajectory_timeout_seconds)
 
     def host_args(self) -> list[str]:
         return [*([f"--memory-mb={self.memory_mb}"] if self.memory_mb else []), *([f"--cpu-seconds={self.cpu_seconds}"] if self.cpu_seconds else [])]
@@ -158,7 +161,7 @@ class EnvHost:
                 break
         if gone:
             message["drop"] = gone
-        return self.processes[index].request(message, asked=asked)
+        return self.processes[index].request(message, asked=asked, whole=(self.limits.trajectory_seconds, "rollout.trajectory_timeout_seconds"))
 
     def answer(self, question: dict, schemas: list[dict] | None) -> dict:
         """What an instance asks mid-call: run a tool of rollout.tools, or read a turn's tool calls."""
