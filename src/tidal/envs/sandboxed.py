@@ -40,7 +40,8 @@ ERROR_CHARS = 2000  # of an error text from an environment's process (its log li
 @dataclass(frozen=True)
 class EnvLimits:
     """rollout.env_timeout_seconds, env_cpu_seconds, env_memory_mb and env_processes; and
-    trajectory_timeout_seconds, which bounds one call with its tool calls (a step that calls tools for ever)."""
+    trajectory_timeout_seconds: the larger of it and env_timeout_seconds bounds one call with its tool
+    calls (a step that calls tools for ever)."""
 
     timeout_seconds: float = 60.0
     cpu_seconds: int | None = 60
@@ -161,7 +162,11 @@ class EnvHost:
                 break
         if gone:
             message["drop"] = gone
-        return self.processes[index].request(message, asked=asked, whole=(self.limits.trajectory_seconds, "rollout.trajectory_timeout_seconds"))
+        limits = self.limits
+        whole = (limits.trajectory_seconds, "rollout.trajectory_timeout_seconds")
+        if limits.timeout_seconds >= limits.trajectory_seconds:
+            whole = (limits.timeout_seconds, "rollout.env_timeout_seconds")
+        return self.processes[index].request(message, asked=asked, whole=whole)
 
     def answer(self, question: dict, schemas: list[dict] | None) -> dict:
         """What an instance asks mid-call: run a tool of rollout.tools, or read a turn's tool calls."""
