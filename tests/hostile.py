@@ -1,5 +1,5 @@
-"""User code that tries to take the run (tests/test_sandbox.py): as a tool and as a reward function,
-each attempt reports what happened instead of raising. The targets come from $TIDAL_TEST_TARGETS
+"""User code that tries to take the run (tests/test_sandbox.py): as a tool, a reward function and an
+environment class, each attempt reports what happened instead of raising. The targets come from $TIDAL_TEST_TARGETS
 (JSON: the run directory, the NATS port); with $TIDAL_TEST_MARKERS set, the report is also written
 there (a run's tool cannot hand a test anything else)."""
 
@@ -40,6 +40,9 @@ def _connect(port: int) -> str:
         return conn.recv(64).decode(errors="replace")
 
 
+FORKED: list[int] = []  # the sleepers _fork_children started in this process
+
+
 def _fork_children(n: int) -> str:
     started = 0
     for _ in range(n):
@@ -50,8 +53,22 @@ def _fork_children(n: int) -> str:
         if pid == 0:
             time.sleep(600)
             os._exit(0)
+        FORKED.append(pid)
         started += 1
     return f"{started} forked"
+
+
+def running(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (a zombie, killed and not yet waited for, is not)."""
+    found = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            found.append(pid)
+    return found
 
 
 def _nats_port_of(pid: int) -> int | None:
@@ -157,10 +174,33 @@ def signal_parent_with_sigterm() -> str:
     return "sent"
 
 
+_attempted = False  # in this process: an environment process makes its attempts once
+
+
 class CallsHostileTool(Environment):
-    """Calls hostile_tool on a trajectory's first turn; the second turn is the answer."""
+    """Tries to take the run itself (attempts, once per environment process, in reset), and calls
+    hostile_tool on a trajectory's first turn; the second turn is the answer. Its reward, the last
+    call of its trajectory, reports (in $TIDAL_TEST_MARKERS/env-after-PID.json) which of the 200
+    sleepers its reset forked still run: none should, what a call starts ends with the call."""
+
+    forked: list[int] | None = None
+
+    def reset(self, problem) -> list[dict]:
+        global _attempted
+        if not _attempted:
+            _attempted = True
+            attempts("env")
+            self.forked = list(FORKED)
+        return super().reset(problem)
 
     def parse(self, assistant_text: str) -> ParsedTurn:
         if self.stats.turns:
             return ParsedTurn(assistant_text)
         return ParsedTurn(assistant_text, [ToolCall("hostile_tool", {})])
+
+    def reward(self, trajectory):
+        markers = os.environ.get("TIDAL_TEST_MARKERS")
+        if markers and self.forked is not None:
+            after = {"forked": len(self.forked), "running": len(running(self.forked))}
+            Path(markers, f"env-after-{os.getpid()}.json").write_text(json.dumps(after))
+        return None

@@ -91,7 +91,7 @@ def carrying(marker: bytes) -> dict[int, str]:
     return found
 
 
-SESSION_HELPERS = (" -m tidal.envs.host ", " -m tidal.rewards.host ", "from multiprocessing.resource_tracker import main")
+SESSION_HELPERS = (" -m tidal.envs.host ", " -m tidal.envs.env_host ", " -m tidal.rewards.host ", "from multiprocessing.resource_tracker import main")
 
 
 def ends_with_session(pid: int, session: int) -> bool:

@@ -5,8 +5,6 @@ each observation, with the loss mask, rewards and environment counts the trainer
 from __future__ import annotations
 
 import copy
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -14,9 +12,10 @@ import torch
 
 from tests.conftest import eos_prone
 from tests.conftest import mask_runs as runs
+from tests.environments import steps_at_once
+from tidal import sandbox
 from tidal.config import TrainerConfig, config_from_dict
 from tidal.demo.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
-from tidal.envs import Environment, Trajectory
 from tidal.protocol import WorkItem, decode_group, pack
 from tidal.rewards import RewardScorer
 from tidal.roles import group_limits
@@ -27,51 +26,6 @@ from tidal.rollout.worker import pull_size
 from tidal.trainer.learner import Learner
 
 G, MAX_NEW_TOKENS = 3, 6
-
-
-class Chatty(Environment):
-    """Answers every turn with "ok" (never done), and rewards the number of turns taken."""
-
-    def step(self, assistant_text: str):
-        return [{"role": "tool", "content": "ok"}], False
-
-    def reward(self, trajectory: Trajectory) -> dict[str, float]:
-        return {"turns": float(sum(m["role"] == "assistant" for m in trajectory.messages))}
-
-
-class Verbose(Chatty):
-    def step(self, assistant_text: str):
-        return [{"role": "tool", "content": "x" * 300}], False
-
-
-class Fragile(Chatty):
-    """Raises on its second turn of trajectories whose first turn was long."""
-
-    def __init__(self):
-        self.turn = 0
-
-    def step(self, assistant_text: str):
-        self.turn += 1
-        if self.turn == 2:
-            raise ConnectionError("the sandbox went away")
-        return super().step(assistant_text)
-
-
-class Overlapping(Chatty):
-    """Records how many steps (of any trajectory) are running while each runs."""
-
-    active, most = 0, 0
-    lock = threading.Lock()
-
-    def step(self, assistant_text: str):
-        cls = type(self)
-        with cls.lock:
-            cls.active += 1
-            cls.most = max(cls.most, cls.active)
-        time.sleep(0.2)
-        with cls.lock:
-            cls.active -= 1
-        return super().step(assistant_text)
 
 
 def tiny_engine(eos_logit: float = 2.0):
@@ -103,7 +57,7 @@ def items():
 
 def test_trajectory_groups_are_the_sampled_tokens_and_the_templates_rendering_of_each_observation():
     engine, tok = tiny_engine()
-    cfg = agent_config("tests.test_agent_loop:Chatty")
+    cfg = agent_config("tests.environments:Chatty")
     agent = AgentLoop.from_config(cfg, tok, 256)
     assert agent.chat_template == TOOL_CHAT_TEMPLATE  # the tiny tokenizer has none of its own
     groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, version=0, worker_id="w", agent=agent)
@@ -138,16 +92,23 @@ def test_trajectory_groups_are_the_sampled_tokens_and_the_templates_rendering_of
     assert learner.step()["logprob_mismatch"] < 1e-5
 
 
-def test_the_hf_engine_runs_one_turns_environment_steps_at_once():
-    """A turn's steps run together, on threads: a slow tool costs its latency once per turn, not once
-    per row. The trajectories are the ones the steps one at a time give."""
+def test_the_hf_engine_runs_one_turns_environment_steps_at_once(tmp_path, monkeypatch):
+    """A turn's steps run together, on threads and in several environment processes: a slow step
+    costs its latency once per turn, not once per row. The trajectories are the ones the steps one at
+    a time give."""
     engine, tok = tiny_engine()
-    cfg = agent_config("tests.test_agent_loop:Overlapping")
-    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, version=0, worker_id="w")
-    assert Overlapping.most > 1
+    cfg = agent_config("tests.environments:Overlapping", env_processes=len(items()) * G)  # a process per trajectory: none waits for another's
+    monkeypatch.setenv("TIDAL_TEST_MARKERS", str(tmp_path))
+    sandbox.configure(sandbox.SandboxPolicy(write_paths=(str(tmp_path),)))
+    try:
+        groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, version=0, worker_id="w")
+    finally:
+        sandbox.configure(sandbox.SandboxPolicy())
+    most, processes = steps_at_once(tmp_path)
+    assert most > 1 and processes > 1
     assert groups[0].env_stats["turns"] > G  # some rows took several turns, each stepped
     chatty = generate_groups(
-        engine, tok, RewardScorer.from_config(cfg.reward), items(), agent_config("tests.test_agent_loop:Chatty"), version=0, worker_id="w"
+        engine, tok, RewardScorer.from_config(cfg.reward), items(), agent_config("tests.environments:Chatty"), version=0, worker_id="w"
     )
     for g, h in zip(groups, chatty):
         assert [s.token_ids.tolist() for s in g.samples] == [s.token_ids.tolist() for s in h.samples]
@@ -155,7 +116,7 @@ def test_the_hf_engine_runs_one_turns_environment_steps_at_once():
 
 def test_long_observations_are_cut_to_the_per_turn_limit_and_counted():
     engine, tok = tiny_engine()
-    cfg = agent_config("tests.test_agent_loop:Verbose", max_env_tokens_per_turn=20)
+    cfg = agent_config("tests.environments:Verbose", max_env_tokens_per_turn=20)
     groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items()[:1], cfg, version=0, worker_id="w")
     inserted = [end - start for g in groups for s in g.samples for v, start, end in runs(s.loss_mask) if v == 0]
     assert inserted and max(inserted) <= 20
@@ -164,7 +125,7 @@ def test_long_observations_are_cut_to_the_per_turn_limit_and_counted():
 
 def test_an_environment_that_raises_ends_only_its_own_trajectory():
     engine, tok = tiny_engine()
-    cfg = agent_config("tests.test_agent_loop:Fragile")
+    cfg = agent_config("tests.environments:Fragile")
     groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, version=0, worker_id="w")
     reasons = [s.finish_reason for g in groups for s in g.samples]
     errors = sum(g.env_stats["env_errors"] for g in groups)
@@ -174,7 +135,7 @@ def test_an_environment_that_raises_ends_only_its_own_trajectory():
 
 def test_a_trajectory_past_its_time_ends_at_the_next_turn_boundary():
     engine, tok = tiny_engine()
-    cfg = agent_config("tests.test_agent_loop:Chatty", trajectory_timeout_seconds=1e-9)
+    cfg = agent_config("tests.environments:Chatty", trajectory_timeout_seconds=1e-9)
     groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items()[:1], cfg, version=0, worker_id="w")
     for s in groups[0].samples:
         assert s.loss_mask.all() and s.finish_reason in ("timeout", "length")
@@ -182,7 +143,7 @@ def test_a_trajectory_past_its_time_ends_at_the_next_turn_boundary():
 
 def test_a_turn_cut_at_max_new_tokens_ends_the_trajectory():
     engine, tok = tiny_engine(eos_logit=-50.0)  # never samples EOS
-    cfg = agent_config("tests.test_agent_loop:Chatty")
+    cfg = agent_config("tests.environments:Chatty")
     groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items()[:1], cfg, version=0, worker_id="w")
     assert all(s.finish_reason == "length" and len(s.token_ids) == MAX_NEW_TOKENS and s.loss_mask.all() for s in groups[0].samples)
 

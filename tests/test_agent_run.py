@@ -15,7 +15,7 @@ from tests.conftest import read_jsonl, run_cli
 def test_sync_and_periodic_train_the_same_multi_turn_trajectories_to_the_same_weights(tmp_path, write_config):
     config = write_config(
         {
-            "rollout.env": "tests.test_agent_loop:Chatty",  # answers every turn, never done: max_turns ends it
+            "rollout.env": "tests.environments:Chatty",  # answers every turn, never done: max_turns ends it
             "rollout.tools": ["calc"],
             "rollout.max_turns": 2,
             "rollout.max_new_tokens": 24,  # long enough for the barely warm-started model to end turns with EOS

@@ -12,7 +12,6 @@ import pytest
 from tests.conftest import read_jsonl, run_cli
 from tests.test_served_rewards import StubServer
 from tidal.config import RewardConfig
-from tidal.envs import Environment
 from tidal.protocol import REWARD_SERVER_FAILED_EXIT, Group, ProtocolError, decode_group, pack
 from tidal.rewards import RewardScorer, check_failure_rates
 from tidal.rewards.failures import FailureLedger, RewardFailingError, failing_every_call, merge_tallies, over_their_rate
@@ -20,13 +19,6 @@ from tidal.summary import reward_error_lines, run_failures
 
 BROKEN = "tests.test_data_rewards:broken_reward"
 STRING = "tests.test_data_rewards:string_reward"
-
-
-class StepRaises(Environment):
-    """Every step() raises: each trajectory that ends a turn ends there, its reward from reward.functions."""
-
-    def step(self, assistant_text: str):
-        raise RuntimeError("the sandbox is gone")
 
 
 # --- the tallies, pure -------------------------------------------------------------------------------
@@ -149,7 +141,7 @@ def test_an_always_failing_reward_ends_a_short_run_non_zero_with_one_line_naming
 def test_an_environment_whose_step_always_raises_is_named_in_the_table_and_the_run_exits_non_zero(tmp_path, write_config):
     config = write_config(
         {
-            "rollout.env": "tests.test_reward_failures:StepRaises",
+            "rollout.env": "tests.environments:StepRaises",
             "rollout.tools": ["calc"],
             "rollout.max_turns": 2,
             "rollout.max_new_tokens": 24,  # long enough for the barely warm-started model to end turns with EOS

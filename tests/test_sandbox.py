@@ -1,7 +1,7 @@
-"""User code (rollout.tools, reward functions) gets nothing of the run: hostile code run in the real tool
-and reward processes, in the sandbox (tidal.sandbox), tries to take the run, and each attempt fails or
-is cut. The unconfined control (sandbox.enabled false) shows the same attempts succeed there, so the
-attempts are real."""
+"""User code (rollout.tools, reward functions, environment classes) gets nothing of the run: hostile code
+run in the real tool, reward and environment processes, in the sandbox (tidal.sandbox), tries to take
+the run, and each attempt fails or is cut. The unconfined control (sandbox.enabled false) shows the
+same attempts succeed there, so the attempts are real."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ from tests.conftest import read_jsonl, run_misbehaving_once
 from tests.hostile import SECRETS
 from tidal import sandbox
 from tidal.config.schema import ConfigError, SandboxConfig
+from tidal.envs import EnvironmentFactory, Trajectory
+from tidal.envs.env_host import Problem
 from tidal.envs.isolation import ToolHost, ToolLimits
+from tidal.envs.sandboxed import EnvLimits
 from tidal.envs.tools import tool_function
 from tidal.rewards.pool import remote_reward, reward_process
 from tidal.transport.server import EmbeddedNats
@@ -68,10 +71,13 @@ def run_dir(tmp_path, monkeypatch):
 
 
 def hostile_report(kind: str, run: Path, markers: Path, policy: sandbox.SandboxPolicy) -> dict:
-    """tests.hostile.attempts as a tool or as a reward function, in its real host process under `policy`."""
+    """tests.hostile.attempts as a tool, a reward function or an environment (in its reset), in its
+    real host process under `policy`."""
     sandbox.configure(policy)
     try:
-        if kind == "tool":
+        if kind == "env":
+            hostile_environment_trajectory()
+        elif kind == "tool":
             host = ToolHost(["tests.hostile:hostile_tool"], ToolLimits())
             try:
                 result = host.run(host.isolate(tool_function_tool("tests.hostile:hostile_tool")), {})
@@ -90,16 +96,29 @@ def hostile_report(kind: str, run: Path, markers: Path, policy: sandbox.SandboxP
     return report
 
 
+def hostile_environment_trajectory() -> None:
+    """One trajectory of tests.hostile:CallsHostileTool in its environment process: reset (where it
+    makes its attempts and forks), then reward (where it notes which of its children still run)."""
+    factory = EnvironmentFactory.from_names("tests.hostile:CallsHostileTool", hosting=EnvLimits(processes=1))
+    try:
+        env = factory()
+        messages = env.reset(Problem(0, "1+1=", "2"))
+        assert env.reward(Trajectory(Problem(0, "1+1=", "2"), messages, env.stats)) is None
+    finally:
+        factory.close()
+
+
 def tool_function_tool(name: str):
     from tidal.envs.tools import Tool
 
     return Tool.from_function(tool_function(name), reference=name)
 
 
-@pytest.mark.parametrize("kind", ["tool", "reward"])
+@pytest.mark.parametrize("kind", ["tool", "reward", "env"])
 def test_hostile_user_code_gets_nothing_of_the_run(kind, run_dir, tmp_path, monkeypatch):
     """Secrets in the environment and /proc, the run directory's files, weights/, the run's NATS, a
-    signal to the worker, 200 children: each attempt fails or is cut; its own directory works."""
+    signal to the worker, 200 children: each attempt fails or is cut; its own directory works. An
+    environment's children end with the call that started them, while the instance lives on."""
     markers = tmp_path / "markers"
     markers.mkdir()
     with EmbeddedNats(tmp_path / "nats") as nats:
@@ -116,9 +135,12 @@ def test_hostile_user_code_gets_nothing_of_the_run(kind, run_dir, tmp_path, monk
     assert report["own_dir_write"] == "ok: 1"
     assert not (run_dir / "planted").exists() and not (run_dir / "weights" / "planted").exists()
     assert Path(report["cwd"]).name.startswith(sandbox.BOX_PREFIX) and not Path(report["cwd"]).exists()  # removed with its host
+    if kind == "env":
+        (after,) = [json.loads(p.read_text()) for p in markers.glob("env-after-*.json")]
+        assert after == {"forked": forked, "running": 0}
 
 
-@pytest.mark.parametrize("kind", ["tool", "reward"])
+@pytest.mark.parametrize("kind", ["tool", "reward", "env"])
 def test_unconfined_the_same_attempts_succeed(kind, run_dir, tmp_path, monkeypatch):
     """The control: with sandbox.enabled false the attempts are made as above and work."""
     markers = tmp_path / "markers"
@@ -206,9 +228,10 @@ def test_a_flood_on_a_raw_descriptor_is_cut(capfd):
 
 @pytest.mark.parametrize("mode", ["periodic", "sync"])
 def test_a_run_with_hostile_tools_and_rewards_finishes_and_they_got_nothing(mode, tmp_path, write_config, monkeypatch):
-    """A real run: the tool and the reward function try everything on the process that started them
-    (a worker; sync mode's trainer), the run directory and the run's NATS (its address from the
-    worker's command line); every attempt fails and the run finishes as if they were not there."""
+    """A real run: the environment class, the tool and the reward function try everything on the
+    process that started them (a worker; sync mode's trainer), the run directory and the run's NATS
+    (its address from the worker's command line); every attempt fails and the run finishes as if
+    they were not there."""
     run_dir = tmp_path / "run"
     monkeypatch.setenv("TIDAL_TEST_TARGETS", json.dumps({"run_dir": str(run_dir.resolve())}))
     config = write_config(
@@ -226,7 +249,9 @@ def test_a_run_with_hostile_tools_and_rewards_finishes_and_they_got_nothing(mode
     proc, run_dir, markers = run_misbehaving_once(config, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = [json.loads((tmp_path / "markers" / name).read_text()) for name in markers if name.startswith("hostile-")]
-    assert {r["kind"] for r in reports} == {"tool", "reward"}
+    assert {r["kind"] for r in reports} == {"tool", "reward", "env"}
+    afters = [json.loads((tmp_path / "markers" / name).read_text()) for name in markers if name.startswith("env-after-")]
+    assert afters and all(a["forked"] > 0 and a["running"] == 0 for a in afters), afters  # the environment's children ended with its call
     for report in reports:
         assert report["env"] == "none", report
         for attempt in ("proc_environ", "run_dir_read", "weights_write", "run_dir_write", "signal", *(["nats"] if mode == "periodic" else [])):

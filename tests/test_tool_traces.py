@@ -145,7 +145,7 @@ def test_only_the_built_in_environment_with_a_built_in_tool_plays_tool_traces():
     assert warm_start_key(calculator_config()) != warm_start_key(calculator_config(rollout={"tools": ["python"]}))
     example = load_config(Path(__file__).resolve().parents[1] / "examples" / "python-tool.yaml")
     assert plays_tool_traces(example) and trace_tool(example.rollout.tools) == "python"
-    assert not plays_tool_traces(calculator_config(rollout={"env": "tests.test_agent_loop:Chatty"}))
+    assert not plays_tool_traces(calculator_config(rollout={"env": "tests.environments:Chatty"}))
     assert not plays_tool_traces(config_from_dict({"eval": {"enabled": False}}))
 
 

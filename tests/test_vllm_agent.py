@@ -12,7 +12,6 @@ import asyncio
 import copy
 import json
 import os
-import threading
 import time
 
 import numpy as np
@@ -22,11 +21,11 @@ import yaml
 
 from tests.conftest import mask_runs as runs
 from tests.conftest import read_jsonl, run_cli
+from tests.environments import MARKERS, CalcFirst, steps_at_once
 from tests.test_sandbox import REFUSED
+from tidal import sandbox
 from tidal.algo import token_logprobs_from_logits
 from tidal.config import config_from_dict
-from tidal.envs import Environment
-from tidal.envs.parsing import ToolCall
 from tidal.protocol import WorkItem
 from tidal.rewards import RewardScorer
 from tidal.rollout.agent import AgentLoop
@@ -42,54 +41,7 @@ pytestmark = [
 LOGPROB_TOL = 2e-3  # float32 engine vs float32 forward: tests/test_vllm_engine.py's
 G, MAX_NEW_TOKENS, MAX_TURNS = 4, 24, 2
 VLLM_SETTINGS = {"enforce_eager": True, "kv_cache_memory_gib": 0.25, "max_model_len": 128}
-ENV = "tests.test_vllm_agent:CalcFirst"
-
-
-class CalcFirst(Environment):
-    """The `tools` environment (rollout.tools [calc]), except that a first turn without a tool call
-    (the tiny model cannot write one) is answered by calling calc on the problem, as if the model
-    had: every trajectory whose first turn ends gets a tool observation and a second turn. Steps
-    take a while, as tools do; the class records how many ran at once."""
-
-    step_seconds = 0.2
-    running = 0
-    most_at_once = 0
-    lock = threading.Lock()
-
-    def reset(self, problem):
-        self.expression = problem.prompt.rstrip("= ")
-        return super().reset(problem)
-
-    def step(self, assistant_text: str):
-        cls = type(self)
-        with cls.lock:
-            cls.running += 1
-            cls.most_at_once = max(cls.most_at_once, cls.running)
-        try:
-            time.sleep(self.step_seconds)
-            observations, done = super().step(assistant_text)
-            if done and self.stats.turns == 1:
-                return [self.calc()], False
-            return observations, done
-        finally:
-            with cls.lock:
-                cls.running -= 1
-
-    def calc(self) -> dict:
-        return self.call(ToolCall("calc", {"expression": self.expression}))
-
-    def reward(self, trajectory) -> float:
-        """Varies within a group (the tiny model's answers are all wrong), so every group is trained on."""
-        return len(trajectory.final_text) / 10
-
-
-class CalcFirstAndHostile(CalcFirst):
-    """CalcFirst whose fallback also calls tests.hostile:hostile_tool, which tries to take the run from
-    the vLLM worker's tool process."""
-
-    def calc(self) -> dict:
-        self.call(ToolCall("hostile_tool", {}))
-        return super().calc()
+ENV = "tests.environments:CalcFirst"
 
 
 def model_settings(tiny_config_dict: dict) -> dict:
@@ -229,26 +181,30 @@ def test_the_engines_logprobs_are_the_trainers_on_every_sampled_token(setup):
     assert checked > 0, "no trajectory with inserted tokens: the later turns' log-probs went unchecked"
 
 
-def test_deterministic_trajectories_repeat_on_either_path_and_steps_overlap(setup):
-    CalcFirst.most_at_once = 0
+def test_deterministic_trajectories_repeat_on_either_path_and_steps_overlap(setup, tmp_path, monkeypatch):
+    """... and the environment's steps (0.2 s each, in its processes) overlap."""
+    monkeypatch.setenv(MARKERS, str(tmp_path))
+    sandbox.configure(sandbox.SandboxPolicy(write_paths=(str(tmp_path),)))
     tokens = lambda groups: [(s.token_ids.tolist(), s.loss_mask.tolist()) for g in groups for s in g.samples]  # noqa: E731
-    first = tokens(async_groups(setup, seed=7)[0])
-    assert CalcFirst.most_at_once > 1, "environment steps ran one at a time"
-    assert tokens(sync_groups(setup, seed=7)) == first
-    assert tokens(async_groups(setup, seed=8)[0]) != first
+    try:
+        first = tokens(async_groups(setup, seed=7)[0])
+        assert steps_at_once(tmp_path)[0] > 1, "environment steps ran one at a time"
+        assert tokens(sync_groups(setup, seed=7)) == first
+        assert tokens(async_groups(setup, seed=8)[0]) != first
+    finally:
+        sandbox.configure(sandbox.SandboxPolicy())
 
 
 def test_a_periodic_multi_turn_run_on_vllm_trains_every_group(setup, tmp_path, tiny_config_dict):
-    """... with a hostile tool called beside calc: the vLLM worker's user code gets nothing of the run
-    either (tests/test_sandbox.py has the HF engine's, in both modes, and each attempt's)."""
+    """... with a hostile environment that calls a hostile tool beside calc: the vLLM worker's user
+    code gets nothing of the run either (tests/test_sandbox.py has the HF engine's, in both modes,
+    and each attempt's)."""
     setup["stop"]()  # one vLLM engine at a time on this machine: the run starts its own
     iterations, prompts = 2, 4
     markers = tmp_path / "markers"
     markers.mkdir()
     data = model_settings(tiny_config_dict)
-    data["rollout"] = agent_rollout(
-        max_inflight_groups=4, env="tests.test_vllm_agent:CalcFirstAndHostile", tools=["calc", "tests.hostile:hostile_tool"]
-    )
+    data["rollout"] = agent_rollout(max_inflight_groups=4, env="tests.environments:CalcFirstAndHostile", tools=["calc", "tests.hostile:hostile_tool"])
     data["trainer"].update({"iterations": iterations, "prompts_per_iteration": prompts})
     data["eval"] = {"enabled": False}
     data["sandbox"] = {"write_paths": [str(markers)]}
@@ -261,7 +217,7 @@ def test_a_periodic_multi_turn_run_on_vllm_trains_every_group(setup, tmp_path, t
     worker_log = tmp_path / "run" / "logs" / "worker-0.log"
     assert proc.returncode == 0, proc.stderr[-3000:] + (worker_log.read_text()[-3000:] if worker_log.is_file() else "")
     reports = [json.loads(p.read_text()) for p in markers.glob("hostile-*.json")]
-    assert {r["kind"] for r in reports} == {"tool"}
+    assert {r["kind"] for r in reports} == {"tool", "env"}
     for report in reports:
         assert report["env"] == "none", report
         for attempt in ("proc_environ", "run_dir_read", "weights_write", "run_dir_write", "signal", "nats"):

@@ -205,21 +205,30 @@ class HostProcess:
             if self.proc is None or not self.ready:
                 self._start()
 
-    def request(self, message: dict, timeout: float | None = None) -> dict:
+    def request(
+        self, message: dict, timeout: float | None = None, asked: Callable[[dict], dict] | None = None, whole: tuple[float, str] | None = None
+    ) -> dict:
         """Sends one call and returns the host's reply; HostCallError when the process failed it (the
-        process is then replaced at the next call). `timeout`: this call's, instead of the host's."""
+        process is then replaced at the next call). `timeout`: this call's, instead of the host's.
+        `asked`: answers the questions the host puts mid-call (`serve(..., asks=True)`); the timeout
+        counts the host's own time between them, not the time `asked` takes. `whole`: (seconds, the
+        key that sets them), a bound on the whole call, questions included (a host that asks for ever)."""
         timeout = self.timeout if timeout is None else timeout
+        end = time.monotonic() + whole[0] if whole else float("inf")
         with self.lock:
             if self.proc is None or not self.ready:
                 self._start()
             self.stderr.new_call()
             try:
-                self.proc.stdin.write((json.dumps(message) + "\n").encode())
-                self.proc.stdin.flush()
-                line = self.reader.line(time.monotonic() + timeout)
+                self._send(message)
+                line = self.reader.line(min(time.monotonic() + timeout, end))
+                while line is not None and asked is not None and line.startswith(ASK_PREFIX):
+                    self._send(answer_question(asked, line))
+                    line = self.reader.line(min(time.monotonic() + timeout, end))
             except TimeoutError:
                 self.stop()
-                raise HostCallError("Timeout", f"no answer within {timeout:g}s ({self.timeout_key}); its process was replaced") from None
+                seconds, key = (whole[0], f"{whole[1]}, its questions included") if time.monotonic() >= end else (timeout, self.timeout_key)
+                raise HostCallError("Timeout", f"no answer within {seconds:g}s ({key}); its process was replaced") from None
             except LineTooLong:
                 self.stop()
                 raise HostCallError("ReplyTooLarge", f"its answer was over {self.max_reply_bytes} bytes; its process was replaced") from None
@@ -235,6 +244,21 @@ class HostProcess:
                 raise HostCallError("ProcessDied", f"its process exited with code {code} ({cause}); it was replaced")
             self.box.end_children()  # what the call started ends with it
         return json.loads(line)
+
+    def _send(self, message: dict) -> None:
+        self.proc.stdin.write((json.dumps(message) + "\n").encode())
+        self.proc.stdin.flush()
+
+
+ASK_PREFIX = b'{"ask":'  # a line a host writes mid-call: a question for its parent, not the call's reply
+
+
+def answer_question(asked: Callable[[dict], dict], line: bytes) -> dict:
+    """The parent's answer to one question of its host; a question it cannot answer is an error the host reads."""
+    try:
+        return asked(json.loads(line)["ask"])
+    except Exception as err:  # noqa: BLE001 - the host asked something malformed, or answering it failed: the host is told
+        return {"error": f"{type(err).__name__}: {err}"}
 
 
 _warned: set[tuple[str, str]] = set()
@@ -355,6 +379,18 @@ def limit_memory(megabytes: int | None) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (megabytes << 20, megabytes << 20))
 
 
+def reap_children() -> None:
+    """Waits for what the last call started (its worker killed it after the call): a zombie would
+    count against sandbox.processes for the rest of the host's life."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def limit_next_call_cpu(seconds: int | None) -> None:
     """RLIMIT_CPU counts the process's whole life: the next call gets `seconds` more than used so far."""
     if seconds:
@@ -363,10 +399,29 @@ def limit_next_call_cpu(seconds: int | None) -> None:
         resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.getrlimit(resource.RLIMIT_CPU)[1]))
 
 
-def serve(load: Callable[[], Callable[[dict], dict]], memory_mb: int | None = None, cpu_seconds: int | None = None) -> int:
+class Parent:
+    """The host's side of the protocol: replies, and questions to the parent mid-call (`ask`)."""
+
+    def __init__(self, protocol, replies):
+        self.protocol, self.replies = protocol, replies
+
+    def say(self, message: dict) -> None:
+        self.protocol.write(json.dumps(message, ensure_ascii=False) + "\n")
+
+    def ask(self, question: dict) -> dict:
+        """Puts `question` to the parent and waits for its answer (a parent gone: this process ends)."""
+        self.say({"ask": question})
+        line = self.replies.readline()
+        if not line:
+            os._exit(0)
+        return json.loads(line)
+
+
+def serve(load: Callable[..., Callable[[dict], dict]], memory_mb: int | None = None, cpu_seconds: int | None = None, asks: bool = False) -> int:
     """The host's main loop. `load()` imports the user's functions and returns the function that
     answers one call (a dict in, a JSON-able dict out); after it the host says `{"ready": true}`, or
-    `{"fatal": message}` when it raised, and exits."""
+    `{"fatal": message}` when it raised, and exits. `asks`: `load(ask)`, where `ask(question) ->
+    answer` puts a question to the parent in the middle of a call (the parent's `request(asked=...)`)."""
     unconfined = sandbox.enter()  # first: user namespaces need a process of one thread
     tie_to_parent()
     protocol = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
@@ -374,15 +429,17 @@ def serve(load: Callable[[], Callable[[dict], dict]], memory_mb: int | None = No
     prints = CappedPrints(sys.__stderr__, PRINT_CHARS)
     sys.stdout = sys.stderr = prints
     limit_memory(memory_mb)
+    parent = Parent(protocol, sys.stdin)
     try:
-        answer = load()
+        answer = load(parent.ask) if asks else load()
     except Exception as err:  # noqa: BLE001 - user imports: the parent reports it
-        protocol.write(json.dumps({"fatal": str(err) or type(err).__name__}) + "\n")
+        parent.say({"fatal": str(err) or type(err).__name__})
         return 1
-    protocol.write(json.dumps({"ready": True, "unconfined": unconfined}) + "\n")
+    parent.say({"ready": True, "unconfined": unconfined})
     for line in iter(sys.stdin.readline, ""):
+        reap_children()
         limit_next_call_cpu(cpu_seconds)
         reply = answer(json.loads(line))
         prints.end_call()
-        protocol.write(json.dumps(reply, ensure_ascii=False) + "\n")
+        parent.say(reply)
     return 0

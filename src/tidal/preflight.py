@@ -27,15 +27,13 @@ def check_before_start(cfg: TidalConfig, dataset: Dataset | None = None) -> Data
 
 def check_environment(cfg: TidalConfig) -> None:
     """rollout.env, rollout.tools and rollout.tool_parser resolve, every tool has a schema, and one
-    environment can be built: an EnvError naming the one that does not. The tools' modules are
-    imported in a sandboxed tool process, as a worker's are; the environment class here."""
-    r = cfg.rollout
-    if r.env is None:
+    environment can be built: an EnvError naming the one that does not. The tools' modules and a
+    user's environment class are imported in sandboxed processes, as a worker's are, never here."""
+    if cfg.rollout.env is None:
         return
     from tidal.envs import EnvironmentFactory
-    from tidal.envs.isolation import ToolLimits
 
-    EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, max_tool_calls=r.max_tool_calls, isolation=ToolLimits.from_config(r)).close()
+    EnvironmentFactory.from_config(cfg.rollout, warm=False).close()
 
 
 def where(problem: Problem) -> str:

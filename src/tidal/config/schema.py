@@ -317,6 +317,10 @@ AGENT_KEYS = (
     "tool_processes",
     "tool_latency",
     "python_timeout_seconds",
+    "env_timeout_seconds",
+    "env_cpu_seconds",
+    "env_memory_mb",
+    "env_processes",
 )
 _MODULE_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -404,6 +408,13 @@ class RolloutConfig(_Strict):
     # the built-in python tool: one program's wall-clock time, after which its whole process group is
     # killed; it also runs under tool_cpu_seconds, tool_memory_mb and tool_output_bytes (docs/agents.md)
     python_timeout_seconds: float = Field(10.0, gt=0)
+    # a user's environment class (rollout.env: module:Class) lives in sandboxed processes of the worker's own
+    # (docs/agents.md): one call of its reset, step or reward past this wall-clock time (its own, not its
+    # rollout.tools calls'), or past the limits below, ends its trajectory, counted; the process is replaced
+    env_timeout_seconds: float = Field(60.0, gt=0)
+    env_cpu_seconds: int | None = Field(60, gt=0)  # one call's CPU time (RLIMIT_CPU, all its threads); None: no limit
+    env_memory_mb: int | None = Field(4096, gt=0)  # as tool_memory_mb, for an environment process and its whole tree
+    env_processes: int = Field(4, gt=0)  # environment processes; each trajectory's instance lives in one, its calls one at a time
 
     @field_validator("env", "tool_parser")
     @classmethod

@@ -28,7 +28,7 @@ from typing import Any
 
 from tidal.envs.isolation import ToolHost, ToolLimits
 from tidal.envs.parsing import ParsedTurn, ToolCall, resolve_tool_call_parser
-from tidal.envs.tools import EnvError, Tool, import_object, is_marked_tool, resolve_tool
+from tidal.envs.tools import EnvError, Tool, import_object, is_marked_tool, resolve_tool, run_arguments
 
 
 @dataclass
@@ -85,15 +85,15 @@ class Environment:
     max_tool_calls: int = 8
     stats: EnvStats
 
-    def bind(self, tools: Sequence[Tool] = (), parser: str = "hermes", tokenizer=None, max_tool_calls: int = 8) -> Environment:
-        """Gives the instance the run's tools, tool-call parser and limits; returns it."""
+    def bind(self, tools: Sequence[Tool] = (), parser: str | Callable = "hermes", tokenizer=None, max_tool_calls: int = 8) -> Environment:
+        """Gives the instance the run's tools, tool-call parser (a name, or the parser) and limits; returns it."""
         found: dict[str, Tool] = {}
         for t in [*(Tool.from_function(fn) for fn in self._own_tool_functions()), *tools]:
             if t.name in found:
                 raise EnvError(f"environment {type(self).__name__}: two tools are named {t.name!r}")
             found[t.name] = t
         self._tools = found
-        self._parser = resolve_tool_call_parser(parser)
+        self._parser = parser if callable(parser) else resolve_tool_call_parser(parser)
         self._tokenizer = tokenizer
         self.max_tool_calls = max_tool_calls
         self.stats = EnvStats()
@@ -175,14 +175,32 @@ def resolve_environment(name: str) -> type[Environment]:
 @dataclass
 class EnvironmentFactory:
     """Builds one bound environment per trajectory; the classes and tools are resolved once. With a
-    `host`, the run's tools run in its process (close() stops it)."""
+    `host`, the run's tools run in its processes; with an `env_host`, so does a user's environment
+    class (tidal.envs.sandboxed), and `cls` is the class that stands for it here (close() stops both)."""
 
-    cls: type[Environment]
+    cls: type
     tools: list[Tool]
-    parser: str = "hermes"
+    parser: str | Callable = "hermes"
     tokenizer: Any = None
     max_tool_calls: int = 8
     host: ToolHost | None = None
+    env_host: Any = None  # tidal.envs.sandboxed.EnvHost
+
+    @classmethod
+    def from_config(cls, rollout, tokenizer=None, seed: int = 0, warm: bool = True) -> EnvironmentFactory:
+        """rollout.env as a run uses it: the tools (rollout.tools) and a user's environment class each in
+        sandboxed processes of this one, with their limits; their modules are imported only there.
+        `warm`: every environment process starts now (a check needs only the one it builds in)."""
+        from tidal.envs.sandboxed import EnvLimits
+
+        fixed = {name: run_arguments(name, rollout) for name in rollout.tools}
+        isolation = ToolLimits.from_config(rollout, seed)
+        factory = cls.from_names(
+            rollout.env, rollout.tools, rollout.tool_parser, tokenizer, rollout.max_tool_calls, isolation, fixed, EnvLimits.from_config(rollout)
+        )
+        if warm and factory.env_host is not None:
+            factory.env_host.prestart()
+        return factory
 
     @classmethod
     def from_names(
@@ -194,29 +212,46 @@ class EnvironmentFactory:
         max_tool_calls: int = 8,
         isolation: ToolLimits | None = None,
         fixed: Mapping[str, dict] | None = None,
+        hosting=None,
     ) -> EnvironmentFactory:
         """`isolation`: the tools run in a process of their own with these limits, which also reads
         their schemas (a user's tool module is imported only there, in the sandbox); None: in this one.
-        `fixed`: per tool name, arguments the run sets (tidal.envs.tools.run_arguments)."""
+        `fixed`: per tool name, arguments the run sets (tidal.envs.tools.run_arguments). `hosting`
+        (tidal.envs.sandboxed.EnvLimits): a user's environment class (not a built-in) lives in
+        processes of its own with these limits, its module imported only there; None: in this one."""
+        from tidal.envs.sandboxed import EnvHost
+
         fixed = fixed or {}
         host = ToolHost(list(tools), isolation) if isolation is not None and tools else None
+        env_host = None
         try:
             resolved = host.tools(fixed) if host is not None else [resolve_tool(t, fixed.get(t)) for t in tools]
-            factory = cls(resolve_environment(env), resolved, parser, tokenizer, max_tool_calls, host)
-            factory()  # a class that cannot be built, or tools that clash, fail here and not in the first trajectory
+            if hosting is not None and env not in BUILT_IN_ENVIRONMENTS:
+                env_host = EnvHost(env, resolved, parser, tokenizer, max_tool_calls, hosting)
+                factory = cls(env_host.environment, resolved, parser, tokenizer, max_tool_calls, host, env_host)
+                env_host.check()  # a class that cannot be imported or built, or tools that clash, fail here and not in the first trajectory
+            else:
+                factory = cls(resolve_environment(env), resolved, parser, tokenizer, max_tool_calls, host)
+                factory()
         except BaseException:
-            if host is not None:
-                host.close()
+            _close_all(host, env_host)
             raise
         return factory
 
     def close(self) -> None:
-        if self.host is not None:
-            self.host.close()
+        _close_all(self.host, self.env_host)
 
-    def __call__(self) -> Environment:
+    def __call__(self):
+        if self.env_host is not None:
+            return self.env_host.new()
         try:
             env = self.cls()
         except Exception as err:  # noqa: BLE001 - user code: name the class
             raise EnvError(f"environment {self.cls.__qualname__}(): {type(err).__name__}: {err}") from None
         return env.bind(self.tools, self.parser, self.tokenizer, self.max_tool_calls)
+
+
+def _close_all(*parts) -> None:
+    for part in parts:
+        if part is not None:
+            part.close()

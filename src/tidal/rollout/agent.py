@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from tidal.config import TidalConfig
-from tidal.envs import EnvError, Environment, EnvironmentFactory, ToolLimits, Trajectory, run_arguments
+from tidal.envs import EnvError, Environment, EnvironmentFactory, Trajectory
 from tidal.protocol import Sample, WorkItem
 from tidal.rewards import RewardScorer, checked_reward, exact_match
 from tidal.rewards.failures import RewardFailingError
@@ -108,9 +108,7 @@ class AgentLoop:
         tokenizer has a template of its own; any other model with its tokenizer's."""
         from tidal.demo.tiny import TOOL_CHAT_TEMPLATE
 
-        r = cfg.rollout
-        limits, fixed = ToolLimits.from_config(r, cfg.seed), {name: run_arguments(name, r) for name in r.tools}
-        factory = EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, tokenizer, r.max_tool_calls, limits, fixed)
+        factory = EnvironmentFactory.from_config(cfg.rollout, tokenizer, cfg.seed)
         own = getattr(tokenizer, "chat_template", None)
         return cls(cfg, tokenizer, factory, None if own or cfg.model.name_or_path is not None else TOOL_CHAT_TEMPLATE, context)
 
