@@ -147,11 +147,11 @@ def test_an_environment_process_that_dies_ends_the_trajectories_it_held_counted_
     from tests.test_agent_loop import G, agent_config, items, tiny_engine
     from tidal.rewards import RewardScorer
     from tidal.rewards.failures import merge_tallies
-    from tidal.rollout.worker import generate_groups
+    from tidal.rollout.generator import generate_groups
 
     engine, tok = tiny_engine()
     cfg = agent_config("tests.environments:Exits")
-    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, 0, "w")
+    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, version=0, worker_id="w")
     assert all(len(g.samples) == G for g in groups)
     reasons = [s.finish_reason for g in groups for s in g.samples]
     tallies: dict = {}

@@ -29,8 +29,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
-from tidal.envs.base import EnvStats
 from tidal.envs.parsing import TOOL_CALL_PARSERS, resolve_tool_call_parser
+from tidal.envs.stats import EnvStats
 from tidal.envs.tools import EnvError, Tool
 from tidal.hosted import HostCallError, HostProcess, HostStartError
 
