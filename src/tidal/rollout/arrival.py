@@ -170,7 +170,7 @@ class WeightArrival:
                 if result.get("partial") and self.health.version is not None:
                     await self.engine.load_weights(await self.path(self.health.version))
                 return None
-            source, probe = "", result.get("probe")
+            source, probe = " from the weight store", result.get("probe")
         loaded = time.time() - t0
         difference = None
         if probe:  # a version published without one is not checked
