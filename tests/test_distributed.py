@@ -129,7 +129,9 @@ def test_tidal_run_on_two_fsdp2_ranks_ends_at_one_process_weights(tmp_path, writ
     assert_same_weights(one, two)
     worker_log = (tmp_path / "r2" / "logs" / "worker-0.log").read_text()  # the arrival check ran at every version and passed
     assert all(
-        re.search(rf"loaded weights v{v} in [\d.]+s from the weight store \(probe log-probs within [\d.e+-]+ of the trainer's, mean per token\)", worker_log)
+        re.search(
+            rf"loaded weights v{v} in [\d.]+s from the weight store \(probe log-probs within [\d.e+-]+ of the trainer's, mean per token\)", worker_log
+        )
         for v in range(3)
     )
     records = [json.loads(line) for line in (tmp_path / "r2" / "groups.jsonl").read_text().splitlines()]

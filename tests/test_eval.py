@@ -93,7 +93,7 @@ def test_tidal_eval_of_no_missing_corrupt_or_not_the_trainers_snapshot_is_one_li
 
     import torch
 
-    from tidal.rundir import run_key_pair
+    from tidal.run_keys import run_key_pair
     from tidal.weights import WeightStore
     from tidal.weights.signing import new_key_pair
 

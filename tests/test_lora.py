@@ -429,7 +429,9 @@ def test_a_lora_periodic_run_ends_on_the_adapter_of_a_sync_run_and_resumes_onto_
         torch.testing.assert_close(periodic[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
     worker_log = (tmp_path / "periodic" / "logs" / "worker-0.log").read_text()
     assert all(
-        re.search(rf"loaded weights v{v} in [\d.]+s from the weight store \(probe log-probs within [\d.e+-]+ of the trainer's, mean per token\)", worker_log)
+        re.search(
+            rf"loaded weights v{v} in [\d.]+s from the weight store \(probe log-probs within [\d.e+-]+ of the trainer's, mean per token\)", worker_log
+        )
         for v in range(3)
     )
 
@@ -488,7 +490,9 @@ def test_a_lora_run_on_two_fsdp2_ranks_ends_on_the_adapter_of_one_rank(tmp_path,
         torch.testing.assert_close(two[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
     worker_log = (tmp_path / "r2" / "logs" / "worker-0.log").read_text()  # the arrival check ran at every version and passed
     assert all(
-        re.search(rf"loaded weights v{v} in [\d.]+s from the weight store \(probe log-probs within [\d.e+-]+ of the trainer's, mean per token\)", worker_log)
+        re.search(
+            rf"loaded weights v{v} in [\d.]+s from the weight store \(probe log-probs within [\d.e+-]+ of the trainer's, mean per token\)", worker_log
+        )
         for v in range(3)
     )
     assert sorted(p.name for p in (tmp_path / "r2" / "checkpoint" / "v000003").iterdir()) == [

@@ -205,7 +205,7 @@ def test_a_periodic_worker_drops_work_of_an_iteration_the_trainer_has_left(nats_
 def test_a_token_that_reads_as_a_number_stops_nats_server_so_run_tokens_never_do(tmp_path, token):
     """nats-server parses the `$TIDAL_NATS_TOKEN` value: a token starting with a digit or '-' made
     it exit at start (a number, a date or a float followed by letters; seen in a test run with token_urlsafe)."""
-    from tidal.rundir import nats_token
+    from tidal.run_keys import nats_token
 
     bad = EmbeddedNats(tmp_path / "bad", token=token)
     try:

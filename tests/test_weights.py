@@ -199,7 +199,7 @@ def test_a_key_that_is_not_an_ed25519_key_is_named(monkeypatch):
 def test_the_run_key_pair_is_made_once_private_and_kept(tmp_path):
     import stat
 
-    from tidal.rundir import run_key_pair
+    from tidal.run_keys import run_key_pair
     from tidal.weights.signing import public_key_of
 
     private, public = run_key_pair(tmp_path)
@@ -213,7 +213,7 @@ def test_the_run_key_pair_is_made_once_private_and_kept(tmp_path):
 def test_an_hmac_era_run_directory_is_re_signed_on_its_next_launch_and_its_symmetric_key_deleted(tmp_path, monkeypatch):
     """a run directory written before Ed25519 signing: versions whose HMAC verifies with RUN_DIR/weights-key are
     re-signed with the new private key; one whose HMAC does not is left as it was, and every loader refuses it."""
-    from tidal.rundir import run_key_pair, snapshot_keys, upgrade_hmac_run
+    from tidal.run_keys import run_key_pair, snapshot_keys, upgrade_hmac_run
     from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, sha256_of, verify_snapshot
     from tidal.weights.signing import hmac_signature
 

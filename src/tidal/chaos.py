@@ -170,12 +170,9 @@ def signal_pid(pid: int | None, sig: int) -> bool:
 def corrupt_snapshot_in_use(run_dir: Path) -> bool:
     store = WeightStore(RunDir(run_dir).weights)
     try:
-        latest = store.latest_version()
-    except (OSError, ValueError):
+        path = tensor_file(store.path(store.latest_version()))
+    except (OSError, ValueError, TypeError):  # no version yet (None), or its marker half written
         return False
-    if latest is None:
-        return False
-    path = tensor_file(store.path(latest))
     try:
         blob = bytearray(path.read_bytes())
     except OSError:

@@ -199,7 +199,7 @@ def eval_command(args: argparse.Namespace) -> int:
     from tidal.data import load_dataset
     from tidal.evaluate import evaluate_snapshot
     from tidal.model.hub import check_hub_model
-    from tidal.rundir import snapshot_keys
+    from tidal.run_keys import snapshot_keys
     from tidal.sandbox import confine_user_code
     from tidal.weights import PUBLIC_KEY_ENV, WeightStore
 

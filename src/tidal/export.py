@@ -15,7 +15,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidal.rundir import RunDir, RunInfo, snapshot_keys
+from tidal.run_keys import snapshot_keys
+from tidal.rundir import RunDir, RunInfo
 from tidal.weights import (
     WEIGHTS_FILE,
     CorruptSnapshotError,
@@ -65,7 +66,7 @@ def is_adapter(snapshot: Path) -> bool:
 
 
 def verified_manifest(snapshot: Path, keys: dict) -> dict:
-    """`keys`: tidal.rundir.snapshot_keys (the run's public key: its trainer's signature is checked)."""
+    """`keys`: tidal.run_keys.snapshot_keys (the run's public key: its trainer's signature is checked)."""
     try:
         return verify_snapshot(snapshot, **keys)
     except CorruptSnapshotError as err:

@@ -22,7 +22,8 @@ from tidal.plan import apply_plan, cached_profile, format_pool, planned_tail, re
 from tidal.preflight import check_before_start, check_this_machine
 from tidal.rewards import check_failure_rates
 from tidal.rewards.served import check_reward_urls
-from tidal.rundir import RunDir, RunDirError, RunDirLock, RunInfo, new_nats_token, new_run_id, run_key_pair, upgrade_hmac_run
+from tidal.run_keys import new_nats_token, run_key_pair, upgrade_hmac_run
+from tidal.rundir import RunDir, RunDirError, RunDirLock, RunInfo, new_run_id
 from tidal.sandbox import confine_user_code
 from tidal.summary import agent_before_after, at_k_before_after, result_table, summarize
 from tidal.supervise import NatsSupervisor, RoleFailed, RoleProcesses, Stopped, child_options, stop_on_signals, tail

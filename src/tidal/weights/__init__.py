@@ -297,7 +297,7 @@ def verify_snapshot(path: str | Path, public_key: str | None = None, hmac_key: b
     """Every file's sha256 against the manifest, and its signature with `public_key` (hex; default:
     $TIDAL_WEIGHTS_PUBLIC_KEY, which every role of a run holds); returns the manifest.
     CorruptSnapshotError names what is wrong. `hmac_key`, without a public key: the symmetric key of a run
-    directory from before Ed25519 signing (tidal.rundir.snapshot_keys). Without any key only the sha256s are checked."""
+    directory from before Ed25519 signing (tidal.run_keys.snapshot_keys). Without any key only the sha256s are checked."""
     path = Path(path)
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():

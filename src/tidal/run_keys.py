@@ -1,0 +1,114 @@
+"""The run's secrets in its directory: the weight-signing key pair (the private key 0600, handed to the
+trainer role only), a pre-Ed25519 run's HMAC key and its upgrade, and the embedded NATS server's
+per-launch token. User code never reads them: the sandbox hides the run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+
+NATS_TOKEN_FILE = "nats-token"
+
+
+def nats_token() -> str:
+    """A random token nats-server's config parser reads as a string: its `$VAR` reference parses the
+    value, so one that starts with a digit or '-' (as token_urlsafe's may) is a number followed by
+    junk, and the server refuses to start."""
+    return "t" + secrets.token_hex(32)
+
+
+WEIGHTS_SIGNING_KEY_FILE = "weights-signing-key"  # private (0600): the launcher hands it to the trainer role only
+WEIGHTS_PUBLIC_KEY_FILE = "weights-public-key"
+HMAC_WEIGHTS_KEY_FILE = "weights-key"  # the symmetric key of runs from before Ed25519 signing (upgrade_hmac_run)
+
+
+def write_private(path: Path, text: str) -> None:
+    """`text` in a file of mode 0600, replaced atomically (never readable by others, never half written)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def run_key_pair(run_dir: Path) -> tuple[str, str]:
+    """(private, public) keys of the run's snapshot signatures (tidal.weights.signing), made on the run's first
+    launch and kept in RUN_DIR/weights-signing-key (0600) and RUN_DIR/weights-public-key: a resume signs with
+    the same key, so the versions written before still verify."""
+    from tidal.weights.signing import new_key_pair, public_key_of
+
+    private_path, public_path = Path(run_dir) / WEIGHTS_SIGNING_KEY_FILE, Path(run_dir) / WEIGHTS_PUBLIC_KEY_FILE
+    if private_path.is_file():
+        private = private_path.read_text().strip()
+        public = public_key_of(private)  # the public file is derived: rewritten if it went missing or was changed
+    else:
+        private, public = new_key_pair()
+        write_private(private_path, private)
+    if not public_path.is_file() or public_path.read_text().strip() != public:
+        public_path.write_text(public)
+    return private, public
+
+
+def run_public_key(run_dir: Path) -> str | None:
+    """The run's public key as its trainer's processes saw it: $TIDAL_WEIGHTS_PUBLIC_KEY (a role of the run, a
+    cluster's pod) first, else RUN_DIR/weights-public-key (a user's `tidal eval` or `tidal export`); None: a run
+    directory from before Ed25519 signing that no launch has upgraded."""
+    from tidal.weights.signing import public_key_from_env
+
+    path = Path(run_dir) / WEIGHTS_PUBLIC_KEY_FILE
+    return public_key_from_env() or (path.read_text().strip() if path.is_file() else None)
+
+
+def snapshot_keys(run_dir: Path) -> dict:
+    """verify_snapshot's keys for a user's command on a run directory (`tidal eval`, `tidal export`): its public key,
+    else, for a run directory from before Ed25519 signing that no launch has upgraded, its HMAC key."""
+    public = run_public_key(run_dir)
+    hmac_path = Path(run_dir) / HMAC_WEIGHTS_KEY_FILE
+    if public or not hmac_path.is_file():
+        return {"public_key": public}
+    return {"hmac_key": hmac_path.read_text().strip().encode()}
+
+
+def upgrade_hmac_run(run_dir: Path, weights_root: Path, private: str) -> list[str]:
+    """A run directory from before Ed25519 signing (it has RUN_DIR/weights-key): every snapshot whose HMAC
+    verifies with that key is re-signed with `private` (its manifest replaced atomically; the sha256s stay),
+    then the symmetric key is deleted, so no process of the run holds a key that could sign. A snapshot
+    whose HMAC does not verify keeps it, and every loader refuses it. Returns what it refused to re-sign.
+    Call it with the run directory locked and no role running."""
+    from tidal.weights.signing import resign_hmac_manifest
+
+    key_path = Path(run_dir) / HMAC_WEIGHTS_KEY_FILE
+    if not key_path.is_file():
+        return []
+    hmac_key = key_path.read_text().strip().encode()
+    refused = []
+    for manifest_path in sorted(Path(weights_root).glob("v*/manifest.json")):
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            refused.append(str(manifest_path.parent))
+            continue
+        if not isinstance(manifest, dict) or "hmac" not in manifest:
+            continue  # already re-signed (an upgrade cut short), or never signed
+        resigned = resign_hmac_manifest(manifest, hmac_key, private)
+        if resigned is None:
+            refused.append(str(manifest_path.parent))
+            continue
+        tmp = manifest_path.with_name(f".{manifest_path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(resigned, indent=1))
+        os.replace(tmp, manifest_path)
+    key_path.unlink()
+    return refused
+
+
+def new_nats_token(run_dir: Path) -> str:
+    """A fresh random token for this launch's embedded nats-server, in RUN_DIR/nats-token (mode 0600,
+    replaced atomically): roles get it through their environment, a user's tool can read it here."""
+    token = nats_token()
+    write_private(Path(run_dir) / NATS_TOKEN_FILE, token)
+    return token
