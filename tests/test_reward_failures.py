@@ -149,9 +149,9 @@ def test_an_always_failing_reward_ends_a_short_run_non_zero_with_one_line_naming
 def test_an_environment_whose_step_always_raises_is_named_in_the_table_and_the_run_exits_non_zero(tmp_path, write_config):
     config = write_config(
         {
-            "rollout.env": "tests.test_reward_failures:StepRaises",
-            "rollout.tools": ["calc"],
-            "rollout.max_turns": 2,
+            "rollout.agent.env": "tests.test_reward_failures:StepRaises",
+            "rollout.agent.tools": ["calc"],
+            "rollout.agent.max_turns": 2,
             "rollout.max_new_tokens": 24,  # long enough for the barely warm-started model to end turns with EOS
             "trainer.iterations": 2,
             "eval.enabled": False,

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (rollout.env) on the vLLM engine, on CPU: each turn a request on the token
+"""Multi-turn rollouts (rollout.agent.env) on the vLLM engine, on CPU: each turn a request on the token
 prompt so far, every trajectory in flight at once, the environment's steps on threads.
 
 One engine serves the direct tests (the worker's async path and sync mode's blocking path share it);
@@ -46,7 +46,7 @@ ENV = "tests.test_vllm_agent:CalcFirst"
 
 
 class CalcFirst(Environment):
-    """The `tools` environment (rollout.tools [calc]), except that a first turn without a tool call
+    """The `tools` environment (rollout.agent.tools [calc]), except that a first turn without a tool call
     (the tiny model cannot write one) is answered by calling calc on the problem, as if the model
     had: every trajectory whose first turn ends gets a tool observation and a second turn. Steps
     take a while, as tools do; the class records how many ran at once."""
@@ -104,9 +104,7 @@ def agent_rollout(**extra) -> dict:
         "engine": "vllm",
         "group_size": G,
         "max_new_tokens": MAX_NEW_TOKENS,
-        "env": ENV,
-        "tools": ["calc"],
-        "max_turns": MAX_TURNS,
+        "agent": {"env": ENV, "tools": ["calc"], "max_turns": MAX_TURNS},
         "vllm": dict(VLLM_SETTINGS),
         **extra,
     }

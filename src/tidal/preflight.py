@@ -24,16 +24,16 @@ def check_before_start(cfg: TidalConfig, dataset: Dataset | None = None) -> Data
 
 
 def check_environment(cfg: TidalConfig) -> None:
-    """rollout.env, rollout.tools and rollout.tool_parser resolve, every tool has a schema, and one
+    """rollout.agent's env, tools and tool_parser resolve, every tool has a schema, and one
     environment can be built: an EnvError naming the one that does not. The tools' modules are
     imported in a sandboxed tool process, as a worker's are; the environment class here."""
-    r = cfg.rollout
-    if r.env is None:
+    a = cfg.rollout.agent
+    if a is None:
         return
     from tidal.envs import EnvironmentFactory
     from tidal.envs.isolation import ToolLimits
 
-    EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, max_tool_calls=r.max_tool_calls, isolation=ToolLimits.from_config(r)).close()
+    EnvironmentFactory.from_names(a.env, a.tools, a.tool_parser, max_tool_calls=a.max_tool_calls, isolation=ToolLimits.from_config(a)).close()
 
 
 def where(problem: Problem) -> str:

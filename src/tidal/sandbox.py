@@ -1,4 +1,4 @@
-"""The sandbox user code runs in: rollout.tools and user reward functions (tidal.hosted's host
+"""The sandbox user code runs in: rollout.agent.tools and user reward functions (tidal.hosted's host
 processes) get nothing of the run.
 
 The worker starts each host with an allow-listed environment (none of the run's secrets or tokens),

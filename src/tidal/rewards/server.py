@@ -211,7 +211,7 @@ class RewardServers:
         """`base_model`: the run's warm start, which the built-in reward model (`serve.model` unset) starts from."""
         self.servers = []
         for f in cfg.reward.functions:
-            if f.serve is None:
+            if f.type != "reward_model" or f.serve is None:
                 continue
             model = f.serve.model
             if model is None:
