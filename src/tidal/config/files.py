@@ -36,7 +36,9 @@ def _error_line(e: dict) -> str:
     loc, kind = _without_union_tags(tuple(e["loc"]))
     key = ".".join(str(p) for p in loc)
     if e["type"] == "extra_forbidden" and kind is not None:
-        return f"{key}: not a key of a {kind!r} entry (its keys: {', '.join(REWARD_TYPES[kind].model_fields)})"
+        owners = [repr(t) for t, cls in REWARD_TYPES.items() if loc[-1] in cls.model_fields]
+        if owners:
+            return f"{key}: only for type {' or '.join(owners)}, not {kind!r}"
     if e["type"] == "extra_forbidden":
         return f"{key}: unknown key"
     reason = e["msg"].removeprefix("Value error, ")

@@ -86,12 +86,12 @@ class _ServedEntry(_Entry):
     )
     error_window: int = Field(20, gt=0, description="Requests the error rate is measured over (the latest ones).")
 
-    @field_validator("api_key_env")
-    @classmethod
-    def _a_variable_name(cls, name: str | None) -> str | None:
-        if name is not None and not ENV_NAME.match(name):
-            raise config_error(f"must be the NAME of an environment variable, not {name[:4]!r}...")
-        return name
+    @model_validator(mode="after")
+    def _a_variable_name(self) -> _ServedEntry:
+        # a check of the entry, not of the key: its error never shows the value (which may be the key itself)
+        if self.api_key_env is not None and not ENV_NAME.match(self.api_key_env):
+            raise config_error(f"api_key_env must be the NAME of an environment variable, not {self.api_key_env[:4]!r}...")
+        return self
 
     @field_validator("url")
     @classmethod
@@ -118,11 +118,9 @@ class RewardModelConfig(_ServedEntry):
     @model_validator(mode="after")
     def _one_endpoint(self) -> RewardModelConfig:
         if (self.url is None) == (self.serve is None):
-            raise config_error(
-                f"reward.functions[{self.label}]: a reward_model needs exactly one of url (a running server) and serve (tidal run starts one)"
-            )
+            raise config_error("a reward_model needs exactly one of url (a running server) and serve (tidal run starts one)")
         if self.protocol == "vllm_classify" and not self.model:
-            raise config_error(f"reward.functions[{self.label}]: protocol 'vllm_classify' needs model (the served model's name)")
+            raise config_error("protocol 'vllm_classify' needs model (the served model's name)")
         return self
 
 
