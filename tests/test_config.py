@@ -157,7 +157,10 @@ def test_a_rule_over_a_block_is_one_short_line_without_the_block_echoed():
         ({"eval": {"samples_per_prompt": 2, "k": [1, 4]}}, "eval.k [4] must each be between 1 and eval.samples_per_prompt (2)"),
         ({"data": {"task": "jsonl"}}, "data.path is required when data.task is 'jsonl'"),
         ({"rollout": {"tools": ["calc"]}}, "rollout.tools: only for multi-turn rollouts, which are rollout.agent now"),
-        ({"reward": {"functions": [{"name": "exact_match", "url": "http://x"}]}}, "reward.functions.0.url: only for type 'reward_model' or 'judge', not 'function'"),
+        (
+            {"reward": {"functions": [{"name": "exact_match", "url": "http://x"}]}},
+            "reward.functions.0.url: only for type 'reward_model' or 'judge', not 'function'",
+        ),
         ({"reward": {"functions": [{"type": "rm", "url": "http://x"}]}}, "reward.functions.0: type must be 'function', 'reward_model' or 'judge'"),
     ]
     for data, reason in cases:

@@ -112,9 +112,9 @@ def test_the_run_sets_the_limits_and_the_model_sees_only_the_code():
             "eval": {"enabled": False},
         }
     )
-    fixed = run_arguments("python", cfg.rollout)
+    fixed = run_arguments("python", cfg.rollout.agent)
     assert fixed == {"timeout_seconds": 2.0, "cpu_seconds": 60, "memory_mb": 300, "output_bytes": 99}
-    assert run_arguments("calc", cfg.rollout) == {}
+    assert run_arguments("calc", cfg.rollout.agent) == {}
     tool = resolve_tool("python", fixed)
     assert tool.parameters["properties"].keys() == {"code"} and tool.parameters["required"] == ["code"]
     refused = tool({"code": "print(1)", "timeout_seconds": 1000})

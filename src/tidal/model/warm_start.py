@@ -44,7 +44,7 @@ def warm_start_key(cfg: TidalConfig) -> str:
         "seed": warm_start_seed(cfg),
     }
     if plays_tool_traces(cfg):  # the traces are played through the environment and its template
-        spec["agent"] = cfg.rollout.model_dump(mode="json", include={"env", "tools", "tool_parser", "max_turns", "max_env_tokens_per_turn"})
+        spec["agent"] = cfg.rollout.agent.model_dump(mode="json", include={"env", "tools", "tool_parser", "max_turns", "max_env_tokens_per_turn"})
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
