@@ -326,7 +326,7 @@ def reward_model_dir(tmp_path_factory) -> Path:
 
 
 def test_serve_reward_answers_the_openrlhf_protocol_with_the_models_scores(reward_model_dir, tmp_path):
-    from tidal.config.schema import ServeRewardModelConfig
+    from tidal.config import ServeRewardModelConfig
     from tidal.rewards.server import RewardModel, RewardServer
 
     server = RewardServer("rm", ServeRewardModelConfig(model=str(reward_model_dir), batch_size=3), tmp_path / "rm.log")

@@ -930,7 +930,7 @@ def trl_child(argv: list[str]) -> None:
         trainer.state.global_step != args.steps
         or [c[:1] for c in calls] != [[samples]] * args.steps
         or (not multi_turn and any(len(c) != 1 for c in calls))
-        or any(len(c) > cfg.rollout.agent.max_turns for c in calls)
+        or (multi_turn and any(len(c) > cfg.rollout.agent.max_turns for c in calls))
     ):
         raise RuntimeError(
             f"TRL took {trainer.state.global_step} optimizer steps and generated {calls} sequences per call; "
