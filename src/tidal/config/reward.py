@@ -11,6 +11,7 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from tidal.config.base import ENV_NAME, Strict, built_in, built_in_or_module, config_error
 
+RewardOutput = Literal["logit", "sigmoid", "binary"]  # what a served reward model's score is (tidal serve-reward --output too)
 DEFAULT_JUDGE_TEMPLATE = (
     "You grade an answer to a problem.\n\nProblem:\n{prompt}\n\nReference answer:\n{answer}\n\n"
     "Answer to grade:\n{completion}\n\nIs the answer to grade correct? Reply with yes or no only."
@@ -28,7 +29,7 @@ class ServeRewardModelConfig(Strict):
     )
     port: int | None = Field(None, gt=0, lt=65536, description="The server's port on 127.0.0.1; unset: a free one.")
     batch_size: int = Field(64, gt=0, description="Rows per forward pass on the server.")
-    output: Literal["logit", "sigmoid", "binary"] = Field(
+    output: RewardOutput = Field(
         "logit",
         description="The reward: the model's first logit, its sigmoid, or binary: 1 when the logit is positive (the classifier's "
         "verdict; a policy cannot climb the score's small differences), else 0.",
