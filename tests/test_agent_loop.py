@@ -1,4 +1,4 @@
-"""The rollout side's environment loop (rollout.env) over the HF engine and the tiny model's tool
+"""The rollout side's environment loop (rollout.agent.env) over the HF engine and the tiny model's tool
 chat template: trajectory groups whose tokens are the sampled ones plus the template's rendering of
 each observation, with the loss mask, rewards and environment counts the trainer reads."""
 
@@ -41,10 +41,10 @@ def tiny_engine(eos_logit: float = 2.0):
     return HFEngine(model.eval(), tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS), tok
 
 
-def agent_config(env: str, **rollout):
+def agent_config(env: str, **agent):
     return config_from_dict(
         {
-            "rollout": {"group_size": G, "max_new_tokens": MAX_NEW_TOKENS, "env": env, "tools": ["calc"], "max_turns": 3, **rollout},
+            "rollout": {"group_size": G, "max_new_tokens": MAX_NEW_TOKENS, "agent": {"env": env, "tools": ["calc"], "max_turns": 3, **agent}},
             "trainer": {"prompts_per_iteration": 2},
             "eval": {"enabled": False},
         }
@@ -157,9 +157,7 @@ def test_a_worker_pulls_for_whole_trajectories():
                 "group_size": 4,
                 "max_new_tokens": 10,
                 "generation_token_budget": 4000,
-                "env": "tools",
-                "max_turns": 3,
-                "max_env_tokens_per_turn": 20,
+                "agent": {"env": "tools", "max_turns": 3, "max_env_tokens_per_turn": 20},
             },
             "eval": {"enabled": False},
         }
@@ -175,8 +173,8 @@ def test_a_named_model_without_a_chat_template_is_refused():
     from tidal.envs import EnvError
 
     tok = build_char_tokenizer()
-    cfg = config_from_dict({"model": {"name_or_path": "/some/model"}, "rollout": {"env": "tools"}, "eval": {"enabled": False}})
-    with pytest.raises(EnvError, match="rollout.env needs a chat template"):
+    cfg = config_from_dict({"model": {"name_or_path": "/some/model"}, "rollout": {"agent": {"env": "tools"}}, "eval": {"enabled": False}})
+    with pytest.raises(EnvError, match="rollout.agent needs a chat template"):
         AgentLoop.from_config(cfg, tok)
 
 

@@ -70,7 +70,7 @@ def text(tokenizer, ids) -> str:
 def test_the_example_is_an_agent_run_of_a_hub_instruct_model_on_vllm_evaluated_on_hf():
     cfg = load_config(EXAMPLE)
     assert cfg.model.name_or_path == "Qwen/Qwen2.5-1.5B-Instruct" and cfg.rollout.engine == "vllm"
-    assert (cfg.rollout.env, cfg.rollout.tools, cfg.data.operations, cfg.data.max_digits) == ("tools", ["calc"], ["*"], 3)
+    assert (cfg.rollout.agent.env, cfg.rollout.agent.tools, cfg.data.operations, cfg.data.max_digits) == ("tools", ["calc"], ["*"], 3)
     assert cfg.eval.enabled and cfg.eval.engine == "hf"
     with pytest.raises(Exception, match="set eval.engine: hf"):  # the rule the example follows
         load_config(EXAMPLE, ["eval.engine=rollout"])

@@ -1,4 +1,4 @@
-"""`tidal run` with an environment (rollout.env), as a user runs it: multi-turn trajectories go
+"""`tidal run` with an environment (rollout.agent.env), as a user runs it: multi-turn trajectories go
 from the rollout side to the trainer, in sync mode and through NATS in periodic mode, and the two
 make the same update."""
 
@@ -15,9 +15,9 @@ from tests.conftest import read_jsonl, run_cli
 def test_sync_and_periodic_train_the_same_multi_turn_trajectories_to_the_same_weights(tmp_path, write_config):
     config = write_config(
         {
-            "rollout.env": "tests.environments:Chatty",  # answers every turn, never done: max_turns ends it
-            "rollout.tools": ["calc"],
-            "rollout.max_turns": 2,
+            "rollout.agent.env": "tests.environments:Chatty",  # answers every turn, never done: max_turns ends it
+            "rollout.agent.tools": ["calc"],
+            "rollout.agent.max_turns": 2,
             "rollout.max_new_tokens": 24,  # long enough for the barely warm-started model to end turns with EOS
             "rollout.deterministic": True,
             "trainer.iterations": 2,

@@ -2,6 +2,8 @@
 and every registered advantage estimator gives exactly zero to a group without signal."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,15 +45,24 @@ def test_builtin_names_are_registered():
     assert ADVANTAGES["grpo"] is tidal.algo.grpo_advantages and POLICY_LOSSES["ppo_clip"] is ppo_clip_token_loss
 
 
-def test_the_configs_list_of_built_in_names_is_what_tidal_algo_registers():
-    """The config accepts these without importing tidal.algo (torch): the two must not drift apart."""
-    from tidal.config import BUILT_IN_ALGORITHMS
+def test_a_config_with_built_in_algorithms_loads_without_torch():
+    """The config checks built-in names against tidal.algo.names, which needs no torch (a pipeline step that
+    reads the config to talk to NATS or the API stays light)."""
+    code = (
+        "import sys; from tidal.config import config_from_dict; "
+        "cfg = config_from_dict({'trainer': {'advantage': 'rloo', 'policy_loss': 'gspo', 'kl_estimator': 'k2'}}); "
+        "print(cfg.trainer.advantage, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.split() == ["rloo", "False"], done.stderr
 
-    def built_in(registry: dict) -> list[str]:
-        return sorted(name for name, fn in registry.items() if fn.__module__.startswith("tidal.algo."))
 
-    assert sorted(BUILT_IN_ALGORITHMS["advantage"]) == built_in(ADVANTAGES)
-    assert sorted(BUILT_IN_ALGORITHMS["policy_loss"]) == built_in(POLICY_LOSSES)
+def test_a_registry_whose_built_ins_are_not_the_listed_names_does_not_import():
+    from tidal.algo.registry import check_built_ins
+
+    check_built_ins({"grpo": None, "rloo": None}, "advantage estimator", ("rloo", "grpo"))
+    with pytest.raises(ImportError, match=r"the built-in advantage estimators \['grpo', 'new'\] are not tidal.algo.names' \['grpo'\]"):
+        check_built_ins({"grpo": None, "new": None}, "advantage estimator", ("grpo",))
 
 
 def test_registering_a_taken_name_is_an_error():
@@ -65,6 +76,8 @@ def test_registering_a_taken_name_is_an_error():
 def test_unknown_names_are_clear_config_errors_naming_the_key():
     with pytest.raises(ConfigError, match=r"trainer\.advantage: unknown advantage estimator 'foo': choose from \['dr_grpo', 'grpo', 'rloo'\]"):
         config_from_dict({"trainer": {"advantage": "foo"}})
+    with pytest.raises(ConfigError, match=r"^invalid config \(<dict>\): trainer\.kl_estimator: Input should be 'k1', 'k2' or 'k3' \(got 'k4'\)$"):
+        config_from_dict({"trainer": {"kl_estimator": "k4"}})
     with pytest.raises(ConfigError, match=r"trainer\.policy_loss: unknown policy loss 'reinforce': choose from \['gspo', 'ppo_clip'\]"):
         config_from_dict({"trainer": {"policy_loss": "reinforce"}})
 

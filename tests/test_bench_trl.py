@@ -269,10 +269,10 @@ def test_the_calculator_settings_map_onto_trls_tool_loop():
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        (["rollout.env=tests.envs:Custom"], "rollout.env"),
-        (["rollout.tool_parser=tests.envs:parser"], "rollout.tool_parser"),
-        (["rollout.max_tool_calls=1"], "rollout.max_tool_calls"),
-        (["rollout.tool_latency.p50_seconds=0.05"], "rollout.tool_latency"),
+        (["rollout.agent.env=tests.envs:Custom"], "rollout.agent.env"),
+        (["rollout.agent.tool_parser=tests.envs:parser"], "rollout.agent.tool_parser"),
+        (["rollout.agent.max_tool_calls=1"], "rollout.agent.max_tool_calls"),
+        (["rollout.agent.tool_latency.p50_seconds=0.05"], "rollout.agent.tool_latency"),
         (["trainer.loss_aggregation=seq_mean_token_sum_norm"], "trainer.aggregation_constant"),
         (["rollout.engine=vllm"], "rollout.engine"),
     ],
@@ -290,10 +290,17 @@ def test_dr_grpo_on_trajectories_needs_trls_trajectory_cap_as_its_constant():
 
 def test_the_command_refuses_the_calculator_settings_before_running(tmp_path):
     proc = run_cli(
-        "bench", "trl", "--config", "examples/calculator.yaml", "--set", "rollout.max_tool_calls=1", "--set", "rollout.tool_latency.p50_seconds=0.1"
+        "bench",
+        "trl",
+        "--config",
+        "examples/calculator.yaml",
+        "--set",
+        "rollout.agent.max_tool_calls=1",
+        "--set",
+        "rollout.agent.tool_latency.p50_seconds=0.1",
     )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "rollout.max_tool_calls 1" in proc.stderr and "rollout.tool_latency" in proc.stderr
+    assert "rollout.agent.max_tool_calls 1" in proc.stderr and "rollout.agent.tool_latency" in proc.stderr
 
 
 def test_trl_accepts_the_tiny_tokenizer_only_with_the_benchs_templates_and_parses_its_calls():
@@ -334,7 +341,7 @@ def test_trl_gets_tidals_tool_with_its_schema_error_texts_and_observation_cut():
     assert calc.__name__ == "calc" and get_json_schema(calc) == resolve_tool("calc").schema
     assert calc(expression="6*7") == "42"
     assert calc(expr="6*7") == "error: calc: unknown argument(s) ['expr']; calc takes ['expression']"  # Tidal's text, not a TypeError
-    cfg = calculator(["rollout.max_env_tokens_per_turn=16"])
+    cfg = calculator(["rollout.agent.max_env_tokens_per_turn=16"])
     (calc,) = trl_tools(cfg, tok)
     long = calc(expression="1" * 40 + "*1")
     assert long.endswith("…") and long.startswith("1111")

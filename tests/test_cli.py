@@ -80,7 +80,7 @@ def test_run_without_run_dir_uses_runs_and_the_config_files_name(tmp_path, write
     import subprocess
     import sys
 
-    config = write_config({"reward.functions": [{"name": "exact"}]}, name="calculator.yaml")
+    config = write_config({"reward.functions": [{"name": "nosuch.mod:f"}]}, name="calculator.yaml")
     proc = subprocess.run(
         [sys.executable, "-m", "tidal.cli", "run", str(config), "--no-progress"],
         capture_output=True,
@@ -89,7 +89,7 @@ def test_run_without_run_dir_uses_runs_and_the_config_files_name(tmp_path, write
         env=os.environ,
         timeout=600,
     )
-    assert proc.returncode == 2 and "unknown reward function 'exact'" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 2 and "cannot import module 'nosuch.mod'" in proc.stderr, proc.stderr[-3000:]
     assert "required" not in proc.stderr and "tidal: run directory runs/calculator" in proc.stdout
     assert (tmp_path / "runs" / "calculator" / "lock").is_file()
 

@@ -47,7 +47,10 @@ def test_an_override_steps_into_a_list_the_config_gives_by_number():
     cases = [
         ("reward.functions.2.weight=1", "reward.functions has 2 item(s), numbered from 0"),
         ("reward.functions.first.weight=1", "reward.functions is a list: its items are numbered from 0, not named 'first'"),
-        ("rollout.tools.0=calc", "rollout.tools is not in the config, so it has no item 0: set the whole list, e.g. --set 'rollout.tools=[...]'"),
+        (
+            "rollout.agent.tools.0=calc",
+            "rollout.agent.tools is not in the config, so it has no item 0: set the whole list, e.g. --set 'rollout.agent.tools=[...]'",
+        ),
     ]
     for override, message in cases:
         with pytest.raises(ConfigError, match=re.escape(message)):
@@ -153,7 +156,12 @@ def test_a_rule_over_a_block_is_one_short_line_without_the_block_echoed():
         ({"mode": "sync", "trainer": {"ranks": 2}}, "trainer.ranks > 1 needs mode 'periodic' or 'bounded'"),
         ({"eval": {"samples_per_prompt": 2, "k": [1, 4]}}, "eval.k [4] must each be between 1 and eval.samples_per_prompt (2)"),
         ({"data": {"task": "jsonl"}}, "data.path is required when data.task is 'jsonl'"),
-        ({"rollout": {"tools": ["calc"]}}, "rollout.tools: only for multi-turn rollouts"),
+        ({"rollout": {"tools": ["calc"]}}, "rollout.tools: only for multi-turn rollouts, which are rollout.agent now"),
+        (
+            {"reward": {"functions": [{"name": "exact_match", "url": "http://x"}]}},
+            "reward.functions.0.url: only for type 'reward_model' or 'judge', not 'function'",
+        ),
+        ({"reward": {"functions": [{"type": "rm", "url": "http://x"}]}}, "reward.functions.0: type must be 'function', 'reward_model' or 'judge'"),
     ]
     for data, reason in cases:
         with pytest.raises(ConfigError) as err:

@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import Field
 
 from tidal.config import NON_TRAINING_KEYS, TidalConfig, TrainerConfig
-from tidal.config_reference import NOTES, anchor, config_keys, current, main, render, stale_diff
+from tidal.config_reference import _blocks, anchor, config_keys, current, main, render, stale_diff
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "configuration.md"
@@ -19,11 +19,11 @@ REGENERATE = "python -m tidal.config_reference docs/configuration.md"
 
 def test_the_configuration_reference_matches_the_schema():
     diff = stale_diff(REFERENCE, current())
-    assert not diff, f"docs/configuration.md is out of date with src/tidal/config/schema.py: run `{REGENERATE}`\n{diff}"
+    assert not diff, f"docs/configuration.md is out of date with the schema in src/tidal/config/: run `{REGENERATE}`\n{diff}"
 
 
 class _ChangedTrainer(TrainerConfig):
-    lr: float = Field(1e-3, gt=0)  # another default
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")  # another default
     new_knob: int = Field(7, description="a key the schema gained")
 
 
@@ -32,7 +32,7 @@ class _ChangedSchema(TidalConfig):
 
 
 def test_a_changed_schema_makes_the_reference_stale(tmp_path):
-    changed = render(_ChangedSchema, NON_TRAINING_KEYS, NOTES)
+    changed = render(_ChangedSchema, NON_TRAINING_KEYS)
     assert changed != current()
     assert "| `trainer.new_knob` | int | `7` | a key the schema gained |" in changed
     assert "| `trainer.lr` | float (> 0) | `0.001` |" in changed
@@ -49,18 +49,33 @@ def test_a_changed_schema_makes_the_reference_stale(tmp_path):
 def test_every_key_of_every_block_is_documented():
     text = current()
     keys = config_keys(TidalConfig)
-    assert {"mode", "trainer.lr", "rollout.vllm.weight_sync", "reward.functions[].name"} <= keys
+    assert {"mode", "trainer.lr", "rollout.vllm.weight_sync", "reward.functions[].name", "rollout.agent.tools"} <= keys
     for key in keys:
         assert f"| `{key}` |" in text, key
-    # the fallback notes name keys that exist (a renamed key leaves its note behind)
-    assert not set(NOTES) - keys, f"NOTES in tidal/config_reference.py name keys the schema lacks: {sorted(set(NOTES) - keys)}"
+    # every field of every block says what it does, in its Field(description=...)
+    undescribed = [f"{path}.{name}" for path, _, cls in _blocks(TidalConfig) for name, field in cls.model_fields.items() if not field.description]
+    assert undescribed == []
 
 
-def test_descriptions_come_from_the_schema_first():
+def test_each_kind_of_reward_entry_is_a_block_of_its_own_with_only_its_keys():
     text = current()
-    # a comment beside the field in config.py, and a block's class docstring
+    for kind in ("function", "reward_model", "judge"):
+        assert f"## `reward.functions[]` of type `{kind}`" in text
+    judge = text.split("## `reward.functions[]` of type `judge`")[1].split("\n## ")[0]
+    assert "`reward.functions[].prompt_template`" in judge and "`reward.functions[].serve`" not in judge
+
+
+def test_descriptions_come_from_the_schema_and_built_in_names_from_the_registries(monkeypatch):
+    text = current()
+    # a field's description, and a block's class docstring
     assert "HF directory or hub id" in text
     assert "Architecture of the built-in tiny model" in text
+    assert "Built in: `calc`, `python`." in text and "Built in: `exact_match`, `format`, `math_verify`." in text
+    # a tool the registry gains is listed without another edit
+    from tidal.envs import tools
+
+    monkeypatch.setitem(tools.BUILT_IN_TOOLS, "search", tools.calc)
+    assert "Built in: `calc`, `python`, `search`." in current()
     # the nested blocks link to their sections, by the anchors MkDocs and GitHub give the headings
     assert anchor("`model.warm_start`") == "modelwarm_start"
     assert "[see below](#modelwarm_start)" in text and "## `model.warm_start`" in text

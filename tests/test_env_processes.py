@@ -134,7 +134,7 @@ def test_the_launchers_check_imports_the_environment_only_in_its_sandboxed_proce
     sys.modules.pop("tests.import_noted", None)
     sandbox.configure(sandbox.SandboxPolicy(write_paths=(str(tmp_path),)))
     try:
-        check_environment(config_from_dict({"rollout": {"env": "tests.import_noted:Noted", "tools": ["calc"]}, "eval": {"enabled": False}}))
+        check_environment(config_from_dict({"rollout": {"agent": {"env": "tests.import_noted:Noted", "tools": ["calc"]}}, "eval": {"enabled": False}}))
     finally:
         sandbox.configure(sandbox.SandboxPolicy())
     importers = [int(p.name.removeprefix("imported-")) for p in Path(tmp_path).glob("imported-*")]

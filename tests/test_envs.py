@@ -4,16 +4,14 @@ calls, the tokenizer's response template and its silent failure), the step loop,
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 from transformers.utils import get_json_schema
 
-from tidal.config import BUILT_IN_ENVIRONMENTS, BUILT_IN_TOOL_PARSERS, BUILT_IN_TOOLS, ConfigError, config_from_dict
+from tidal.config import ConfigError, config_from_dict
 from tidal.data import Problem
 from tidal.demo.tiny import build_char_tokenizer
-from tidal.envs import (
-    BUILT_IN_TOOLS as REGISTERED_TOOLS,
-)
 from tidal.envs import (
     TOOL_CALL_PARSERS,
     EnvError,
@@ -25,11 +23,12 @@ from tidal.envs import (
     calc,
     hermes,
     hermes_regex,
+    register_tool_call_parser,
     resolve_environment,
     resolve_tool,
+    resolve_tool_call_parser,
     tool,
 )
-from tidal.envs.base import BUILT_IN_ENVIRONMENTS as REGISTERED_ENVIRONMENTS
 from tidal.preflight import check_environment
 
 # --- tools used by the tests (importable as tests.test_envs:NAME) ------------------------------
@@ -291,50 +290,76 @@ def test_environment_names_resolve_or_fail_naming_what_is_wrong(env, tools, erro
 
 
 def test_the_launcher_checks_the_environment_before_anything_starts():
-    cfg = config_from_dict({"rollout": {"env": "tests.test_envs:Counter", "tools": ["tests.test_envs:nothing"]}, "eval": {"enabled": False}})
+    cfg = config_from_dict(
+        {"rollout": {"agent": {"env": "tests.test_envs:Counter", "tools": ["tests.test_envs:nothing"]}}, "eval": {"enabled": False}}
+    )
     with pytest.raises(EnvError, match="module 'tests.test_envs' has no tool 'nothing'"):
         check_environment(cfg)
-    check_environment(config_from_dict({"rollout": {"env": "tools", "tools": ["calc"]}, "eval": {"enabled": False}}))
+    check_environment(config_from_dict({"rollout": {"agent": {"env": "tools", "tools": ["calc"]}}, "eval": {"enabled": False}}))
     check_environment(config_from_dict({}))  # single-turn: nothing to check
-
-
-def test_the_built_in_names_the_config_accepts_are_the_registered_ones():
-    assert set(BUILT_IN_ENVIRONMENTS) == set(REGISTERED_ENVIRONMENTS)
-    assert set(BUILT_IN_TOOLS) == set(REGISTERED_TOOLS)
-    assert set(BUILT_IN_TOOL_PARSERS) == set(TOOL_CALL_PARSERS)
-    assert resolve_environment("tools") is Environment
 
 
 # --- config ------------------------------------------------------------------------------------
 
 
-def test_the_agent_keys_load_and_are_checked():
+def test_the_agent_block_loads_and_is_checked():
     cfg = config_from_dict(
-        {"rollout": {"env": "my.module:Env", "tools": ["calc", "my.tools:search"], "max_turns": 3, "max_tool_calls": 0}, "eval": {"enabled": False}}
+        {
+            "rollout": {"agent": {"env": "my.module:Env", "tools": ["calc", "my.tools:search"], "max_turns": 3, "max_tool_calls": 0}},
+            "eval": {"enabled": False},
+        }
     )
-    r = cfg.rollout
-    assert (r.env, r.tools, r.tool_parser, r.max_turns, r.max_tool_calls) == ("my.module:Env", ["calc", "my.tools:search"], "hermes", 3, 0)
-    assert config_from_dict({}).rollout.env is None
-    assert config_from_dict({"rollout": {"env": "tools", "engine": "vllm"}, "eval": {"enabled": False}}).rollout.engine == "vllm"
+    a = cfg.rollout.agent
+    assert (a.env, a.tools, a.tool_parser, a.max_turns, a.max_tool_calls) == ("my.module:Env", ["calc", "my.tools:search"], "hermes", 3, 0)
+    assert config_from_dict({}).rollout.agent is None
+    assert config_from_dict({"rollout": {"agent": {"env": "tools"}, "engine": "vllm"}, "eval": {"enabled": False}}).rollout.engine == "vllm"
+
+
+def test_every_built_in_name_the_config_accepts_resolves():
+    """The config reads the built-in names from these registries: each it accepts is one the worker can build."""
+    cfg = config_from_dict({"rollout": {"agent": {"env": "tools", "tools": ["calc", "python"], "tool_parser": "hermes"}}, "eval": {"enabled": False}})
+    assert resolve_environment(cfg.rollout.agent.env) is Environment
+    assert [resolve_tool(t).name for t in cfg.rollout.agent.tools] == ["calc", "python"]
+    assert resolve_tool_call_parser(cfg.rollout.agent.tool_parser) is hermes
+
+
+def test_a_parser_registered_in_this_process_is_a_name_the_config_accepts():
+    name = "tests_json_lines"
+    register_tool_call_parser(name)(hermes)
+    try:
+        assert (
+            config_from_dict({"rollout": {"agent": {"env": "tools", "tool_parser": name}}, "eval": {"enabled": False}}).rollout.agent.tool_parser
+            == name
+        )
+    finally:
+        TOOL_CALL_PARSERS.pop(name)
+    with pytest.raises(ConfigError, match=f"unknown tool-call parser '{name}': built in are hermes, or give module:name"):
+        config_from_dict({"rollout": {"agent": {"env": "tools", "tool_parser": name}}, "eval": {"enabled": False}})
 
 
 @pytest.mark.parametrize(
-    "rollout, extra, error",
+    "agent, extra, error",
     [
-        ({"max_turns": 3, "tools": ["calc"]}, {}, "rollout.max_turns, rollout.tools: only for multi-turn rollouts; set rollout.env"),
-        ({"env": "my env"}, {}, "rollout.env: 'my env' is neither a built-in (tools) nor module:name"),
-        ({"env": "tools", "tools": ["search"]}, {}, "rollout.tools: ['search']: neither built-in tools (calc, python) nor module:function"),
-        ({"env": "tools", "tools": ["calc", "calc"]}, {}, "rollout.tools: ['calc'] listed more than once"),
-        ({"env": "tools", "tool_parser": "json"}, {}, "rollout.tool_parser: 'json' is neither a built-in (hermes) nor module:name"),
-        ({"env": "tools", "max_turns": 0}, {}, "rollout.max_turns: Input should be greater than 0"),
-        ({"env": "tools", "max_env_tokens_per_turn": 0}, {}, "rollout.max_env_tokens_per_turn: Input should be greater than 0"),
-        ({"env": "tools", "trajectory_timeout_seconds": -1}, {}, "rollout.trajectory_timeout_seconds: Input should be greater than 0"),
+        ({"env": "my env"}, {}, "rollout.agent.env: unknown environment 'my env': built in are tools, or give module:name"),
+        ({"env": "tools", "tools": ["search"]}, {}, "rollout.agent.tools: unknown tool 'search': built in are calc, python, or give module:name"),
+        ({"env": "tools", "tools": ["calc", "calc"]}, {}, "rollout.agent.tools: ['calc'] listed more than once"),
+        (
+            {"env": "tools", "tool_parser": "json"},
+            {},
+            "rollout.agent.tool_parser: unknown tool-call parser 'json': built in are hermes, or give module:name",
+        ),
+        ({"tools": ["calc"]}, {}, "rollout.agent.env: Field required"),
+        ({"env": "tools", "max_turns": 0}, {}, "rollout.agent.max_turns: Input should be greater than 0"),
+        ({"env": "tools", "max_env_tokens_per_turn": 0}, {}, "rollout.agent.max_env_tokens_per_turn: Input should be greater than 0"),
+        ({"env": "tools", "trajectory_timeout_seconds": -1}, {}, "rollout.agent.trajectory_timeout_seconds: Input should be greater than 0"),
+        ({"env": "tools", "max_tokens": 3}, {}, "rollout.agent.max_tokens: unknown key"),
         ({"env": "tools"}, {"reward": {"overlong_buffer": 4}}, "reward.overlong_buffer measures one response"),
-        ({"env": "tools"}, {"eval": {"enabled": True, "engine": "vllm"}}, "held-out evaluation through rollout.env runs on the HF engine"),
+        ({"env": "tools"}, {"eval": {"enabled": True, "engine": "vllm"}}, "held-out evaluation through rollout.agent runs on the HF engine"),
         ({"env": "tools"}, {"model": {"warm_start": {"stop_at_accuracy": 0.5}}}, "model.warm_start.stop_at_accuracy probes single answers"),
     ],
 )
-def test_a_bad_agent_config_is_one_clear_error(rollout, extra, error):
+def test_a_bad_agent_config_is_one_clear_error(agent, extra, error):
     extra = {"eval": {"enabled": False}, **extra}
-    with pytest.raises(ConfigError, match=error.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
-        config_from_dict({"rollout": rollout, **extra})
+    with pytest.raises(ConfigError, match=re.escape(error)) as raised:
+        config_from_dict({"rollout": {"agent": agent}, **extra})
+    assert "\n" not in str(raised.value)

@@ -33,7 +33,7 @@ def tool_run(tmp_path_factory, tiny_config_dict):
     """One deterministic run with the calculator tool (its warm start saves a chat template), held-out
     accuracy evaluated before and after; shared by the tests below."""
     data = copy.deepcopy(tiny_config_dict)
-    data["rollout"].update({"deterministic": True, "env": "tools", "tools": ["calc"]})
+    data["rollout"].update({"deterministic": True, "agent": {"env": "tools", "tools": ["calc"]}})
     data["reward"] = {"functions": [{"name": "exact_match"}, {"name": "tests.rewards:digit_count", "weight": 0.1}]}
     root = tmp_path_factory.mktemp("export")
     (root / "config.yaml").write_text(yaml.safe_dump(data))

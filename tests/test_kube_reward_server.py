@@ -20,8 +20,7 @@ from tests.test_kube_manifests import (
     platform_settings,
     pod_specs,
 )
-from tidal.config import load_config
-from tidal.config.schema import RewardFunctionConfig
+from tidal.config import RewardModelConfig, load_config
 from tidal.kube import cluster
 from tidal.kube.pool import elastic
 from tidal.kube.steps import staging
@@ -132,9 +131,7 @@ def test_the_server_serves_what_a_reward_entry_names(rendered):
     assert service["metadata"]["name"] == cluster.REWARD_SERVER
     assert service["spec"]["ports"] == [{"name": "http", "port": cluster.REWARD_SERVER_PORT, "targetPort": "http"}]
     assert matches(service["spec"]["selector"], objs["Deployment"]["spec"]["template"]["metadata"]["labels"])
-    rm = RewardFunctionConfig(
-        type="reward_model", name="rm", url=cluster.REWARD_SERVER_URL, protocol="vllm_classify", model=cluster.REWARD_SERVER_MODEL
-    )
+    rm = RewardModelConfig(type="reward_model", name="rm", url=cluster.REWARD_SERVER_URL, protocol="vllm_classify", model=cluster.REWARD_SERVER_MODEL)
     # vLLM mounts /classify at the server's root (vllm/entrypoints/pooling/classify/api_router.py)
     assert endpoint_url(rm) == f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/classify"
 

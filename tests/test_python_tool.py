@@ -64,7 +64,7 @@ def test_a_failing_program_returns_its_output_and_the_error_tail():
 
 def test_a_timeout_kills_the_whole_process_group():
     started = time.monotonic()
-    with pytest.raises(ProgramFailed, match=r"no result within 1s \(rollout.python_timeout_seconds\)") as failed:
+    with pytest.raises(ProgramFailed, match=r"no result within 1s \(rollout.agent.python_timeout_seconds\)") as failed:
         run(FORK_SLEEPERS + "time.sleep(600)", timeout_seconds=1.0)
     assert time.monotonic() - started < 4
     pids = [int(line) for line in str(failed.value).splitlines()[:-1]]
@@ -86,7 +86,7 @@ def test_the_memory_limit_cuts_an_allocation():
 
 
 def test_the_cpu_limit_ends_a_busy_program():
-    with pytest.raises(ProgramFailed, match=r"over its CPU-time limit \(1s, rollout.tool_cpu_seconds\)"):
+    with pytest.raises(ProgramFailed, match=r"over its CPU-time limit \(1s, rollout.agent.tool_cpu_seconds\)"):
         run("while True: pass", cpu_seconds=1)
 
 
@@ -108,13 +108,13 @@ def test_the_program_gets_a_fresh_directory_and_none_of_the_callers_environment(
 def test_the_run_sets_the_limits_and_the_model_sees_only_the_code():
     cfg = config_from_dict(
         {
-            "rollout": {"env": "tools", "tools": ["python"], "python_timeout_seconds": 2, "tool_memory_mb": 300, "tool_output_bytes": 99},
+            "rollout": {"agent": {"env": "tools", "tools": ["python"], "python_timeout_seconds": 2, "tool_memory_mb": 300, "tool_output_bytes": 99}},
             "eval": {"enabled": False},
         }
     )
-    fixed = run_arguments("python", cfg.rollout)
+    fixed = run_arguments("python", cfg.rollout.agent)
     assert fixed == {"timeout_seconds": 2.0, "cpu_seconds": 60, "memory_mb": 300, "output_bytes": 99}
-    assert run_arguments("calc", cfg.rollout) == {}
+    assert run_arguments("calc", cfg.rollout.agent) == {}
     tool = resolve_tool("python", fixed)
     assert tool.parameters["properties"].keys() == {"code"} and tool.parameters["required"] == ["code"]
     refused = tool({"code": "print(1)", "timeout_seconds": 1000})
@@ -124,8 +124,8 @@ def test_the_run_sets_the_limits_and_the_model_sees_only_the_code():
 
 
 def test_its_deadline_must_come_before_the_tool_process_timeout():
-    with pytest.raises(ConfigError, match="python_timeout_seconds .30. must be under rollout.tool_timeout_seconds .30."):
-        config_from_dict({"rollout": {"env": "tools", "tools": ["python"], "python_timeout_seconds": 30}, "eval": {"enabled": False}})
+    with pytest.raises(ConfigError, match="python_timeout_seconds .30. must be under rollout.agent.tool_timeout_seconds .30."):
+        config_from_dict({"rollout": {"agent": {"env": "tools", "tools": ["python"], "python_timeout_seconds": 30}}, "eval": {"enabled": False}})
 
 
 def test_in_the_tool_process_errors_and_limits_reach_the_model():
@@ -137,7 +137,7 @@ def test_in_the_tool_process_errors_and_limits_reach_the_model():
         assert tool.host is not None and tool({"code": "print(6 * 7)"}).text == "42\n"
         failed = tool({"code": "import time; time.sleep(60)"})
         assert failed.error and failed.failure is None  # the program's deadline, not the process's: the host lives on
-        assert failed.text == "error: python raised ProgramFailed: no result within 1s (rollout.python_timeout_seconds); the program was killed"
+        assert failed.text == "error: python raised ProgramFailed: no result within 1s (rollout.agent.python_timeout_seconds); the program was killed"
         assert tool({"code": "print(len(bytearray(400 << 20)))"}).text.endswith("MemoryError")
         assert factory.host.processes[0].started == 1
     finally:

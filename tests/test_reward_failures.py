@@ -53,12 +53,12 @@ def test_the_rate_is_judged_over_the_calls_made_however_few():
     tallies = {"a": [10, 10, "e"], "b": [10, 2, "e"], "c": [3, 0, ""]}
     assert over_their_rate(tallies, lambda name: 0.99) == ["a"]
     assert over_their_rate(tallies, lambda name: 0.1) == ["a", "b"]
-    cfg = RewardConfig(functions=[{"name": "a"}, {"type": "reward_model", "name": "b", "url": "http://x", "max_error_rate": 0.1}])
-    with pytest.raises(RewardFailingError, match=r"^a: 10 of its 10 calls failed, over its max_error_rate 0.99 .*first error: e$"):
-        check_failure_rates(cfg, {"a": [10, 10, "e"]})
+    cfg = RewardConfig(functions=[{"name": "my.rewards:a"}, {"type": "reward_model", "name": "b", "url": "http://x", "max_error_rate": 0.1}])
+    with pytest.raises(RewardFailingError, match=r"^my.rewards:a: 10 of its 10 calls failed, over its max_error_rate 0.99 .*first error: e$"):
+        check_failure_rates(cfg, {"my.rewards:a": [10, 10, "e"]})
     with pytest.raises(RewardFailingError, match=r"^b: 2 of its 10 calls failed, over its max_error_rate 0.1"):
         check_failure_rates(cfg, {"b": [10, 2, "e"]})
-    check_failure_rates(cfg, {"a": [10, 9, "e"], "environment E.step()": [100, 99, "e"]})  # within 0.99
+    check_failure_rates(cfg, {"my.rewards:a": [10, 9, "e"], "environment E.step()": [100, 99, "e"]})  # within 0.99
 
 
 def test_the_scorer_tallies_each_functions_calls_with_its_error():
@@ -141,9 +141,9 @@ def test_an_always_failing_reward_ends_a_short_run_non_zero_with_one_line_naming
 def test_an_environment_whose_step_always_raises_is_named_in_the_table_and_the_run_exits_non_zero(tmp_path, write_config):
     config = write_config(
         {
-            "rollout.env": "tests.environments:StepRaises",
-            "rollout.tools": ["calc"],
-            "rollout.max_turns": 2,
+            "rollout.agent.env": "tests.environments:StepRaises",
+            "rollout.agent.tools": ["calc"],
+            "rollout.agent.max_turns": 2,
             "rollout.max_new_tokens": 24,  # long enough for the barely warm-started model to end turns with EOS
             "trainer.iterations": 2,
             "eval.enabled": False,

@@ -1,4 +1,4 @@
-"""User code (rollout.tools, reward functions, environment classes) gets nothing of the run: hostile code
+"""User code (rollout.agent.tools, reward functions, environment classes) gets nothing of the run: hostile code
 run in the real tool, reward and environment processes, in the sandbox (tidal.sandbox), tries to take
 the run, and each attempt fails or is cut. The unconfined control (sandbox.enabled false) shows the
 same attempts succeed there, so the attempts are real."""
@@ -237,9 +237,9 @@ def test_a_run_with_hostile_tools_and_rewards_finishes_and_they_got_nothing(mode
     config = write_config(
         {
             "mode": mode,
-            "rollout.env": "tests.hostile:CallsHostileTool",
-            "rollout.tools": ["tests.hostile:hostile_tool"],
-            "rollout.max_turns": 2,
+            "rollout.agent.env": "tests.hostile:CallsHostileTool",
+            "rollout.agent.tools": ["tests.hostile:hostile_tool"],
+            "rollout.agent.max_turns": 2,
             "reward.functions": [{"name": "exact_match"}, {"name": "tests.hostile:hostile_reward", "weight": 0.0}],
             "trainer.iterations": 2,
             "trainer.prompts_per_iteration": 2,

@@ -1,4 +1,4 @@
-"""The run's tools (rollout.tools) run in a process of the worker's own: a tool that hangs, crashes,
+"""The run's tools (rollout.agent.tools) run in a process of the worker's own: a tool that hangs, crashes,
 exits, spins, hogs memory, raises or floods fails only its own call, with an error text the model
 reads, counted; the process is replaced, and the process never outlives its worker. Real
 processes, a real `tidal run`."""
@@ -52,7 +52,7 @@ def test_a_hanging_tool_is_an_error_after_its_timeout_and_its_process_is_replace
         result = tools["hang"]({})
         waited = time.monotonic() - started
         assert result.error and result.failure == "timeout"
-        assert result.text == "error: hang failed: no answer within 1s (rollout.tool_timeout_seconds); its process was replaced"
+        assert result.text == "error: hang failed: no answer within 1s (rollout.agent.tool_timeout_seconds); its process was replaced"
         assert 1.0 <= waited < 30  # the timeout, not the tool's hour
         second = tools["pid"]({})
         assert not second.error and second.text != first and host.processes[0].started == 2
@@ -87,7 +87,7 @@ def test_a_tool_over_its_memory_limit_is_an_error_and_the_process_is_replaced():
     with isolated("hog", "pid", memory_mb=512) as (host, tools):
         result = tools["hog"]({})
         assert result.error and result.failure is None
-        assert result.text == "error: hog raised MemoryError: over its memory limit (512 MB, rollout.tool_memory_mb)"
+        assert result.text == "error: hog raised MemoryError: over its memory limit (512 MB, rollout.agent.tool_memory_mb)"
         assert not tools["pid"]({}).error and host.processes[0].started == 2
 
 
@@ -105,7 +105,7 @@ def test_a_flooding_tool_is_cut_at_the_byte_cap_and_its_prints_are_capped(capfd)
     with isolated("flood", "shout", output_bytes=1000) as (host, tools):
         result = tools["flood"]({})
         assert not result.error and result.cut
-        assert result.text == "x" * 1000 + "… [cut: 10000000 bytes, over rollout.tool_output_bytes]"
+        assert result.text == "x" * 1000 + "… [cut: 10000000 bytes, over rollout.agent.tool_output_bytes]"
         said = tools["shout"]({})
         assert said.text == "said" and not said.cut and host.processes[0].started == 1
     err = capfd.readouterr().err
@@ -163,14 +163,14 @@ def test_a_run_survives_tools_that_hang_crash_exit_raise_and_flood(tmp_path, wri
     iterations, prompts = 2, 4
     config = write_config(
         {
-            "rollout.env": "tests.tools:Saboteur",
-            "rollout.tools": [f"tests.tools:{n}" for n in ("hang_once", "crash_once", "exit_once", "boom", "flood", "shout")],
-            "rollout.max_turns": 2,
+            "rollout.agent.env": "tests.tools:Saboteur",
+            "rollout.agent.tools": [f"tests.tools:{n}" for n in ("hang_once", "crash_once", "exit_once", "boom", "flood", "shout")],
+            "rollout.agent.max_turns": 2,
             "rollout.max_new_tokens": 24,  # long enough for the barely warm-started model to end turns with EOS
-            "rollout.max_env_tokens_per_turn": 64,  # the six results, cut to fit: the second turn reads them
+            "rollout.agent.max_env_tokens_per_turn": 64,  # the six results, cut to fit: the second turn reads them
             "model.tiny.max_position_embeddings": 512,  # room for the six tool names, two turns and the results
-            "rollout.tool_timeout_seconds": 2.0,
-            "rollout.tool_output_bytes": 4096,
+            "rollout.agent.tool_timeout_seconds": 2.0,
+            "rollout.agent.tool_output_bytes": 4096,
             "trainer.iterations": iterations,
             "trainer.prompts_per_iteration": prompts,
             "eval.enabled": False,

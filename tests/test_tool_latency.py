@@ -1,4 +1,4 @@
-"""rollout.tool_latency: a heavy-tailed latency on every call of the run's tools (benchmarks of slow
+"""rollout.agent.tool_latency: a heavy-tailed latency on every call of the run's tools (benchmarks of slow
 tools). The distribution's maths is a pure function; the latency is slept in the tools' process,
 drawn per call from the run's seed."""
 
@@ -40,18 +40,19 @@ def test_draws_have_the_median_and_tail_asked_for_and_repeat_per_call():
 
 
 def test_the_config_key_and_its_bounds(tmp_path):
-    cfg = load_config("examples/calculator.yaml", ["rollout.tool_latency.p50_seconds=0.05", "rollout.tool_latency.p99_over_p50=10"])
-    assert (cfg.rollout.tool_latency.distribution, cfg.rollout.tool_latency.p50_seconds, cfg.rollout.tool_latency.p99_over_p50) == (
+    cfg = load_config("examples/calculator.yaml", ["rollout.agent.tool_latency.p50_seconds=0.05", "rollout.agent.tool_latency.p99_over_p50=10"])
+    latency = cfg.rollout.agent.tool_latency
+    assert (latency.distribution, latency.p50_seconds, latency.p99_over_p50) == (
         "lognormal",
         0.05,
         10.0,
     )
-    assert ToolLimits.from_config(cfg.rollout, cfg.seed).latency == ToolLatency(0.05, 10.0, 0)
-    assert load_config("examples/calculator.yaml").rollout.tool_latency is None
+    assert ToolLimits.from_config(cfg.rollout.agent, cfg.seed).latency == ToolLatency(0.05, 10.0, 0)
+    assert load_config("examples/calculator.yaml").rollout.agent.tool_latency is None
     with pytest.raises(ConfigError, match="p99_over_p50"):
-        load_config("examples/calculator.yaml", ["rollout.tool_latency.p50_seconds=0.05", "rollout.tool_latency.p99_over_p50=0.5"])
-    with pytest.raises(ConfigError, match="tool_latency"):
-        load_config("examples/arithmetic.yaml", ["rollout.tool_latency.p50_seconds=0.05"])  # only with rollout.env
+        load_config("examples/calculator.yaml", ["rollout.agent.tool_latency.p50_seconds=0.05", "rollout.agent.tool_latency.p99_over_p50=0.5"])
+    with pytest.raises(ConfigError, match=r"rollout\.agent\.env: Field required"):
+        load_config("examples/arithmetic.yaml", ["rollout.agent.tool_latency.p50_seconds=0.05"])  # only with an environment
 
 
 def test_the_tool_process_waits_the_drawn_latency_before_answering():

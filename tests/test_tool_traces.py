@@ -22,15 +22,16 @@ from tidal.rollout.agent import AgentLoop
 from tidal.summary import agent_before_after, agent_lines, agent_training
 
 
-def calculator_config(**overrides):
+def calculator_config(agent: dict | None = None, **overrides):
     cfg = {
         "data": {"task": "arithmetic", "operations": ["*"], "max_digits": 3, "num_train": 200, "num_eval": 20},
         "model": {"tiny": {"max_position_embeddings": 256}},
-        "rollout": {"env": "tools", "tools": ["calc"], "max_turns": 3, "max_new_tokens": 80, "max_env_tokens_per_turn": 96},
+        "rollout": {"max_new_tokens": 80, "agent": {"env": "tools", "tools": ["calc"], "max_turns": 3, "max_env_tokens_per_turn": 96}},
         "eval": {"engine": "hf"},
     }
     for key, value in overrides.items():
         cfg.setdefault(key, {}).update(value)
+    cfg["rollout"]["agent"].update(agent or {})
     return config_from_dict(cfg)
 
 
@@ -86,7 +87,7 @@ def test_wrong_calls_run_through_the_environment_and_the_answer_follows_what_it_
 
 @pytest.fixture(scope="module")
 def python_loop():
-    agent = AgentLoop.from_config(calculator_config(rollout={"tools": ["python"], "max_new_tokens": 96}), build_char_tokenizer())
+    agent = AgentLoop.from_config(calculator_config(agent={"tools": ["python"]}, rollout={"max_new_tokens": 96}), build_char_tokenizer())
     yield agent
     agent.close()
 
@@ -140,12 +141,12 @@ def test_chunked_batches_give_the_loss_of_one_padded_batch(loop):
 
 def test_only_the_built_in_environment_with_a_built_in_tool_plays_tool_traces():
     assert plays_tool_traces(calculator_config())
-    assert plays_tool_traces(calculator_config(rollout={"tools": ["tests.tools:pid", "python"]}))
-    assert not plays_tool_traces(calculator_config(rollout={"tools": ["tests.tools:pid"]}))
-    assert warm_start_key(calculator_config()) != warm_start_key(calculator_config(rollout={"tools": ["python"]}))
+    assert plays_tool_traces(calculator_config(agent={"tools": ["tests.tools:pid", "python"]}))
+    assert not plays_tool_traces(calculator_config(agent={"tools": ["tests.tools:pid"]}))
+    assert warm_start_key(calculator_config()) != warm_start_key(calculator_config(agent={"tools": ["python"]}))
     example = load_config(Path(__file__).resolve().parents[1] / "examples" / "python-tool.yaml")
-    assert plays_tool_traces(example) and trace_tool(example.rollout.tools) == "python"
-    assert not plays_tool_traces(calculator_config(rollout={"env": "tests.environments:Chatty"}))
+    assert plays_tool_traces(example) and trace_tool(example.rollout.agent.tools) == "python"
+    assert not plays_tool_traces(calculator_config(agent={"env": "tests.environments:Chatty"}))
     assert not plays_tool_traces(config_from_dict({"eval": {"enabled": False}}))
 
 

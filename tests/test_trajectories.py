@@ -191,9 +191,14 @@ def test_the_trainer_holds_a_trajectory_to_the_runs_turn_and_token_limits():
     with pytest.raises(ProtocolError, match="10 tokens, more than max_new_tokens 8"):
         decode_group(message, group_limits(single, learner, 10**6)(0))
     agent = config_from_dict(
-        {"rollout": {"group_size": 2, "max_new_tokens": 3, "env": "tools", "max_turns": 2, "max_env_tokens_per_turn": 4}, "eval": {"enabled": False}}
+        {
+            "rollout": {"group_size": 2, "max_new_tokens": 3, "agent": {"env": "tools", "max_turns": 2, "max_env_tokens_per_turn": 4}},
+            "eval": {"enabled": False},
+        }
     )
     assert decode_group(message, group_limits(agent, learner, 10**6)(0)).samples[0].loss_mask.tolist() == [1, 1, 1, 0, 0, 0, 0, 1, 1, 1]
-    tight = agent.model_copy(update={"rollout": agent.rollout.model_copy(update={"max_env_tokens_per_turn": 3})})
+    tight = agent.model_copy(
+        update={"rollout": agent.rollout.model_copy(update={"agent": agent.rollout.agent.model_copy(update={"max_env_tokens_per_turn": 3})})}
+    )
     with pytest.raises(ProtocolError, match="10 tokens, more than 2 turns"):
         decode_group(message, group_limits(tight, learner, 10**6)(0))

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (rollout.env) on the vLLM engine, on CPU: each turn a request on the token
+"""Multi-turn rollouts (rollout.agent.env) on the vLLM engine, on CPU: each turn a request on the token
 prompt so far, every trajectory in flight at once, the environment's steps on threads.
 
 One engine serves the direct tests (the worker's async path and sync mode's blocking path share it);
@@ -56,9 +56,7 @@ def agent_rollout(**extra) -> dict:
         "engine": "vllm",
         "group_size": G,
         "max_new_tokens": MAX_NEW_TOKENS,
-        "env": ENV,
-        "tools": ["calc"],
-        "max_turns": MAX_TURNS,
+        "agent": {"env": ENV, "tools": ["calc"], "max_turns": MAX_TURNS},
         "vllm": dict(VLLM_SETTINGS),
         **extra,
     }

@@ -114,12 +114,12 @@ def test_a_killed_worker_takes_its_reward_and_tool_processes_with_it_and_the_run
     iterations, prompts = 2, 4
     config = write_config(
         {
-            "rollout.env": "tests.tools:WorkerKiller",
-            "rollout.tools": ["tests.tools:kill_worker_once"],
+            "rollout.agent.env": "tests.tools:WorkerKiller",
+            "rollout.agent.tools": ["tests.tools:kill_worker_once"],
             # user code that signals its own worker is what the sandbox refuses (tests/test_sandbox.py); here the
             # worker's death is the subject, so its user code runs unconfined
             "sandbox.enabled": False,
-            "rollout.max_turns": 2,
+            "rollout.agent.max_turns": 2,
             "reward.functions": [{"name": "exact_match"}, {"name": "tests.rewards:digit_count", "weight": 0.0}],
             "trainer.iterations": iterations,
             "trainer.prompts_per_iteration": prompts,

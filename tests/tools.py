@@ -1,4 +1,4 @@
-"""Tools for the isolation tests (named `tests.tools:NAME` in rollout.tools, as a user's would be):
+"""Tools for the isolation tests (named `tests.tools:NAME` in rollout.agent.tools, as a user's would be):
 misbehaving ones run in a real tool process."""
 
 from __future__ import annotations

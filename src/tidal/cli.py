@@ -119,7 +119,7 @@ def written_by_a_run(config: Path) -> bool:
     from tidal.config import dump_config
 
     try:
-        return config.read_text() == dump_config(load_config(config))
+        return config.read_text() == dump_config(load_config(config, on_old_keys=lambda note: None))
     except (OSError, ValueError):  # ConfigError included: not a config a run wrote
         return False
 
@@ -155,8 +155,9 @@ def run_command(args: argparse.Namespace) -> int:
         return run_via_kfp_local(args.config, run_dir, args.overrides)
     from tidal.local import run_local
 
-    cfg = load_config(args.config, args.overrides)
-    run_local(cfg, Path(run_dir), show_progress=not args.no_progress, force_new_config=args.force_new_config)
+    notes: list[str] = []  # old keys in the file: said once, in the launcher's log and on the terminal
+    cfg = load_config(args.config, args.overrides, on_old_keys=notes.append)
+    run_local(cfg, Path(run_dir), show_progress=not args.no_progress, force_new_config=args.force_new_config, config_notes=notes)
     return 0
 
 

@@ -165,7 +165,7 @@ def evaluate_snapshot(
         if snapshot is not None:
             engine.load_snapshot(snapshot)
         tokenizer, max_tokens = load_tokenizer(model_dir), cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
-        if cfg.rollout.env is not None:
+        if cfg.rollout.agent is not None:
             return agent_snapshot_scores(cfg, engine, tokenizer, problems)
         k, encode = cfg.eval.samples_per_prompt, prompt_encoder(tokenizer, cfg.data)
         scores = {
@@ -185,7 +185,7 @@ def evaluate_snapshot(
 
 
 def agent_snapshot_scores(cfg: TidalConfig, engine: BlockingEngine, tokenizer, problems: list[Problem]) -> dict:
-    """evaluate_snapshot's scores through rollout.env (turns of rollout.max_new_tokens each), with
+    """evaluate_snapshot's scores through rollout.agent (turns of rollout.max_new_tokens each), with
     the greedy and the sampled trajectories' tool use (tool_use_rate, tool_success_rate, turns_mean;
     `sampled_` in front for the sampled ones)."""
     from tidal.rollout.agent import AgentLoop

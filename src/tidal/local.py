@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm import tqdm
@@ -140,7 +141,8 @@ def check_saved_config(cfg: TidalConfig, run: RunDir, force: bool = False) -> No
     (NON_TRAINING_KEYS aside) is refused, naming the keys, unless `force` (--force-new-config)."""
     if not (run.started and run.config.is_file()):
         return
-    changes = training_changes(load_config(run.config), cfg) + data_file_changes(run, cfg)
+    saved = load_config(run.config, on_old_keys=lambda note: None)  # the run's own file, in an older form: rewritten at start
+    changes = training_changes(saved, cfg) + data_file_changes(run, cfg)
     if not changes:
         return
     listed = ", ".join(changes)
@@ -236,9 +238,12 @@ def resolved_config(cfg: TidalConfig, run: RunDir, base_model: str) -> TidalConf
     return cfg
 
 
-def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True, force_new_config: bool = False) -> dict:
+def run_local(
+    cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True, force_new_config: bool = False, config_notes: Sequence[str] = ()
+) -> dict:
     """`tidal run`: one launcher per run directory (a lock); SIGINT, SIGTERM and SIGHUP stop every
-    process of the run and raise Stopped; a re-run resumes from the last boundary."""
+    process of the run and raise Stopped; a re-run resumes from the last boundary. `config_notes`: the
+    config file's warnings (old keys), logged and printed once the launcher's log is open."""
     run = RunDir(Path(run_dir).resolve())
     try:
         run.logs.mkdir(parents=True, exist_ok=True)
@@ -248,7 +253,7 @@ def run_local(cfg: TidalConfig, run_dir: str | Path, show_progress: bool = True,
     try:
         with stop_on_signals():
             try:
-                return _run_locked(cfg, run, show_progress, force_new_config, lock)
+                return _run_locked(cfg, run, show_progress, force_new_config, lock, config_notes)
             except Stopped as stop:
                 stop.resume_at = run.checkpoint_version()
                 log.warning("stopped by %s; a re-run resumes at iteration %d", stop, stop.resume_at)
@@ -269,9 +274,12 @@ def run_signatures(run: RunDir) -> str:
     return signing_key
 
 
-def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_config: bool, lock: RunDirLock) -> dict:
+def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_config: bool, lock: RunDirLock, config_notes: Sequence[str]) -> dict:
     t_start = time.time()
     setup_logging(run.log("launcher"))
+    for note in config_notes:
+        log.warning("config: %s", note)
+        print(f"tidal: warning: {note}", file=sys.stderr, flush=True)
     moved_from = run.rehome_moved_store(locked=True)
     if moved_from is not None:
         log.info("%s was moved or copied from %s: its MLflow store and run.json now record this directory", run.root, moved_from)

@@ -26,14 +26,15 @@ def check_before_start(cfg: TidalConfig, dataset: Dataset | None = None) -> Data
 
 
 def check_environment(cfg: TidalConfig) -> None:
-    """rollout.env, rollout.tools and rollout.tool_parser resolve, every tool has a schema, and one
+    """rollout.agent's env, tools and tool_parser resolve, every tool has a schema, and one
     environment can be built: an EnvError naming the one that does not. The tools' modules and a
     user's environment class are imported in sandboxed processes, as a worker's are, never here."""
-    if cfg.rollout.env is None:
+    a = cfg.rollout.agent
+    if a is None:
         return
     from tidal.envs import EnvironmentFactory
 
-    EnvironmentFactory.from_config(cfg.rollout, warm=False).close()
+    EnvironmentFactory.from_config(a, warm=False).close()
 
 
 def where(problem: Problem) -> str:

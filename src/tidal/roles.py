@@ -110,8 +110,8 @@ def group_limits(cfg: TidalConfig, learner: Learner, max_bytes: int):
         return GroupLimits(
             vocab_size=vocab,
             max_new_tokens=cfg.rollout.max_new_tokens,
-            max_turns=cfg.rollout.max_turns if cfg.rollout.env else 1,
-            max_env_tokens_per_turn=cfg.rollout.max_env_tokens_per_turn if cfg.rollout.env else 0,
+            max_turns=cfg.rollout.agent.max_turns if cfg.rollout.agent else 1,
+            max_env_tokens_per_turn=cfg.rollout.agent.max_env_tokens_per_turn if cfg.rollout.agent else 0,
             group_size=cfg.rollout.group_size,
             newest_version=version,
             max_bytes=max_bytes,
@@ -222,7 +222,7 @@ def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: Weig
                 engine.load_snapshot(store.path(version), version)
                 log.info("sync mode: the engine loaded weights v%d in %.3fs", version, time.perf_counter() - t0)
 
-    agent = AgentLoop.from_config(cfg, tokenizer, engine.context_length) if cfg.rollout.env is not None else None
+    agent = AgentLoop.from_config(cfg, tokenizer, engine.context_length) if cfg.rollout.agent is not None else None
 
     def generate(items, version):
         return generate_groups(

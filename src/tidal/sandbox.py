@@ -1,5 +1,5 @@
-"""The sandbox user code runs in: rollout.tools, user reward functions and user environment classes
-(tidal.hosted's host processes) get nothing of the run.
+"""The sandbox user code runs in: rollout.agent.tools, user reward functions and user environment
+classes (tidal.hosted's host processes) get nothing of the run.
 
 The worker starts each host with an allow-listed environment (none of the run's secrets or tokens),
 a working directory, HOME and TMPDIR of its own (removed with the host), in a session and a process

@@ -154,7 +154,7 @@ AGENT_EVAL_KEYS = ("tool_use_rate", "tool_success_rate", "turns_mean")
 
 
 def agent_before_after(before: dict | None, after: dict | None) -> dict:
-    """The held-out tool use before and after (rollout.env runs), greedy and `sampled_`."""
+    """The held-out tool use before and after (rollout.agent runs), greedy and `sampled_`."""
     if not (before and after):
         return {}
     keys = [f"{prefix}{k}" for prefix in ("", "sampled_") for k in AGENT_EVAL_KEYS]
@@ -162,7 +162,7 @@ def agent_before_after(before: dict | None, after: dict | None) -> dict:
 
 
 def agent_training(history: list[dict]) -> dict:
-    """The trajectories' shape over the run (rollout.env): first and last tenth of the iterations."""
+    """The trajectories' shape over the run (rollout.agent): first and last tenth of the iterations."""
     agent = [m for m in history if "agent_turns_mean" in m]
     if not agent:
         return {}

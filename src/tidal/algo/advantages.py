@@ -13,7 +13,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from tidal.algo.registry import add, lookup
+from tidal.algo import names
+from tidal.algo.registry import add, check_built_ins, lookup
 from tidal.algo.shaping import has_no_signal
 
 
@@ -70,3 +71,6 @@ def rloo_advantages(rewards: torch.Tensor, *, std_normalize: bool = False) -> to
     if has_no_signal(rewards):  # also G < 2: no other sample to form a baseline
         return torch.zeros_like(rewards)
     return rewards - (rewards.sum() - rewards) / (rewards.numel() - 1)
+
+
+check_built_ins(ADVANTAGES, _KIND, names.ADVANTAGES)

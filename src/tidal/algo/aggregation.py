@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+from tidal.algo.names import LOSS_AGGREGATIONS as AGGREGATIONS
 
 
 def aggregate_numerator(loss_tok: torch.Tensor, mask: torch.Tensor, mode: str, constant: float | None = None) -> tuple[torch.Tensor, float]:

@@ -11,7 +11,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from tidal.algo.registry import add, lookup
+from tidal.algo import names
+from tidal.algo.registry import add, check_built_ins, lookup
 
 
 class PolicyLossFn(Protocol):
@@ -80,3 +81,6 @@ def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: 
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
+
+
+check_built_ins(POLICY_LOSSES, _KIND, names.POLICY_LOSSES)

@@ -15,6 +15,12 @@ def add(registry: dict[str, F], kind: str, name: str, fn: F) -> None:
     registry[name] = fn
 
 
+def check_built_ins(registry: dict, kind: str, names: tuple[str, ...]) -> None:
+    """At the registry's import: its built-ins are exactly tidal.algo.names' list (which the config reads without torch)."""
+    if set(registry) != set(names):
+        raise ImportError(f"the built-in {kind}s {sorted(registry)} are not tidal.algo.names' {sorted(names)}: list each name there once")
+
+
 def lookup(registry: dict[str, F], kind: str, name: str) -> F:
     """The function registered under `name`; an unknown name is a ValueError listing the choices.
 

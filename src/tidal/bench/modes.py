@@ -19,9 +19,9 @@ run spreads thin, and a short benchmark run does not). The first `--warmup` iter
 of the timings: in periodic mode the trainer's first iteration waits for the rollout workers to start
 (a vLLM engine takes tens of seconds), which sync mode does before its loop.
 
-Slow tools: an agent config with a heavy-tailed tool latency (rollout.tool_latency, tidal.envs.latency),
-e.g. `--config examples/calculator.yaml --set rollout.tool_latency.p50_seconds=0.05 --set
-rollout.tool_latency.p99_over_p50=10`, measures what waiting on tools costs each mode.
+Slow tools: an agent config with a heavy-tailed tool latency (rollout.agent.tool_latency, tidal.envs.latency),
+e.g. `--config examples/calculator.yaml --set rollout.agent.tool_latency.p50_seconds=0.05 --set
+rollout.agent.tool_latency.p99_over_p50=10`, measures what waiting on tools costs each mode.
 
 Every system's run is logged to one MLflow experiment (`--experiment`, default tidal-bench-modes) in
 one store (`--tracking-uri`, default $MLFLOW_TRACKING_URI, else runs/bench-modes/mlflow.db), tagged
@@ -72,7 +72,7 @@ def steady_state(metrics: list[dict], warmup: int) -> dict:
     kept = metrics[warmup:]
     figures.update({name: sum(m[key] for m in kept) / len(kept) for name, key in SPLIT.items()})
     figures["generated_tokens_per_s"] = sum(m["generated_tokens"] for m in kept) / (figures["seconds_per_iteration"] * len(kept))
-    for name, key in OPTIONAL.items():  # recorded by the runs that have them (the agent metrics: rollout.env)
+    for name, key in OPTIONAL.items():  # recorded by the runs that have them (the agent metrics: rollout.agent)
         figures[name] = sum(m[key] for m in kept) / len(kept) if all(key in m for m in kept) else None
     return figures
 

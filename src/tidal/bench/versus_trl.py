@@ -20,9 +20,9 @@ gradient checkpointing unless `trainer.activation_checkpointing`. TRL gets Tidal
 (`prompts_for_iteration`) in order (shuffle off) and generates with HF `generate` in one process. A
 setting with no TRL equivalent is refused before anything runs, and the message lists each one.
 
-Multi-turn configs (rollout.env: tools, e.g. examples/calculator.yaml) run TRL's `tools=` loop with the
+Multi-turn configs (rollout.agent.env: tools, e.g. examples/calculator.yaml) run TRL's `tools=` loop with the
 run's tools (`trl_tools`: Tidal's argument checks, error texts and observation cut, in TRL's process):
-rollout.max_turns is max_tool_calling_iterations + 1, rollout.max_new_tokens caps every generate call
+rollout.agent.max_turns is max_tool_calling_iterations + 1, rollout.max_new_tokens caps every generate call
 (generation_kwargs), max_completion_length is the longest trajectory Tidal can produce, and what has no
 equivalent (another environment or parser, a call budget one call per turn could exhaust, a tool
 latency) is refused. The tiny model's tokenizer gets a tool-call rendering and a response template for
@@ -125,14 +125,14 @@ def trl_settings(cfg: TidalConfig, micro_batches: int = 1) -> tuple[dict, list[s
     if t.policy_loss not in IMPORTANCE_LEVELS:
         bad.append(f"trainer.policy_loss {t.policy_loss!r}: TRL's clipped losses are ppo_clip (token ratios) and gspo (sequence ratios)")
     loss_type = LOSS_TYPES[t.loss_aggregation]
-    completion_length = trajectory_budget(cfg) if r.env is not None else r.max_new_tokens  # TRL's max_completion_length
+    completion_length = trajectory_budget(cfg) if r.agent is not None else r.max_new_tokens  # TRL's max_completion_length
     constant = t.aggregation_constant if t.aggregation_constant is not None else float(r.max_new_tokens)  # Tidal's dr_grpo divisor
     if t.loss_aggregation == "seq_mean_token_sum_norm" and constant != completion_length:
         bad.append(
             f"trainer.aggregation_constant {t.aggregation_constant}: TRL's dr_grpo divides by max_completion_length ({completion_length}); "
-            f"set it to {completion_length}" + ("" if r.env is not None else " or leave it unset")
+            f"set it to {completion_length}" + ("" if r.agent is not None else " or leave it unset")
         )
-    if r.env is not None:
+    if r.agent is not None:
         bad += agent_mismatches(cfg)
     if t.updates_per_iteration != 1:
         bad.append(
@@ -193,16 +193,16 @@ def trl_settings(cfg: TidalConfig, micro_batches: int = 1) -> tuple[dict, list[s
         "gradient_checkpointing": t.activation_checkpointing,
         "seed": cfg.seed,
     }
-    if r.env is not None:  # TRL's tools= loop: the mapping below
+    if r.agent is not None:  # TRL's tools= loop: the mapping below
         kwargs.update(
             max_completion_length=completion_length,
             generation_kwargs={"max_new_tokens": r.max_new_tokens},
-            max_tool_calling_iterations=r.max_turns - 1,
+            max_tool_calling_iterations=r.agent.max_turns - 1,
         )
     return kwargs, bad
 
 
-# --- multi-turn (rollout.env: tools) against TRL's tools= loop ---------------------------------
+# --- multi-turn (rollout.agent.env: tools) against TRL's tools= loop ---------------------------------
 #
 # TRL's GRPOTrainer(tools=[...]) renders the prompt with the tools' schemas, generates a turn, parses
 # it with `tokenizer.parse_response` (a response template on the tokenizer), calls each parsed call's
@@ -210,46 +210,46 @@ def trl_settings(cfg: TidalConfig, micro_batches: int = 1) -> tuple[dict, list[s
 # concatenated, nothing re-tokenised), generates the next turn from there, up to
 # `max_tool_calling_iterations` rounds, and masks the inserted tokens out of the loss (`tool_mask`).
 # Tidal's rollout keys map onto it as follows:
-#   rollout.max_turns                -> max_tool_calling_iterations = max_turns - 1 (each round adds a turn)
+#   rollout.agent.max_turns          -> max_tool_calling_iterations = max_turns - 1 (each round adds a turn)
 #   rollout.max_new_tokens           -> generation_kwargs.max_new_tokens: every generate call, i.e. every turn
 #   max_turns x max_new_tokens + (max_turns - 1) x max_env_tokens_per_turn
 #                                    -> max_completion_length: TRL's cap on the whole trajectory after the
 #                                       prompt, which no Tidal trajectory can exceed (so it never cuts one)
-#   rollout.max_env_tokens_per_turn  -> TRL shows results whole; the tools TRL gets (`trl_tools`) cut
+#   agent.max_env_tokens_per_turn    -> TRL shows results whole; the tools TRL gets (`trl_tools`) cut
 #                                       their text as Tidal's loop cuts a turn's observation
-#   rollout.max_tool_calls           -> no per-trajectory budget in TRL: compared only when one call per
+#   rollout.agent.max_tool_calls     -> no per-trajectory budget in TRL: compared only when one call per
 #                                       tool-calling turn cannot exhaust it; turns with several calls are
 #                                       counted in the TRL run (`tool_divergences`)
-#   rollout.tools                    -> the same functions, as `trl_tools` wraps them
+#   rollout.agent.tools              -> the same functions, as `trl_tools` wraps them
 
 
 def trajectory_budget(cfg: TidalConfig) -> int:
     """The most tokens a Tidal trajectory has after its prompt: every turn at max_new_tokens and every
     observation at max_env_tokens_per_turn."""
-    r = cfg.rollout
-    return r.max_turns * r.max_new_tokens + (r.max_turns - 1) * r.max_env_tokens_per_turn
+    r, a = cfg.rollout, cfg.rollout.agent
+    return a.max_turns * r.max_new_tokens + (a.max_turns - 1) * a.max_env_tokens_per_turn
 
 
 def agent_mismatches(cfg: TidalConfig) -> list[str]:
-    """The rollout.env settings TRL's tools= loop cannot be given, one line each."""
-    r = cfg.rollout
+    """The rollout.agent settings TRL's tools= loop cannot be given, one line each."""
+    r = cfg.rollout.agent
     bad = []
     if r.env != "tools":
         bad.append(
-            f"rollout.env {r.env!r}: TRL's tools= loop is the built-in one (tool calls until a turn makes none); an environment's "
-            "reset/step/reward have no equivalent there (use rollout.env: tools)"
+            f"rollout.agent.env {r.env!r}: TRL's tools= loop is the built-in one (tool calls until a turn makes none); an environment's "
+            "reset/step/reward have no equivalent there (use rollout.agent.env: tools)"
         )
     if not r.tools:
-        bad.append("rollout.tools []: TRL's tools= loop needs at least one tool")
+        bad.append("rollout.agent.tools []: TRL's tools= loop needs at least one tool")
     if r.tool_parser != "hermes":
-        bad.append(f"rollout.tool_parser {r.tool_parser!r}: TRL reads Hermes <tool_call> blocks through the tokenizer's response template")
+        bad.append(f"rollout.agent.tool_parser {r.tool_parser!r}: TRL reads Hermes <tool_call> blocks through the tokenizer's response template")
     if r.max_tool_calls < r.max_turns - 1:
         bad.append(
-            f"rollout.max_tool_calls {r.max_tool_calls}: TRL's tools= loop has no per-trajectory call budget; only a budget that one call "
+            f"rollout.agent.max_tool_calls {r.max_tool_calls}: TRL's tools= loop has no per-trajectory call budget; only a budget that one call "
             f"per tool-calling turn cannot exhaust (>= max_turns - 1 = {r.max_turns - 1}) is compared"
         )
     if r.tool_latency is not None:
-        bad.append("rollout.tool_latency: TRL runs the tools in its own process, without the latency Tidal's tool process adds")
+        bad.append("rollout.agent.tool_latency: TRL runs the tools in its own process, without the latency Tidal's tool process adds")
     return bad
 
 
@@ -291,7 +291,7 @@ def prepare_tokenizer(cfg: TidalConfig, tokenizer):
     sets a response template for the chat templates it knows)."""
     from tidal.demo.tiny import TOOL_CHAT_TEMPLATE
 
-    if cfg.rollout.env is None or cfg.model.name_or_path is not None:
+    if cfg.rollout.agent is None or cfg.model.name_or_path is not None:
         return tokenizer
     if getattr(tokenizer, "chat_template", None) not in (None, TOOL_CHAT_TEMPLATE):
         raise SystemExit("tidal bench trl: the tiny model's tokenizer has a chat template other than tidal.demo.tiny.TOOL_CHAT_TEMPLATE")
@@ -307,7 +307,7 @@ def agent_loop(cfg: TidalConfig, tokenizer):
     from tidal.envs import EnvironmentFactory
     from tidal.rollout.agent import AgentLoop
 
-    r = cfg.rollout
+    r = cfg.rollout.agent
     factory = EnvironmentFactory.from_names(r.env, r.tools, r.tool_parser, tokenizer, r.max_tool_calls)
     return AgentLoop(cfg, tokenizer, factory, TOOL_CHAT_TEMPLATE if cfg.model.name_or_path is None else None)
 
@@ -316,7 +316,7 @@ def trl_tools(cfg: TidalConfig, tokenizer) -> list:
     """The run's tools as TRL's `tools=` takes them: functions with each tool's name, signature and
     docstring (so the chat template shows the same schema), whose body is Tidal's call of the tool:
     the arguments checked against its schema, a failure as Tidal's error text, and the text cut to
-    fit rollout.max_env_tokens_per_turn as Tidal's loop cuts one observation. A call TRL cannot make
+    fit rollout.agent.max_env_tokens_per_turn as Tidal's loop cuts one observation. A call TRL cannot make
     (no such tool: TRL answers `{'error': 'Tool NAME not found.'}`) is counted by `tool_divergences`."""
     import inspect
     from types import SimpleNamespace
@@ -361,11 +361,11 @@ def final_text(messages: list[dict]) -> str:
 
 def tool_divergences(completions: list, cfg: TidalConfig) -> dict[str, int]:
     """Where TRL's tools= loop went where Tidal's would not have, counted from TRL's trajectories:
-    calls past rollout.max_tool_calls (Tidal answers them with an error), turns with several calls
+    calls past rollout.agent.max_tool_calls (Tidal answers them with an error), turns with several calls
     (Tidal fits their results to max_env_tokens_per_turn together, TRL's tools one by one), tool-call
     markup TRL's parser could not read (TRL ends the trajectory; Tidal shows an error and goes on)
     and calls of tools that do not exist (TRL's error text differs from Tidal's)."""
-    r = cfg.rollout
+    r = cfg.rollout.agent
     out = {"over_call_budget": 0, "multi_call_turns": 0, "unparsed_tool_calls": 0, "unknown_tools": 0}
     names = {t.split(":")[-1] for t in r.tools}
     for messages in completions:
@@ -401,7 +401,7 @@ def require_trl():
 
 def prompt_rows(cfg: TidalConfig, dataset, steps: int, loop=None) -> list[dict]:
     """TRL's train dataset: Tidal's prompts of iterations 0..steps-1, in order, as TRL rows
-    (`prompt`: text, or chat messages with data.chat_template, or with rollout.env the environment's
+    (`prompt`: text, or chat messages with data.chat_template, or with rollout.agent the environment's
     first messages, from `loop` (`agent_loop`); `answer` for the reward functions)."""
     from tidal.data import prompts_for_iteration, render_prompt
 
@@ -464,7 +464,7 @@ def build_trl_trainer(
     """TRL's GRPOTrainer on the warm-started model, with the settings `trl_settings` maps, Tidal's
     AdamW and warm-up schedule, and `rows` as its dataset. `extra` goes to GRPOTrainer (callbacks,
     rollout_func); `settings_override` replaces mapped settings (tests: a wrong mapping must be caught).
-    With rollout.env, TRL gets the run's tools (`trl_tools`) and the tokenizer `prepare_tokenizer`
+    With rollout.agent, TRL gets the run's tools (`trl_tools`) and the tokenizer `prepare_tokenizer`
     makes, unless `agent_tools` is false (the gradient check hands TRL finished trajectories)."""
     import torch
     from datasets import Dataset
@@ -491,7 +491,7 @@ def build_trl_trainer(
     )
     model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
     tokenizer = prepare_tokenizer(cfg, tokenizer)
-    if cfg.rollout.env is not None and agent_tools:
+    if cfg.rollout.agent is not None and agent_tools:
         extra["tools"] = trl_tools(cfg, tokenizer)
     t = cfg.trainer
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
@@ -512,7 +512,7 @@ def check_prompt_tokens(trainer, cfg: TidalConfig, tokenizer, rows: list[dict]) 
     from tidal.data import prompt_encoder
     from tidal.protocol import WorkItem
 
-    if cfg.rollout.env is not None:  # the environment's first messages with the tools, as Tidal's loop renders them
+    if cfg.rollout.agent is not None:  # the environment's first messages with the tools, as Tidal's loop renders them
         loop = agent_loop(cfg, tokenizer)
         encode = lambda row: loop.first_prompt(WorkItem(0, row["prompt_id"], row["problem"], row["answer"]))  # noqa: E731
     else:
@@ -563,7 +563,7 @@ def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, mi
     gives the loss whose gradient is compared. A second pass feeds TRL's loss Tidal's advantages,
     isolating the loss and its aggregation from the advantage's epsilon.
 
-    With rollout.env the completions are whole trajectories (Tidal's environment loop, its tool
+    With rollout.agent the completions are whole trajectories (Tidal's environment loop, its tool
     process and the HF engine): TRL gets each trajectory's tokens after the prompt with Tidal's loss
     mask as `env_mask` (TRL's `tool_mask`, which its loss multiplies in), and the final turn as TRL's
     own `parse_response` reads it (with the response template of `prepare_tokenizer`) for the reward
@@ -590,7 +590,7 @@ def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, mi
     # Tidal: generate once, then the learner's accumulated gradient scaled by 1/units, as its step does (before clipping)
     model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
     engine = HFEngine.for_rollout(model, tokenizer, cfg.rollout)
-    agent = AgentLoop.from_config(cfg, tokenizer) if cfg.rollout.env is not None else None
+    agent = AgentLoop.from_config(cfg, tokenizer) if cfg.rollout.agent is not None else None
     try:
         groups = generate_groups(
             engine,
@@ -634,7 +634,7 @@ def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, mi
         served["final_message"] = out.get("final_message")
         return out
 
-    multi_turn = cfg.rollout.env is not None
+    multi_turn = cfg.rollout.agent is not None
     loop = agent_loop(cfg, tokenizer) if multi_turn else None
     tools = [t.schema for t in loop.factory.tools] if multi_turn else None
     rows = prompt_rows(cfg, dataset, 1, loop)
@@ -863,7 +863,7 @@ def trl_child(argv: list[str]) -> None:
     tracker = Tracker(tracking["uri"], run_id)
     from tidal.model.loading import load_tokenizer
 
-    multi_turn = cfg.rollout.env is not None
+    multi_turn = cfg.rollout.agent is not None
     rows = prompt_rows(cfg, dataset, args.steps, agent_loop(cfg, load_tokenizer(base)) if multi_turn else None)
     P = cfg.trainer.prompts_per_iteration
     clock = {"last": None, "steps": [], "generate": [], "generating": 0.0, "rewards": [], "generations": [], "step_generations": []}
@@ -930,7 +930,7 @@ def trl_child(argv: list[str]) -> None:
         trainer.state.global_step != args.steps
         or [c[:1] for c in calls] != [[samples]] * args.steps
         or (not multi_turn and any(len(c) != 1 for c in calls))
-        or any(len(c) > cfg.rollout.max_turns for c in calls)
+        or (multi_turn and any(len(c) > cfg.rollout.agent.max_turns for c in calls))
     ):
         raise RuntimeError(
             f"TRL took {trainer.state.global_step} optimizer steps and generated {calls} sequences per call; "

@@ -1,5 +1,6 @@
-"""One typed config for every role: YAML in, validated, clear errors out (schema: the blocks and
-their rules; files: loading, overrides, the resolved config written back)."""
+"""One typed config for every role: YAML in, validated, clear errors out (schema: the top level and the rules
+across blocks; model, reward, rollout, trainer: the big blocks; names: the built-in names, read from their
+registries; legacy: old keys read at their new places; files: loading, overrides, the resolved config written back)."""
 
 from tidal.config.files import (  # noqa: F401
     NON_TRAINING_KEYS,
@@ -12,21 +13,24 @@ from tidal.config.files import (  # noqa: F401
     training_changes,
 )
 from tidal.config.schema import (  # noqa: F401
-    AGENT_KEYS,
-    BUILT_IN_ALGORITHMS,
-    BUILT_IN_ENVIRONMENTS,
-    BUILT_IN_TOOL_PARSERS,
-    BUILT_IN_TOOLS,
+    AgentConfig,
     ConfigError,
     DataConfig,
     EvalConfig,
+    FunctionRewardConfig,
+    JudgeRewardConfig,
     LoraConfig,
     ModelConfig,
     RewardConfig,
     RewardFunctionConfig,
+    RewardModelConfig,
     RolloutConfig,
+    SandboxConfig,
+    ServedRewardConfig,
+    ServeRewardModelConfig,
     TidalConfig,
     TinyModelConfig,
+    ToolLatencyConfig,
     TrackingConfig,
     TrainerConfig,
     TransportConfig,

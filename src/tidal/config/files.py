@@ -3,23 +3,42 @@ written back; what a resumed run may change."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
+from tidal.config.legacy import upgrade
+from tidal.config.reward import REWARD_TYPES
 from tidal.config.schema import ConfigError, TidalConfig
 
+log = logging.getLogger(__name__)
 _SHOWN_VALUE_CHARS = 80
+
+
+def _without_union_tags(loc: tuple) -> tuple[tuple, str | None]:
+    """An error's location without the tag pydantic inserts for a reward entry's kind (`reward.functions.0.judge.url`
+    is the user's `reward.functions.0.url`), and that tag."""
+    for i in range(2, len(loc)):
+        if loc[i - 2] == "functions" and isinstance(loc[i - 1], int) and loc[i] in REWARD_TYPES:
+            return loc[:i] + loc[i + 1 :], loc[i]
+    return loc, None
 
 
 def _error_line(e: dict) -> str:
     """One error as `key: reason (got value)`. A check over a whole block (a section's or the config's
     own rule) names its keys in its reason: its input, the block, is not echoed back."""
-    key = ".".join(str(p) for p in e["loc"])
+    loc, kind = _without_union_tags(tuple(e["loc"]))
+    key = ".".join(str(p) for p in loc)
+    if e["type"] == "extra_forbidden" and kind is not None:
+        owners = [repr(t) for t, cls in REWARD_TYPES.items() if loc[-1] in cls.model_fields]
+        if owners:
+            return f"{key}: only for type {' or '.join(owners)}, not {kind!r}"
     if e["type"] == "extra_forbidden":
         return f"{key}: unknown key"
     reason = e["msg"].removeprefix("Value error, ")
@@ -85,17 +104,28 @@ def _list_index(items: list, path: list[str], depth: int, text: str) -> int:
     return index
 
 
-def config_from_dict(data: dict, source: str = "<dict>") -> TidalConfig:
+def config_from_dict(data: dict, source: str = "<dict>", on_old_keys: Callable[[str], None] = log.warning) -> TidalConfig:
+    """The validated config of `data`. Old keys (tidal.config.legacy) are read at their new places; `on_old_keys`
+    gets one line per kind of old key, naming them and where they live now."""
+    data, notes = upgrade(data, source)
+    for note in notes:
+        on_old_keys(note)
     try:
         return TidalConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, source)) from None
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] = (), base_dir: str | os.PathLike | None = None) -> TidalConfig:
+def load_config(
+    path: str | os.PathLike | None,
+    overrides: list[str] = (),
+    base_dir: str | os.PathLike | None = None,
+    on_old_keys: Callable[[str], None] = log.warning,
+) -> TidalConfig:
     """The config in `path` (defaults when None) with `key=value` overrides applied. Relative data
     paths in the file are relative to `base_dir` (default: the file's folder); in overrides, to the
-    working directory. The result holds absolute data paths, so it can be dumped and reloaded anywhere."""
+    working directory. The result holds absolute data paths, so it can be dumped and reloaded anywhere.
+    `on_old_keys`: see config_from_dict."""
     data: dict = {}
     source = "defaults"
     if path is not None:
@@ -111,7 +141,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), base_
         source = str(p)
         data = _data_paths_from(Path(base_dir) if base_dir is not None else p.parent, data)
     data = _data_paths_from(Path.cwd(), apply_overrides(data, list(overrides)))
-    return config_from_dict(data, source)
+    return config_from_dict(data, source, on_old_keys)
 
 
 def _data_paths_from(base: Path, data: dict) -> dict:

@@ -1,4 +1,4 @@
-"""Synthetic tool-use traces for the tiny model's warm start (rollout.env with the built-in `calc` or
+"""Synthetic tool-use traces for the tiny model's warm start (rollout.agent with the built-in `calc` or
 `python` tool on the arithmetic task).
 
 RL on an agent needs a policy that already speaks the chat and tool-call format and sometimes uses
@@ -56,7 +56,7 @@ def trace_kind(rng: random.Random, tool_use: float, tool_mistakes: float) -> str
 
 
 def trace_tool(tools: list[str]) -> str | None:
-    """The tool the traces call: the first of rollout.tools they know, or None."""
+    """The tool the traces call: the first of rollout.agent.tools they know, or None."""
     return next((t for t in tools if t in TRACE_TOOLS), None)
 
 
@@ -103,7 +103,7 @@ def play_trace(loop, problem: Problem, kind: str, rng: random.Random, tool: str 
     ids = loop.render(row.messages, tools, True)
     labels = [-100] * len(ids)
     text = first_turn(kind, problem, rng, tool)
-    for _ in range(loop.cfg.rollout.max_turns):
+    for _ in range(loop.cfg.rollout.agent.max_turns):
         sampled = loop.tokenizer(text, add_special_tokens=False).input_ids + [loop.eos]
         ids += sampled
         labels += sampled

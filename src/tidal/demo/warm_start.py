@@ -44,7 +44,7 @@ def warm_start_key(cfg: TidalConfig) -> str:
         "seed": warm_start_seed(cfg),
     }
     if plays_tool_traces(cfg):  # the traces are played through the environment and its template
-        spec["agent"] = cfg.rollout.model_dump(mode="json", include={"env", "tools", "tool_parser", "max_turns", "max_env_tokens_per_turn"})
+        spec["agent"] = cfg.rollout.agent.model_dump(mode="json", include={"env", "tools", "tool_parser", "max_turns", "max_env_tokens_per_turn"})
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -168,7 +168,8 @@ def plays_tool_traces(cfg: TidalConfig) -> bool:
     effects), so it gets the single-answer warm start."""
     from tidal.demo.tool_traces import trace_tool
 
-    return cfg.rollout.env == "tools" and trace_tool(cfg.rollout.tools) is not None
+    agent = cfg.rollout.agent
+    return agent is not None and agent.env == "tools" and trace_tool(agent.tools) is not None
 
 
 def tool_use_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem], progress=None) -> WarmStartResult:
@@ -180,10 +181,11 @@ def tool_use_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem],
 
     ws = cfg.model.warm_start
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE  # saved with the model: TRL, vLLM and an exported model render the same turns
-    # the traces are scripted: a benchmark's tool latency (rollout.tool_latency) would only slow them down
-    loop = AgentLoop.from_config(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"tool_latency": None})}), tokenizer)
+    # the traces are scripted: a benchmark's tool latency (rollout.agent.tool_latency) would only slow them down
+    agent = cfg.rollout.agent.model_copy(update={"tool_latency": None})
+    loop = AgentLoop.from_config(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"agent": agent})}), tokenizer)
     try:
-        traces = make_traces(loop, pool, ws.tool_use, ws.tool_mistakes, warm_start_seed(cfg), trace_tool(cfg.rollout.tools))
+        traces = make_traces(loop, pool, ws.tool_use, ws.tool_mistakes, warm_start_seed(cfg), trace_tool(agent.tools))
     finally:
         loop.close()
     kinds = {k: sum(t.kind == k for t in traces) for k in sorted({t.kind for t in traces})}

@@ -11,7 +11,7 @@ An environment is a small class, one instance per trajectory (its state is that 
   summed); None, the default, scores the final answer with the run's ``reward.functions``.
 
 Tools are the class's methods marked with ``@tool``, the functions in its ``tools`` attribute, and
-the run's ``rollout.tools``; the worker runs the last in a process of their own
+the run's ``rollout.agent.tools``; the worker runs the last in a process of their own
 (tidal.envs.isolation), the environment's own in its process (they hold the trajectory's state).
 Users name an environment ``module:Class`` (a subclass of `Environment`), as reward functions are
 named. Nothing here runs a model: the engine and the worker drive the loop, tokenise the
@@ -172,16 +172,16 @@ class EnvironmentFactory:
     env_host: Any = None  # tidal.envs.sandboxed.EnvHost
 
     @classmethod
-    def from_config(cls, rollout, tokenizer=None, seed: int = 0, warm: bool = True) -> EnvironmentFactory:
-        """rollout.env as a run uses it: the tools (rollout.tools) and a user's environment class each in
+    def from_config(cls, agent, tokenizer=None, seed: int = 0, warm: bool = True) -> EnvironmentFactory:
+        """rollout.agent's env as a run uses it: the tools and a user's environment class each in
         sandboxed processes of this one, with their limits; their modules are imported only there.
         `warm`: every environment process starts now (a check needs only the one it builds in)."""
         from tidal.envs.sandboxed import EnvLimits
 
-        fixed = {name: run_arguments(name, rollout) for name in rollout.tools}
-        isolation = ToolLimits.from_config(rollout, seed)
+        fixed = {name: run_arguments(name, agent) for name in agent.tools}
+        isolation = ToolLimits.from_config(agent, seed)
         factory = cls.from_names(
-            rollout.env, rollout.tools, rollout.tool_parser, tokenizer, rollout.max_tool_calls, isolation, fixed, EnvLimits.from_config(rollout)
+            agent.env, agent.tools, agent.tool_parser, tokenizer, agent.max_tool_calls, isolation, fixed, EnvLimits.from_config(agent)
         )
         if warm and factory.env_host is not None:
             factory.env_host.prestart()

@@ -1,8 +1,8 @@
 """`python -m tidal.envs.env_host [--memory-mb M] [--cpu-seconds S] --bind JSON module:Class`: a process
-that holds a user's environment instances (rollout.env) for its worker, in the sandbox
+that holds a user's environment instances (rollout.agent.env) for its worker, in the sandbox
 (tidal.hosted.serve: JSON lines, prints to stderr, exits with its parent, rlimits). The user's module
 is imported here, never in the worker. `--bind`: `{"tools": [schema...], "max_tool_calls": n, "parser":
-name or null}`, the run's tools (rollout.tools) as the worker resolved them, and the built-in tool-call
+name or null}`, the run's tools (rollout.agent.tools) as the worker resolved them, and the built-in tool-call
 parser to run here (null: ask the worker, which holds the tokenizer and a user's parser).
 
 The worker writes `{"op", "id", ...}` for one instance (`"create": true` on its first call, `"drop":
@@ -16,7 +16,7 @@ The worker writes `{"op", "id", ...}` for one instance (`"create": true` on its 
 
 or `{"error": "Type: message"}` when user code raised, `{"lost": true}` for an instance this process
 does not hold (it was started after a failure took the one that did). Mid-call the host asks its
-worker `{"tool": name, "arguments": {...}}` (rollout.tools run in the worker's tool processes) and
+worker `{"tool": name, "arguments": {...}}` (rollout.agent.tools run in the worker's tool processes) and
 `{"parse": text}` (the run's tool-call parser, when it needs the worker's tokenizer or is a user's)."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Problem:
 
 
 class AskedTools:
-    """rollout.tools as an environment in this process calls them: each call is a question to the
+    """rollout.agent.tools as an environment in this process calls them: each call is a question to the
     worker, which runs it in its tool processes (with their timeout, limits and error texts)."""
 
     def __init__(self, ask):
@@ -56,7 +56,7 @@ class AskedTools:
 
 
 def _runs_in_the_worker(**arguments):
-    raise RuntimeError("a tool of rollout.tools runs in its worker's tool process")  # Tool.__call__ asks the worker
+    raise RuntimeError("a tool of rollout.agent.tools runs in its worker's tool process")  # Tool.__call__ asks the worker
 
 
 def asked_parser(ask):
@@ -67,7 +67,7 @@ def asked_parser(ask):
     def parse(text: str, tokenizer=None, tools=None) -> ParsedTurn:
         reply = ask({"parse": text})
         if "content" not in reply:
-            raise EnvError(f"rollout.tool_parser: {reply.get('error', 'no answer from the worker')}")
+            raise EnvError(f"rollout.agent.tool_parser: {reply.get('error', 'no answer from the worker')}")
         return ParsedTurn(reply["content"], [ToolCall(name, arguments) for name, arguments in reply["calls"]], reply["errors"], reply["unparsable"])
 
     return parse
@@ -121,7 +121,7 @@ def answer(call: dict, build, instances: dict, memory_mb: int | None) -> dict:
         return reply
     except MemoryError:
         instances.pop(key, None)  # what it holds would fail its next call too
-        return {"error": f"MemoryError: over its memory limit ({memory_mb} MB, rollout.env_memory_mb)"}
+        return {"error": f"MemoryError: over its memory limit ({memory_mb} MB, rollout.agent.env_memory_mb)"}
     except Exception as err:  # noqa: BLE001 - user code; SystemExit is not caught: the host exits and the worker replaces it
         return {"error": f"{type(err).__name__}: {err}"}
     finally:

@@ -1,10 +1,10 @@
 """`python -m tidal.envs.host [--memory-mb M] [--cpu-seconds S] [--output-bytes B] NAME...`: a process
-that runs the run's tools (rollout.tools) for its worker (tidal.hosted.serve: JSON lines, prints to
+that runs the run's tools (rollout.agent.tools) for its worker (tidal.hosted.serve: JSON lines, prints to
 stderr, exits with its parent, rlimits).
 
 The parent asks `{"describe": true}` for the tools' JSON schemas (`{"schemas": {NAME: schema}}`), then
 writes calls `{"fn": NAME, "arguments": {...}}` (arguments already checked against the tool's
-schema; with rollout.tool_latency also `"delay": seconds`, slept before the tool runs), the host answers `{"text": str}` (the tool's value as text, at most B bytes of UTF-8; `"cut":
+schema; with rollout.agent.tool_latency also `"delay": seconds`, slept before the tool runs), the host answers `{"text": str}` (the tool's value as text, at most B bytes of UTF-8; `"cut":
 n` when the text had n bytes) or `{"error": "Type: message"}`."""
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from tidal.hosted import serve
 def answer(call: dict, functions: dict, output_bytes: int, memory_mb: int | None) -> dict:
     from tidal.envs.tools import as_text
 
-    if call.get("delay"):  # rollout.tool_latency: a slow tool, inside the tool's process and its timeout
+    if call.get("delay"):  # rollout.agent.tool_latency: a slow tool, inside the tool's process and its timeout
         time.sleep(call["delay"])
     try:
         text = as_text(functions[call["fn"]](**call["arguments"]))
     except MemoryError:
-        return {"error": f"MemoryError: over its memory limit ({memory_mb} MB, rollout.tool_memory_mb)"}
+        return {"error": f"MemoryError: over its memory limit ({memory_mb} MB, rollout.agent.tool_memory_mb)"}
     except Exception as err:  # noqa: BLE001 - user code; SystemExit is not caught: the host exits and the parent replaces it
         return {"error": f"{type(err).__name__}: {err}"}
     encoded = text.encode("utf-8", "replace")

@@ -1,5 +1,5 @@
-"""The run's tools (rollout.tools) in a process of the worker's own (`python -m tidal.envs.host`,
-tidal.hosted): a tool that hangs past rollout.tool_timeout_seconds, crashes, exits, or goes over its
+"""The run's tools (rollout.agent.tools) in a process of the worker's own (`python -m tidal.envs.host`,
+tidal.hosted): a tool that hangs past rollout.agent.tool_timeout_seconds, crashes, exits, or goes over its
 CPU-time or memory limit fails that one call, with an error text the model reads; the process is
 replaced and the worker, its other trajectories and the run go on. Arguments cross as JSON, results
 as text; nothing is pickled. An environment's own tools (`@tool` methods, its `tools` attribute)
@@ -23,24 +23,24 @@ def _runs_in_its_host(**arguments):
 
 @dataclass(frozen=True)
 class ToolLimits:
-    """rollout.tool_timeout_seconds, tool_cpu_seconds, tool_memory_mb and tool_output_bytes."""
+    """rollout.agent.tool_timeout_seconds, tool_cpu_seconds, tool_memory_mb and tool_output_bytes."""
 
     timeout_seconds: float = 30.0
     cpu_seconds: int | None = 60
     memory_mb: int | None = 4096
     output_bytes: int = 65536
     processes: int = 4  # at most this many calls at once (the vLLM engine steps trajectories concurrently)
-    latency: ToolLatency | None = None  # rollout.tool_latency: each call waits this long in the tool's process first
+    latency: ToolLatency | None = None  # rollout.agent.tool_latency: each call waits this long in the tool's process first
 
     @classmethod
-    def from_config(cls, rollout, seed: int = 0) -> ToolLimits:
+    def from_config(cls, agent, seed: int = 0) -> ToolLimits:
         return cls(
-            rollout.tool_timeout_seconds,
-            rollout.tool_cpu_seconds,
-            rollout.tool_memory_mb,
-            rollout.tool_output_bytes,
-            rollout.tool_processes,
-            ToolLatency.from_config(rollout.tool_latency, seed),
+            agent.tool_timeout_seconds,
+            agent.tool_cpu_seconds,
+            agent.tool_memory_mb,
+            agent.tool_output_bytes,
+            agent.tool_processes,
+            ToolLatency.from_config(agent.tool_latency, seed),
         )
 
     def host_args(self) -> list[str]:
@@ -61,12 +61,16 @@ class ToolHost:
         self.processes: list[HostProcess] = []
         self.idle: queue.LifoQueue[HostProcess] = queue.LifoQueue()
         self.lock = threading.Lock()
-        self.calls = itertools.count()  # call n's latency is rollout.tool_latency's draw n
+        self.calls = itertools.count()  # call n's latency is rollout.agent.tool_latency's draw n
 
     def _new_process(self) -> HostProcess:
         limits = self.limits
         return HostProcess(
-            "tidal.envs.host", [*limits.host_args(), *self.names], limits.timeout_seconds, "rollout.tool_timeout_seconds", memory_mb=limits.memory_mb
+            "tidal.envs.host",
+            [*limits.host_args(), *self.names],
+            limits.timeout_seconds,
+            "rollout.agent.tool_timeout_seconds",
+            memory_mb=limits.memory_mb,
         )
 
     def _acquire(self) -> HostProcess:
@@ -104,7 +108,7 @@ class ToolHost:
                 process.stop()  # what the tool left allocated would fail the next call too
             return ToolResult(f"error: {tool.name} raised {reply['error']}", True)
         if "cut" in reply:
-            return ToolResult(f"{reply['text']}… [cut: {reply['cut']} bytes, over rollout.tool_output_bytes]", False, cut=True)
+            return ToolResult(f"{reply['text']}… [cut: {reply['cut']} bytes, over rollout.agent.tool_output_bytes]", False, cut=True)
         return ToolResult(reply["text"], False)
 
     def isolate(self, tool: Tool) -> Tool:
@@ -119,7 +123,7 @@ class ToolHost:
         try:
             reply = process.request({"describe": True}, timeout=max(STARTUP_SECONDS, self.limits.timeout_seconds))  # an import, like a start
         except (HostStartError, HostCallError) as err:
-            raise EnvError(f"rollout.tools: {err}") from None
+            raise EnvError(f"rollout.agent.tools: {err}") from None
         finally:
             self.idle.put(process)
         if "error" in reply:

@@ -1,6 +1,6 @@
-"""A latency for the run's tools (rollout.tool_latency): how long each call of a tool takes on top of its
+"""A latency for the run's tools (rollout.agent.tool_latency): how long each call of a tool takes on top of its
 own running time, drawn from a heavy-tailed distribution, to measure how the modes cope with slow
-tools (`tidal bench modes --set rollout.tool_latency=...`).
+tools (`tidal bench modes --set rollout.agent.tool_latency=...`).
 
 The distribution is log-normal, given by its median and the ratio of its 99th percentile to its
 median: latency = p50 * exp(sigma * z), z standard normal, sigma = ln(p99/p50) / z_0.99
@@ -33,7 +33,7 @@ def lognormal_mean_over_p50(p99_over_p50: float) -> float:
 
 @dataclass(frozen=True)
 class ToolLatency:
-    """rollout.tool_latency, with the run's seed: `seconds(n)` is call n's latency."""
+    """rollout.agent.tool_latency, with the run's seed: `seconds(n)` is call n's latency."""
 
     p50_seconds: float
     p99_over_p50: float = 10.0

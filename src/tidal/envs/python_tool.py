@@ -1,6 +1,6 @@
 """The built-in `python` tool: runs the model's program in a fresh interpreter and returns what it prints.
 
-The program runs in a child of the process that calls the tool (for rollout.tools, the tool host:
+The program runs in a child of the process that calls the tool (for rollout.agent.tools, the tool host:
 tidal.envs.isolation), so it inherits that process's sandbox. Each call gets a fresh `python -I -S`
 (no site-packages, no user site, no PYTHON* variables), stdin closed, a minimal environment, and a
 temporary working directory removed after the call. The child leads a process group of its own:
@@ -11,7 +11,7 @@ program's interpreter starts, and what it prints is read up to a byte cap: past 
 stopped and its output cut.
 
 The limits are arguments the run fixes (not the model): `tidal.envs.tools.run_arguments` fills them
-from rollout.python_timeout_seconds, tool_cpu_seconds, tool_memory_mb and tool_output_bytes.
+from rollout.agent.python_timeout_seconds, tool_cpu_seconds, tool_memory_mb and tool_output_bytes.
 """
 
 from __future__ import annotations
@@ -87,11 +87,11 @@ def report(run: ProgramRun, timeout_seconds: float, cpu_seconds: int | None, out
     """What the model reads: the output of a program that ran; ProgramFailed with its output and error tail otherwise."""
     printed = run.stdout.decode("utf-8", "replace")
     if run.cut:
-        return f"{printed}\n[output cut at {output_bytes} bytes (rollout.tool_output_bytes); the program was stopped]"
+        return f"{printed}\n[output cut at {output_bytes} bytes (rollout.agent.tool_output_bytes); the program was stopped]"
     if run.timed_out:
-        raise ProgramFailed(_joined(printed, f"no result within {timeout_seconds:g}s (rollout.python_timeout_seconds); the program was killed"))
+        raise ProgramFailed(_joined(printed, f"no result within {timeout_seconds:g}s (rollout.agent.python_timeout_seconds); the program was killed"))
     if run.returncode == -signal.SIGXCPU:
-        raise ProgramFailed(_joined(printed, f"over its CPU-time limit ({cpu_seconds}s, rollout.tool_cpu_seconds)"))
+        raise ProgramFailed(_joined(printed, f"over its CPU-time limit ({cpu_seconds}s, rollout.agent.tool_cpu_seconds)"))
     if run.returncode < 0:
         raise ProgramFailed(_joined(printed, f"killed by {signal.Signals(-run.returncode).name}"))
     if run.returncode > 0:

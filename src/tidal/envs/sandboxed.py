@@ -1,17 +1,17 @@
-"""A user's environment class (rollout.env: `module:Class`) in sandboxed processes of the worker's own
+"""A user's environment class (rollout.agent.env: `module:Class`) in sandboxed processes of the worker's own
 (`python -m tidal.envs.env_host`, tidal.hosted and tidal.sandbox), never in the worker: its module is
 imported there, and its methods run there with none of the run's secrets, files, network or processes
 within reach, as tools and reward functions do.
 
-Each trajectory's instance lives in one of up to rollout.env_processes processes (the one holding the
+Each trajectory's instance lives in one of up to rollout.agent.env_processes processes (the one holding the
 fewest) for the trajectory's whole life: its state stays in Python objects there between calls. In the
 worker a `HostedEnvironment` stands for it, with what the agent loop calls (reset, step, reward,
 tool_schemas, stats); each call is one JSON line each way, nothing is pickled. In the middle of a call
-the instance asks the worker to run a tool of rollout.tools (in the worker's tool processes, under
+the instance asks the worker to run a tool of rollout.agent.tools (in the worker's tool processes, under
 their limits) and to read a turn's tool calls (the parser needs the worker's tokenizer).
 
-A call past rollout.env_timeout_seconds (the environment's own time, not counting its rollout.tools
-calls), past rollout.env_cpu_seconds or rollout.env_memory_mb, or a crash or exit of its process fails
+A call past rollout.agent.env_timeout_seconds (the environment's own time, not counting its rollout.agent.tools
+calls), past rollout.agent.env_cpu_seconds or rollout.agent.env_memory_mb, or a crash or exit of its process fails
 that call: the trajectory ends (counted under the environment's name in the end-of-run table) and the
 process is replaced; the other trajectories whose instances it held fail at their next call, their
 state gone. Every process a call starts ends with the call. Built-in environments (`tools`) run in the
@@ -39,7 +39,7 @@ ERROR_CHARS = 2000  # of an error text from an environment's process (its log li
 
 @dataclass(frozen=True)
 class EnvLimits:
-    """rollout.env_timeout_seconds, env_cpu_seconds, env_memory_mb and env_processes; and
+    """rollout.agent.env_timeout_seconds, env_cpu_seconds, env_memory_mb and env_processes; and
     trajectory_timeout_seconds: the larger of it and env_timeout_seconds bounds one call with its tool
     calls (a step that calls tools for ever)."""
 
@@ -50,9 +50,10 @@ class EnvLimits:
     trajectory_seconds: float = 120.0
 
     @classmethod
-    def from_config(cls, rollout) -> EnvLimits:
-        r = rollout
-        return cls(r.env_timeout_seconds, r.env_cpu_seconds, r.env_memory_mb, r.env_processes, r.trajectory_timeout_seconds)
+    def from_config(cls, agent) -> EnvLimits:
+        """rollout.agent's limits of an environment process."""
+        a = agent
+        return cls(a.env_timeout_seconds, a.env_cpu_seconds, a.env_memory_mb, a.env_processes, a.trajectory_timeout_seconds)
 
     def host_args(self) -> list[str]:
         return [*([f"--memory-mb={self.memory_mb}"] if self.memory_mb else []), *([f"--cpu-seconds={self.cpu_seconds}"] if self.cpu_seconds else [])]
@@ -111,7 +112,7 @@ class EnvHost:
         bind = json.dumps(bind)
         args = [*limits.host_args(), f"--bind={bind}", reference]
         self.processes = [
-            HostProcess("tidal.envs.env_host", args, limits.timeout_seconds, "rollout.env_timeout_seconds", memory_mb=limits.memory_mb)
+            HostProcess("tidal.envs.env_host", args, limits.timeout_seconds, "rollout.agent.env_timeout_seconds", memory_mb=limits.memory_mb)
             for _ in range(limits.processes)
         ]
         self.held: list[set[int]] = [set() for _ in self.processes]  # the live instances' ids, per process
@@ -163,17 +164,17 @@ class EnvHost:
         if gone:
             message["drop"] = gone
         limits = self.limits
-        whole = (limits.trajectory_seconds, "rollout.trajectory_timeout_seconds")
+        whole = (limits.trajectory_seconds, "rollout.agent.trajectory_timeout_seconds")
         if limits.timeout_seconds >= limits.trajectory_seconds:
-            whole = (limits.timeout_seconds, "rollout.env_timeout_seconds")
+            whole = (limits.timeout_seconds, "rollout.agent.env_timeout_seconds")
         return self.processes[index].request(message, asked=asked, whole=whole)
 
     def answer(self, question: dict, schemas: list[dict] | None) -> dict:
-        """What an instance asks mid-call: run a tool of rollout.tools, or read a turn's tool calls."""
+        """What an instance asks mid-call: run a tool of rollout.agent.tools, or read a turn's tool calls."""
         if "tool" in question:
             found = self.tools.get(question["tool"])
             if found is None:
-                raise EnvError(f"no tool {question['tool']!r} in rollout.tools")
+                raise EnvError(f"no tool {question['tool']!r} in rollout.agent.tools")
             result = found(question["arguments"])
             return {"text": result.text, "failed": result.error, "failure": result.failure, "cut": result.cut}
         if "parse" in question:

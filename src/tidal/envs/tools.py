@@ -4,7 +4,7 @@ A tool's JSON schema comes from its signature and docstring by `transformers.uti
 (the OpenAI / transformers `tools=` convention), so the schema the chat template shows the model
 and the function that runs are one object. A call's arguments are checked against that schema
 before the function runs; a call that fails for any reason becomes an error text the model reads,
-never an exception in the worker. The run's tools (rollout.tools) run in a process of the worker's
+never an exception in the worker. The run's tools (rollout.agent.tools) run in a process of the worker's
 own (tidal.envs.isolation); an environment's own tools run in the worker.
 """
 
@@ -47,7 +47,7 @@ class ToolResult:
     text: str  # what the model reads
     error: bool  # the call did not run, or raised
     failure: str | None = None  # an isolated tool's process failed the call: "timeout" or "crash" (it was replaced)
-    cut: bool = False  # the text was cut at rollout.tool_output_bytes
+    cut: bool = False  # the text was cut at rollout.agent.tool_output_bytes
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Tool:
     name: str
     fn: Callable
     schema: dict  # {"type": "function", "function": {"name", "description", "parameters", ...}}
-    reference: str | None = None  # the name in rollout.tools (built-in or module:function), when it has one
+    reference: str | None = None  # the name in rollout.agent.tools (built-in or module:function), when it has one
     host: Any = field(default=None, compare=False, repr=False)  # the ToolHost that runs it, when isolated
     # arguments the run sets (the python tool's limits): left out of the schema the model sees, a
     # call that names one is refused, and every call gets them
@@ -124,7 +124,7 @@ def without_parameters(schema: dict, names: set[str]) -> dict:
 
 def json_schema_of(fn: Callable) -> dict:
     """transformers' `get_json_schema`, without importing torch: it maps every hint through a table
-    that adds torch.Tensor whenever torch is installed, and a tool process under rollout.tool_memory_mb
+    that adds torch.Tensor whenever torch is installed, and a tool process under rollout.agent.tool_memory_mb
     (RLIMIT_AS) cannot map torch. A JSON tool takes no tensor, so the table does without it."""
     # here, not at the top: reading a config should not import transformers (nor its package, which imports torch)
     from transformers.utils import chat_template_utils
@@ -203,16 +203,16 @@ def calc(expression: str) -> str:
 BUILT_IN_TOOLS: dict[str, Callable] = {"calc": calc, "python": python}
 
 
-def run_arguments(name: str, rollout) -> dict:
-    """The arguments a run fixes for a tool of rollout.tools, from its config (`rollout`): the python
+def run_arguments(name: str, agent) -> dict:
+    """The arguments a run fixes for a tool of rollout.agent.tools, from its config (`agent`): the python
     tool's limits. They travel with every call, so the tool's process needs no config of its own."""
     if name != "python":
         return {}
     return {
-        "timeout_seconds": rollout.python_timeout_seconds,
-        "cpu_seconds": rollout.tool_cpu_seconds,
-        "memory_mb": rollout.tool_memory_mb,
-        "output_bytes": rollout.tool_output_bytes,
+        "timeout_seconds": agent.python_timeout_seconds,
+        "cpu_seconds": agent.tool_cpu_seconds,
+        "memory_mb": agent.tool_memory_mb,
+        "output_bytes": agent.tool_output_bytes,
     }
 
 

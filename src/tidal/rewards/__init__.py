@@ -9,75 +9,15 @@ import importlib
 import logging
 import math
 import numbers
-import re
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tidal.config import RewardConfig
+from tidal.rewards.builtin import REGISTRY, RewardFn, exact_match, extract_final_answer, format_reward, math_verify_reward, register  # noqa: F401
 from tidal.rewards.failures import FailureLedger, FailureWindow, RewardFailingError, over_their_rate
 from tidal.rewards.pool import RewardError
 
 log = logging.getLogger(__name__)
-
-RewardFn = Callable[[str, str], float]
-REGISTRY: dict[str, RewardFn] = {}
-
-
-def register(name: str) -> Callable[[RewardFn], RewardFn]:
-    def deco(fn: RewardFn) -> RewardFn:
-        REGISTRY[name] = fn
-        return fn
-
-    return deco
-
-
-_FINAL_ANSWER = re.compile(r"(?:A:|####)\s*(-?[\d,]*\.?\d+)")
-
-
-def extract_final_answer(completion: str) -> str | None:
-    matches = _FINAL_ANSWER.findall(completion)
-    return matches[-1].replace(",", "") if matches else None
-
-
-def _same_number(a: str, b: str) -> bool:
-    try:
-        return float(a) == float(b)
-    except ValueError:
-        return a.strip() == b.strip()
-
-
-@register("exact_match")
-def exact_match(completion: str, answer: str) -> float:
-    got = extract_final_answer(completion)
-    return 1.0 if got is not None and _same_number(got, answer) else 0.0
-
-
-_FORMAT = re.compile(r"^\s*(?:A:|####) -?[\d,]*\.?\d+\s*$")
-
-
-@register("format")
-def format_reward(completion: str, answer: str) -> float:
-    """1 when the completion's last line is exactly a final-answer line."""
-    lines = completion.strip().splitlines()
-    return 1.0 if lines and _FORMAT.match(lines[-1]) else 0.0
-
-
-@register("math_verify")
-def math_verify_reward(completion: str, answer: str) -> float:
-    """1 when the completion's final answer equals `answer` mathematically, by the math-verify
-    package: \\boxed{}, `####`, fractions, LaTeX, units and thousands separators are understood
-    (`exact_match` reads only `A:` / `####` numbers). math-verify's timeouts use SIGALRM, which
-    works only on a process's main thread; rewards are scored on worker threads, so there they run
-    without one."""
-    from math_verify import parse, verify
-
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    gold = parse(answer, parsing_timeout=timeout)
-    if not gold:
-        gold = parse(f"${answer}$", parsing_timeout=timeout)
-    return 1.0 if verify(gold, parse(completion, parsing_timeout=timeout), timeout_seconds=timeout) else 0.0
 
 
 def resolve(name: str) -> RewardFn:
@@ -115,7 +55,7 @@ def check_reward_names(cfg: RewardConfig) -> None:
             check_reward_signature(f.name, resolve(f.name))
         elif f.type == "function":
             continue
-        elif f.serve is not None and f.serve.model is not None:
+        elif f.type == "reward_model" and f.serve is not None and f.serve.model is not None:
             from tidal.rewards.score_head import architecture_without_score_head
 
             if not Path(f.serve.model, "config.json").is_file():

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from tidal.config.schema import RewardFunctionConfig
+from tidal.config import JudgeRewardConfig, RewardFunctionConfig, ServedRewardConfig
 from tidal.rewards.failures import FailureWindow, RewardFailingError
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def finite_list(values: object, count: int) -> list[float]:
     return out
 
 
-def judge_body(row: Row, cfg: RewardFunctionConfig, seed: int | None) -> dict:
+def judge_body(row: Row, cfg: JudgeRewardConfig, seed: int | None) -> dict:
     """One chat completion request: the rubric with the sample filled in, `samples` replies."""
     body = {
         "model": cfg.model,
@@ -167,7 +167,7 @@ def judge_score(text: str, how: str, field_name: str = "score") -> float:
     raise UnusableAnswer(f"the judge's {field_name!r} is {value!r}, not a number")
 
 
-def judge_scores(answer: object, cfg: RewardFunctionConfig) -> float:
+def judge_scores(answer: object, cfg: JudgeRewardConfig) -> float:
     """The mean score over the reply's choices (`samples` of them)."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list) or len(choices) != cfg.samples:
@@ -190,10 +190,10 @@ def backoff_seconds(first: float, attempt: int) -> float:
     return first * 2 ** (attempt - 1)
 
 
-def endpoint_url(cfg: RewardFunctionConfig, served_urls: dict[str, str] | None = None) -> str:
+def endpoint_url(cfg: ServedRewardConfig, served_urls: dict[str, str] | None = None) -> str:
     """The url requests go to: the entry's (with the protocol's path), or the one of the server
     `tidal run` started for it."""
-    if cfg.serve is not None:
+    if cfg.type == "reward_model" and cfg.serve is not None:
         urls = served_urls if served_urls is not None else json.loads(os.environ.get(SERVED_URLS_ENV, "{}"))
         if cfg.label not in urls:
             raise RewardServerError(f"reward {cfg.label!r}: serve is set but no reward server was started for it (run it with `tidal run`)")
@@ -253,7 +253,7 @@ def check_reward_urls(functions: list[RewardFunctionConfig], timeout: float = 5.
 class ServedReward:
     """One reward.functions entry of type reward_model or judge, scored over HTTP."""
 
-    cfg: RewardFunctionConfig
+    cfg: ServedRewardConfig
     url: str
     seed: int | None = None  # rollout.deterministic: the judge's seed
     stats: ServedStats = field(default_factory=ServedStats)

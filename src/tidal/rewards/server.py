@@ -19,9 +19,11 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 import urllib.request
 from pathlib import Path
 
+from tidal.config.reward import RewardOutput
 from tidal.rewards.score_head import NoScoreHeadError, architecture_without_score_head, check_score_head
 from tidal.supervise import RoleFailed
 
@@ -102,7 +104,7 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="rows per forward pass")
     p.add_argument(
         "--output",
-        choices=["logit", "sigmoid", "binary"],
+        choices=typing.get_args(RewardOutput),
         default="logit",
         help="the reward: the first logit, its sigmoid, or 1 when it is positive (else 0)",
     )
@@ -211,7 +213,7 @@ class RewardServers:
         """`base_model`: the run's warm start, which the built-in reward model (`serve.model` unset) starts from."""
         self.servers = []
         for f in cfg.reward.functions:
-            if f.serve is None:
+            if f.type != "reward_model" or f.serve is None:
                 continue
             model = f.serve.model
             if model is None:

@@ -1,12 +1,12 @@
-"""Multi-turn rollouts: the environment loop of one engine call's groups (rollout.env).
+"""Multi-turn rollouts: the environment loop of one engine call's groups (rollout.agent).
 
 Every row (one trajectory) gets its own environment instance. The prompt is the environment's
 first messages in the chat template (with the tools); after each assistant turn the environment
 answers, and the tokens the template renders for that answer (up to and including the next
 assistant header) are inserted into the trajectory as token ids, loss mask 0. The sampled tokens
 are kept exactly as sampled: the decoded text goes to the environment, never back into the
-trajectory. A trajectory ends when the environment says done, at rollout.max_turns, when a turn
-hits max_new_tokens (it was cut mid-turn), past rollout.trajectory_timeout_seconds (checked between
+trajectory. A trajectory ends when the environment says done, at rollout.agent.max_turns, when a turn
+hits max_new_tokens (it was cut mid-turn), past rollout.agent.trajectory_timeout_seconds (checked between
 turns), when it would outgrow the model's context, or when the environment raises (counted, the
 worker goes on).
 
@@ -81,12 +81,12 @@ def record_steps(ledger, row: _Row) -> None:
 
 
 class AgentLoop:
-    """Runs rollout.env over a rollout engine and builds the trajectory groups."""
+    """Runs rollout.agent over a rollout engine and builds the trajectory groups."""
 
     def __init__(self, cfg: TidalConfig, tokenizer, factory: EnvironmentFactory, chat_template: str | None, context: int | None = None):
         self.cfg, self.tokenizer, self.factory, self.chat_template, self.context = cfg, tokenizer, factory, chat_template, context
         if not (chat_template or getattr(tokenizer, "chat_template", None)):
-            raise EnvError("rollout.env needs a chat template: the tokenizer of model.name_or_path has none")
+            raise EnvError("rollout.agent needs a chat template: the tokenizer of model.name_or_path has none")
         self.eos = tokenizer.eos_token_id
         self._env_pool: ThreadPoolExecutor | None = None
         # checked now, not at the first tool call mid-run: a tokenizer whose EOS is not the token the
@@ -108,7 +108,7 @@ class AgentLoop:
         tokenizer has a template of its own; any other model with its tokenizer's."""
         from tidal.demo.tiny import TOOL_CHAT_TEMPLATE
 
-        factory = EnvironmentFactory.from_config(cfg.rollout, tokenizer, cfg.seed)
+        factory = EnvironmentFactory.from_config(cfg.rollout.agent, tokenizer, cfg.seed)
         own = getattr(tokenizer, "chat_template", None)
         return cls(cfg, tokenizer, factory, None if own or cfg.model.name_or_path is not None else TOOL_CHAT_TEMPLATE, context)
 
@@ -150,13 +150,13 @@ class AgentLoop:
         return ends[-1] + 1
 
     def fit_observations(self, observations: list[dict], tools: list[dict], row: _Row) -> list[int] | None:
-        """The inserted tokens, at most rollout.max_env_tokens_per_turn: the longest observations are
+        """The inserted tokens, at most rollout.agent.max_env_tokens_per_turn: the longest observations are
         cut (counted) until they fit; None when the template's own tokens alone do not."""
         return self.fitted_observations(observations, tools, row)[0]
 
     def fitted_observations(self, observations: list[dict], tools: list[dict], row) -> tuple[list[int] | None, list[dict]]:
         """`fit_observations`, with the observations as cut (`row`: anything with a `truncated_observations` count)."""
-        limit = self.cfg.rollout.max_env_tokens_per_turn
+        limit = self.cfg.rollout.agent.max_env_tokens_per_turn
         observations = [dict(o) for o in observations]
         for _ in range(len(observations) + 2):
             tokens = self.inserted_tokens(observations, tools)
@@ -180,7 +180,7 @@ class AgentLoop:
         set here): each row's environment and messages, and its tokens, in row order."""
         r = self.cfg.rollout
         responder = self.begin(problems, requests)
-        trajectories = await engine.play(requests, responder, r.max_turns, r.max_new_tokens, greedy)
+        trajectories = await engine.play(requests, responder, r.agent.max_turns, r.max_new_tokens, greedy)
         return list(zip(responder.rows, trajectories))
 
     def begin(self, problems: list[Problem], requests: list[GroupRequest]) -> EnvResponder:
@@ -304,7 +304,7 @@ class EnvResponder:
             # what follows (inserted_tokens) starts after the tokenizer's EOS only
             row.finish_reason = "stop_token"
             return None
-        if time.monotonic() - self.started > self.agent.cfg.rollout.trajectory_timeout_seconds:
+        if time.monotonic() - self.started > self.agent.cfg.rollout.agent.trajectory_timeout_seconds:
             row.finish_reason = "timeout"
             return None
         return text

@@ -1,7 +1,7 @@
 """Group generation: work items in, scored groups out, on any engine (rollout.engine.RolloutEngine).
 
 A `Generator` owns what making a group needs: the engine, the tokenizer, the scorer and, with
-rollout.env, the agent loop. `calls` generates the groups of many work items in engine calls of
+rollout.agent, the agent loop. `calls` generates the groups of many work items in engine calls of
 `generation_chunks` (the HF worker, sync mode); `group` one group, alone in its engine call (the vLLM
 worker, many in flight at once). Every group is assembled by `make_group`.
 
@@ -59,12 +59,12 @@ def generation_chunks(
 
 
 def response_tokens(cfg: TidalConfig) -> int:
-    """The most tokens one row may add after its prompt: one response, or with rollout.env every
+    """The most tokens one row may add after its prompt: one response, or with rollout.agent every
     turn and what the environment inserts between turns."""
-    r = cfg.rollout
-    if r.env is None:
+    r, agent = cfg.rollout, cfg.rollout.agent
+    if agent is None:
         return r.max_new_tokens
-    return r.max_turns * r.max_new_tokens + (r.max_turns - 1) * r.max_env_tokens_per_turn
+    return agent.max_turns * r.max_new_tokens + (agent.max_turns - 1) * agent.max_env_tokens_per_turn
 
 
 def finished(value) -> Future:
@@ -83,8 +83,8 @@ class Generator:
 
     @classmethod
     def for_worker(cls, cfg: TidalConfig, engine: RolloutEngine, tokenizer, scorer: RewardScorer, worker_id: str) -> Generator:
-        """With rollout.env, with an agent loop of its own (`close` stops its tools)."""
-        agent = AgentLoop.from_config(cfg, tokenizer, engine.context_length) if cfg.rollout.env is not None else None
+        """With rollout.agent, with an agent loop of its own (`close` stops its tools)."""
+        agent = AgentLoop.from_config(cfg, tokenizer, engine.context_length) if cfg.rollout.agent is not None else None
         return cls(cfg, engine, tokenizer, scorer, worker_id, agent)
 
     def close(self) -> None:
@@ -92,7 +92,7 @@ class Generator:
             self.agent.close()  # its tools' process
 
     def prompt(self, item: WorkItem) -> list[int]:
-        """The prompt tokens of `item`'s group (with rollout.env: one environment's first messages, rendered)."""
+        """The prompt tokens of `item`'s group (with rollout.agent: one environment's first messages, rendered)."""
         return self.agent.first_prompt(item) if self.agent is not None else self.encode(item.prompt)
 
     def request(self, item: WorkItem, prompt: list[int]) -> GroupRequest:
@@ -137,7 +137,7 @@ class Generator:
 
     async def group(self, item: WorkItem, version: int, queue: GroupScoringQueue, score_pool: Executor) -> Group:
         """One group, alone in its engine call; scored through `queue` (batched with the groups that
-        finish meanwhile), or with rollout.env on `score_pool`."""
+        finish meanwhile), or with rollout.agent on `score_pool`."""
         request = self.request(item, [] if self.agent is not None else self.prompt(item))  # the agent loop renders its prompt
         if self.agent is not None:
             (group,) = await self.agent_groups([item], [request], version, score_pool)
@@ -149,7 +149,7 @@ class Generator:
     async def agent_groups(
         self, items: list[WorkItem], requests: list[GroupRequest], version: int, score_pool: Executor | None = None
     ) -> list[Group]:
-        """rollout.env: the items' trajectories, scored on `score_pool` (rewards may be slow user code)."""
+        """rollout.agent: the items' trajectories, scored on `score_pool` (rewards may be slow user code)."""
         agent = self.agent
         gen_start = time.time()
         played = await agent.play(self.engine, [agent.problem(item) for item in items], requests)
@@ -240,8 +240,8 @@ def generate_groups(
     agent: AgentLoop | None = None,
 ) -> list[Group]:
     """Generator.calls, blocking, every call's groups in one list (sync mode, planning, benchmarks); call
-    it where no event loop runs. With rollout.env and no `agent`, one is built here and closed after."""
-    own = agent is None and cfg.rollout.env is not None
+    it where no event loop runs. With rollout.agent and no `agent`, one is built here and closed after."""
+    own = agent is None and cfg.rollout.agent is not None
     generator = (
         Generator.for_worker(cfg, engine, tokenizer, scorer, worker_id) if own else Generator(cfg, engine, tokenizer, scorer, worker_id, agent)
     )

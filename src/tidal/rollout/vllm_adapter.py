@@ -5,7 +5,7 @@ not use). Nothing outside rollout/vllm* imports vllm.
 
 - `VLLMEngine`: AsyncLLM built from `rollout.vllm`, one request per group (`n=G`), log-probs of the
   sampled tokens under the processed (temperature-scaled) distribution; it declares the engine
-  protocol (tidal.rollout.engine.RolloutEngine). With rollout.env, one request per turn of each
+  protocol (tidal.rollout.engine.RolloutEngine). With rollout.agent, one request per turn of each
   trajectory (trajectory.play_row): the prompt and every token so far as a token prompt, prefix
   caching on, every trajectory in flight at once.
 - LoRA (`model.lora`): the engine starts with LoRA on; each version's adapter directory is verified,

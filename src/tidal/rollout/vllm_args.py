@@ -104,7 +104,7 @@ def engine_args(cfg: TidalConfig, model_dir: str | Path, device: str = "cpu"):
         "max_model_len": v.max_model_len,
         # a trajectory's every turn is a new request whose prompt is the previous one's plus what
         # followed it: with the cache, only the new tokens are computed
-        "enable_prefix_caching": True if cfg.rollout.env is not None else None,
+        "enable_prefix_caching": True if cfg.rollout.agent is not None else None,
         # NCCL needs CUDA; elsewhere (CPU, Ascend) the workers always load from the weight store.
         "weight_transfer_config": {"backend": "nccl"} if v.weight_sync == "nccl" and device == "cuda" else None,
         **lora_engine_args(cfg),

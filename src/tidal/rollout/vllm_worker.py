@@ -1,6 +1,6 @@
 """The rollout worker over vLLM's AsyncLLM: continuous batching across groups.
 
-Up to `rollout.max_inflight_groups` groups (one `n=G` request each; with rollout.env, G trajectories
+Up to `rollout.max_inflight_groups` groups (one `n=G` request each; with rollout.agent, G trajectories
 of one request per turn each) are in flight; each group is scored, published and acked the moment
 its last sample finishes, and a freed slot pulls the next work item at once. Weights change only at the iteration boundary: a work item of another version
 waits until nothing of the current version is in flight, then the worker loads that version

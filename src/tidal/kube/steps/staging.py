@@ -144,7 +144,9 @@ def served_reward_problem(config, worker_env: set[str]) -> str | None:
     beside its processes; the pipeline starts none), or an ``api_key_env`` no worker pod gets."""
     for entry in config.reward.functions:
         where = f"reward.functions[{entry.label}]"
-        if entry.serve is not None:
+        if entry.type == "function":
+            continue
+        if entry.type == "reward_model" and entry.serve is not None:
             return (
                 f"{where}.serve: the pipeline starts no reward server (`tidal run` does, beside its local processes); "
                 f"serve it in the cluster (manifests/components/reward-server) and give url: {cluster.REWARD_SERVER_URL}, "
