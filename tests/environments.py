@@ -1,4 +1,4 @@
-"""Environment classes of the tests, named `tests.environments:NAME` in rollout.env as a user's would be.
+"""Environment classes of the tests, named `tests.environments:NAME` in rollout.agent.env as a user's would be.
 A run and AgentLoop.from_config keep them in sandboxed environment processes (tidal.envs.sandboxed), so
 this module imports nothing heavy, and what a test reads back from them, beside the trajectories,
 comes through files in $TIDAL_TEST_MARKERS (the sandbox's write_paths)."""
@@ -82,7 +82,7 @@ class StepRaises(Environment):
 
 
 class CalcFirst(Environment):
-    """The `tools` environment (rollout.tools [calc]), except that a first turn without a tool call
+    """The `tools` environment (rollout.agent.tools [calc]), except that a first turn without a tool call
     (the tiny model cannot write one) is answered by calling calc on the problem, as if the model
     had: every trajectory whose first turn ends gets a tool observation and a second turn. Steps
     take a while, as tools do, and are recorded (record_step)."""
@@ -180,7 +180,7 @@ def colon_calls(text: str, tokenizer=None, tools=None) -> ParsedTurn:
 
 
 class CallsForEver(Environment):
-    """A step that calls a tool of rollout.tools again and again, never answering."""
+    """A step that calls a tool of rollout.agent.tools again and again, never answering."""
 
     def step(self, assistant_text: str):
         while True:

@@ -60,7 +60,7 @@ def test_a_call_past_its_timeout_fails_and_the_process_is_replaced_with_the_inst
     factory = hosted("tests.environments:Misbehaves", timeout_seconds=1)
     try:
         hangs, neighbour = started(factory), started(factory)
-        with pytest.raises(EnvProcessFailed, match=r"^Timeout: no answer within 1s \(rollout.env_timeout_seconds\); its process was replaced"):
+        with pytest.raises(EnvProcessFailed, match=r"^Timeout: no answer within 1s \(rollout.agent.env_timeout_seconds\); its process was replaced"):
             hangs.step("hang")
         with pytest.raises(EnvProcessFailed, match="this trajectory's environment is gone"):
             neighbour.step("count")  # its state went with the process: it is never silently rebuilt
@@ -72,12 +72,12 @@ def test_a_call_past_its_timeout_fails_and_the_process_is_replaced_with_the_inst
 
 def test_a_step_that_calls_tools_for_ever_ends_at_the_trajectory_timeout():
     """Each tool call is a question to the worker, and the environment's own timeout counts only the
-    time between them: the whole call is bounded by rollout.trajectory_timeout_seconds."""
+    time between them: the whole call is bounded by rollout.agent.trajectory_timeout_seconds."""
     factory = EnvironmentFactory.from_names(
         "tests.environments:CallsForEver", ["calc"], isolation=ToolLimits(), hosting=EnvLimits(processes=1, timeout_seconds=1, trajectory_seconds=2)
     )
     try:
-        with pytest.raises(EnvProcessFailed, match=r"^Timeout: no answer within 2s \(rollout.trajectory_timeout_seconds, its questions included\)"):
+        with pytest.raises(EnvProcessFailed, match=r"^Timeout: no answer within 2s \(rollout.agent.trajectory_timeout_seconds, its questions included\)"):
             started(factory).step("go")
     finally:
         factory.close()
@@ -91,7 +91,7 @@ def test_an_exit_and_a_memory_limit_fail_one_call():
         with pytest.raises(Exception) as over:
             started(factory).step("allocate 1024")
         failure = f"{type(over.value).__name__}: {over.value}"  # its address space (RLIMIT_AS), or its control group's limit
-        assert failure.startswith(("MemoryError: over its memory limit (600 MB, rollout.env_memory_mb)", "EnvProcessFailed: ProcessDied")), failure
+        assert failure.startswith(("MemoryError: over its memory limit (600 MB, rollout.agent.env_memory_mb)", "EnvProcessFailed: ProcessDied")), failure
         assert text(started(factory), "count") == "1"
     finally:
         factory.close()
@@ -99,7 +99,7 @@ def test_an_exit_and_a_memory_limit_fail_one_call():
 
 def test_its_tool_calls_run_in_the_workers_tool_processes_and_a_users_parser_in_the_worker():
     """A turn's tool calls, read by the run's parser (a user's: the worker runs it, with its tokenizer),
-    run in the worker's tool processes (rollout.tools); the instance counts them."""
+    run in the worker's tool processes (rollout.agent.tools); the instance counts them."""
     factory = EnvironmentFactory.from_names(
         "tests.environments:Plain", ["calc"], "tests.environments:colon_calls", isolation=ToolLimits(), hosting=EnvLimits(processes=1)
     )
@@ -134,7 +134,9 @@ def test_the_launchers_check_imports_the_environment_only_in_its_sandboxed_proce
     sys.modules.pop("tests.import_noted", None)
     sandbox.configure(sandbox.SandboxPolicy(write_paths=(str(tmp_path),)))
     try:
-        check_environment(config_from_dict({"rollout": {"agent": {"env": "tests.import_noted:Noted", "tools": ["calc"]}}, "eval": {"enabled": False}}))
+        check_environment(
+            config_from_dict({"rollout": {"agent": {"env": "tests.import_noted:Noted", "tools": ["calc"]}}, "eval": {"enabled": False}})
+        )
     finally:
         sandbox.configure(sandbox.SandboxPolicy())
     importers = [int(p.name.removeprefix("imported-")) for p in Path(tmp_path).glob("imported-*")]

@@ -114,9 +114,7 @@ class AgentConfig(Strict):
     )
     env_cpu_seconds: int | None = Field(60, gt=0, description="One environment call's CPU time (RLIMIT_CPU, all its threads); unset: no limit.")
     env_memory_mb: int | None = Field(4096, gt=0, description="As tool_memory_mb, for an environment process and its whole tree.")
-    env_processes: int = Field(
-        4, gt=0, description="Environment processes; each trajectory's instance lives in one, its calls one at a time."
-    )
+    env_processes: int = Field(4, gt=0, description="Environment processes; each trajectory's instance lives in one, its calls one at a time.")
 
     @field_validator("env")
     @classmethod
