@@ -84,13 +84,14 @@ environment() {
   { nvidia-smi 2>&1 || echo "nvidia-smi: not available"; } >"$smi"
   "$py" - "$smi" "$work/env.json" <<'PY'
 import json, platform, sys
-import torch, transformers
+from importlib.metadata import version
+import torch
 cuda = torch.cuda.is_available()
 env = {
     "python": platform.python_version(),
     "torch": torch.__version__,
     "cuda": torch.version.cuda,
-    "transformers": transformers.__version__,
+    "transformers": version("transformers"),
     "cuda_devices": torch.cuda.device_count() if cuda else 0,
     "cuda_names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
     "cpu_count": __import__("os").cpu_count(),
@@ -131,7 +132,7 @@ if [[ "$short" == 1 ]]; then
   device=cpu
   run_sets=(--set trainer.iterations=3 --set trainer.prompts_per_iteration=8 --set rollout.group_size=4
     --set model.warm_start.steps=10 --set model.warm_start.batch_size=8 --set model.warm_start.lr=0.02 --set model.warm_start.stop_at_accuracy=null
-    --set eval.num_prompts=16 --set eval.samples_per_prompt=2 "--set=eval.k=[1,2]")
+    --set eval.enabled=false)
   trainer_step=(--model tiny --groups 2 --group-size 4 --prompt-len 16 --response-len 8 --iterations 1 --warmup 1 --matmul-size 256)
   shared=(--prompt-len 24 --response-len 8 --group-size 3 --repeats 1 --layers 1 --hidden 32 --heads 2 --vocab 256 --threads 1)
   arrival=(--versions 1 3 --devices cpu:cpu --max-tensors 2)

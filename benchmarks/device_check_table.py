@@ -63,6 +63,8 @@ def trainer_step_headline(result: Path) -> tuple[float, str, str]:
         f"{r['achieved_tflops']:.3g} TFLOP/s; {r['mfu_of_matmul']:.1%} of a {r['matmul_size']}^3 {r['dtype']} matmul measured here "
         f"({r['matmul_tflops']:.3g} TFLOP/s)"
     )
+    if r.get("peak_memory_bytes"):
+        text += f"; peak memory {r['peak_memory_bytes'] / 2**30:.1f} GiB"
     if r["mfu"] is not None:
         text += f"; against {r['peak_tflops']:.0f} TFLOP/s ({r['peak_source']})"
         return r["mfu"], "MFU", text
