@@ -3,6 +3,7 @@ ends to OUT/device_check.json and rewritten into OUT/device_check.md. The standa
 install still gets its row.
 
     python benchmarks/device_check_table.py record --out OUT --step NAME --status ok --seconds S [--result PATH]
+                                               (exit 1 unless the step is recorded ok)
     python benchmarks/device_check_table.py check OUT STEP...   (exit 1 unless each STEP is ok with a number)
 
 A step's headline is read from its result (a JSON file, or for a `tidal run` its run directory); a step that
@@ -113,7 +114,9 @@ HEADLINES = {
     "run-sync": run_headline,
     "run-periodic": run_headline,
     "trainer-step": trainer_step_headline,
+    "trainer-step-sdpa": trainer_step_headline,  # run only when trainer-step (FlexAttention) failed
     "shared-prompt": shared_prompt_headline,
+    "shared-prompt-sdpa": shared_prompt_headline,  # likewise
     "arrival": arrival_headline,
 }
 
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         entry = record(args.out, args.step, args.status, args.seconds, args.result, args.command, args.output)
         figure = "-" if entry["value"] is None else f"{entry['value']:.4g} {entry['unit']}"
         print(f"[device check] {entry['step']}: {entry['status']}, {entry['seconds']:.1f} s, {figure}", flush=True)
-        return 0
+        return 0 if entry["status"] == "ok" else 1
     problems = check(args.out, args.steps)
     for p in problems:
         print(p, file=sys.stderr)

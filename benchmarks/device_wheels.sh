@@ -21,6 +21,16 @@ for version in 3.11 3.12; do
     -d "$dest" "${pins[@]}"
 done
 
+# every pin resolves from the folder alone, for each Python, as the device's `pip install --no-index` will ask
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+for version in 3.11 3.12; do
+  "$python" -m pip install --dry-run --quiet --no-index --no-deps --only-binary=:all: --implementation cp \
+    --python-version "$version" --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --target "$scratch" --find-links "$dest" "${pins[@]}" ||
+    { echo "the wheels in $dest do not install on CPython $version" >&2; exit 1; }
+done
+
 wheels=$(find "$dest" -name '*.whl' | wc -l)
 wheel_bytes=$(du -sb "$dest" | cut -f1)
 tree_bytes=$(cd "$repo" && git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
