@@ -195,7 +195,7 @@ def test_modes_and_trl_take_the_config_as_the_docs_write_it_positional_or_option
         main(["--config", "a.yaml", "--systems", "nope"])
 
 
-@pytest.mark.parametrize("name", ["modes", "rollout", "served-reward", "shared-prompt", "trainer", "trl"])
+@pytest.mark.parametrize("name", ["modes", "rollout", "served-reward", "shared-prompt", "trainer", "trainer-step", "trl"])
 def test_each_benchmarks_help_says_what_it_measures_in_whole_sentences(name, capsys):
     import importlib
 

@@ -38,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--kernel", default="auto", help="shared-layout attention kernel: auto, sdpa or flex")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="the model's weights and activations")
     parser.add_argument(
         "--threads",
         type=int,
@@ -75,7 +76,7 @@ def build_model(spec: dict, device):
         max_position_embeddings=spec["prompt_len"] + spec["response_len"] + 16,
     )
     config._attn_implementation = "sdpa"
-    return transformers.Qwen2ForCausalLM(config).to(device).float().train()
+    return transformers.Qwen2ForCausalLM(config).to(device=device, dtype=getattr(torch, spec.get("dtype", "float32"))).train()
 
 
 def make_groups(spec: dict):
@@ -187,6 +188,7 @@ def benchmark_size(args, prompt_len: int, response_len: int, group_size: int) ->
         heads=args.heads,
         vocab=args.vocab,
         kernel=args.kernel,
+        dtype=args.dtype,
         threads=args.threads,
     )
     naive = measure({**spec, "layout": "naive"})
@@ -196,6 +198,8 @@ def benchmark_size(args, prompt_len: int, response_len: int, group_size: int) ->
         "response_len": response_len,
         "group_size": group_size,
         "device": naive["device"],
+        "dtype": args.dtype,
+        "kernel": args.kernel,
         "naive_seconds": naive["seconds"],
         "shared_seconds": shared["seconds"],
         "speedup": naive["seconds"] / shared["seconds"],
