@@ -86,7 +86,7 @@ def test_the_linear_weights_are_counted_layer_by_layer():
 
 @pytest.mark.parametrize("prompt_len, response_len, group_size", [(5, 3, 4), (1, 1, 2), (16, 7, 3)])
 def test_attended_pairs_are_those_the_packed_mask_allows(prompt_len, response_len, group_size):
-    from tidal.model.packing import dense_attention_mask, pack_groups
+    from tidal.trainer.packing import dense_attention_mask, pack_groups
 
     group = (list(range(prompt_len)), [list(range(response_len))] * group_size)
     packed = pack_groups([group])
