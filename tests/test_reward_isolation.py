@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from tests.conftest import read_jsonl, run_misbehaving_once, run_stopped_by_a_failing_reward
-from tidal.config import RewardConfig
+from tidal.config import ConfigError, RewardConfig, config_from_dict
 from tidal.rewards import RewardError, RewardFailingError, RewardScorer, check_reward_names
 
 
@@ -62,7 +62,6 @@ def test_a_prestarted_reward_process_is_running_before_the_first_score_and_serve
 @pytest.mark.parametrize(
     "name, message",
     [
-        ("no_such_builtin", "unknown reward function 'no_such_builtin'"),
         ("tests.no_such_module:f", "cannot import module 'tests.no_such_module'"),
         ("tests.rewards:no_such_function", "tests.rewards has no callable 'no_such_function'"),
         (
@@ -74,6 +73,13 @@ def test_a_prestarted_reward_process_is_running_before_the_first_score_and_serve
 def test_reward_names_are_resolved_up_front_naming_the_function(name, message):
     with pytest.raises(RewardError, match=message):
         check_reward_names(RewardConfig(functions=[{"name": name}]))
+
+
+def test_an_unknown_built_in_reward_name_is_refused_when_the_config_loads():
+    """A bare name is a built-in's or nothing: the config refuses it, naming the built-ins; a module:function
+    is resolved by check_reward_names in a reward process (above)."""
+    with pytest.raises(ConfigError, match=r"unknown reward function 'no_such_builtin': built in are exact_match, format, math_verify"):
+        config_from_dict({"reward": {"functions": [{"name": "no_such_builtin"}]}})
 
 
 def test_a_run_survives_a_hanging_a_crashing_and_an_exiting_reward(tmp_path, write_config):
