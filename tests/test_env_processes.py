@@ -77,7 +77,9 @@ def test_a_step_that_calls_tools_for_ever_ends_at_the_trajectory_timeout():
         "tests.environments:CallsForEver", ["calc"], isolation=ToolLimits(), hosting=EnvLimits(processes=1, timeout_seconds=1, trajectory_seconds=2)
     )
     try:
-        with pytest.raises(EnvProcessFailed, match=r"^Timeout: no answer within 2s \(rollout.agent.trajectory_timeout_seconds, its questions included\)"):
+        with pytest.raises(
+            EnvProcessFailed, match=r"^Timeout: no answer within 2s \(rollout.agent.trajectory_timeout_seconds, its questions included\)"
+        ):
             started(factory).step("go")
     finally:
         factory.close()
@@ -91,7 +93,9 @@ def test_an_exit_and_a_memory_limit_fail_one_call():
         with pytest.raises(Exception) as over:
             started(factory).step("allocate 1024")
         failure = f"{type(over.value).__name__}: {over.value}"  # its address space (RLIMIT_AS), or its control group's limit
-        assert failure.startswith(("MemoryError: over its memory limit (600 MB, rollout.agent.env_memory_mb)", "EnvProcessFailed: ProcessDied")), failure
+        assert failure.startswith(("MemoryError: over its memory limit (600 MB, rollout.agent.env_memory_mb)", "EnvProcessFailed: ProcessDied")), (
+            failure
+        )
         assert text(started(factory), "count") == "1"
     finally:
         factory.close()

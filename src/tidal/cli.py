@@ -136,7 +136,7 @@ def default_run_dir(config: str) -> Path:
 def refuse_config_in_the_way(config: str, run_dir: str) -> None:
     """A run writes its resolved config to RUN_DIR/config.yaml: CONFIG itself there, written by a person,
     would be overwritten (its comments, its layout). A run directory's own config.yaml resumes it."""
-    target = Path(run_dir) / "config.yaml"
+    target = RunDir(run_dir).config
     if Path(config).resolve() == target.resolve() and not written_by_a_run(target):
         raise RunDirError(
             f"--run-dir {run_dir}: the run writes its resolved config to {target}, which is the config file given: use another --run-dir"

@@ -1,6 +1,6 @@
 """User code in a process of the worker's own: a hang, a crash, `sys.exit` or a flood in it costs one
-call, never the worker. The reward host (`tidal.rewards.host`) and the tool host (`tidal.envs.host`)
-are both built from the two halves here.
+call, never the worker. The reward host (`tidal.rewards.host`), the tool host (`tidal.envs.host`) and
+the environment host (`tidal.envs.env_host`) are built from the two halves here.
 
 Parent side, `HostProcess`: starts `python -m MODULE ARG...` (a fresh interpreter) and feeds it JSON
 lines over stdin; nothing is pickled. A call that outlives its timeout, a process that dies, or a

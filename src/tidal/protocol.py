@@ -59,7 +59,7 @@ class KVKey:
 
     @staticmethod
     def worker(worker_id: str) -> str:
-        """A worker's heartbeat (rollout/health.py)."""
+        """A worker's heartbeat (tidal.transport.health)."""
         return f"{KVKey.WORKERS_PREFIX}{worker_id}"
 
 

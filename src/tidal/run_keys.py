@@ -108,7 +108,7 @@ def upgrade_hmac_run(run_dir: Path, weights_root: Path, private: str) -> list[st
 
 def new_nats_token(run_dir: Path) -> str:
     """A fresh random token for this launch's embedded nats-server, in RUN_DIR/nats-token (mode 0600,
-    replaced atomically): roles get it through their environment, a user's tool can read it here."""
+    replaced atomically): roles get it through their environment; user code never sees the run directory."""
     token = nats_token()
     write_private(Path(run_dir) / NATS_TOKEN_FILE, token)
     return token

@@ -145,7 +145,7 @@ class RunDir:
       run.json           RunInfo: run id, base model, MLflow run
       data.sha256.json   the digests of the data files the last start read (a resume compares them)
       metrics.jsonl      one record per iteration (the trainer's)
-      groups.jsonl       one record per trained or discarded group
+      groups.jsonl       one record per trained group
       eval.jsonl         the held-out curve (one record per evaluated version)
       summary.json       the result of a finished `tidal run`
       report.html        `tidal report`'s page

