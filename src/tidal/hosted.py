@@ -15,6 +15,7 @@ and each call's CPU time (RLIMIT_CPU, re-armed before every call: SIGXCPU ends t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import json
@@ -275,33 +276,67 @@ def warn_once(module: str, unconfined: list[str]) -> None:
 class CappedOutput:
     """A host's stderr (user code's prints and whatever its children write to their inherited
     descriptors), copied to the worker's stderr up to `limit` bytes a call; the rest is dropped,
-    with one line saying how much."""
+    with one line saying how much.
+
+    Only the copying thread reads the pipe and starts a new call's count: when asked, it first
+    drains what the pipe already holds (the last call's writes still in flight), so a flood that
+    fills the pipe is charged to the call that wrote it, not to the next one."""
 
     def __init__(self, pipe, limit: int):
         self.pipe, self.limit, self.written, self.dropped = pipe, limit, 0, 0
-        self.lock = threading.Lock()
+        self.wake_read, self.wake_write = os.pipe()
+        self.reset_done = threading.Event()
         self.thread = threading.Thread(target=self._copy, daemon=True)
         self.thread.start()
 
     def _copy(self) -> None:
         fd = self.pipe.fileno()
-        while chunk := _read_some(fd):
-            with self.lock:
-                kept = chunk[: max(0, self.limit - self.written)]
-                self.written += len(kept)
-                self.dropped += len(chunk) - len(kept)
-            if kept:
-                _write_all(2, kept)
-        self.pipe.close()
+        try:
+            while True:
+                readable, _, _ = select.select([fd, self.wake_read], [], [])
+                if fd in readable and not self._take(fd):
+                    break
+                if self.wake_read in readable:
+                    os.read(self.wake_read, 64)
+                    while select.select([fd], [], [], 0)[0] and self._take(fd):
+                        pass  # what the last call left in the pipe is the last call's
+                    self._start_count()
+        finally:
+            self.pipe.close()
+            self.reset_done.set()  # nobody waits on a thread that has ended
+
+    def _take(self, fd: int) -> bool:
+        chunk = _read_some(fd)
+        kept = chunk[: max(0, self.limit - self.written)]
+        self.written += len(kept)
+        self.dropped += len(chunk) - len(kept)
+        if kept:
+            _write_all(2, kept)
+        return bool(chunk)
+
+    def _start_count(self) -> None:
+        if self.dropped:
+            _write_all(2, f"\n[{self.dropped} more bytes written by user code were dropped: over {self.limit} a call]\n".encode())
+        self.written, self.dropped = 0, 0
+        self.reset_done.set()
 
     def new_call(self) -> None:
-        with self.lock:
-            dropped, self.written, self.dropped = self.dropped, 0, 0
-        if dropped:
-            _write_all(2, f"\n[{dropped} more bytes written by user code were dropped: over {self.limit} a call]\n".encode())
+        if not self.thread.is_alive():
+            return
+        self.reset_done.clear()
+        try:
+            os.write(self.wake_write, b"x")
+        except OSError:
+            return
+        self.reset_done.wait(timeout=5)
 
     def join(self) -> None:
         self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            for end in (self.wake_read, self.wake_write):
+                with contextlib.suppress(OSError):
+                    os.close(end)
+            self.wake_read = self.wake_write = -1
 
 
 def _read_some(fd: int) -> bytes:
