@@ -6,6 +6,7 @@ environment tries and gets there."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -101,9 +102,9 @@ def test_an_exit_and_a_memory_limit_fail_one_call():
         factory.close()
 
 
-def test_its_tool_calls_run_in_the_workers_tool_processes_and_a_users_parser_in_the_worker():
-    """A turn's tool calls, read by the run's parser (a user's: the worker runs it, with its tokenizer),
-    run in the worker's tool processes (rollout.agent.tools); the instance counts them."""
+def test_its_tool_calls_run_in_the_workers_tool_processes_and_a_users_parser_in_its_own():
+    """A turn's tool calls, read by the run's parser (a user's: in a sandboxed process of the worker's,
+    like the tools), run in the worker's tool processes (rollout.agent.tools); the instance counts them."""
     factory = EnvironmentFactory.from_names(
         "tests.environments:Plain", ["calc"], "tests.environments:colon_calls", isolation=ToolLimits(), hosting=EnvLimits(processes=1)
     )
@@ -166,3 +167,77 @@ def test_an_environment_process_that_dies_ends_the_trajectories_it_held_counted_
     calls, failed, error = tallies["environment Exits.step()"]
     assert failed == calls == reasons.count("env_error") > 0  # one failed call per trajectory that stepped: the process died under it, or had
     assert error.startswith("EnvProcessFailed: "), error
+
+
+def _noted_parser_factory(tmp_path, monkeypatch, parser, env="tools", tokenizer=None):
+    monkeypatch.setenv("TIDAL_TEST_MARKERS", str(tmp_path))
+    for secret in ("TIDAL_WEIGHTS_SIGNING_KEY", "TIDAL_NATS_TOKEN", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(secret, "the-runs-own")
+    sys.modules.pop("tests.import_noted", None)
+    sandbox.configure(sandbox.SandboxPolicy(write_paths=(str(tmp_path),)))
+    hosting = EnvLimits(processes=1) if env != "tools" else None
+    return EnvironmentFactory.from_names(env, ["calc"], parser, tokenizer, isolation=ToolLimits(), hosting=hosting)
+
+
+@pytest.mark.parametrize("env", ["tools", "tests.environments:Plain"])
+def test_a_users_tool_call_parser_runs_in_a_sandboxed_process_with_the_workers_tokenizer_and_no_secrets(env, tmp_path, monkeypatch):
+    """The worker never imports the parser's module; the parser sees a copy of the worker's tokenizer
+    (it encodes as the worker's does) and none of the run's secrets; for the built-in environment and
+    for a user's environment class (whose process asks the worker to parse)."""
+    from tidal.demo.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    factory = _noted_parser_factory(tmp_path, monkeypatch, "tests.import_noted:noted_parser", env, tokenizer)
+    try:
+        instance = started(factory)
+        if env == "tools":
+            seen = json.loads(instance.parse("12+3").content)
+            assert seen["encoded"] == tokenizer.encode("12+3")
+            assert seen["pid"] != os.getpid() and seen["secrets"] == []
+        else:  # the environment's process asks the worker to parse, which asks the parser's process
+            assert instance.step("12+3") == ([], True)
+            assert instance.stats.turns == 1
+    finally:
+        factory.close()
+        sandbox.configure(sandbox.SandboxPolicy())
+    importers = [int(p.name.removeprefix("imported-")) for p in Path(tmp_path).glob("imported-*")]
+    assert importers and os.getpid() not in importers and "tests.import_noted" not in sys.modules
+
+
+@pytest.mark.parametrize(
+    "parser, error",
+    [
+        ("tests.import_noted:raises", "raised RuntimeError: cannot read 6\\*7"),
+        ("tests.import_noted:returns_a_string", "raised TypeError: returned str, not a tidal.envs.ParsedTurn"),
+    ],
+)
+def test_a_users_parser_that_fails_is_an_error_naming_it(parser, error, tmp_path, monkeypatch):
+    factory = _noted_parser_factory(tmp_path, monkeypatch, parser)
+    try:
+        with pytest.raises(EnvError, match=f"rollout.agent.tool_parser '{parser}' {error}"):
+            started(factory).parse("6*7")
+    finally:
+        factory.close()
+        sandbox.configure(sandbox.SandboxPolicy())
+
+
+def test_a_users_parser_that_cannot_be_imported_fails_when_the_factory_is_built():
+    with pytest.raises(EnvError, match="rollout.agent.tool_parser 'no_such_module_xyz:parse'.*cannot import module 'no_such_module_xyz'"):
+        EnvironmentFactory.from_names("tools", ["calc"], "no_such_module_xyz:parse", isolation=ToolLimits())
+
+
+def test_a_users_parser_that_raises_ends_each_trajectory_that_steps_counted_and_the_worker_goes_on():
+    """Through the agent loop on the HF engine: the parser's error ends the trajectory (env_error),
+    every group keeps its samples, and the tallies say what was raised."""
+    from tests.test_agent_loop import G, agent_config, items, tiny_engine
+    from tidal.rewards import RewardScorer
+    from tidal.rollout.generator import generate_groups
+
+    engine, tok = tiny_engine()
+    cfg = agent_config("tools", tool_parser="tests.import_noted:raises")
+    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, version=0, worker_id="w")
+    assert all(len(g.samples) == G for g in groups)
+    reasons = [s.finish_reason for g in groups for s in g.samples]
+    assert reasons.count("env_error") > 0 and set(reasons) <= {"env_error", "length"}  # a turn cut at its length is not parsed
+    errors = [error for g in groups for name, (_, failed, error) in g.failures.items() if name.endswith("step()") and failed]
+    assert errors and all("rollout.agent.tool_parser 'tests.import_noted:raises' raised RuntimeError: cannot read" in e for e in errors), errors

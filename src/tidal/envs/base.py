@@ -26,8 +26,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidal.envs.hosted_parser import HostedParser
 from tidal.envs.isolation import ToolHost, ToolLimits
-from tidal.envs.parsing import ParsedTurn, ToolCall, resolve_tool_call_parser
+from tidal.envs.parsing import TOOL_CALL_PARSERS, ParsedTurn, ToolCall, resolve_tool_call_parser
 from tidal.envs.stats import EnvStats  # noqa: F401 - re-exported: part of an environment's API
 from tidal.envs.tools import EnvError, Tool, import_object, is_marked_tool, resolve_tool, run_arguments
 
@@ -210,6 +211,8 @@ class EnvironmentFactory:
         host = ToolHost(list(tools), isolation) if isolation is not None and tools else None
         env_host = None
         try:
+            if isolation is not None and is_users_parser(parser):
+                parser = hosted_parser(parser, tokenizer, isolation)
             resolved = host.tools(fixed) if host is not None else [resolve_tool(t, fixed.get(t)) for t in tools]
             if hosting is not None and env not in BUILT_IN_ENVIRONMENTS:
                 env_host = EnvHost(env, resolved, parser, tokenizer, max_tool_calls, hosting)
@@ -219,12 +222,12 @@ class EnvironmentFactory:
                 factory = cls(resolve_environment(env), resolved, parser, tokenizer, max_tool_calls, host)
                 factory()
         except BaseException:
-            _close_all(host, env_host)
+            _close_all(host, env_host, parser if isinstance(parser, HostedParser) else None)
             raise
         return factory
 
     def close(self) -> None:
-        _close_all(self.host, self.env_host)
+        _close_all(self.host, self.env_host, self.parser if isinstance(self.parser, HostedParser) else None)
 
     def __call__(self):
         if self.env_host is not None:
@@ -234,6 +237,21 @@ class EnvironmentFactory:
         except Exception as err:  # noqa: BLE001 - user code: name the class
             raise EnvError(f"environment {self.cls.__qualname__}(): {type(err).__name__}: {err}") from None
         return env.bind(self.tools, self.parser, self.tokenizer, self.max_tool_calls)
+
+
+def is_users_parser(parser) -> bool:
+    """A `module:function` parser: user code, run in a sandboxed process like the tools."""
+    return isinstance(parser, str) and parser not in TOOL_CALL_PARSERS and ":" in parser
+
+
+def hosted_parser(reference: str, tokenizer, limits: ToolLimits) -> HostedParser:
+    parser = HostedParser(reference, tokenizer, limits.timeout_seconds, limits.memory_mb, limits.cpu_seconds)
+    try:
+        parser.check()
+    except BaseException:
+        parser.close()
+        raise
+    return parser
 
 
 def _close_all(*parts) -> None:

@@ -61,14 +61,14 @@ def _runs_in_the_worker(**arguments):
 
 def asked_parser(ask):
     """The run's tool-call parser, run by the worker (it holds the tokenizer a parser may need)."""
-    from tidal.envs.parsing import ParsedTurn, ToolCall
+    from tidal.envs.parsing import ParsedTurn, turn_from_json
     from tidal.envs.tools import EnvError
 
     def parse(text: str, tokenizer=None, tools=None) -> ParsedTurn:
         reply = ask({"parse": text})
         if "content" not in reply:
             raise EnvError(f"rollout.agent.tool_parser: {reply.get('error', 'no answer from the worker')}")
-        return ParsedTurn(reply["content"], [ToolCall(name, arguments) for name, arguments in reply["calls"]], reply["errors"], reply["unparsable"])
+        return turn_from_json(reply, "rollout.agent.tool_parser")
 
     return parse
 

@@ -59,6 +59,23 @@ def resolve_tool_call_parser(name: str) -> ToolCallParser:
     return import_object("tool-call parser", name, callable)
 
 
+def turn_as_json(turn: ParsedTurn) -> dict:
+    """A parsed turn as it crosses a process boundary (JSON; the arguments must be JSON values)."""
+    calls = [[call.name, call.arguments] for call in turn.calls]
+    reply = {"content": str(turn.content), "calls": calls, "errors": [str(e) for e in turn.errors], "unparsable": bool(turn.unparsable)}
+    json.dumps(reply)  # a TypeError or ValueError here names a value JSON cannot carry
+    return reply
+
+
+def turn_from_json(reply: dict, where: str) -> ParsedTurn:
+    """The turn `turn_as_json` wrote; anything else is an EnvError naming `where`."""
+    try:
+        calls = [ToolCall(str(name), dict(arguments)) for name, arguments in reply["calls"]]
+        return ParsedTurn(str(reply["content"]), calls, [str(e) for e in reply["errors"]], bool(reply["unparsable"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise EnvError(f"{where}: a malformed parsed turn ({type(err).__name__}: {err})") from None
+
+
 # --- hermes ------------------------------------------------------------------------------------
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
-from tidal.envs.parsing import TOOL_CALL_PARSERS, resolve_tool_call_parser
+from tidal.envs.parsing import TOOL_CALL_PARSERS, resolve_tool_call_parser, turn_as_json
 from tidal.envs.stats import EnvStats
 from tidal.envs.tools import EnvError, Tool
 from tidal.hosted import HostCallError, HostProcess, HostStartError
@@ -178,9 +178,7 @@ class EnvHost:
             result = found(question["arguments"])
             return {"text": result.text, "failed": result.error, "failure": result.failure, "cut": result.cut}
         if "parse" in question:
-            turn = self.parser(str(question["parse"]), tokenizer=self.tokenizer, tools=schemas or None)
-            calls = [[call.name, call.arguments] for call in turn.calls]
-            return {"content": turn.content, "calls": calls, "errors": list(turn.errors), "unparsable": bool(turn.unparsable)}
+            return turn_as_json(self.parser(str(question["parse"]), tokenizer=self.tokenizer, tools=schemas or None))
         raise EnvError(f"an environment process asked for {sorted(question)}")
 
     def close(self) -> None:
