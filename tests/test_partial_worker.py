@@ -18,7 +18,7 @@ from tidal.data import load_dataset
 from tidal.demo.warm_start import prepare_base_model
 from tidal.rewards import RewardScorer
 from tidal.roles import build_learner, group_limits, load_policy, trainer_weight_store
-from tidal.rollout import partial
+from tidal.rollout import lease, partial
 from tidal.rollout.engine import HFEngine
 from tidal.rollout.worker import RolloutWorker
 from tidal.rundir import RunDir
@@ -121,12 +121,14 @@ def test_a_response_started_with_version_0_goes_on_with_version_1_and_trains_wit
     assert len(records) == ITERATIONS * PROMPTS
 
 
+@pytest.mark.parametrize("hands_back", [True, False], ids=["hands-back", "killed"])
 def test_a_worker_that_dies_mid_response_after_new_weights_loses_nothing_and_trains_nothing_twice(
-    tmp_path, tiny_config_dict, nats_server, held_until_published, monkeypatch
+    tmp_path, tiny_config_dict, nats_server, held_until_published, monkeypatch, hands_back
 ):
     """The first worker takes version 1 in the middle of a response and dies before finishing it: its
-    work item goes back (the lease's hand-back), the second worker generates that group from scratch,
-    and every group of the run is trained exactly once."""
+    work item goes back (the lease's hand-back; or, killed, it hands back nothing and the item returns
+    when its heartbeat falls silent or its ack deadline passes), the second worker generates that group
+    from scratch, and every group of the run is trained exactly once."""
     real_swap = partial.PolicyRefresh.swap
     crashed: list[int] = []
 
@@ -138,6 +140,12 @@ def test_a_worker_that_dies_mid_response_after_new_weights_loses_nothing_and_tra
         return version
 
     monkeypatch.setattr(partial.PolicyRefresh, "swap", swap_then_die)
+    if not hands_back:  # as SIGKILL leaves it: no NAK, no last heartbeat
+
+        async def nothing(*args) -> None:
+            return None
+
+        monkeypatch.setattr(lease, "hand_back", nothing)
     cfg = bounded_partial(tiny_config_dict)
     metrics, workers = asyncio.run(scenario(cfg, tmp_path, nats_server, ["w1", "w2"]))
     assert crashed == [1] and len(workers) == 2
