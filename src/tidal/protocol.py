@@ -4,8 +4,8 @@ Everything that crosses a process boundary is msgpack (numpy arrays as a typed b
 never pickle. Every decode validates: a message with a missing field, a wrong type, a token id
 outside the vocabulary, more tokens than `max_new_tokens` (or, for a multi-turn trajectory, more
 turns or tokens than its limits allow), a loss mask that is not one 0/1 per token, a non-finite
-log-prob on a sampled token or a non-finite reward, a version from the future or an oversized
-payload raises `ProtocolError` naming what is wrong, and the caller rejects it (terminates it,
+log-prob on a sampled token or a non-finite reward, a version from the future (or per-token versions
+that do not cover the tokens or leave the group's window) or an oversized payload raises `ProtocolError` naming what is wrong, and the caller rejects it (terminates it,
 counts it, logs it); it never reaches the loss.
 """
 
