@@ -29,7 +29,7 @@ _EXPORTS = {
         "register_policy_loss",
         "sequence_log_ratio",
     ),
-    "shaping": ("has_no_signal", "logprob_mismatch", "overlong_penalty", "sampled_only", "truncated_importance_weights"),
+    "shaping": ("has_no_signal", "logprob_mismatch", "overlong_penalty", "sampled_only", "stale_token_weights", "truncated_importance_weights"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

@@ -34,6 +34,15 @@ def truncated_importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Ten
     return ratio.clamp(max=cap), ratio > cap
 
 
+def stale_token_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, stale: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO per token: min(pi_prox / pi_behaviour, cap) on the `stale` tokens (sampled by a version
+    older than the proximal policy, each against its own behaviour log-prob), exactly 1 on the others.
+    Returns (weights, truncated)."""
+    weights, truncated = truncated_importance_weights(old_logp, rollout_logp, cap)
+    stale = stale.bool()
+    return torch.where(stale, weights, torch.ones_like(weights)), truncated & stale
+
+
 def logprob_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> float:
     """Mean |Δ log-prob| between the trainer's and the engine's view of the same tokens."""
     mask = mask.to(old_logp.dtype)

@@ -1,4 +1,4 @@
-"""sync vs periodic vs bounded (k = 1, 2) on the same config and machine: seconds per iteration
+"""sync vs periodic vs bounded (k = 1, 2; k = 1 with partial rollouts on request) on the same config and machine: seconds per iteration
 and held-out accuracy after the same number of iterations, so the price of strict on-policy is measured.
 
     tidal bench modes [--config examples/arithmetic.yaml] [--iterations 20] [--warmup 2] [--systems sync,periodic,bounded-k1,bounded-k2]
@@ -10,7 +10,7 @@ metrics.jsonl, seconds per iteration as `tidal bench trl` times it (tidal.bench.
 between the ends of consecutive iterations, the mean after the first `--warmup` ones), the mean split
 (generate / train / weight-sync / idle), the mean pipeline efficiency ((max(generate, train) + weight
 sync) / iteration), for agent configs the tool calls per trajectory and the environment's seconds,
-the mean staleness and the ratio of sync's seconds per
+the mean staleness (per sample and per token) and the ratio of sync's seconds per
 iteration to each system's (> 1: faster than sync), and from its summary.json the held-out accuracy
 (greedy and sampled) before and after the run. The held-out evaluations run before and after the
 loop, never beside it: the runs are made with `eval.every` off, since a curve process evaluating
@@ -48,6 +48,7 @@ SYSTEMS = {  # name -> config overrides
     "periodic": ["mode=periodic"],
     "bounded-k1": ["mode=bounded", "rollout.max_staleness=1"],
     "bounded-k2": ["mode=bounded", "rollout.max_staleness=2"],
+    "bounded-k1-partial": ["mode=bounded", "rollout.max_staleness=1", "rollout.partial=true"],  # HF engine, single-turn
 }
 
 SPLIT = {  # figure -> the per-iteration metric it is the mean of (the trainer's own timers: where the time goes)
@@ -103,6 +104,8 @@ def run_figures(run: RunDir, warmup: int) -> dict:
     summary = json.loads(run.summary.read_text())
     figures = steady_state(metrics, warmup)
     figures["staleness_mean"] = sum(m.get("staleness_mean", 0.0) for m in metrics) / len(metrics)
+    # per sampled token (partial rollouts: a sample's tokens may come from several versions)
+    figures["token_staleness_mean"] = sum(m.get("token_staleness_mean", 0.0) for m in metrics) / len(metrics)
     for key in ("accuracy_before", "accuracy_after", "sampled_accuracy_before", "sampled_accuracy_after"):
         figures[key] = summary.get(key)
     return figures
@@ -153,10 +156,10 @@ def main(argv: list[str] | None = None) -> None:
         for name in systems:
             results[name] = r = run_system(name, args.config, args.iterations, args.warmup, args.evaluate, args.overrides, Path(tmp), tracking)
             print(
-                f"{name:11s} {r['seconds_per_iteration']:.3f} s/iteration (median {r['seconds_per_iteration_median']:.3f}), "
+                f"{name:18s} {r['seconds_per_iteration']:.3f} s/iteration (median {r['seconds_per_iteration_median']:.3f}), "
                 f"{r['samples_per_s']:.0f} samples/s; split: generate {r['generate_seconds_mean']:.3f} | "
                 f"train {r['train_seconds_mean']:.3f} | weight-sync {r['sync_seconds_mean']:.3f} | idle {r['idle_seconds_mean']:.3f}; "
-                f"{pipeline(r)}staleness {r['staleness_mean']:.2f}; held-out greedy {percent(r['accuracy_before'])} -> {percent(r['accuracy_after'])}, "
+                f"{pipeline(r)}staleness {r['staleness_mean']:.2f} (per token {r['token_staleness_mean']:.2f}); held-out greedy {percent(r['accuracy_before'])} -> {percent(r['accuracy_after'])}, "
                 f"sampled {percent(r['sampled_accuracy_before'])} -> {percent(r['sampled_accuracy_after'])}",
                 flush=True,
             )

@@ -208,6 +208,12 @@ class RolloutConfig(Strict):
         description="Mode bounded: work of iterations v+1..v+k is released while the trainer is on v, so a group may come from "
         "a policy up to k versions old; 0 is exactly periodic.",
     )
+    partial: bool = Field(
+        False,
+        description="Mode bounded, HF engine, single-turn: when a newer version is published while a group is being generated, the "
+        "worker stops between decode steps, loads it and continues the same responses with it; every token carries the version "
+        "that sampled it. See [Modes](modes.md#partial-rollouts).",
+    )
     vllm: VLLMConfig = Field(VLLMConfig(), description="vLLM engine settings (`engine: vllm`).")
     agent: AgentConfig | None = Field(
         None, description="Multi-turn (agentic) rollouts: the environment, its tools and their limits; unset: one response per prompt."

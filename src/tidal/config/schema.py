@@ -189,6 +189,18 @@ class TidalConfig(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _partial_rollouts_in_bounded_mode(self) -> TidalConfig:
+        if not self.rollout.partial:
+            return self
+        if self.mode != "bounded":
+            raise config_error(f"rollout.partial needs mode 'bounded' (mode {self.mode!r} trains each iteration on its own weights alone)")
+        if self.rollout.engine != "hf" or self.rollout.agent is not None:
+            raise config_error(
+                "rollout.partial is implemented for single-turn groups on the HF engine: set rollout.engine 'hf' without rollout.agent"
+            )
+        return self
+
     def _lora_fits_vllm(self) -> None:
         """model.lora on a vLLM engine (rollout or held-out eval): the adapter must be one vLLM can serve."""
         lora = self.model.lora

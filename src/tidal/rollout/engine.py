@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,7 +17,12 @@ from tidal.rollout.trajectory import Responder, TrajectoryTokens, Turn, play_bat
 class Completion:
     token_ids: list[int]
     logprobs: list[float]  # per token, under the processed (temperature-scaled) distribution
-    finish_reason: str  # "stop" (EOS) or "length"
+    finish_reason: str  # "stop" (EOS) or "length"; INTERRUPTED: stopped between tokens for new weights (rollout.partial)
+    versions: list[int] | None = None  # per token, the policy version that sampled it (rollout.partial); None: the call's
+
+
+INTERRUPTED = "interrupted"
+Interrupt = Callable[[], bool]  # asked between decode steps: True stops the unfinished rows there (tidal.rollout.partial)
 
 
 @dataclass
@@ -152,9 +158,14 @@ class HFEngine:
         return getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
 
     async def complete(
-        self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None, tag: str = "b"
+        self,
+        requests: list[GroupRequest],
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+        tag: str = "b",
+        interrupt: Interrupt | None = None,
     ) -> list[list[Completion]]:
-        return await asyncio.to_thread(self.generate, requests, greedy, max_new_tokens)
+        return await asyncio.to_thread(self.generate, requests, greedy, max_new_tokens, interrupt)
 
     def play_blocking(
         self, requests: list[GroupRequest], responder: Responder, max_turns: int, max_new_tokens: int | None = None, greedy: bool = False
@@ -191,11 +202,14 @@ class HFEngine:
         return HFTrajectories(self, requests)
 
     @torch.no_grad()
-    def generate(self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None) -> list[list[Completion]]:
+    def generate(
+        self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None, interrupt: Interrupt | None = None
+    ) -> list[list[Completion]]:
         """One response per row: a trajectory of one turn. Each prompt is prefilled once and its KV
         cache copied to its G rows; a row that has emitted EOS leaves the batch (every row still draws
-        its noise each step, so a group's samples do not depend on when the others finish)."""
-        turns = self.start(requests).sample_turn(max_new_tokens or self.max_new_tokens, greedy, final=True)
+        its noise each step, so a group's samples do not depend on when the others finish). `interrupt`:
+        asked after every decode step; True ends the unfinished rows there (finish reason INTERRUPTED)."""
+        turns = self.start(requests).sample_turn(max_new_tokens or self.max_new_tokens, greedy, final=True, interrupt=interrupt)
         samples = [Completion(t.token_ids, t.logprobs, t.finish_reason) for t in turns.values()]
         grouped, start = [], 0
         for r in requests:
@@ -251,9 +265,10 @@ class HFTrajectories:
         self.live, self.logits, self.mask, self.next_pos = self.live[keep], self.logits[keep], self.mask[keep], self.next_pos[keep]
 
     @torch.no_grad()
-    def sample_turn(self, max_new_tokens: int, greedy: bool = False, final: bool = False) -> dict[int, Turn]:
+    def sample_turn(self, max_new_tokens: int, greedy: bool = False, final: bool = False, interrupt: Interrupt | None = None) -> dict[int, Turn]:
         """One turn of every live row: row -> its turn, in row order. `final`: no row goes on after it, so a row that
-        has emitted EOS leaves the batch at once; otherwise it waits (masked) for the others."""
+        has emitted EOS leaves the batch at once; otherwise it waits (masked) for the others. `interrupt` (final
+        turns only): asked after each step; True ends the rows still sampling there, finish reason INTERRUPTED."""
         engine = self.engine
         rows = self.live.tolist()
         tokens: dict[int, list[int]] = {r: [] for r in rows}
@@ -277,7 +292,10 @@ class HFTrajectories:
                 if step_tokens[i] == engine.eos:
                     reasons[row] = "stop"
             still = going & (nxt != engine.eos)
-            if not bool(still.any()) or step + 1 == max_new_tokens:  # no forward whose logits nobody reads
+            stopped = final and interrupt is not None and step + 1 < max_new_tokens and bool(still.any()) and interrupt()
+            if stopped:
+                reasons.update((row, INTERRUPTED) for i, row in enumerate(self.live.tolist()) if bool(still[i]))
+            if stopped or not bool(still.any()) or step + 1 == max_new_tokens:  # no forward whose logits nobody reads
                 self.pending.update((row, step_tokens[i]) for i, row in enumerate(self.live.tolist()) if sampling[i])
                 break
             if final:

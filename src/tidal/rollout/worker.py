@@ -25,6 +25,7 @@ from tidal.rollout.core import WorkerCore
 from tidal.rollout.engine import RolloutEngine
 from tidal.rollout.generator import response_tokens
 from tidal.rollout.lease import Lease, decode_work, log_taken, raise_if_stop_requested
+from tidal.rollout.partial import PolicyRefresh
 from tidal.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -126,11 +127,17 @@ class RolloutWorker:
             # the first pull of an iteration starts with a small call: the trainer waits on its first groups
             first = self.cfg.rollout.first_call_groups if new_version else None
             taken = [0]  # groups of this pull handed to the publisher so far
-            # each call's groups are scored, then published (and their items acked), while the engine runs the next call
-            async for pending in self.generator.calls(items, self.version, first_call_groups=first, scoring=self.scoring):
-                publisher.raise_if_failed()
-                publisher.submit(self._scored(pending, msgs, taken, load_seconds, idle))
-                raise_if_stop_requested(self.stop_requested)  # the rest of the items go back, not into another engine call
+            # rollout.partial: newer weights published meanwhile are loaded between decode steps
+            refresh = PolicyRefresh.started(self.transport, self.arrival, iteration, self.version) if self.cfg.rollout.partial else None
+            try:
+                # each call's groups are scored, then published (and their items acked), while the engine runs the next call
+                async for pending in self.generator.calls(items, self.version, first_call_groups=first, scoring=self.scoring, refresh=refresh):
+                    publisher.raise_if_failed()
+                    publisher.submit(self._scored(pending, msgs, taken, load_seconds, idle))
+                    raise_if_stop_requested(self.stop_requested)  # the rest of the items go back, not into another engine call
+            finally:
+                if refresh is not None:
+                    await refresh.close()
             idle_since = time.time()
 
     async def _scored(self, pending, msgs: list, taken: list[int], load_seconds: float, idle: float) -> list[tuple[Group, object]]:

@@ -340,7 +340,7 @@ ROLLOUT_METRICS = frozenset(
     {
         "reward_mean", "reward_std", "accuracy", "response_length_mean", "response_length_max", "response_length_correct_mean",
         "response_length_incorrect_mean", "generated_tokens", "samples", "reward_errors", "zero_advantage_group_fraction",
-        "pass_at_group_size", "staleness_max", "staleness_mean", "groups_discarded", "groups_filtered", "messages_rejected",
+        "pass_at_group_size", "staleness_max", "staleness_mean", "token_staleness_mean", "mixed_version_sample_fraction", "groups_discarded", "groups_filtered", "messages_rejected",
         "messages_rejected_total", "queue_depth", "policy_version", "reward_server_requests", "reward_server_retries",
         "reward_server_failed_requests", "reward_server_samples", "reward_server_batch_size_mean",
     }
@@ -353,7 +353,7 @@ def mlflow_metric_name(key: str) -> str:
     """`rollout/…`, `train/…`, `time/…`; names that already carry a group (`eval/…`) are kept."""
     if "/" in key:
         return key
-    if key in ROLLOUT_METRICS or key.startswith("staleness_fraction_"):
+    if key in ROLLOUT_METRICS or key.startswith(("staleness_fraction_", "token_staleness_fraction_")):
         return f"rollout/{key}"
     if key.startswith("agent_"):  # multi-turn rollouts: turns, tool calls, environment time
         return f"agent/{key.removeprefix('agent_')}"

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from tidal.protocol import Group, tool_use_rates
+from tidal.token_versions import token_staleness
 
 
 class Timer:
@@ -138,6 +139,21 @@ def staleness_stats(groups: list[Group], version: int, max_staleness: int) -> di
     return out
 
 
+def token_staleness_stats(groups: list[Group], version: int, max_staleness: int) -> dict[str, float]:
+    """Staleness per sampled token (partial rollouts: a sample's tokens may come from several versions): the
+    mean, the fraction of tokens at each staleness 0..max_staleness, and the fraction of samples whose
+    tokens span more than one version."""
+    per_sample = [token_staleness(s.token_versions(g.policy_version), version) for g in groups for s in g.samples]
+    staleness = np.concatenate(per_sample) if per_sample else np.zeros(0, dtype=np.int64)
+    out = {
+        "token_staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
+        "mixed_version_sample_fraction": float(np.mean([np.unique(s).size > 1 for s in per_sample])) if per_sample else 0.0,
+    }
+    for s in range(max_staleness + 1):
+        out[f"token_staleness_fraction_{s}"] = float((staleness == s).mean()) if staleness.size else 0.0
+    return out
+
+
 def iteration_metrics(version: int, groups: list[Group], update: dict, timer: Timer, max_staleness: int, extra: dict) -> dict:
     stats = group_stats(groups)
     elapsed = timer.elapsed()
@@ -147,6 +163,7 @@ def iteration_metrics(version: int, groups: list[Group], update: dict, timer: Ti
         **stats,
         **update,
         **staleness_stats(groups, version, max_staleness),
+        **token_staleness_stats(groups, version, max_staleness),
         "iteration_seconds": elapsed,
         "generate_seconds": generate,
         "train_seconds": timer["train"],
