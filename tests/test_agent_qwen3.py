@@ -61,7 +61,12 @@ def build_qwen3_like_tokenizer(path: Path, template: str | None = None) -> Path:
         show_progress=False,
     )
     tok.train_from_iterator([published, CALL, "Compute 12*34=\nUse the calc tool.", *TURNS, "Check it once more."], trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")])
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+        ]
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=template or published)
     fast.save_pretrained(str(path))
     return path
@@ -105,6 +110,11 @@ def test_the_example_is_a_thinking_model_on_vllm_and_passes_the_template_check(q
             loop.close()
 
 
+def test_template_variables_that_are_rendering_arguments_are_refused_by_name():
+    with pytest.raises(Exception, match=r"\['add_generation_prompt', 'tools'\] are set by Tidal's own rendering, not template variables"):
+        load_config(EXAMPLE, ["rollout.agent.chat_template_kwargs={tools: x, add_generation_prompt: false, enable_thinking: false}"])
+
+
 def test_qwen3s_template_is_not_append_only(qwen3_dir):
     """What re-rendering frameworks trip on: a turn renders differently once messages follow it."""
     tok = load_tokenizer(qwen3_dir)
@@ -138,13 +148,18 @@ def test_a_tool_result_inserts_exactly_what_the_template_renders_after_the_unmod
 
 BROKEN = {
     # the verl #6921 kind: no newline after a turn with reasoning, one after a turn without
-    "newline": ("{{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}", "{{- '<|im_end|>' + ('' if reasoning_content else '\\n') }}\n    {%- elif message.role == \"tool\" %}"),
+    "newline": (
+        "{{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}",
+        "{{- '<|im_end|>' + ('' if reasoning_content else '\\n') }}\n    {%- elif message.role == \"tool\" %}",
+    ),
     # a tool result numbered by its place in the chat
     "numbered": ("{{- '\\n<tool_response>\\n' }}", "{{- '\\n<tool_response n=' ~ loop.index0 ~ '>\\n' }}"),
 }
 
 
-@pytest.mark.parametrize(("broken", "boundary"), [("newline", "a first turn with reasoning and a tool call"), ("numbered", "a second turn with reasoning")])
+@pytest.mark.parametrize(
+    ("broken", "boundary"), [("newline", "a first turn with reasoning and a tool call"), ("numbered", "a second turn with reasoning")]
+)
 def test_a_template_whose_boundary_depends_on_the_turns_before_is_refused_in_one_line(tmp_path, broken, boundary):
     old, new = BROKEN[broken]
     published = QWEN3_TEMPLATE.read_text()
@@ -153,7 +168,7 @@ def test_a_template_whose_boundary_depends_on_the_turns_before_is_refused_in_one
     with pytest.raises(EnvError) as refused:
         agent_loop(path)
     message = str(refused.value)
-    assert message.startswith(f"rollout.agent: the chat template cannot be continued token-exactly: after {boundary}") and "\n" not in message.strip("'")
+    assert message.startswith(f"rollout.agent: the chat template cannot be continued token-exactly: after {boundary}") and "\n" not in message
     assert "depends on the turns before it" in message
 
 
@@ -243,7 +258,13 @@ def taught_policy(tok, ids: list[int], mask: list[int]):
 
 
 def test_qwen3_trajectories_train_on_the_tokens_generated_and_inserted_turn_by_turn(qwen3_dir):
-    overrides = ["rollout.engine=hf", "rollout.agent.env=tests.environments:Reviewed", "rollout.group_size=2", "rollout.max_new_tokens=48", "eval.enabled=false"]
+    overrides = [
+        "rollout.engine=hf",
+        "rollout.agent.env=tests.environments:Reviewed",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=48",
+        "eval.enabled=false",
+    ]
     loop = agent_loop(qwen3_dir, *overrides, cls=RecordingLoop)
     try:
         cfg, tok = loop.cfg, loop.tokenizer
@@ -260,7 +281,10 @@ def test_qwen3_trajectories_train_on_the_tokens_generated_and_inserted_turn_by_t
             turns = recorded[row]
             # the policy sampled the script: reasoning in every turn, the call, the answer, the answer again
             assert [text(tok, sampled) for sampled, _, _ in turns] == [t + "<|im_end|>" for t in TURNS]
-            assert [text(tok, inserted) for _, _, inserted in turns[:2]] == [TOOL_RESULT, "\n<|im_start|>user\nCheck it once more.<|im_end|>\n<|im_start|>assistant\n"]
+            assert [text(tok, inserted) for _, _, inserted in turns[:2]] == [
+                TOOL_RESULT,
+                "\n<|im_start|>user\nCheck it once more.<|im_end|>\n<|im_start|>assistant\n",
+            ]
             # trained = generated + inserted, turn by turn, and the engine's log-probs on the generated ones
             generated, inserted_run, logprobs, mask = [], [], [], []
             for k, (sampled, behaviour, inserted) in enumerate(turns):

@@ -62,7 +62,18 @@ class ToolLatencyConfig(Strict):
 
 # apply_chat_template's own arguments: Tidal sets them for every rendering
 _RENDER_ARGUMENTS = frozenset(
-    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize", "return_dict", "return_tensors"}
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+    }
 )
 
 
@@ -90,7 +101,7 @@ class AgentConfig(Strict):
         {},
         description="Extra variables for the model's chat template, passed to every rendering of the prompt and of the "
         "inserted tokens, e.g. `{enable_thinking: false}` for Qwen3's template (its generation prompt then closes an empty "
-        "reasoning block); unset: the template's defaults ([agents](agents.md#thinking-models)).",
+        "reasoning block); empty: the template's defaults ([agents](agents.md#thinking-models)).",
     )
     trajectory_timeout_seconds: float = Field(120.0, gt=0, description="A trajectory still running then ends (finish reason timeout).")
     tool_timeout_seconds: float = Field(

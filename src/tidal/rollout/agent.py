@@ -48,15 +48,30 @@ _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}
 # system prompt and a user reply are where non-append-only templates such as Qwen3's differ)
 _THOUGHT_CALL = '<think>\nr\n</think>\n\n<tool_call>\n{"name": "probe", "arguments": {}}\n</tool_call>'
 _PROBES = (
-    ("a first turn with reasoning and a tool call, answered by a tool result", [{"role": "user", "content": "q"}, {"role": "assistant", "content": _THOUGHT_CALL}], [{"role": "tool", "content": "t"}]),
+    (
+        "a first turn with reasoning and a tool call, answered by a tool result",
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": _THOUGHT_CALL}],
+        [{"role": "tool", "content": "t"}],
+    ),
     (
         "a second turn with reasoning, answered by two tool results",
-        [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": _THOUGHT_CALL}, {"role": "tool", "content": "t"}, {"role": "assistant", "content": _THOUGHT_CALL}],
+        [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": _THOUGHT_CALL},
+            {"role": "tool", "content": "t"},
+            {"role": "assistant", "content": _THOUGHT_CALL},
+        ],
         [{"role": "tool", "content": "t"}, {"role": "tool", "content": "t2"}],
     ),
     (
         "a turn with reasoning answered by a user message",
-        [{"role": "user", "content": "q"}, {"role": "assistant", "content": _THOUGHT_CALL}, {"role": "tool", "content": "t"}, {"role": "assistant", "content": "<think>\nr\n</think>\n\na"}],
+        [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": _THOUGHT_CALL},
+            {"role": "tool", "content": "t"},
+            {"role": "assistant", "content": "<think>\nr\n</think>\n\na"},
+        ],
         [{"role": "user", "content": "again"}],
     ),
 )
@@ -168,7 +183,9 @@ class AgentLoop:
         full = self.render([*_BASE, *observations], tools, True)
         ends = [i for i, t in enumerate(full) if t == self.eos]
         if len(ends) < turn_eos:
-            raise EnvError("the chat template renders an assistant turn without its EOS token when messages follow it: inserted tokens cannot be told apart")
+            raise EnvError(
+                "the chat template renders an assistant turn without its EOS token when messages follow it: inserted tokens cannot be told apart"
+            )
         return full[ends[turn_eos - 1] + 1 :]
 
     def check_insertion_rule(self) -> None:
@@ -186,7 +203,7 @@ class AgentLoop:
                     rendered = self.tokenizer.decode(whole[-len(expected) :], skip_special_tokens=False)
                     inserted = self.tokenizer.decode(expected, skip_special_tokens=False)
                     raise EnvError(
-                        f"rollout.agent: the chat template cannot be continued token-exactly: after {what}{' (with tools)' if tools else ''} "
+                        f"rollout.agent: the chat template cannot be continued token-exactly: after {what}{' (with tools)' if tools else ''}: "
                         f"it renders {rendered[-160:]!r} where a trajectory would insert {inserted[-160:]!r} (what it puts after an "
                         "assistant turn depends on the turns before it)"
                     )
