@@ -229,9 +229,9 @@ def taught_policy(tok, ids: list[int], mask: list[int]):
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,  # vLLM's CPU attention needs >= 32
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         eos_token_id=tok.eos_token_id,
@@ -257,54 +257,59 @@ def taught_policy(tok, ids: list[int], mask: list[int]):
     return model.eval()
 
 
+TRAJECTORY_SETTINGS = [
+    "rollout.agent.env=tests.environments:Reviewed",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=48",
+    "rollout.deterministic=true",
+    "eval.enabled=false",
+]
+
+
+def assert_trained_is_generated_and_inserted(loop: RecordingLoop, group, model, mismatch: float) -> None:
+    """The group's trajectories as the trainer decodes and packs them are, turn by turn, the tokens the
+    engine sampled and the tokens the loop gave it to insert; the trainer's forward over them gives the
+    engine's log-probs (within `mismatch`, mean per token); a re-render of the same chat differs."""
+    cfg, tok = loop.cfg, loop.tokenizer
+    learner = Learner(TrainerConfig(), copy.deepcopy(model), tok.pad_token_id, max_new_tokens=cfg.rollout.max_new_tokens)
+    decoded = decode_group(pack(group), group_limits(cfg, learner, 10**6)(0))
+    prompt, trained, masks = as_packing_group(decoded)  # what the trainer packs and trains on
+    assert prompt == loop.first_prompt(ITEM)
+    recorded, rows = loop.recorded.turns, loop.recorded.rows
+    assert sorted(recorded) == [0, 1]
+    for row, sample in enumerate(decoded.samples):
+        turns = recorded[row]
+        # the policy sampled the script: reasoning in every turn, the call, the answer, the answer again
+        assert [text(tok, sampled) for sampled, _, _ in turns] == [t + "<|im_end|>" for t in TURNS]
+        assert [text(tok, inserted) for _, _, inserted in turns[:2]] == [
+            TOOL_RESULT,
+            "\n<|im_start|>user\nCheck it once more.<|im_end|>\n<|im_start|>assistant\n",
+        ]
+        # trained = generated + inserted, turn by turn, with the engine's log-probs on the generated tokens
+        expected, logprobs, mask = [], [], []
+        for k, (sampled, behaviour, inserted) in enumerate(turns):
+            expected, logprobs, mask = expected + sampled, logprobs + behaviour, mask + [1] * len(sampled)
+            if inserted is not None and k + 1 < len(turns):
+                expected, logprobs, mask = expected + inserted, logprobs + [0.0] * len(inserted), mask + [0] * len(inserted)
+        assert trained[row] == expected and masks[row] == mask
+        assert sample.logprobs.tolist() == pytest.approx(logprobs, abs=1e-6)
+        # a re-render of the same chat is not what the policy saw: it drops the first two turns' reasoning
+        rerendered = tok.apply_chat_template(rows[row].messages, tools=rows[row].env.tool_schemas, tokenize=True, return_dict=False)
+        assert list(rerendered)[: len(prompt) + len(expected)] != prompt + expected
+        assert "I need the product." in text(tok, expected) and "I need the product." not in text(tok, rerendered)
+    # the trainer's forward over those tokens gives the engine's log-probs: the same context, token for token
+    learner.train_on_groups([decoded])
+    assert learner.tokens == sum(len(sampled) for turns in recorded.values() for sampled, _, _ in turns)
+    assert learner.step()["logprob_mismatch"] < mismatch
+
+
 def test_qwen3_trajectories_train_on_the_tokens_generated_and_inserted_turn_by_turn(qwen3_dir):
-    overrides = [
-        "rollout.engine=hf",
-        "rollout.agent.env=tests.environments:Reviewed",
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=48",
-        "eval.enabled=false",
-    ]
-    loop = agent_loop(qwen3_dir, *overrides, cls=RecordingLoop)
+    loop = agent_loop(qwen3_dir, "rollout.engine=hf", *TRAJECTORY_SETTINGS, cls=RecordingLoop)
     try:
         cfg, tok = loop.cfg, loop.tokenizer
         model = taught_policy(tok, *scripted_sequence(loop))
         engine = HFEngine.for_rollout(model, tok, cfg.rollout)
         (group,) = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), [ITEM], cfg, version=0, worker_id="w", agent=loop)
-        learner = Learner(TrainerConfig(), copy.deepcopy(model), tok.pad_token_id, max_new_tokens=cfg.rollout.max_new_tokens)
-        decoded = decode_group(pack(group), group_limits(cfg, learner, 10**6)(0))
-        prompt, trained, masks = as_packing_group(decoded)  # what the trainer packs and trains on
-        assert prompt == loop.first_prompt(ITEM)
-        recorded, rows = loop.recorded.turns, loop.recorded.rows
-        assert sorted(recorded) == [0, 1]
-        for row, sample in enumerate(decoded.samples):
-            turns = recorded[row]
-            # the policy sampled the script: reasoning in every turn, the call, the answer, the answer again
-            assert [text(tok, sampled) for sampled, _, _ in turns] == [t + "<|im_end|>" for t in TURNS]
-            assert [text(tok, inserted) for _, _, inserted in turns[:2]] == [
-                TOOL_RESULT,
-                "\n<|im_start|>user\nCheck it once more.<|im_end|>\n<|im_start|>assistant\n",
-            ]
-            # trained = generated + inserted, turn by turn, and the engine's log-probs on the generated ones
-            generated, inserted_run, logprobs, mask = [], [], [], []
-            for k, (sampled, behaviour, inserted) in enumerate(turns):
-                generated += sampled
-                logprobs += behaviour
-                mask += [1] * len(sampled)
-                if inserted is not None and k + 1 < len(turns):
-                    generated += inserted
-                    inserted_run += inserted
-                    logprobs += [0.0] * len(inserted)
-                    mask += [0] * len(inserted)
-            assert trained[row] == generated and masks[row] == mask
-            assert sample.logprobs.tolist() == pytest.approx(logprobs, abs=1e-6)
-            # a re-render of the same chat is not what the policy saw: it drops the first two turns' reasoning
-            rerendered = tok.apply_chat_template(rows[row].messages, tools=rows[row].env.tool_schemas, tokenize=True, return_dict=False)
-            assert list(rerendered)[: len(prompt) + len(generated)] != prompt + generated
-            assert "I need the product." in text(tok, generated) and "I need the product." not in text(tok, rerendered)
-        # the trainer's forward over those tokens gives the engine's log-probs: the same context, token for token
-        learner.train_on_groups([decoded])
-        assert learner.tokens == sum(len(sampled) for turns in recorded.values() for sampled, _, _ in turns)
-        assert learner.step()["logprob_mismatch"] < 1e-5
+        assert_trained_is_generated_and_inserted(loop, group, model, mismatch=1e-5)
     finally:
         loop.close()
