@@ -172,6 +172,26 @@ def test_a_template_whose_boundary_depends_on_the_turns_before_is_refused_in_one
     assert "depends on the turns before it" in message
 
 
+def test_a_conversation_the_template_refuses_to_render_is_not_checked(tmp_path):
+    """A template that raises on a user message after the first (no run of it can have one) is still
+    checked on the conversations it renders, and accepted."""
+    from jinja2 import TemplateError
+
+    published = QWEN3_TEMPLATE.read_text()
+    start = "{%- for message in messages %}\n"
+    refusing = published.replace(
+        start, start + '    {%- if message.role == "user" and loop.index0 > 1 %}{{ raise_exception("one question") }}{%- endif %}\n', 1
+    )
+    assert refusing != published
+    loop = agent_loop(build_qwen3_like_tokenizer(tmp_path, refusing))
+    try:
+        with pytest.raises(TemplateError, match="one question"):
+            loop.render([*_BASE, {"role": "user", "content": "again"}], [], True)
+        assert text(loop.tokenizer, loop.inserted_tokens([{"role": "tool", "content": "408"}], [])) == TOOL_RESULT
+    finally:
+        loop.close()
+
+
 # --- the trajectory: a tiny Qwen3 policy, the HF engine, the trainer ----------------------------------
 
 
