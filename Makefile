@@ -90,6 +90,7 @@ test-vllm: install-vllm
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine.py
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_run.py
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_agent.py
+	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_agent_qwen3.py
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_lora.py
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_reward_server.py
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_examples.py

@@ -185,3 +185,19 @@ class CallsForEver(Environment):
     def step(self, assistant_text: str):
         while True:
             self.call(ToolCall("calc", {"expression": "1+1"}))
+
+
+class Reviewed(Environment):
+    """The `tools` environment (rollout.agent.tools), except that the first answer without a tool call is
+    answered once by the user, who asks for a check: an observation in the user's role, after which a
+    Qwen3-style template renders every earlier assistant turn of the chat without its reasoning."""
+
+    def __init__(self):
+        self.reviewed = False
+
+    def step(self, assistant_text: str):
+        observations, done = super().step(assistant_text)
+        if done and not self.reviewed:
+            self.reviewed = True
+            return [{"role": "user", "content": "Check it once more."}], False
+        return observations, done

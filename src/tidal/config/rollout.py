@@ -60,6 +60,23 @@ class ToolLatencyConfig(Strict):
     p99_over_p50: float = Field(10.0, ge=1, description="The 99th percentile over the median: how heavy the tail is.")
 
 
+# apply_chat_template's own arguments: Tidal sets them for every rendering
+_RENDER_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+    }
+)
+
+
 class AgentConfig(Strict):
     """Multi-turn (agentic) rollouts: an environment answers each assistant turn, until it says done or a limit
     ends the trajectory. Unset (`rollout.agent` absent): one response per prompt."""
@@ -80,6 +97,12 @@ class AgentConfig(Strict):
     max_turns: int = Field(4, gt=0, description="Assistant turns per trajectory (each at most rollout.max_new_tokens).")
     max_tool_calls: int = Field(8, ge=0, description="Tool calls per trajectory; a call past it gets an error observation.")
     max_env_tokens_per_turn: int = Field(256, gt=0, description="Tokens the environment and template insert after a turn; more are cut.")
+    chat_template_kwargs: dict[str, str | int | float | bool] = Field(
+        {},
+        description="Extra variables for the model's chat template, passed to every rendering of the prompt and of the "
+        "inserted tokens, e.g. `{enable_thinking: false}` for Qwen3's template (its generation prompt then closes an empty "
+        "reasoning block); empty: the template's defaults ([agents](agents.md#thinking-models)).",
+    )
     trajectory_timeout_seconds: float = Field(120.0, gt=0, description="A trajectory still running then ends (finish reason timeout).")
     tool_timeout_seconds: float = Field(
         30.0,
@@ -120,6 +143,14 @@ class AgentConfig(Strict):
     @classmethod
     def _environment(cls, name: str) -> str:
         return built_in_or_module("environment", name)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, kwargs: dict) -> dict:
+        taken = sorted(set(kwargs) & _RENDER_ARGUMENTS)
+        if taken:
+            raise config_error(f"{taken} are set by Tidal's own rendering, not template variables")
+        return kwargs
 
     @field_validator("tool_parser")
     @classmethod

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from jinja2 import TemplateError
 
 from tidal.config import TidalConfig
 from tidal.envs import EnvError, Environment, EnvironmentFactory, Trajectory
@@ -38,9 +39,43 @@ from tidal.rollout.trajectory import TrajectoryTokens, Turn
 
 log = logging.getLogger(__name__)
 
-# a fixed conversation the template renders once: what follows its assistant turn's end-of-turn
-# token, when observations are added, is what the template inserts after a sampled turn
+# a fixed conversation ending with an assistant turn: what the template renders after that turn's
+# end-of-turn token, when observations and the generation prompt follow, is what a trajectory inserts
 _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+# the conversations the start-up check renders whole: after each one's last assistant turn, the
+# template must put exactly what the rule above inserts (reasoning blocks, earlier tool rounds, a
+# system prompt and a user reply are where non-append-only templates such as Qwen3's differ)
+_THOUGHT_CALL = '<think>\nr\n</think>\n\n<tool_call>\n{"name": "probe", "arguments": {}}\n</tool_call>'
+_PROBES = (
+    (
+        "a first turn with reasoning and a tool call, answered by a tool result",
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": _THOUGHT_CALL}],
+        [{"role": "tool", "content": "t"}],
+    ),
+    (
+        "a second turn with reasoning, answered by two tool results",
+        [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": _THOUGHT_CALL},
+            {"role": "tool", "content": "t"},
+            {"role": "assistant", "content": _THOUGHT_CALL},
+        ],
+        [{"role": "tool", "content": "t"}, {"role": "tool", "content": "t2"}],
+    ),
+    (
+        "a turn with reasoning answered by a user message",
+        [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": _THOUGHT_CALL},
+            {"role": "tool", "content": "t"},
+            {"role": "assistant", "content": "<think>\nr\n</think>\n\na"},
+        ],
+        [{"role": "user", "content": "again"}],
+    ),
+)
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {"type": "object", "properties": {}}}}]
 
 
 @dataclass
@@ -88,11 +123,15 @@ class AgentLoop:
         if not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise EnvError("rollout.agent needs a chat template: the tokenizer of model.name_or_path has none")
         self.eos = tokenizer.eos_token_id
+        self.template_kwargs = dict(cfg.rollout.agent.chat_template_kwargs) if cfg.rollout.agent else {}
         self._env_pool: ThreadPoolExecutor | None = None
         # checked now, not at the first tool call mid-run: a tokenizer whose EOS is not the token the
         # template ends a turn with (a base model's <|endoftext|> under a ChatML template) would let
-        # every turn run on to max_new_tokens (HF) or end its trajectory on another stop token (vLLM)
+        # every turn run on to max_new_tokens (HF) or end its trajectory on another stop token (vLLM);
+        # a template whose rendering after a turn depends on what came before would insert tokens the
+        # template does not render there
         self.turn_end(self.render(_BASE, [], False))
+        self.check_insertion_rule()
 
     def env_pool(self) -> ThreadPoolExecutor:
         """The threads environment steps run on (async engines): one per trajectory in flight, so a
@@ -124,19 +163,50 @@ class AgentLoop:
     def render(self, messages: list[dict], tools: list[dict], generation_prompt: bool) -> list[int]:
         kwargs = {"chat_template": self.chat_template} if self.chat_template else {}
         ids = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False, **kwargs
+            messages,
+            tools=tools or None,
+            add_generation_prompt=generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **kwargs,
+            **self.template_kwargs,
         )
         return list(ids)
 
     def inserted_tokens(self, observations: list[dict], tools: list[dict]) -> list[int]:
         """The tokens the template puts after an assistant turn's end-of-turn token (EOS, sampled)
-        when `observations` follow, through the next assistant header."""
-        base = self.render(_BASE, tools, False)
+        when `observations` follow, through the next assistant header (and whatever the generation
+        prompt adds after it). Rendered after _BASE's assistant turn and cut at that turn's EOS in the
+        same rendering: a template that renders an assistant turn one way when it is last and another
+        when messages follow (Qwen3's reasoning block) changes the turn, never what follows its EOS."""
+        turn_eos = self.render(_BASE, tools, False).count(self.eos)
         full = self.render([*_BASE, *observations], tools, True)
-        cut = self.turn_end(base)
-        if full[:cut] != base[:cut]:
-            raise EnvError("the chat template renders an assistant turn differently when messages follow it: inserted tokens cannot be told apart")
-        return full[cut:]
+        ends = [i for i, t in enumerate(full) if t == self.eos]
+        if len(ends) < turn_eos:
+            raise EnvError(
+                "the chat template renders an assistant turn without its EOS token when messages follow it: inserted tokens cannot be told apart"
+            )
+        return full[ends[turn_eos - 1] + 1 :]
+
+    def check_insertion_rule(self) -> None:
+        """Refuses, in one line naming the boundary, a template after whose assistant turns the rendering of
+        the next messages is not what `inserted_tokens` gives: the trajectory keeps each sampled turn as
+        sampled and inserts those tokens, so it is what the policy saw only when they agree everywhere."""
+        for what, history, observations in _PROBES:
+            for tools in ([], _PROBE_TOOLS):
+                try:
+                    whole = self.render([*history, *observations], tools, True)
+                except TemplateError:  # a conversation the template refuses (raise_exception) is one no run can have
+                    continue
+                expected = [self.eos, *self.inserted_tokens(observations, tools)]
+                if whole[-len(expected) :] != expected:
+                    rendered = self.tokenizer.decode(whole[-len(expected) :], skip_special_tokens=False)
+                    inserted = self.tokenizer.decode(expected, skip_special_tokens=False)
+                    raise EnvError(
+                        f"rollout.agent: the chat template cannot be continued token-exactly: after {what}{' (with tools)' if tools else ''}: "
+                        f"it renders {rendered[-160:]!r} where a trajectory would insert {inserted[-160:]!r} (what it puts after an "
+                        "assistant turn depends on the turns before it)"
+                    )
 
     def turn_end(self, base: list[int]) -> int:
         """Where the assistant turn of `base` (_BASE rendered) ends: after its last EOS token."""
