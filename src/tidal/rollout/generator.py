@@ -24,7 +24,7 @@ from tidal.data import prompt_encoder
 from tidal.protocol import Group, Sample, WorkItem
 from tidal.rewards import RewardScorer, exact_match
 from tidal.rollout.agent import AgentLoop
-from tidal.rollout.engine import Completion, GroupRequest, RolloutEngine, group_generator, group_seed
+from tidal.rollout.engine import BlockingEngine, Completion, GroupRequest, RolloutEngine, group_generator, group_seed
 from tidal.rollout.scoring_queue import GroupScoringQueue
 
 
@@ -227,6 +227,25 @@ def completion_sample(c: Completion, reward: float, parts: dict[str, float], cor
     )
 
 
+class OnCallingThread:
+    """A blocking engine whose single-turn calls run on the thread that awaits them, for `generate_groups`,
+    whose caller blocks until they are done anyway. Through the async protocol an HF engine runs each call on
+    `asyncio.to_thread`: in sync mode a new thread every iteration (each `asyncio.run` has an executor of its
+    own), and torch's OpenMP gives each new thread a team of its own beside the compute thread's, which
+    trains: two teams on the same cores, one spinning while the other works. Everything else is the engine's."""
+
+    def __init__(self, engine: BlockingEngine):
+        self.engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    async def complete(
+        self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None, tag: str = "b"
+    ) -> list[list[Completion]]:
+        return self.engine.generate(requests, greedy, max_new_tokens)
+
+
 def generate_groups(
     engine: RolloutEngine,
     tokenizer,
@@ -242,6 +261,7 @@ def generate_groups(
     """Generator.calls, blocking, every call's groups in one list (sync mode, planning, benchmarks); call
     it where no event loop runs. With rollout.agent and no `agent`, one is built here and closed after."""
     own = agent is None and cfg.rollout.agent is not None
+    engine = OnCallingThread(engine) if hasattr(engine, "generate") else engine
     generator = (
         Generator.for_worker(cfg, engine, tokenizer, scorer, worker_id) if own else Generator(cfg, engine, tokenizer, scorer, worker_id, agent)
     )
