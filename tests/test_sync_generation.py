@@ -56,3 +56,23 @@ def test_sync_generation_runs_every_engine_call_on_the_calling_thread():
     protocol_groups = asyncio.run(through_the_protocol())
     assert threading.get_ident() not in engine.threads
     assert samples(protocol_groups) == samples(groups)
+
+
+def test_only_a_store_whose_versions_engines_load_carries_the_arrival_probe(tiny_config, tmp_path):
+    """Sync mode's HF engine generates with the learner's own weights: no engine loads a version, so the
+    trainer runs no probe forward per version and publishes none; every other trainer does."""
+    from tidal.data import load_dataset
+    from tidal.demo.warm_start import prepare_base_model
+    from tidal.roles import build_learner, trainer_weight_store
+    from tidal.rundir import RunDir
+    from tidal.trainer.boundary import publish_weights
+    from tidal.weights import readable_manifest
+
+    base = prepare_base_model(tiny_config, load_dataset(tiny_config.data, tiny_config.seed))
+    learner, _ = build_learner(tiny_config, str(base))
+    for loaded, name in ((True, "loaded"), (False, "shared")):
+        store = trainer_weight_store(tiny_config, RunDir(tmp_path / name), str(base), learner, loaded_by_engines=loaded)
+        publish_weights(store, 1, learner)
+        manifest = readable_manifest(store.path(1))
+        assert ("probe" in manifest) is loaded, name
+        assert (store.probe is not None) is loaded, name
