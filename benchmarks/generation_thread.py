@@ -38,7 +38,9 @@ def on_new_thread(engine: HFEngine, reqs: list[GroupRequest]) -> list:
     """As generate_groups ran before the fix: every engine call through asyncio.to_thread of a new event loop."""
 
     async def calls() -> list:
-        return [group for start in range(0, len(reqs), PER_CALL) for group in await asyncio.to_thread(engine.generate, reqs[start : start + PER_CALL])]
+        return [
+            group for start in range(0, len(reqs), PER_CALL) for group in await asyncio.to_thread(engine.generate, reqs[start : start + PER_CALL])
+        ]
 
     return asyncio.run(calls())
 
