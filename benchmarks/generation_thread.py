@@ -1,9 +1,11 @@
-"""Sync mode's thread plan, measured: generation on the compute thread that trains (as `generate_groups`
-runs it) against generation on a new thread per iteration (`asyncio.to_thread` under a fresh
-`asyncio.run`, as it ran from 2026-12-04 18:15 until the fix). The arithmetic example's model and shapes
-(64 prompts x 8 samples, 10 new tokens, 28 groups per engine call); the two plans alternate iteration by
-iteration in one process, so a busy machine's load falls on both alike. Prints the medians of the
-generation's and the following training step's wall time and the process CPU time per iteration.
+"""Sync mode's thread plan, measured: generation on the compute thread that trains (one OpenMP team of
+torch threads for both phases, as sync mode ran until 2026-12-04 18:15) against generation on a new
+thread per iteration (`asyncio.to_thread` under a fresh `asyncio.run`, as `generate_groups` runs it
+since: a second team). The arithmetic example's model and shapes (64 prompts x 8 samples, 10 new
+tokens, 28 groups per engine call); the two plans alternate iteration by iteration in one process, so
+a busy machine's load falls on both alike. Prints the medians of the generation's and the following
+training step's wall time and the process CPU time per iteration. libgomp reads its wait policy when
+it loads: compare OMP_WAIT_POLICY=PASSIVE (or GOMP_SPINCOUNT) by running the script under each.
 
     PYTHONPATH=src python benchmarks/generation_thread.py --iterations 12 --threads 2
 """

@@ -24,7 +24,8 @@ from tidal.data import prompt_encoder
 from tidal.protocol import Group, Sample, WorkItem
 from tidal.rewards import RewardScorer, exact_match
 from tidal.rollout.agent import AgentLoop
-from tidal.rollout.engine import BlockingEngine, Completion, GroupRequest, RolloutEngine, group_generator, group_seed
+from tidal.rollout.engine import Completion, GroupRequest, RolloutEngine, group_generator, group_seed
+from tidal.rollout.partial import Refresh, complete_partial
 from tidal.rollout.scoring_queue import GroupScoringQueue
 
 
@@ -113,10 +114,13 @@ class Generator:
         max_groups_per_call: int | None = None,
         first_call_groups: int | None = None,
         scoring: Executor | None = None,
+        refresh: Refresh | None = None,
     ) -> AsyncIterator[list[Group] | Future]:
         """One group per work item, one engine call at a time: yields each call's groups as soon as they
         are scored. With `scoring` (an executor of one thread), a call's groups are scored there while the
-        engine runs the next call, and each yield is a Future of them."""
+        engine runs the next call, and each yield is a Future of them. With `refresh` (rollout.partial),
+        a call's rows may go on with newer weights (tidal.rollout.partial); each call starts with the
+        version the engine then holds."""
         r = self.cfg.rollout
         prompts = [self.prompt(it) for it in items]
         cap = 1 if r.deterministic else max_groups_per_call
@@ -130,7 +134,11 @@ class Generator:
                 yield groups if scoring is None else finished(groups)
                 continue
             gen_start = time.time()
-            outputs = await self.engine.complete(requests)
+            if refresh is None:
+                outputs = await self.engine.complete(requests)
+            else:
+                version = refresh.version
+                outputs = await complete_partial(self.engine, requests, r.max_new_tokens, refresh)
             entries = [(it, request.prompt_ids, out, version, gen_start, time.time()) for it, request, out in zip(batch, requests, outputs)]
             score = partial(self.score, entries)
             yield (await asyncio.to_thread(score)) if scoring is None else scoring.submit(score)
@@ -224,26 +232,8 @@ def completion_sample(c: Completion, reward: float, parts: dict[str, float], cor
         finish_reason=c.finish_reason,
         reward_parts=parts,
         correct=correct,
+        versions=None if c.versions is None else np.asarray(c.versions, dtype=np.int32),
     )
-
-
-class OnCallingThread:
-    """A blocking engine whose single-turn calls run on the thread that awaits them, for `generate_groups`,
-    whose caller blocks until they are done anyway. Through the async protocol an HF engine runs each call on
-    `asyncio.to_thread`: in sync mode a new thread every iteration (each `asyncio.run` has an executor of its
-    own), and torch's OpenMP gives each new thread a team of its own beside the compute thread's, which
-    trains: two teams on the same cores, one spinning while the other works. Everything else is the engine's."""
-
-    def __init__(self, engine: BlockingEngine):
-        self.engine = engine
-
-    def __getattr__(self, name: str):
-        return getattr(self.engine, name)
-
-    async def complete(
-        self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None, tag: str = "b"
-    ) -> list[list[Completion]]:
-        return self.engine.generate(requests, greedy, max_new_tokens)
 
 
 def generate_groups(
@@ -261,7 +251,6 @@ def generate_groups(
     """Generator.calls, blocking, every call's groups in one list (sync mode, planning, benchmarks); call
     it where no event loop runs. With rollout.agent and no `agent`, one is built here and closed after."""
     own = agent is None and cfg.rollout.agent is not None
-    engine = OnCallingThread(engine) if hasattr(engine, "generate") else engine
     generator = (
         Generator.for_worker(cfg, engine, tokenizer, scorer, worker_id) if own else Generator(cfg, engine, tokenizer, scorer, worker_id, agent)
     )
