@@ -25,7 +25,6 @@ from tidal.protocol import Group, Sample, WorkItem
 from tidal.rewards import RewardScorer, exact_match
 from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import Completion, GroupRequest, RolloutEngine, group_generator, group_seed
-from tidal.rollout.partial import Refresh, complete_partial
 from tidal.rollout.scoring_queue import GroupScoringQueue
 
 
@@ -114,13 +113,10 @@ class Generator:
         max_groups_per_call: int | None = None,
         first_call_groups: int | None = None,
         scoring: Executor | None = None,
-        refresh: Refresh | None = None,
     ) -> AsyncIterator[list[Group] | Future]:
         """One group per work item, one engine call at a time: yields each call's groups as soon as they
         are scored. With `scoring` (an executor of one thread), a call's groups are scored there while the
-        engine runs the next call, and each yield is a Future of them. With `refresh` (rollout.partial),
-        a call's rows may go on with newer weights (tidal.rollout.partial); each call starts with the
-        version the engine then holds."""
+        engine runs the next call, and each yield is a Future of them."""
         r = self.cfg.rollout
         prompts = [self.prompt(it) for it in items]
         cap = 1 if r.deterministic else max_groups_per_call
@@ -134,11 +130,7 @@ class Generator:
                 yield groups if scoring is None else finished(groups)
                 continue
             gen_start = time.time()
-            if refresh is None:
-                outputs = await self.engine.complete(requests)
-            else:
-                version = refresh.version
-                outputs = await complete_partial(self.engine, requests, r.max_new_tokens, refresh)
+            outputs = await self.engine.complete(requests)
             entries = [(it, request.prompt_ids, out, version, gen_start, time.time()) for it, request, out in zip(batch, requests, outputs)]
             score = partial(self.score, entries)
             yield (await asyncio.to_thread(score)) if scoring is None else scoring.submit(score)
@@ -232,7 +224,6 @@ def completion_sample(c: Completion, reward: float, parts: dict[str, float], cor
         finish_reason=c.finish_reason,
         reward_parts=parts,
         correct=correct,
-        versions=None if c.versions is None else np.asarray(c.versions, dtype=np.int32),
     )
 
 
