@@ -63,12 +63,15 @@ def build_learner(cfg: TidalConfig, base_model: str, strategy: Strategy | None =
     return learner, tokenizer
 
 
-def trainer_weight_store(cfg: TidalConfig, run: RunDir, base_model: str, learner: Learner, signing_key: str | None = None) -> WeightStore:
+def trainer_weight_store(
+    cfg: TidalConfig, run: RunDir, base_model: str, learner: Learner, signing_key: str | None = None, loaded_by_engines: bool = True
+) -> WeightStore:
     """The run's weight store as the trainer writes it: adapters under LoRA, each version with its probe log-probs
     (every rank builds the same probe, responses sampled from the base model: each runs the probe forward, rank 0
-    writes)."""
+    writes). `loaded_by_engines` False (sync mode's HF engine generates with the learner's own weights): no
+    engine loads a version, so none would check it, and the probe's forward per version is left out."""
     adapter = adapter_config(learner.peft_model, str(base_model)) if learner.lora else None
-    checked = cfg.weights.arrival_tolerance != 0  # None: the engine's default
+    checked = cfg.weights.arrival_tolerance != 0 and loaded_by_engines  # None: the engine's default
     if not checked:
         return WeightStore(run.weights, base_model, adapter, signing_key=signing_key)
     # built before a resumed run loads its checkpoint: the learner holds the base model, so every start of the run
@@ -247,7 +250,7 @@ def sync_trainer(
     private key, handed over by the launcher (never put in the environment its other children inherit)."""
     confine_user_code(cfg, run.root)
     learner, tokenizer = build_learner(cfg, run.info().base_model)
-    store = trainer_weight_store(cfg, run, run.info().base_model, learner, signing_key)
+    store = trainer_weight_store(cfg, run, run.info().base_model, learner, signing_key, loaded_by_engines=engine is not None)
     source = in_process_source(cfg, learner, tokenizer, store, engine)
     return asyncio.run(train(cfg, learner, source, dataset, store, run, tracker, on_iteration=on_iteration))
 

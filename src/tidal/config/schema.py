@@ -105,7 +105,8 @@ class WeightsConfig(Strict):
         "naming the version, when they differ from the trainer's by more than `arrival_tolerance` per token on average. "
         "Unset: 1e-3 where both sides compute in float32 or the HF engine runs the trainer's code; where a side computes in "
         "half precision, the larger of 0.02 (float16) / 0.15 (bfloat16) and 6x the engine's own difference on the base "
-        "model, measured before its first version ([vLLM](vllm.md#the-arrival-check)). 0 turns the check off.",
+        "model, measured before its first version ([vLLM](vllm.md#the-arrival-check)). 0 turns the check off. Sync mode on "
+        "the HF engine publishes no probe: its engine generates with the trainer's own weights and loads no version.",
     )
 
 
