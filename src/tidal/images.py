@@ -96,35 +96,35 @@ class ImageInputs:
         return int(self.image_grid_thw.prod(axis=1).sum()) // (merge_size * merge_size)
 
 
-def image_inputs_from(value: Any, what: str, max_images: int = MAX_IMAGES_PER_PROMPT) -> ImageInputs | None:
+def image_inputs_from(value: Any, what: str, error: type[Exception] = ValueError) -> ImageInputs | None:
     """A group's `images` from the wire, checked: a grid of positive integers, one row of patches per grid cell,
     finite pixel values."""
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise ValueError(f"{what}: expected a map with pixel_values and image_grid_thw, got {type(value).__name__}")
+        raise error(f"{what}: expected a map with pixel_values and image_grid_thw, got {type(value).__name__}")
     pixels, grid = value.get("pixel_values"), value.get("image_grid_thw")
     if not isinstance(grid, np.ndarray) or grid.ndim != 2 or grid.shape[1] != 3 or grid.dtype.kind not in "iu":
-        raise ValueError(f"{what}.image_grid_thw: expected an [images, 3] integer array")
-    if not 0 < grid.shape[0] <= max_images or (grid <= 0).any():
-        raise ValueError(f"{what}.image_grid_thw: 1 to {max_images} images of positive sizes expected, got {grid.tolist()[:4]}")
+        raise error(f"{what}.image_grid_thw: expected an [images, 3] integer array")
+    if not 0 < grid.shape[0] <= MAX_IMAGES_PER_PROMPT or (grid <= 0).any():
+        raise error(f"{what}.image_grid_thw: 1 to {MAX_IMAGES_PER_PROMPT} images of positive sizes expected, got {grid.tolist()[:4]}")
     if not isinstance(pixels, np.ndarray) or pixels.ndim != 2 or pixels.dtype.kind != "f":
-        raise ValueError(f"{what}.pixel_values: expected a 2-D float array")
+        raise error(f"{what}.pixel_values: expected a 2-D float array")
     patches = int(grid.prod(axis=1).sum())
     if pixels.shape[0] != patches:
-        raise ValueError(f"{what}.pixel_values: {pixels.shape[0]} patch rows for a grid of {patches} patches")
+        raise error(f"{what}.pixel_values: {pixels.shape[0]} patch rows for a grid of {patches} patches")
     if not np.isfinite(pixels).all():
-        raise ValueError(f"{what}.pixel_values: not finite")
+        raise error(f"{what}.pixel_values: not finite")
     return ImageInputs(pixels.astype(np.float32, copy=False), grid.astype(np.int64, copy=False))
 
 
-def image_bytes_from(value: Any, what: str) -> list[bytes] | None:
+def image_bytes_from(value: Any, what: str, error: type[Exception] = ValueError) -> list[bytes] | None:
     """A work item's `images` from the wire: encoded image files (checked by the worker when it opens them)."""
     if value is None:
         return None
     if not isinstance(value, list) or not 0 < len(value) <= MAX_IMAGES_PER_PROMPT or not all(isinstance(v, bytes) for v in value):
-        raise ValueError(f"{what}: expected a list of 1 to {MAX_IMAGES_PER_PROMPT} encoded images (bytes)")
+        raise error(f"{what}: expected a list of 1 to {MAX_IMAGES_PER_PROMPT} encoded images (bytes)")
     too_large = [len(v) for v in value if len(v) > MAX_IMAGE_BYTES]
     if too_large:
-        raise ValueError(f"{what}: an image of {too_large[0]} bytes, more than the {MAX_IMAGE_BYTES}-byte limit")
+        raise error(f"{what}: an image of {too_large[0]} bytes, more than the {MAX_IMAGE_BYTES}-byte limit")
     return value

@@ -19,6 +19,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from tidal.images import ImageInputs, image_bytes_from, image_inputs_from
 from tidal.token_versions import NO_VERSION, VersionRunsError, decode_runs, encode_runs
 from tidal.tool_rates import tool_use_rates  # noqa: F401 - its old home
 
@@ -61,8 +62,7 @@ class KVKey:
     WORKERS_PREFIX = "workers."
 
     @staticmethod
-    def worker(worker_id: str) -> str:
-        """A worker's heartbeat (tidal.transport.health)."""
+    def worker(worker_id: str) -> str:  # a worker's heartbeat (tidal.transport.health)
         return f"{KVKey.WORKERS_PREFIX}{worker_id}"
 
 
@@ -77,6 +77,7 @@ class WorkItem:
     prompt_id: int
     prompt: str
     answer: str
+    images: list[bytes] | None = None  # the prompt's encoded image files; None (left off the wire): text only
 
     @property
     def msg_id(self) -> str:  # JetStream de-duplication: a re-published item is stored once
@@ -143,6 +144,7 @@ class Group:
     # calls and failures per reward (and environment step() / reward()) since the worker's last group:
     # name -> [calls, failed, the first failure's text] (tidal.rewards.failures); None (left off the wire) when none were made
     failures: dict[str, list] | None = None
+    images: ImageInputs | None = None  # the prompt's processed images, once for all samples; None (left off the wire): text only
 
     @property
     def msg_id(self) -> str:
@@ -211,8 +213,8 @@ def _ext_hook(code: int, data: bytes):
 
 # Optional fields left off the wire when unset, so messages that do not use them keep their size and
 # older readers' view of them (a single-turn sample has no loss mask).
-_OMITTED_WHEN_NONE = frozenset({"loss_mask", "versions", "env_stats", "reward_stats", "failures"})
-_MAX_ENV_STATS = 64  # named counts a group may carry
+_OMITTED_WHEN_NONE = frozenset({"loss_mask", "versions", "env_stats", "reward_stats", "failures", "images"})
+_MAX_ENV_STATS, _MAX_ERROR_CHARS = 64, 1000  # named counts a group may carry; characters of a failure's text
 
 
 def _fields(pairs: list[tuple[str, Any]]) -> dict:
@@ -302,6 +304,7 @@ def work_item_from(data: Any) -> WorkItem:
         prompt_id=_get(d, "prompt_id", int, "work item"),
         prompt=_get(d, "prompt", str, "work item"),
         answer=_get(d, "answer", str, "work item"),
+        images=image_bytes_from(d.get("images"), "work item.images", ProtocolError),
     )
     if item.iteration < 0:
         raise ProtocolError(f"work item: negative iteration {item.iteration}")
@@ -404,9 +407,6 @@ def _env_stats(value: Any, what: str) -> dict[str, float] | None:
     return {k: float(v) for k, v in value.items()}
 
 
-_MAX_ERROR_CHARS = 1000
-
-
 def _failures(value: Any, what: str) -> dict[str, list] | None:
     """Group.failures: name -> [calls, failed, text] with 0 <= failed <= calls."""
     if value is None:
@@ -461,6 +461,7 @@ def group_from(data: Any, limits: GroupLimits = GroupLimits()) -> Group:
     group.env_stats = _env_stats(d.get("env_stats"), f"{where}.env_stats")
     group.reward_stats = _env_stats(d.get("reward_stats"), f"{where}.reward_stats")
     group.failures = _failures(d.get("failures"), f"{where}.failures")
+    group.images = image_inputs_from(d.get("images"), f"{where}.images", ProtocolError)
     return group
 
 

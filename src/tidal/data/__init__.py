@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.config import DataConfig
+from tidal.images import ImageError, row_images
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class Problem:
     prompt: str
     answer: str  # the final answer as a string, e.g. "936"
     origin: str = ""  # where it was read, "FILE:LINE" (for errors); "" for a generated problem
+    images: tuple[bytes, ...] = ()  # the prompt's images, encoded image files (tidal.images), in prompt order
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,8 @@ def _is_utf8(line: str) -> bool:
 
 
 def read_jsonl_problems(path: str | Path, limit: int | None = None) -> list[Problem]:
-    """Rows need `question` (or `prompt`) and `answer`; GSM8K's `#### 42` answers are understood."""
+    """Rows need `question` (or `prompt`) and `answer`; GSM8K's `#### 42` answers are understood. A row may
+    carry `images`: file paths (relative to the file) or {"bytes": base64} entries, read and checked here."""
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"dataset file not found: {p}")
@@ -102,7 +105,11 @@ def read_jsonl_problems(path: str | Path, limit: int | None = None) -> list[Prob
             question = row.get("question", row.get("prompt"))
             if not isinstance(question, str) or not isinstance(row.get("answer"), (str, int, float)):
                 raise DatasetError(f"{p}:{lineno}: a row needs string fields 'question' and 'answer'")
-            problems.append(Problem(len(problems), question.strip() + "\n", _answer_from_row(str(row["answer"])), f"{p}:{lineno}"))
+            try:
+                images = row_images(row.get("images"), p.parent, f"{p}:{lineno}")
+            except ImageError as err:
+                raise DatasetError(str(err)) from None
+            problems.append(Problem(len(problems), question.strip() + "\n", _answer_from_row(str(row["answer"])), f"{p}:{lineno}", images))
             if limit is not None and len(problems) >= limit:
                 left = sum(1 for rest in fh if rest.strip())
                 if left:
@@ -120,7 +127,7 @@ def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
     if cfg.eval_path:
         return Dataset(train, read_jsonl_problems(cfg.eval_path, cfg.num_eval))
     split = max(1, len(train) // 10)
-    held = [Problem(i, p.prompt, p.answer, p.origin) for i, p in enumerate(train[-split:])]
+    held = [Problem(i, p.prompt, p.answer, p.origin, p.images) for i, p in enumerate(train[-split:])]
     return Dataset(train[:-split], held[: cfg.num_eval])
 
 

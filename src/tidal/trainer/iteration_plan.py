@@ -30,7 +30,7 @@ def max_staleness(cfg: TidalConfig) -> int:
 
 
 def work_items(version: int, problems: list[Problem]) -> list[WorkItem]:
-    return [WorkItem(version, p.id, p.prompt, p.answer) for p in problems]
+    return [WorkItem(version, p.id, p.prompt, p.answer, list(p.images) or None) for p in problems]
 
 
 def replacement_budget(cfg: TidalConfig) -> int:

@@ -36,15 +36,18 @@ from tidal.trainer.distributed import SINGLE, all_reduce_max, all_reduce_sum
 from tidal.trainer.guard import record_skip, step_is_finite
 from tidal.trainer.packing import GroupTokenLogprobs, naive_token_logprobs, pack_groups, packed_token_logprobs, split_into_microbatches
 from tidal.trainer.strategy import SingleStrategy, Strategy
+from tidal.trainer.vision_packing import has_images, naive_vision_token_logprobs, packed_vision_token_logprobs
 
 
 def warmup_then_constant(warmup_steps: int):
     return lambda step: min(1.0, (step + 1) / (warmup_steps + 1))
 
 
-def as_packing_group(group: Group) -> tuple[list[int], list[list[int]], list[list[int] | None]]:
+def as_packing_group(group: Group) -> tuple:
+    """(prompt, responses, loss masks), and the prompt's processed images when it has any."""
     masks = [None if s.loss_mask is None else s.loss_mask.tolist() for s in group.samples]
-    return group.prompt_ids.tolist(), [s.token_ids.tolist() for s in group.samples], masks
+    parts = (group.prompt_ids.tolist(), [s.token_ids.tolist() for s in group.samples], masks)
+    return parts if group.images is None else (*parts, group.images)
 
 
 def padded(rows: list, width: int) -> torch.Tensor:
@@ -60,6 +63,10 @@ def token_logprobs(
     model, groups: list[tuple], temperature: float, attention: str, device: str, with_entropy: bool = False
 ) -> list[GroupTokenLogprobs]:
     """Per-token log-probs of every response: the shared-prompt packed layout, or the naive one."""
+    if has_images(groups):  # one vision-encoder call for the row, each group's images once (naive: once per sample)
+        if attention == "naive":
+            return naive_vision_token_logprobs(model, groups, temperature, with_entropy)
+        return packed_vision_token_logprobs(model, groups, device, temperature, attention, with_entropy)
     if attention == "naive":
         return naive_token_logprobs(model, groups, temperature, with_entropy)
     return packed_token_logprobs(model, pack_groups(groups, device=device), temperature, attention, with_entropy)
