@@ -40,6 +40,20 @@ def test_tidal_bench_shared_prompt_writes_both_layouts_figures(tmp_path):
     assert "speedup" in proc.stdout
 
 
+def test_tidal_bench_vision_counts_the_images_each_layout_encodes(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--group-sizes", "3", "--image-side", "56", "--response-len", "4", "--vision-depth", "1", "--vision-embed", "32"]
+    proc = run_cli("bench", "vision", *args, "--hidden", "32", "--layers", "1", "--repeats", "1", "--threads", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert (row["group_size"], row["image_patches"]) == (3, 16)
+    assert (row["per_sample_encoder_calls"], row["per_sample_images_encoded"]) == (1, 3)  # G rows, G copies, one call
+    assert (row["shared_encoder_calls"], row["shared_images_encoded"]) == (1, 1)
+    assert row["per_sample_seconds"] > 0 and row["shared_seconds"] > 0
+    assert row["speedup"] == row["per_sample_seconds"] / row["shared_seconds"]
+    assert "images encoded per sample 3 vs shared 1" in proc.stdout
+
+
 def test_an_unknown_benchmark_is_named():
     proc = run_cli("bench", "fastest")
     assert proc.returncode == 2 and "invalid choice: 'fastest'" in proc.stderr
@@ -195,7 +209,7 @@ def test_modes_and_trl_take_the_config_as_the_docs_write_it_positional_or_option
         main(["--config", "a.yaml", "--systems", "nope"])
 
 
-@pytest.mark.parametrize("name", ["modes", "rollout", "served-reward", "shared-prompt", "trainer", "trainer-step", "trl"])
+@pytest.mark.parametrize("name", ["modes", "rollout", "served-reward", "shared-prompt", "trainer", "trainer-step", "trl", "vision"])
 def test_each_benchmarks_help_says_what_it_measures_in_whole_sentences(name, capsys):
     import importlib
 

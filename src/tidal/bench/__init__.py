@@ -8,7 +8,8 @@ BENCHMARKS = {
     "shared-prompt": "tidal.bench.shared_prompt",  # naive vs shared-prompt packing: step time, peak memory
     "trainer": "tidal.bench.trainer",  # single vs fsdp2 vs deepspeed at 1 and 2 ranks: tokens/s, memory per rank
     "trainer-step": "tidal.bench.trainer_step",  # one trainer step on a model built from a config: tokens/s, MFU
-    "trl": "tidal.bench.versus_trl",  # TRL's GRPOTrainer vs Tidal sync and periodic: s/step, samples/s, a gradient check
+    "trl": "tidal.bench.versus_trl",
+    "vision": "tidal.bench.vision",  # one image per group: encoded per sample vs once per group (calls, seconds, memory)  # TRL's GRPOTrainer vs Tidal sync and periodic: s/step, samples/s, a gradient check
 }
 
 
