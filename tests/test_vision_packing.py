@@ -106,6 +106,18 @@ def test_packed_group_with_images_matches_per_sample_forwards(model, processor, 
     assert naive_images == [group_size, group_size]  # per sample: every group's image G times
 
 
+def test_an_image_token_a_response_samples_stays_text(model, processor):
+    """A policy may sample the image token: it is a token like any other there (its plain embedding, text
+    positions), in the packed forward as in the per-sample one and the engine's decoding."""
+    groups = vision_groups(processor, [4])
+    prompt, responses, masks, images = groups[0]
+    responses = [r + [processor.image_token_id, 7] for r in responses]
+    with torch.no_grad():
+        packed = packed_vision_token_logprobs(model, [(prompt, responses, masks, images)], "cpu", kernel="segmented")
+        naive = naive_vision_token_logprobs(model, [(prompt, responses, masks, images)])
+    torch.testing.assert_close(packed[0].logprobs, naive[0].logprobs, atol=ATOL, rtol=RTOL)
+
+
 def test_the_image_and_its_positions_matter(model, processor):
     """The equality above is not vacuous: another image changes the log-probs, and packing with plain text
     positions instead of M-RoPE's does not reproduce the per-sample forwards."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from tidal.images import ImageInputs, open_image
 
@@ -69,3 +70,31 @@ def load_processor(path: str | Path) -> VisionProcessor:
 def is_vision_model(config) -> bool:
     """Whether a model config has a vision tower (Qwen2-VL and alike)."""
     return getattr(config, "vision_config", None) is not None
+
+
+def rope_owner(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that computes M-RoPE positions (Qwen2-VL's inner model), under any wrapper (peft, DDP)."""
+    for module in model.modules():
+        if hasattr(module, "get_rope_index"):
+            return module
+    raise ValueError(f"{type(model).__name__} has no get_rope_index: not a Qwen2-VL-style vision-language model")
+
+
+def text_config(model: torch.nn.Module):
+    """The language model's config (its attention implementation is the packed layout's to switch)."""
+    return rope_owner(model).config.get_text_config()
+
+
+def image_token_id(model: torch.nn.Module) -> int:
+    return int(rope_owner(model).config.image_token_id)
+
+
+def prompt_positions(owner: torch.nn.Module, prompt: torch.Tensor, images: ImageInputs | None, image_token: int) -> torch.Tensor:
+    """[3, P] M-RoPE positions of one prompt on its own (plain 0..P-1 in each row when it has no image), by the
+    model's own rule (`owner` is `rope_owner(model)`)."""
+    if images is None:
+        return torch.arange(len(prompt), device=prompt.device).expand(3, -1)
+    grid = torch.as_tensor(images.image_grid_thw, device=prompt.device)
+    token_types = (prompt == image_token).long()[None]
+    positions, _ = owner.get_rope_index(prompt[None], mm_token_type_ids=token_types, image_grid_thw=grid)
+    return positions[:, 0]

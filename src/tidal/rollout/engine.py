@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from tidal.images import ImageInputs
 from tidal.rollout.trajectory import Responder, TrajectoryTokens, Turn, play_batch
 
 
@@ -31,6 +32,7 @@ class GroupRequest:
     n: int
     generator: torch.Generator | None = None  # per-group RNG (HF engine): deterministic, batch-independent samples
     seed: int | None = None  # the same for vLLM (a per-request seed); None: the engine's own RNG
+    images: ImageInputs | None = None  # the prompt's processed images (HF engine): encoded once, in the group's shared prefill
 
 
 class RolloutEngine(Protocol):
@@ -218,6 +220,29 @@ class HFEngine:
         return grouped
 
 
+def _prefill_with_images(model, requests: list[GroupRequest], ids: torch.Tensor, mask: torch.Tensor):
+    """The prompts' prefill with their images (each request's once) at M-RoPE positions, computed by the model
+    for each prompt alone and left-padded; returns the output and [rows, W] positions whose last column + 1
+    is where each row's generated text goes (one past its prompt's largest position, in all three rows)."""
+    from tidal.model.vision import image_token_id, prompt_positions, rope_owner  # the trainer's rule too
+
+    owner, image_token = rope_owner(model), image_token_id(model)
+    width = ids.shape[1]
+    rope = torch.zeros(3, len(requests), width, dtype=torch.long, device=ids.device)
+    for i, r in enumerate(requests):
+        rope[:, i, width - len(r.prompt_ids) :] = prompt_positions(owner, ids[i, width - len(r.prompt_ids) :], r.images, image_token)
+    with_images = [r.images for r in requests if r.images is not None]
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=rope,
+        pixel_values=torch.cat([torch.as_tensor(i.pixel_values) for i in with_images]).to(ids.device),
+        image_grid_thw=torch.cat([torch.as_tensor(i.image_grid_thw) for i in with_images]).to(ids.device),
+        use_cache=True,
+    )
+    return out, rope.max(dim=0).values
+
+
 class HFTrajectories:
     """The rows of one engine call, generated turn by turn over one KV cache.
 
@@ -240,7 +265,10 @@ class HFTrajectories:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            if any(r.images is not None for r in requests):
+                out, positions = _prefill_with_images(model, requests, ids, mask)
+            else:
+                out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         row_prompt = torch.repeat_interleave(torch.arange(len(requests), device=device), torch.tensor([r.n for r in requests], device=device))
         self.cache = returned_cache(out)
         self.cache.batch_select_indices(row_prompt)

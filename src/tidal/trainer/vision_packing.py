@@ -24,6 +24,7 @@ import torch
 
 from tidal.algo.logprobs import token_logprobs_from_logits
 from tidal.images import ImageInputs
+from tidal.model.vision import image_token_id, prompt_positions, rope_owner, text_config
 from tidal.trainer.packing import (
     _HF_ATTENTION,
     _PAD_ID,
@@ -56,36 +57,9 @@ def has_images(groups: Sequence[Sequence]) -> bool:
     return any(group_images(g) is not None for g in groups)
 
 
-def _rope_owner(model: torch.nn.Module) -> torch.nn.Module:
-    """The module that computes M-RoPE positions (Qwen2-VL's inner model), under any wrapper (peft, DDP)."""
-    for module in model.modules():
-        if hasattr(module, "get_rope_index"):
-            return module
-    raise ValueError(f"{type(model).__name__} has no get_rope_index: not a Qwen2-VL-style vision-language model")
-
-
-def _text_config(model: torch.nn.Module):
-    owner = _rope_owner(model)
-    return owner.config.get_text_config()
-
-
-def image_token_id(model: torch.nn.Module) -> int:
-    return int(_rope_owner(model).config.image_token_id)
-
-
-def prompt_positions(rope_owner, prompt: torch.Tensor, images: ImageInputs | None, image_token: int) -> torch.Tensor:
-    """[3, P] M-RoPE positions of one prompt on its own (plain 0..P-1 in each row when it has no image)."""
-    if images is None:
-        return torch.arange(len(prompt), device=prompt.device).expand(3, -1)
-    grid = torch.as_tensor(images.image_grid_thw, device=prompt.device)
-    token_types = (prompt == image_token).long()[None]
-    positions, _ = rope_owner.get_rope_index(prompt[None], mm_token_type_ids=token_types, image_grid_thw=grid)
-    return positions[:, 0]
-
-
 def packed_positions(model: torch.nn.Module, packed: PackedBatch, groups: Sequence[Sequence]) -> torch.Tensor:
     """[3, 1, T] positions of the packed row: each prompt's own, each response continuing one past its prompt's largest."""
-    owner, image_token = _rope_owner(model), image_token_id(model)
+    owner, image_token = rope_owner(model), image_token_id(model)
     ids = packed.input_ids[0]
     rows, start = [], 0
     for g, group in enumerate(groups):
@@ -96,6 +70,20 @@ def packed_positions(model: torch.nn.Module, packed: PackedBatch, groups: Sequen
         rows.append((following - prompt_len + prompt.max() + 1).expand(3, -1))  # packed positions restart at P per response
         start += prompt_len + following.numel()
     return torch.cat(rows, dim=1)[:, None]
+
+
+def embeddings_with_images(
+    model: torch.nn.Module, ids: torch.Tensor, slots: torch.Tensor, pixel_values: torch.Tensor, grid: torch.Tensor
+) -> torch.Tensor:
+    """Token embeddings of `ids` with the images' features in the prompt's image slots (`slots`, bool like `ids`),
+    the vision tower called once for all the images. An image token a response sampled keeps its plain
+    embedding, as in the engine's decoding (HF's own forward would put image features there too)."""
+    features = rope_owner(model).get_image_features(pixel_values, grid, return_dict=True).pooler_output
+    features = torch.cat(features, dim=0)
+    embeds = model.get_input_embeddings()(ids)
+    if int(slots.sum()) != features.shape[0]:
+        raise ValueError(f"the prompts hold {int(slots.sum())} image tokens for {features.shape[0]} image features")
+    return embeds.masked_scatter(slots[..., None], features.to(embeds.dtype))
 
 
 def pack_images(model: torch.nn.Module, packed: PackedBatch, groups: Sequence[Sequence]) -> PackedImages:
@@ -118,13 +106,12 @@ def packed_vision_token_logprobs(
     packed = pack_groups(groups, device=device)
     images = pack_images(model, packed, groups)
     kernel = resolve_kernel(kernel, device)
-    text = SimpleNamespace(config=_text_config(model))
+    text = SimpleNamespace(config=text_config(model))
     with _attention_implementation(text, _HF_ATTENTION[kernel]):
+        slots = (packed.input_ids == image_token_id(model)) & (packed.response_ids == -1)[None]
         logits = model(
-            input_ids=packed.input_ids,
+            inputs_embeds=embeddings_with_images(model, packed.input_ids, slots, images.pixel_values, images.image_grid_thw),
             position_ids=images.position_ids,
-            pixel_values=images.pixel_values,
-            image_grid_thw=images.image_grid_thw,
             logits_to_keep=packed.logit_index,
             use_cache=False,
             **_attention_inputs(packed, kernel),
@@ -160,16 +147,18 @@ def naive_vision_token_logprobs(
             mask[i, : len(response)] = True
             loss_mask[i, : len(response)] = True if sampled is None else torch.tensor([bool(m) for m in sampled], dtype=torch.bool)
         ids = torch.cat([torch.tensor(prompt, dtype=torch.long, device=device).expand(size, -1), targets], dim=1)
-        extra = {}
-        if images is not None:
-            extra = {
-                "pixel_values": torch.as_tensor(images.pixel_values, device=device).repeat(size, 1),
-                "image_grid_thw": torch.as_tensor(images.image_grid_thw, device=device).repeat(size, 1),
-                "mm_token_type_ids": (ids == image_token).long(),
-            }
-        logits = model(
-            input_ids=ids, logits_to_keep=torch.arange(prompt_len - 1, prompt_len + width - 1, device=device), use_cache=False, **extra
-        ).logits
+        keep = torch.arange(prompt_len - 1, prompt_len + width - 1, device=device)
+        if images is None:
+            logits = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
+        else:
+            slots = torch.zeros_like(ids, dtype=torch.bool)
+            slots[:, :prompt_len] = ids[:, :prompt_len] == image_token
+            grid = torch.as_tensor(images.image_grid_thw, device=device).repeat(size, 1)
+            pixels = torch.as_tensor(images.pixel_values, device=device).repeat(size, 1)
+            # the model's own positions for each whole row, its prompt's images the only images in it
+            positions, _ = rope_owner(model).get_rope_index(ids, mm_token_type_ids=slots.long(), image_grid_thw=grid)
+            embeds = embeddings_with_images(model, ids, slots, pixels, grid)
+            logits = model(inputs_embeds=embeds, position_ids=positions, logits_to_keep=keep, use_cache=False).logits
         logprobs, entropy = token_logprobs_from_logits(logits, targets, temperature, with_entropy)
         results.append(
             GroupTokenLogprobs(logprobs.masked_fill(~mask, 0.0), mask, entropy.masked_fill(~mask, 0.0) if with_entropy else None, loss_mask)
