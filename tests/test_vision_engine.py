@@ -3,10 +3,22 @@ shared prefill), and each sampled token's log-prob is the one the trainer's pack
 
 from __future__ import annotations
 
+import copy
+
+import numpy as np
+import pytest
 import torch
 
 from tests.test_vision_packing import EncoderCalls, model, processor, vision_groups  # noqa: F401 - fixtures
+from tidal.config import TrainerConfig, config_from_dict
+from tidal.data import read_jsonl_problems
+from tidal.demo.vision import write_count_task
+from tidal.protocol import WorkItem, decode_group, pack
+from tidal.rewards import RewardScorer
 from tidal.rollout.engine import GroupRequest, HFEngine
+from tidal.rollout.generator import generate_groups
+from tidal.trainer.iteration_plan import work_items
+from tidal.trainer.learner import Learner
 from tidal.trainer.vision_packing import packed_vision_token_logprobs
 
 
@@ -31,3 +43,48 @@ def test_engine_samples_with_images_carry_the_trainers_logprobs(model, processor
         for i, c in enumerate(cs):
             assert len(c.token_ids) >= 1
             torch.testing.assert_close(out.logprobs[i, : len(c.token_ids)], torch.tensor(c.logprobs), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chat_template", [False, True])
+def test_work_items_with_images_become_groups_that_carry_them_once(model, processor, tmp_path, chat_template):  # noqa: F811
+    """Data rows with images -> work items -> groups (HF engine, real scoring) -> the wire -> the learner."""
+    tok = processor.tokenizer
+    cfg = config_from_dict(
+        {
+            "rollout": {"group_size": 4, "max_new_tokens": 4},
+            "data": {"chat_template": chat_template},
+            "trainer": {"prompts_per_iteration": 2},
+            "eval": {"enabled": False},
+        }
+    )
+    problems = read_jsonl_problems(write_count_task(tmp_path, rows=3, seed=1))
+    items = work_items(0, problems[:2])
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=4)
+    groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items, cfg, version=0, worker_id="w", processor=processor)
+    received = [decode_group(pack(g)) for g in groups]
+    for group, problem in zip(received, problems[:2], strict=True):
+        expected = processor.process_images(list(problem.images))
+        np.testing.assert_array_equal(group.images.pixel_values, expected.pixel_values)
+        assert list(group.prompt_ids).count(processor.image_token_id) == expected.tokens(processor.merge_size) == 4
+        assert "how many red squares?" in tok.decode(group.prompt_ids, skip_special_tokens=True)
+        assert len(group.samples) == 4
+    for group in received:  # rewards that differ, so that every group has a gradient (the random model scores 0)
+        for sample, reward in zip(group.samples, [1.0, 0.0, 0.0, 1.0]):
+            sample.reward = reward
+    learner = Learner(TrainerConfig(), copy.deepcopy(model), tok.pad_token_id, device="cpu")
+    calls = EncoderCalls(learner.model)
+    try:
+        trained = learner.train_on_groups(received)
+    finally:
+        calls.close()
+    assert trained == sum(len(s.token_ids) for g in received for s in g.samples)
+    assert calls.images == [2]  # one call of the vision tower, each group's image once
+
+
+def test_a_work_item_with_images_needs_a_vision_processor(model, processor):  # noqa: F811
+    tok = processor.tokenizer
+    cfg = config_from_dict({"rollout": {"group_size": 2, "max_new_tokens": 2}, "eval": {"enabled": False}})
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=2)
+    item = WorkItem(0, 0, "how many?", "1", images=[b"\x89PNG"])
+    with pytest.raises(ValueError, match="work item w-0-0 has images: a vision-language model's processor"):
+        generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), [item], cfg, version=0, worker_id="w")

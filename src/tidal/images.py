@@ -21,6 +21,8 @@ import numpy as np
 MAX_IMAGE_BYTES = 8 * 1024 * 1024  # one encoded image file
 MAX_IMAGE_PIXELS = 4096 * 4096  # one decoded image (width x height); beyond it PIL's decompression-bomb territory
 MAX_IMAGES_PER_PROMPT = 16
+# where an image goes in a prompt without a chat template (Qwen2-VL's tokens; the processor widens the image token)
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 class ImageError(ValueError):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.config import DataConfig
-from tidal.images import ImageError, row_images
+from tidal.images import IMAGE_PLACEHOLDER, ImageError, row_images
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +143,15 @@ def prompts_for_iteration(dataset: Dataset, seed: int, iteration: int, count: in
     return iteration_prompt_order(dataset, seed, iteration)[:count]
 
 
-def render_prompt(text: str, cfg: DataConfig) -> str | list[dict]:
-    """The problem's text as the model will see it: a string, or chat messages for a chat template."""
+def render_prompt(text: str, cfg: DataConfig, images: int = 0) -> str | list[dict]:
+    """The problem's text as the model will see it: a string, or chat messages for a chat template. With
+    `images`, one image placeholder each before the text (an image part of the user message under a template)."""
     body = cfg.prompt_template.format(prompt=text)
     if not cfg.chat_template:
-        return body
+        return IMAGE_PLACEHOLDER * images + body
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt is not None else []
-    return system + [{"role": "user", "content": body.strip()}]
+    content = [{"type": "image"}] * images + [{"type": "text", "text": body.strip()}] if images else body.strip()
+    return system + [{"role": "user", "content": content}]
 
 
 def prompt_encoder(tokenizer, cfg: DataConfig | None = None) -> Callable[[str], list[int]]:
@@ -162,8 +164,8 @@ def prompt_encoder(tokenizer, cfg: DataConfig | None = None) -> Callable[[str], 
             "use an instruct model's tokenizer, or set data.chat_template: false"
         )
 
-    def encode(text: str) -> list[int]:
-        rendered = render_prompt(text, cfg)
+    def encode(text: str, images: int = 0) -> list[int]:
+        rendered = render_prompt(text, cfg, images)
         if isinstance(rendered, str):
             return tokenizer(rendered, add_special_tokens=False).input_ids
         ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -21,6 +21,7 @@ import numpy as np
 
 from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
+from tidal.images import ImageInputs
 from tidal.protocol import Group, Sample, WorkItem
 from tidal.rewards import RewardScorer, exact_match
 from tidal.rollout.agent import AgentLoop
@@ -77,10 +78,14 @@ def finished(value) -> Future:
 class Generator:
     """Generates and scores groups for one worker (or sync mode's trainer)."""
 
-    def __init__(self, cfg: TidalConfig, engine: RolloutEngine, tokenizer, scorer: RewardScorer, worker_id: str, agent: AgentLoop | None = None):
+    def __init__(
+        self, cfg: TidalConfig, engine: RolloutEngine, tokenizer, scorer: RewardScorer, worker_id: str, agent: AgentLoop | None = None, processor=None
+    ):
         self.cfg, self.engine, self.tokenizer, self.scorer, self.worker_id = cfg, engine, tokenizer, scorer, worker_id
         self.agent = agent
         self.encode = prompt_encoder(tokenizer, cfg.data)
+        self.processor = processor  # a vision-language model's (tidal.model.vision.VisionProcessor): items with images
+        self.images: dict[str, ImageInputs] = {}  # an item's processed images, from its prompt until its group is made
 
     @classmethod
     def for_worker(cls, cfg: TidalConfig, engine: RolloutEngine, tokenizer, scorer: RewardScorer, worker_id: str) -> Generator:
@@ -94,7 +99,12 @@ class Generator:
 
     def prompt(self, item: WorkItem) -> list[int]:
         """The prompt tokens of `item`'s group (with rollout.agent: one environment's first messages, rendered)."""
-        return self.agent.first_prompt(item) if self.agent is not None else self.encode(item.prompt)
+        if item.images and (self.processor is None or self.agent is not None):
+            raise ValueError(f"work item {item.msg_id} has images: a vision-language model's processor and a single-turn rollout take them")
+        if not item.images:
+            return self.agent.first_prompt(item) if self.agent is not None else self.encode(item.prompt)
+        prompt, self.images[item.msg_id] = self.processor.encode(self.encode(item.prompt, len(item.images)), item.images)
+        return prompt
 
     def request(self, item: WorkItem, prompt: list[int]) -> GroupRequest:
         """The group's request: G rows, and in deterministic mode its own RNG (HF) and seed (vLLM)."""
@@ -104,6 +114,7 @@ class Generator:
             r.group_size,
             group_generator(seed, item.iteration, item.prompt_id),
             group_seed(seed, item.iteration, item.prompt_id) if r.deterministic else None,
+            images=self.images.get(item.msg_id),
         )
 
     async def calls(
@@ -220,6 +231,7 @@ class Generator:
             gen_start=times[0],
             gen_end=times[1],
             reward_errors=reward_errors,
+            images=self.images.pop(item.msg_id, None),
             **extra,
         )
 
@@ -247,12 +259,15 @@ def generate_groups(
     worker_id: str,
     max_groups_per_call: int | None = None,
     agent: AgentLoop | None = None,
+    processor=None,
 ) -> list[Group]:
     """Generator.calls, blocking, every call's groups in one list (sync mode, planning, benchmarks); call
     it where no event loop runs. With rollout.agent and no `agent`, one is built here and closed after."""
     own = agent is None and cfg.rollout.agent is not None
     generator = (
-        Generator.for_worker(cfg, engine, tokenizer, scorer, worker_id) if own else Generator(cfg, engine, tokenizer, scorer, worker_id, agent)
+        Generator.for_worker(cfg, engine, tokenizer, scorer, worker_id)
+        if own
+        else Generator(cfg, engine, tokenizer, scorer, worker_id, agent, processor)
     )
 
     async def collect() -> list[Group]:
