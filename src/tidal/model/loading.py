@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedTokenizerFast
 
 from tidal.logs import quiet_transformers
 
@@ -56,7 +56,9 @@ def load_tokenizer(path: str | Path):
 def load_model_and_tokenizer(path: str | Path, dtype: str = "float32"):
     tokenizer = load_tokenizer(path)
     with _loading(path, "model"):
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+        config = AutoConfig.from_pretrained(str(path))
+        auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+        model = auto.from_pretrained(str(path), dtype=DTYPES[dtype])
     return model, tokenizer
 
 

@@ -123,11 +123,17 @@ class HFEngine:
         self.temperature = temperature
         self.cache_kwarg = cache_argument_name(model)
         self.version: int | None = None  # the weight-store version loaded by load_snapshot
+        self.processor = None  # a vision-language model's (tidal.model.vision.VisionProcessor): prompts with images
 
     @classmethod
     def for_rollout(cls, model, tokenizer, rollout_cfg) -> HFEngine:
         """The engine `rollout.*` describes, over `model` (shared, not copied)."""
-        return cls(model, tokenizer.eos_token_id, tokenizer.pad_token_id, rollout_cfg.max_new_tokens, rollout_cfg.temperature)
+        engine = cls(model, tokenizer.eos_token_id, tokenizer.pad_token_id, rollout_cfg.max_new_tokens, rollout_cfg.temperature)
+        from tidal.model.vision import is_vision_model, load_processor
+
+        if is_vision_model(getattr(model, "config", None)):
+            engine.processor = load_processor(model.config._name_or_path)
+        return engine
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Full weights, or under LoRA (a peft model) the adapter's tensors, set in place on the base loaded once."""

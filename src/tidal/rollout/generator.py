@@ -84,7 +84,9 @@ class Generator:
         self.cfg, self.engine, self.tokenizer, self.scorer, self.worker_id = cfg, engine, tokenizer, scorer, worker_id
         self.agent = agent
         self.encode = prompt_encoder(tokenizer, cfg.data)
-        self.processor = processor  # a vision-language model's (tidal.model.vision.VisionProcessor): items with images
+        self.processor = processor or getattr(
+            engine, "processor", None
+        )  # a vision-language model's (tidal.model.vision.VisionProcessor): items with images
         self.images: dict[str, ImageInputs] = {}  # an item's processed images, from its prompt until its group is made
 
     @classmethod
