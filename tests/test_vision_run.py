@@ -24,7 +24,7 @@ def test_tidal_run_trains_a_tiny_vlm_on_prompts_with_images(tmp_path, mode):
         "data": {"task": "jsonl", "path": str(data), "num_train": 28, "num_eval": 4},
         "rollout": {"group_size": 4, "max_new_tokens": 4},
         "trainer": {"prompts_per_iteration": 2, "iterations": 2, "kl_coef": 0.01},  # a KL term: every group is trained
-        "eval": {"enabled": False},
+        "eval": {"enabled": mode == "sync", "samples_per_prompt": 2, "k": [1, 2]},  # held-out prompts with their images, before and after
     }
     path = tmp_path / "vision.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -36,3 +36,5 @@ def test_tidal_run_trains_a_tiny_vlm_on_prompts_with_images(tmp_path, mode):
     assert max(m["logprob_mismatch"] for m in metrics) < 1e-5
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["iterations"] == 2
+    if mode == "sync":
+        assert summary["accuracy_before"] is not None and summary["accuracy_after"] is not None

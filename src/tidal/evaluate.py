@@ -62,7 +62,7 @@ def held_out_scores(
     n = max(1, samples)
 
     def answers() -> Iterator[tuple[Problem, list[str]]]:
-        for chunk, requests in eval_requests(problems, batch_size, n, seed, encode):
+        for chunk, requests in eval_requests(problems, batch_size, n, seed, encode, getattr(engine, "processor", None)):
             for p, group in zip(chunk, engine.generate(requests, greedy=samples == 0, max_new_tokens=max_new_tokens)):
                 yield p, [tokenizer.decode(sample.token_ids, skip_special_tokens=True) for sample in group]
 
@@ -93,21 +93,25 @@ def held_out_agent_scores(
 
 
 def eval_requests(
-    problems: list[Problem], batch_size: int, n: int, seed: int, encode: Callable[[str], list[int]] | None
+    problems: list[Problem], batch_size: int, n: int, seed: int, encode: Callable[[str], list[int]] | None, processor=None
 ) -> Iterator[tuple[list[Problem], list[GroupRequest]]]:
     """The problems in chunks, each with its requests: n rows per problem, seeded per prompt so that
-    two snapshots are compared on the same noise (`encode` None: the prompt is set by the caller)."""
+    two snapshots are compared on the same noise (`encode` None: the prompt is set by the caller). A problem
+    with images needs the vision-language model's `processor` (tidal.model.vision)."""
+
+    def request(p: Problem) -> GroupRequest:
+        prompt, images = encode(p.prompt) if encode else [], None
+        if p.images:
+            if processor is None or encode is None:
+                raise ValueError(
+                    f"held-out problem {p.id} ({p.origin}) has images: a vision-language model's processor and a single-turn eval take them"
+                )
+            prompt, images = processor.encode(encode(p.prompt, len(p.images)), list(p.images))
+        return GroupRequest(prompt, n, group_generator(seed, EVAL_ITERATION, p.id), group_seed(seed, EVAL_ITERATION, p.id), images)
+
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
-        yield (
-            chunk,
-            [
-                GroupRequest(
-                    encode(p.prompt) if encode else [], n, group_generator(seed, EVAL_ITERATION, p.id), group_seed(seed, EVAL_ITERATION, p.id)
-                )
-                for p in chunk
-            ],
-        )
+        yield chunk, [request(p) for p in chunk]
 
 
 def answer_scores(answers: Iterable[tuple[Problem, list[str]]], count: int, n: int, ks: tuple[int, ...]) -> dict[str, float]:
