@@ -94,7 +94,7 @@ def prompt_positions(owner: torch.nn.Module, prompt: torch.Tensor, images: Image
     model's own rule (`owner` is `rope_owner(model)`)."""
     if images is None:
         return torch.arange(len(prompt), device=prompt.device).expand(3, -1)
-    grid = torch.as_tensor(images.image_grid_thw, device=prompt.device)
+    grid = torch.tensor(images.image_grid_thw, device=prompt.device)
     token_types = (prompt == image_token).long()[None]
     positions, _ = owner.get_rope_index(prompt[None], mm_token_type_ids=token_types, image_grid_thw=grid)
     return positions[:, 0]

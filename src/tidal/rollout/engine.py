@@ -242,8 +242,8 @@ def _prefill_with_images(model, requests: list[GroupRequest], ids: torch.Tensor,
         input_ids=ids,
         attention_mask=mask,
         position_ids=rope,
-        pixel_values=torch.cat([torch.as_tensor(i.pixel_values) for i in with_images]).to(ids.device),
-        image_grid_thw=torch.cat([torch.as_tensor(i.image_grid_thw) for i in with_images]).to(ids.device),
+        pixel_values=torch.cat([torch.tensor(i.pixel_values) for i in with_images]).to(ids.device),
+        image_grid_thw=torch.cat([torch.tensor(i.image_grid_thw) for i in with_images]).to(ids.device),
         use_cache=True,
     )
     return out, rope.max(dim=0).values

@@ -89,8 +89,8 @@ def embeddings_with_images(
 def pack_images(model: torch.nn.Module, packed: PackedBatch, groups: Sequence[Sequence]) -> PackedImages:
     device = packed.input_ids.device
     present = [group_images(g) for g in groups if group_images(g) is not None]
-    pixels = torch.cat([torch.as_tensor(i.pixel_values) for i in present]).to(device)
-    grid = torch.cat([torch.as_tensor(i.image_grid_thw) for i in present]).to(device)
+    pixels = torch.cat([torch.tensor(i.pixel_values) for i in present]).to(device)
+    grid = torch.cat([torch.tensor(i.image_grid_thw) for i in present]).to(device)
     return PackedImages(pixels, grid, packed_positions(model, packed, groups))
 
 
@@ -153,8 +153,8 @@ def naive_vision_token_logprobs(
         else:
             slots = torch.zeros_like(ids, dtype=torch.bool)
             slots[:, :prompt_len] = ids[:, :prompt_len] == image_token
-            grid = torch.as_tensor(images.image_grid_thw, device=device).repeat(size, 1)
-            pixels = torch.as_tensor(images.pixel_values, device=device).repeat(size, 1)
+            grid = torch.tensor(images.image_grid_thw, device=device).repeat(size, 1)
+            pixels = torch.tensor(images.pixel_values, device=device).repeat(size, 1)
             # the model's own positions for each whole row, its prompt's images the only images in it
             positions, _ = rope_owner(model).get_rope_index(ids, mm_token_type_ids=slots.long(), image_grid_thw=grid)
             embeds = embeddings_with_images(model, ids, slots, pixels, grid)
