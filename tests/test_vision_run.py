@@ -38,3 +38,12 @@ def test_tidal_run_trains_a_tiny_vlm_on_prompts_with_images(tmp_path, mode):
     assert summary["iterations"] == 2
     if mode == "sync":
         assert summary["accuracy_before"] is not None and summary["accuracy_after"] is not None
+        exported = tmp_path / "exported"  # the model with its processor, loadable on its own
+        proc = run_cli("export", str(tmp_path / "run"), "--out", str(exported))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        from transformers import AutoModelForImageTextToText
+
+        from tidal.model.vision import load_processor
+
+        assert AutoModelForImageTextToText.from_pretrained(str(exported)).config.vision_config is not None
+        assert load_processor(exported).process_images([data.parent.joinpath("images/00000.png").read_bytes()]).tokens(2) == 4

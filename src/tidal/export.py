@@ -116,13 +116,17 @@ def model_dtype(run: RunDir) -> str:
 
 
 def save_side_files(base: str, out: Path) -> None:
-    """Tokenizer (with its chat template) and generation config of the run's base model: a snapshot
-    copies only some of the tokenizer's files, and none for a base model named by hub id."""
-    from transformers import GenerationConfig
+    """Tokenizer (with its chat template), a vision-language model's image processor, and generation config
+    of the run's base model: a snapshot copies only some of the tokenizer's files, and none for a base model
+    named by hub id."""
+    from transformers import AutoConfig, GenerationConfig
 
     from tidal.model.loading import load_tokenizer
+    from tidal.model.vision import is_vision_model, load_processor
 
     load_tokenizer(base).save_pretrained(out)
+    if is_vision_model(AutoConfig.from_pretrained(base)):
+        load_processor(base).image_processor.save_pretrained(out)
     try:
         GenerationConfig.from_pretrained(base).save_pretrained(out)
     except OSError:  # the base model has none: transformers derives one from config.json
