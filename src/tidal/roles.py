@@ -2,7 +2,8 @@
 
 This module wires the packages together (the trainer and the rollout package never import each
 other): the trainer's group source, its NCCL weight push over the vLLM adapter, and sync mode's
-in-process generation."""
+in-process generation. The rollout side (engines, workers, rewards, environments) is imported where
+a role generates (a worker, sync mode): a periodic trainer's process never loads it."""
 
 from __future__ import annotations
 
@@ -25,11 +26,6 @@ from tidal.model.loading import load_model_and_tokenizer
 from tidal.model.lora import adapter_config, apply_lora
 from tidal.model.probe import make_probe
 from tidal.protocol import GroupLimits, RunState
-from tidal.rewards import RewardScorer
-from tidal.rollout.agent import AgentLoop
-from tidal.rollout.engine import HFEngine
-from tidal.rollout.generator import generate_groups
-from tidal.rollout.worker import RolloutWorker
 from tidal.run_keys import load_public_key, load_signing_key
 from tidal.rundir import RunDir, RunInfo
 from tidal.sandbox import confine_user_code
@@ -221,6 +217,11 @@ def in_process_source(cfg: TidalConfig, run: RunDir, learner: Learner, tokenizer
     """Sync mode's source: generation in this process. `engine` None: the HF engine over the
     learner's own model (no copy); else an engine with `load_snapshot` (vLLM) that loads version v
     from the weight store before generating it."""
+    from tidal.rewards import RewardScorer
+    from tidal.rollout.agent import AgentLoop
+    from tidal.rollout.engine import HFEngine
+    from tidal.rollout.generator import generate_groups
+
     scorer = RewardScorer.from_config(cfg.reward, seed=judge_seed(cfg), served_urls=run.reward_server_urls())
     if engine is None:
         engine = HFEngine.for_rollout(learner.model, tokenizer, cfg.rollout)
@@ -265,6 +266,9 @@ def sync_trainer(
 
 def rollout_engine(cfg: TidalConfig, base_model: str) -> tuple[object, object, type]:
     """(engine, tokenizer, worker class) for `rollout.engine`; vLLM is imported only when asked for."""
+    from tidal.rollout.engine import HFEngine
+    from tidal.rollout.worker import RolloutWorker
+
     if cfg.rollout.engine == "vllm":
         from tidal.model.loading import load_tokenizer
         from tidal.rollout.vllm_adapter import VLLMEngine
@@ -291,6 +295,8 @@ def cancel_on_sigterm() -> Callable[[], bool]:
 
 
 async def worker_role(cfg: TidalConfig, run: RunDir, nats_url: str, worker_id: str, credentials: dict | None = None) -> int:
+    from tidal.rewards import RewardScorer
+
     confine_user_code(cfg, run.root)
     load_public_key(cfg, run)  # every snapshot it loads is checked against it
     stop_requested = cancel_on_sigterm()
