@@ -436,6 +436,25 @@ def test_prepare_refuses_relative_data_paths_in_config_text_and_missing_data_fil
     assert yaml.safe_load(Path(staged).read_text())["data"]["path"] == str(data)
 
 
+def test_the_staged_config_names_the_snapshot_keys_where_the_pods_mount_them(tmp_path, monkeypatch):
+    """every role reads its snapshot key from the file the staged config names: the cluster's mounts (unless the
+    config names others); under --via kfp-local, where nothing is mounted, the run directory's (the default)."""
+    from tidal.kube.steps.pod_sandbox import POD_SANDBOX_ENV
+
+    (tmp_path / "kube").mkdir()
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    text = f"data: {{task: jsonl, path: {data}}}\n"
+    monkeypatch.delenv(POD_SANDBOX_ENV, raising=False)
+    weights = yaml.safe_load(Path(staging.stage_config(RunDir(tmp_path), text, "", [])).read_text())["weights"]
+    assert (weights["public_key_file"], weights["signing_key_file"]) == (cluster.WEIGHTS_PUBLIC_KEY_FILE, cluster.WEIGHTS_SIGNING_KEY_FILE)
+    weights = yaml.safe_load(Path(staging.stage_config(RunDir(tmp_path), text, "", ["weights.public_key_file=/keys/pub"])).read_text())["weights"]
+    assert (weights["public_key_file"], weights["signing_key_file"]) == ("/keys/pub", cluster.WEIGHTS_SIGNING_KEY_FILE)
+    monkeypatch.setenv(POD_SANDBOX_ENV, str(tmp_path / "pods"))
+    weights = yaml.safe_load(Path(staging.stage_config(RunDir(tmp_path), text, "", [])).read_text())["weights"]
+    assert weights["public_key_file"] is None and weights["signing_key_file"] is None
+
+
 def test_prepare_runs_the_checks_tidal_run_runs_before_anything_starts(tmp_path):
     """Bad input in the pipeline: a bad reward name or data row fails the prepare step in one line naming it."""
     (tmp_path / "kube").mkdir()
