@@ -24,6 +24,16 @@ TEST_SWITCHES = ("TIDAL_TEST_MARKERS", "TIDAL_TEST_TARGETS", "TIDAL_TEST_REWARD_
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def no_trusted_key_between_tests():
+    """A role trusts its run's public key for the rest of its process (tidal.weights.signing.trust_public_key): a
+    test that plays a role in-process does not hand the key on to the next test."""
+    yield
+    signing = sys.modules.get("tidal.weights.signing")
+    if signing is not None:
+        signing.trust_public_key(None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_running():
     """Every process the session's tests started has ended when the session does: each pytest process

@@ -438,10 +438,9 @@ def test_compiled_pipeline_matches_what_the_overlay_promises(overlay, compiled):
             assert secrets[cluster.MLFLOW_SECRET] == cluster.MLFLOW_SECRET_ENV
             assert optional["MLFLOW_TRACKING_URI"] is False, executor  # no Secret: the pod does not start, and says so
             assert optional["MLFLOW_TRACKING_USERNAME"] is True, executor
-        if cluster.WEIGHTS_SIGNING_SECRET in secrets:  # the trainer's step alone; no Secret: the pod does not start
-            assert secrets[cluster.WEIGHTS_SIGNING_SECRET] == cluster.WEIGHTS_SIGNING_SECRET_ENV and not optional["TIDAL_WEIGHTS_SIGNING_KEY"], (
-                executor
-            )
+        assert cluster.WEIGHTS_SIGNING_SECRET not in secrets, executor  # a file in the trainer's step alone, never env
+        for volume in config.get("secretAsVolume", []):  # no Secret: the pod does not start
+            assert (volume["secretName"], volume["optional"]) == (cluster.WEIGHTS_SIGNING_SECRET, False), executor
         if executor in ("exec-prepare", "exec-open-round", "exec-rollout-worker", "exec-train", "exec-train-2", "exec-evaluate", "exec-finalize"):
             # the step's role's password (which role: tests/test_kube_nats_auth.py), and the server reads every one
             ((key, env_name),) = secrets[cluster.NATS_SECRET].items()

@@ -117,16 +117,18 @@ def step_credentials(executor: dict) -> tuple[str | None, bool, str | None]:
     """What a compiled step's pod is given, in STEP_CREDENTIALS' terms."""
     secrets = {s["secretName"]: {k["secretKey"] for k in s["keyToEnv"]} for s in executor.get("secretAsEnv", [])}
     (password,) = secrets.get(cluster.NATS_SECRET, {None})
-    public = [c for c in executor.get("configMapAsEnv", []) if c["configMapName"] == cluster.WEIGHTS_PUBLIC_CONFIG_MAP]
-    keys = "signing" if cluster.WEIGHTS_SIGNING_SECRET in secrets else "public" if public else None
+    public = [c for c in executor.get("configMapAsVolume", []) if c["configMapName"] == cluster.WEIGHTS_PUBLIC_CONFIG_MAP]
+    signing = [s for s in executor.get("secretAsVolume", []) if s["secretName"] == cluster.WEIGHTS_SIGNING_SECRET]
+    keys = "signing" if signing else "public" if public else None
     return password and password.removesuffix("-password"), cluster.MLFLOW_SECRET in secrets, keys
 
 
 @pytest.mark.parametrize("accelerator", sorted(cluster.PROFILES))
 def test_each_step_gets_only_the_secrets_it_uses(tmp_path, accelerator):
     """least privilege over the compiled IR: the private key in the trainer's step alone (every other step that
-    loads or checks a snapshot gets the public key), MLflow's credentials only where a step logs to MLflow, and
-    no Secret beyond those (the rollout worker's served-reward keys aside)."""
+    loads or checks a snapshot gets the public key), both as files where the staged config names them, never in
+    a step's environment; MLflow's credentials only where a step logs to MLflow, and no Secret beyond those (the
+    rollout worker's served-reward keys aside)."""
     from tidal.kube.pipeline.definition import compile_pipeline
 
     spec, platform = yaml.safe_load_all(compile_pipeline(tmp_path / "p.yaml", accelerator).read_text())
@@ -136,11 +138,18 @@ def test_each_step_gets_only_the_secrets_it_uses(tmp_path, accelerator):
     given = {names.get(name.removeprefix("exec-"), name.removeprefix("exec-")): step_credentials(e) for name, e in executors.items()}
     assert given == STEP_CREDENTIALS
     for name, executor in executors.items():
-        allowed = {cluster.NATS_SECRET, cluster.MLFLOW_SECRET, cluster.WEIGHTS_SIGNING_SECRET}
+        allowed = {cluster.NATS_SECRET, cluster.MLFLOW_SECRET}
         allowed |= {cluster.REWARD_SECRET} if name == "exec-rollout-worker" else set()
         assert {s["secretName"] for s in executor.get("secretAsEnv", [])} <= allowed, name
-        public = [c for c in executor.get("configMapAsEnv", [])]
-        assert all(c["configMapName"] == cluster.WEIGHTS_PUBLIC_CONFIG_MAP and not c.get("optional") for c in public), name
+        assert "configMapAsEnv" not in executor, name
+        files = {(c["configMapName"], c["mountPath"], c["optional"]) for c in executor.get("configMapAsVolume", [])}
+        files |= {(s["secretName"], s["mountPath"], s["optional"]) for s in executor.get("secretAsVolume", [])}
+        assert files <= {
+            (cluster.WEIGHTS_PUBLIC_CONFIG_MAP, cluster.WEIGHTS_PUBLIC_MOUNT_PATH, False),
+            (cluster.WEIGHTS_SIGNING_SECRET, cluster.WEIGHTS_SIGNING_MOUNT_PATH, False),
+        }, name
+    assert Path(cluster.WEIGHTS_PUBLIC_KEY_FILE).parent == Path(cluster.WEIGHTS_PUBLIC_MOUNT_PATH)
+    assert Path(cluster.WEIGHTS_SIGNING_KEY_FILE).parent == Path(cluster.WEIGHTS_SIGNING_MOUNT_PATH)
 
 
 def test_compile_rejects_an_unknown_accelerator(tmp_path):
@@ -425,6 +434,25 @@ def test_prepare_refuses_relative_data_paths_in_config_text_and_missing_data_fil
     data.write_text('{"question": "1+1", "answer": "2"}\n')
     staged = staging.stage_config(RunDir(tmp_path), f"data: {{task: jsonl, path: {data}}}\n", "", [])
     assert yaml.safe_load(Path(staged).read_text())["data"]["path"] == str(data)
+
+
+def test_the_staged_config_names_the_snapshot_keys_where_the_pods_mount_them(tmp_path, monkeypatch):
+    """every role reads its snapshot key from the file the staged config names: the cluster's mounts (unless the
+    config names others); under --via kfp-local, where nothing is mounted, the run directory's (the default)."""
+    from tidal.kube.steps.pod_sandbox import POD_SANDBOX_ENV
+
+    (tmp_path / "kube").mkdir()
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    text = f"data: {{task: jsonl, path: {data}}}\n"
+    monkeypatch.delenv(POD_SANDBOX_ENV, raising=False)
+    weights = yaml.safe_load(Path(staging.stage_config(RunDir(tmp_path), text, "", [])).read_text())["weights"]
+    assert (weights["public_key_file"], weights["signing_key_file"]) == (cluster.WEIGHTS_PUBLIC_KEY_FILE, cluster.WEIGHTS_SIGNING_KEY_FILE)
+    weights = yaml.safe_load(Path(staging.stage_config(RunDir(tmp_path), text, "", ["weights.public_key_file=/keys/pub"])).read_text())["weights"]
+    assert (weights["public_key_file"], weights["signing_key_file"]) == ("/keys/pub", cluster.WEIGHTS_SIGNING_KEY_FILE)
+    monkeypatch.setenv(POD_SANDBOX_ENV, str(tmp_path / "pods"))
+    weights = yaml.safe_load(Path(staging.stage_config(RunDir(tmp_path), text, "", [])).read_text())["weights"]
+    assert weights["public_key_file"] is None and weights["signing_key_file"] is None
 
 
 def test_prepare_runs_the_checks_tidal_run_runs_before_anything_starts(tmp_path):

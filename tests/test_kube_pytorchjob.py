@@ -69,7 +69,16 @@ def test_job_shape_for_nodes_and_accelerators(profile, resource, nodes):
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         claim = {v["name"]: v for v in spec["volumes"]}["data"]["persistentVolumeClaim"]["claimName"]
         assert claim == cluster.DATA_PVC
-        assert {m["mountPath"] for m in container["volumeMounts"]} == {cluster.DATA_MOUNT_PATH, "/dev/shm"}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert mounts == {
+            cluster.DATA_MOUNT_PATH: "data",
+            "/dev/shm": "dshm",
+            cluster.WEIGHTS_SIGNING_MOUNT_PATH: "weights-signing",  # signs the snapshots it publishes
+            cluster.WEIGHTS_PUBLIC_MOUNT_PATH: "weights-public",
+        }
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["weights-signing"]["secret"] == {"secretName": cluster.WEIGHTS_SIGNING_SECRET, "optional": False}
+        assert volumes["weights-public"]["configMap"] == {"name": cluster.WEIGHTS_PUBLIC_CONFIG_MAP, "optional": False}
         secrets = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
         fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "fieldRef" in e.get("valueFrom", {})}
         assert fields == {"POD_IP": "status.podIP"}  # the NCCL weight transfer's rendezvous address
@@ -78,13 +87,10 @@ def test_job_shape_for_nodes_and_accelerators(profile, resource, nodes):
         users = {e["name"]: e["value"] for e in container["env"] if "value" in e}
         assert (users["NATS_USER"], keys["NATS_PASSWORD"]) == ("tidal-trainer", "trainer-password")  # the trainer's own NATS user
         assert secrets["MLFLOW_TRACKING_URI"] == cluster.MLFLOW_SECRET
-        # signs the snapshots it publishes
-        assert (secrets["TIDAL_WEIGHTS_SIGNING_KEY"], keys["TIDAL_WEIGHTS_SIGNING_KEY"]) == (cluster.WEIGHTS_SIGNING_SECRET, "private-key")
-        public = {e["name"]: e["valueFrom"]["configMapKeyRef"] for e in container["env"] if "configMapKeyRef" in e.get("valueFrom", {})}
-        assert public == {"TIDAL_WEIGHTS_PUBLIC_KEY": {"name": cluster.WEIGHTS_PUBLIC_CONFIG_MAP, "key": "public-key", "optional": False}}
+        assert set(secrets.values()) == {cluster.NATS_SECRET, cluster.MLFLOW_SECRET}  # the keys are files, in no variable
         optional = {e["name"]: e["valueFrom"]["secretKeyRef"].get("optional") for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
         # a missing tidal-mlflow Secret stops the replica from starting, naming the Secret; only basic auth is optional
-        assert not optional["MLFLOW_TRACKING_URI"] and not optional["NATS_PASSWORD"] and not optional["TIDAL_WEIGHTS_SIGNING_KEY"]
+        assert not optional["MLFLOW_TRACKING_URI"] and not optional["NATS_PASSWORD"]
         assert optional["MLFLOW_TRACKING_USERNAME"] and optional["MLFLOW_TRACKING_PASSWORD"]
         assert {t["key"] for t in spec["tolerations"]} == {resource}
         assert spec["automountServiceAccountToken"] is False

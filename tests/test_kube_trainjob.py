@@ -53,11 +53,9 @@ def test_trainjob_shape_for_nodes_and_accelerators(profile, resource, nodes):
     secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in trainer["env"] if "secretKeyRef" in e.get("valueFrom", {})}
     assert secrets["NATS_PASSWORD"]["name"] == cluster.NATS_SECRET and not secrets["NATS_PASSWORD"]["optional"]
     assert secrets["NATS_PASSWORD"]["key"] == "trainer-password" and {"name": "NATS_USER", "value": "tidal-trainer"} in trainer["env"]
-    # the trainer signs the snapshots it publishes: the private key's Secret, and the public key's ConfigMap
-    signing = secrets["TIDAL_WEIGHTS_SIGNING_KEY"]
-    assert (signing["name"], signing["key"], signing["optional"]) == (cluster.WEIGHTS_SIGNING_SECRET, "private-key", False)
-    public = {e["name"]: e["valueFrom"]["configMapKeyRef"] for e in trainer["env"] if "configMapKeyRef" in e.get("valueFrom", {})}
-    assert public == {"TIDAL_WEIGHTS_PUBLIC_KEY": {"name": cluster.WEIGHTS_PUBLIC_CONFIG_MAP, "key": "public-key", "optional": False}}
+    # the snapshot keys are files (below), in no variable
+    assert not [e for e in trainer["env"] if "configMapKeyRef" in e.get("valueFrom", {})]
+    assert {s["name"] for s in secrets.values()} == {cluster.NATS_SECRET, cluster.MLFLOW_SECRET}
     assert secrets["MLFLOW_TRACKING_URI"]["name"] == cluster.MLFLOW_SECRET and not secrets["MLFLOW_TRACKING_URI"]["optional"]
     assert not [e for e in trainer["env"] if "PASSWORD" in e["name"] and "value" in e]  # credentials never in the job spec
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in trainer["env"]
@@ -69,9 +67,18 @@ def test_trainjob_shape_for_nodes_and_accelerators(profile, resource, nodes):
     assert spec["serviceAccountName"] == cluster.WORKLOAD_SERVICE_ACCOUNT and spec["securityContext"]["runAsNonRoot"] is True
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["data"]["persistentVolumeClaim"]["claimName"] == cluster.DATA_PVC and volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    # the trainer signs the snapshots it publishes: the private key's Secret and the public key's ConfigMap, as files
+    assert volumes["weights-signing"]["secret"] == {"secretName": cluster.WEIGHTS_SIGNING_SECRET, "optional": False}
+    assert volumes["weights-public"]["configMap"] == {"name": cluster.WEIGHTS_PUBLIC_CONFIG_MAP, "optional": False}
     (container,) = spec["containers"]
     assert container["name"] == "node" and "env" not in container
-    assert {m["mountPath"] for m in container["volumeMounts"]} == {cluster.DATA_MOUNT_PATH, "/dev/shm"}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert set(mounts) == {cluster.DATA_MOUNT_PATH, "/dev/shm", cluster.WEIGHTS_SIGNING_MOUNT_PATH, cluster.WEIGHTS_PUBLIC_MOUNT_PATH}
+    assert mounts[cluster.WEIGHTS_SIGNING_MOUNT_PATH] == {
+        "name": "weights-signing",
+        "mountPath": cluster.WEIGHTS_SIGNING_MOUNT_PATH,
+        "readOnly": True,
+    }
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert {t["key"] for t in spec["tolerations"]} == {resource}
 

@@ -149,12 +149,16 @@ def test_the_deployment_is_owned_by_the_run_and_its_pods_are_workers_that_get_si
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env[cluster.NATS_USER_ENV]["value"] == cluster.nats_user("worker")
     assert env[cluster.NATS_PASSWORD_ENV]["valueFrom"]["secretKeyRef"] == {"name": cluster.NATS_SECRET, "key": "worker-password", "optional": False}
-    # the public key only: a worker checks snapshots, it cannot sign one; nor does it log to MLflow
-    public = {"name": cluster.WEIGHTS_PUBLIC_CONFIG_MAP, "key": "public-key", "optional": False}
-    assert env["TIDAL_WEIGHTS_PUBLIC_KEY"]["valueFrom"]["configMapKeyRef"] == public
+    # the public key only, as a file: a worker checks snapshots, it cannot sign one; nor does it log to MLflow
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts[cluster.WEIGHTS_PUBLIC_MOUNT_PATH] == "weights-public" and cluster.WEIGHTS_SIGNING_MOUNT_PATH not in mounts
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["weights-public"]["configMap"] == {"name": cluster.WEIGHTS_PUBLIC_CONFIG_MAP, "optional": False}
+    assert not [v for v in pod["volumes"] if "secret" in v]
     secrets = {e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
     assert secrets == {cluster.NATS_SECRET, cluster.REWARD_SECRET}
-    assert "TIDAL_WEIGHTS_SIGNING_KEY" not in env and not [name for name in env if name.startswith("MLFLOW_")]
+    assert not [e for e in container["env"] if "configMapKeyRef" in e.get("valueFrom", {})]
+    assert not [name for name in env if name.startswith("MLFLOW_")]
 
 
 def test_a_queued_pool_carries_kueues_label_on_the_deployment_itself_and_on_its_pods():

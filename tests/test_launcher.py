@@ -152,7 +152,8 @@ def test_a_finished_run_finishes_at_once_and_a_training_change_is_refused_unless
 
 def test_the_embedded_nats_server_refuses_a_client_without_the_runs_token(tmp_path, write_config):
     """a local process without the run's credentials can neither consume work nor publish
-    groups. The token is random per launch, in a 0600 file, and reaches the roles by environment only."""
+    groups. The token is random per launch, in a 0600 file, which the roles read (--nats-token-file): it is in no
+    role's environment (nats-server's alone, which its config reads) nor on any command line."""
     import nats
     import nats.errors
 
@@ -179,21 +180,29 @@ def test_the_embedded_nats_server_refuses_a_client_without_the_runs_token(tmp_pa
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     token = token_file.read_text()
     assert len(token) >= 32 and asyncio.run(connect(token=token)) == "connected"
-    assert not any(token in cmdline for cmdline in run_processes(run_dir))  # not on any command line
+    roles = 0
+    for line in run_processes(run_dir):
+        pid, cmdline = line.split(": ", 1)
+        assert token not in cmdline  # not on any command line
+        if " train " in cmdline or "rollout-worker" in cmdline:
+            roles += 1
+            assert f"--nats-token-file {token_file}" in cmdline
+            assert token.encode() not in (Path("/proc") / pid / "environ").read_bytes(), cmdline
+    assert roles == 2
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=120)
     leaked = [str(p) for p in run_dir.rglob("*") if p.is_file() and p != token_file and token.encode() in p.read_bytes()]
     assert leaked == []  # not in a log, the config, nats-server.conf or the JetStream store
 
 
-def test_only_the_trainer_role_is_given_the_snapshot_signing_key(tmp_path, write_config, monkeypatch):
-    """the launcher hands the run's Ed25519 private key to the trainer's environment alone: a rollout worker (and
-    nats-server) gets the public key, on no command line and in no file it is given (the config), and a key in
-    the user's shell is not passed on."""
-    from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV
+def test_no_role_is_given_the_snapshot_signing_key_and_the_trainer_signs_with_the_run_directorys(tmp_path, write_config, monkeypatch):
+    """the run's Ed25519 private key stays in its 0600 file, which the trainer reads for itself: no role's environment
+    (the trainer's included), command line or config holds it, nor the public key (each role reads the file), and a
+    key in the user's shell under the old variable's name signs nothing."""
     from tidal.weights.signing import new_key_pair, public_key_of
 
-    monkeypatch.setenv(SIGNING_KEY_ENV, new_key_pair()[0])  # the shell's: reaches no role
+    shell_key = new_key_pair()[0]
+    monkeypatch.setenv("TIDAL_WEIGHTS_SIGNING_KEY", shell_key)  # the variable runs before this one read: ignored
     config = write_config({**SLOW, "trainer.iterations": 3})
     run_dir = tmp_path / "run"
     proc = start_run(config, run_dir)
@@ -204,22 +213,19 @@ def test_only_the_trainer_role_is_given_the_snapshot_signing_key(tmp_path, write
     environs = {}
     for line in run_processes(run_dir):
         pid, cmdline = line.split(": ", 1)
-        assert private not in cmdline and os.environ[SIGNING_KEY_ENV] not in cmdline
+        assert private not in cmdline and public not in cmdline
         role = "trainer" if " train " in cmdline else "worker" if "rollout-worker" in cmdline else "nats-server" if "nats-server" in cmdline else None
         if role:
             environs[role] = dict(v.split(b"=", 1) for v in (Path("/proc") / pid / "environ").read_bytes().split(b"\0") if b"=" in v)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=120)
     assert set(environs) == {"trainer", "worker", "nats-server"}, environs.keys()
-    assert environs["trainer"][SIGNING_KEY_ENV.encode()] == private.encode()
-    for role in ("worker", "nats-server"):
-        assert SIGNING_KEY_ENV.encode() not in environs[role], role
-        assert not any(private.encode() in value for value in environs[role].values()), role
-    assert environs["worker"][PUBLIC_KEY_ENV.encode()] == public.encode()
-    assert private not in (run_dir / "config.yaml").read_text()
+    for role in ("trainer", "worker", "nats-server"):
+        assert not any(private.encode() in value or public.encode() in value for value in environs[role].values()), role
+    assert private not in (run_dir / "config.yaml").read_text() and public not in (run_dir / "config.yaml").read_text()
     # every version the worker loaded was signed by the trainer's key
     manifest = json.loads((run_dir / "weights" / "v000001" / "manifest.json").read_text())
-    assert manifest["signature"]["public_key"] == public
+    assert manifest["signature"]["public_key"] == public != public_key_of(shell_key)
 
 
 def test_a_run_directory_that_is_a_file_is_one_clear_line(tmp_path, write_config):

@@ -1,7 +1,8 @@
 """The import graph of src/tidal (every import, including ones inside functions) keeps the
 layering: the trainer and the rollout package never import each other, environments are the rollout
-side's alone (the trainer sees trajectories, never an environment), algo/ is pure tensor math, and vLLM
-is imported only by the rollout/vllm* modules (every version-specific call in one place).
+side's alone (the trainer sees trajectories, never an environment), algo/ is pure tensor math, vLLM
+is imported only by the rollout/vllm* modules (every version-specific call in one place), and the demo's
+models (tidal.demo) are reached by the runtime through one module, DEMO_DOOR.
 The Kubeflow layer's rooms (tidal.kube.*) keep theirs: code of the step pods never imports the
 compiler or the client, the core never imports the Kubeflow layer, and the Kubeflow layer reaches the
 core only through the modules listed in KUBE_REACHES_CORE."""
@@ -52,12 +53,24 @@ KUBE_REACHES_CORE = {
     "tidal.protocol": "the run state and its encoding",
     "tidal.tracking": "MLflow",
     "tidal.weights": "the weight store's snapshots",
+    "tidal.run_keys": "the snapshots' public key, read from its file",
     "tidal.export": "register_model's export",
     "tidal.preflight": "prepare's checks, as tidal run makes them",
     "tidal.roles": "prepare's base model (a warm start trains: torch)",
 }
 """The core modules the Kubeflow layer imports (everything else goes through the tidal CLI verbs)."""
 ONLY_FROM = {"tidal.roles": "tidal.kube.steps.run_start"}
+
+
+DEMO_DOOR = "tidal.model.base_model"
+"""The runtime's one way into tidal.demo: the base model and reward model a config names, the tiny ones built there.
+Besides it only the demo itself and the benchmarks (which measure on the tiny model) import the demo."""
+
+
+def demo_edge(module: str, name: str) -> list[str]:
+    if not inside(name, "tidal.demo") or any(inside(module, p) for p in ("tidal.demo", "tidal.bench", DEMO_DOOR)):
+        return []
+    return [f"{module} -> {name} (the runtime reaches the demo only through {DEMO_DOOR})"]
 
 
 def kube_edges(module: str, name: str) -> list[str]:
@@ -97,6 +110,7 @@ def forbidden_edges(graph: dict[str, set[str]]) -> list[str]:
             if inside(module, "tidal.envs") and (inside(name, "tidal.trainer") or inside(name, "tidal.rollout")):
                 bad.append(f"{module} -> {name} (envs are below the roles: no trainer or rollout import)")
             bad.extend(kube_edges(module, name))
+            bad.extend(demo_edge(module, name))
             top = name.split(".")[0]
             if top == "vllm" and not module.startswith("tidal.rollout.vllm"):
                 bad.append(f"{module} -> {name} (only tidal.rollout.vllm* imports vllm)")
@@ -120,11 +134,16 @@ def test_the_check_catches_each_kind_of_forbidden_edge():
         "tidal.envs.base": {"tidal.rollout.engine"},
         "tidal.rollout.generator": {"vllm.sampling_params", "tidal.rollout.vllm_adapter"},
         "tidal.rollout.vllm_weights": {"vllm.distributed.weight_transfer.base", "torch"},
+        "tidal.rollout.agent": {"tidal.demo.tiny", "tidal.model.templates"},
+        "tidal.model.base_model": {"tidal.demo.warm_start"},
+        "tidal.bench.rollout": {"tidal.demo.tiny"},
+        "tidal.demo.warm_start": {"tidal.demo.tiny"},
     }
     bad = forbidden_edges(graph)
     assert "tidal.rollout.generator -> vllm.sampling_params (only tidal.rollout.vllm* imports vllm)" in bad
     assert not any(b.startswith("tidal.rollout.vllm_weights") or "vllm_adapter" in b for b in bad)
-    assert len(bad) == 7 and any("numpy" in b for b in bad) and any("tidal.trainer.packing" in b for b in bad)
+    assert "tidal.rollout.agent -> tidal.demo.tiny (the runtime reaches the demo only through tidal.model.base_model)" in bad
+    assert len(bad) == 8 and any("numpy" in b for b in bad) and any("tidal.trainer.packing" in b for b in bad)
     assert "tidal.trainer.learner -> tidal.envs.base (trainer must not import envs)" in bad
     assert any(b.startswith("tidal.envs.base -> tidal.rollout.engine") for b in bad)
 

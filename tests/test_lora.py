@@ -26,8 +26,6 @@ from tidal.weights import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
     MANIFEST_FILE,
-    PUBLIC_KEY_ENV,
-    SIGNING_KEY_ENV,
     WEIGHTS_FILE,
     CorruptSnapshotError,
     WeightsDidNotArriveError,
@@ -37,7 +35,7 @@ from tidal.weights import (
     manifest_signature,
     sha256_of,
 )
-from tidal.weights.signing import new_key_pair
+from tidal.weights.signing import new_key_pair, trust_public_key
 
 LORA = LoraConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"])
 
@@ -253,17 +251,17 @@ def test_several_updates_per_iteration_keep_the_old_policy_as_a_second_adapter_n
 
 
 @pytest.fixture
-def signed(monkeypatch):
-    """The trainer's private key in the environment (the store signs with it), its public key (loaders check it)."""
+def signed():
+    """The trainer's private key (publish_adapter's store signs with it); this process trusts its public key, as a
+    role does once it read the run's key file (loaders check it)."""
     private, public = new_key_pair()
-    monkeypatch.setenv(SIGNING_KEY_ENV, private)
-    monkeypatch.setenv(PUBLIC_KEY_ENV, public)
+    trust_public_key(public)
     return private
 
 
-def publish_adapter(tmp_path, model, version=3, probe=None):
+def publish_adapter(tmp_path, model, version=3, probe=None, signing_key=None):
     base_dir = tmp_path / "base"
-    store = WeightStore(tmp_path / "weights", base_dir, adapter_config(model, str(base_dir)), probe)
+    store = WeightStore(tmp_path / "weights", base_dir, adapter_config(model, str(base_dir)), probe, signing_key=signing_key)
     logprobs = probe_logprobs(model, probe) if probe else None
     return store, store.publish(version, adapter_state_dict(model), probe_logprobs=logprobs)
 
@@ -308,7 +306,7 @@ def test_an_adapter_version_is_peft_files_plus_a_manifest_and_peft_loads_it(tmp_
     model, base, tok = lora_model()
     nudge_adapter(model)
     base.save_pretrained(tmp_path / "base")
-    store, path = publish_adapter(tmp_path, model)
+    store, path = publish_adapter(tmp_path, model, signing_key=signed)
     assert sorted(p.name for p in path.iterdir()) == sorted([ADAPTER_FILE, ADAPTER_CONFIG_FILE, MANIFEST_FILE])
     manifest = json.loads((path / MANIFEST_FILE).read_text())
     assert manifest["kind"] == "lora" and manifest["base_model"] == str(tmp_path / "base")
@@ -334,7 +332,7 @@ def test_an_adapter_version_is_peft_files_plus_a_manifest_and_peft_loads_it(tmp_
 def test_adapter_versions_are_hash_checked_signed_repaired_and_pruned_like_full_ones(tmp_path, signed):
     model, _, _ = lora_model()
     nudge_adapter(model)
-    store, path = publish_adapter(tmp_path, model)
+    store, path = publish_adapter(tmp_path, model, signing_key=signed)
     state = load_verified(path)
     assert state.keys() == adapter_state_dict(model).keys()
 
@@ -371,9 +369,9 @@ def test_the_arrival_check_catches_an_engine_that_did_not_apply_a_version(tmp_pa
     model, base, tok = lora_model()
     probe = make_probe(0, int(model.get_input_embeddings().num_embeddings))
     nudge_adapter(model, seed=1)
-    store, v1 = publish_adapter(tmp_path, model, 1, probe)
+    store, v1 = publish_adapter(tmp_path, model, 1, probe, signed)
     nudge_adapter(model, seed=2)
-    _, v2 = publish_adapter(tmp_path, model, 2, probe)
+    _, v2 = publish_adapter(tmp_path, model, 2, probe, signed)
 
     engine = HFEngine(apply_lora(copy.deepcopy(base), LORA), tok.eos_token_id, tok.pad_token_id, 4)
     state, manifest = load_verified_with_manifest(v1)

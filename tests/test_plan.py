@@ -239,3 +239,17 @@ def test_a_run_with_auto_measures_once_applies_the_split_and_saves_it(tmp_path, 
     advice = [line for line in out.splitlines() if "elastic pool" in line]
     assert len(advice) == 1 and "rollout.workers: {min: " in advice[0] and "pending work item(s) per worker" in advice[0]
     assert all(f"  {figure} " in out for figure in ("min", "max", "lag threshold"))
+
+
+def test_tidal_run_resolves_the_eval_followers_threads_into_the_config_in_every_mode():
+    """the eval.every follower's threads are a setting of the run's config.yaml (it sets torch's threads from it),
+    not a count the launcher computes into its environment; without a follower there is none."""
+    from tidal.config import config_from_dict
+    from tidal.threads import resolve_threads
+
+    for mode in ("periodic", "sync", "bounded"):
+        cfg = config_from_dict({"mode": mode, "rollout": {"workers": 2}, "eval": {"every": 5}})
+        assert resolve_threads(cfg, cores=16).eval.threads == 4, mode  # 16 cores over 2 workers + 2
+        assert resolve_threads(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"threads": 3})}), cores=16).eval.threads == 3
+    assert resolve_threads(config_from_dict({"eval": {"every": None}}), cores=16).eval.threads is None
+    assert resolve_threads(config_from_dict({"eval": {"every": 5, "enabled": False}}), cores=16).eval.threads is None

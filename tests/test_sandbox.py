@@ -37,6 +37,21 @@ def test_readable_roots_carve_the_hidden_run_directory_out_of_a_root_that_holds_
     assert sandbox.readable_roots([str(tmp_path / "runs" / "a" / "weights")], [str(tmp_path / "runs" / "a")]) == []
 
 
+def test_user_code_is_blind_to_the_key_files_a_config_names_as_to_the_run_directory(tmp_path):
+    """a pod's snapshot keys are mounted files outside the run directory (weights.*_key_file): their folders are hidden too."""
+    from tidal.config import config_from_dict
+
+    before = sandbox.current()
+    files = {"public_key_file": str(tmp_path / "public" / "public-key"), "signing_key_file": str(tmp_path / "signing" / "private-key")}
+    try:
+        sandbox.confine_user_code(config_from_dict({"weights": files}), tmp_path / "run")
+        assert sandbox.current().hidden == tuple(str(tmp_path / n) for n in ("run", "public", "signing"))
+        sandbox.confine_user_code(config_from_dict({}), tmp_path / "run")
+        assert sandbox.current().hidden == (str(tmp_path / "run"),)
+    finally:
+        sandbox.configure(before)
+
+
 def test_the_host_environment_holds_allow_listed_names_and_never_a_run_secret(tmp_path):
     environ = {"PATH": "/bin", "LANG": "C", "TIDAL_WEIGHTS_KEY": "k", "TIDAL_NATS_TOKEN": "t", "MY_API_KEY": "a", "OTHER": "o"}
     environ[sandbox.PASS_ENV] = "TIDAL_NATS_TOKEN,OTHER"

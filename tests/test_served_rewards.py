@@ -121,6 +121,22 @@ def test_a_wrong_reward_entry_is_one_error_naming_the_key(keys, message):
     assert "\n" not in str(raised.value) and "abc123" not in str(raised.value)  # one line; an API key put in api_key_env is not echoed
 
 
+def test_a_served_entry_goes_to_the_url_of_the_server_the_run_started_for_it(tmp_path):
+    """`serve:` entries: the urls come from the run directory's record of the servers its launch started, which
+    a role reads (RunDir.reward_server_urls); with none started, the entry says so."""
+    from tidal.config import config_from_dict
+    from tidal.rewards.served import RewardServerError, endpoint_url
+    from tidal.rundir import RunDir
+
+    rm = config_from_dict({"reward": {"functions": [{"type": "reward_model", "name": "rm", "serve": {"model": "/m"}}]}}).reward.functions[0]
+    run = RunDir(tmp_path)
+    assert run.reward_server_urls() == {}
+    with pytest.raises(RewardServerError, match="reward 'rm': serve is set but no reward server was started for it"):
+        endpoint_url(rm, run.reward_server_urls())
+    run.save_reward_servers({"rm": "http://127.0.0.1:4321/score"})
+    assert endpoint_url(rm, run.reward_server_urls()) == "http://127.0.0.1:4321/score"
+
+
 def test_two_served_rewards_of_one_name_are_refused():
     functions = [{"type": "judge", "url": "http://a", "model": "m"}, {"type": "judge", "url": "http://b", "model": "m"}]
     with pytest.raises(ConfigError, match=r"\['judge'\] named more than once"):
@@ -449,6 +465,8 @@ def test_tidal_run_serves_the_reward_model_itself_and_stops_it(reward_model_dir,
     assert all(0 < m["reward_mean"] < 1 and m["reward_server_requests"] > 0 and m["reward_errors"] == 0 for m in metrics)
     log = (run_dir / "logs" / "reward-server-rm.log").read_text()
     assert "serving reward model" in log
+    urls = json.loads((run_dir / "reward-servers.json").read_text())  # where the roles read the server's url
+    assert list(urls) == ["rm"] and urls["rm"].startswith("http://127.0.0.1:")
     assert run_processes(run_dir) == [] and not any(str(reward_model_dir) in p for p in _all_processes())
 
 

@@ -142,18 +142,17 @@ def forge(path: Path, tensors: dict) -> dict:
     return manifest
 
 
-def test_a_snapshot_signed_with_anything_but_the_trainers_private_key_is_refused_by_the_workers_loader(tmp_path, monkeypatch):
+def test_a_snapshot_signed_with_anything_but_the_trainers_private_key_is_refused_by_the_workers_loader(tmp_path):
     """the sha256s prove integrity, the Ed25519 signature that only the trainer's private key makes proves the
     run's trainer wrote it; a worker holds the public key, which checks but cannot sign."""
-    from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, load_verified_with_manifest
-    from tidal.weights.signing import manifest_signature, new_key_pair
+    from tidal.weights import load_verified_with_manifest
+    from tidal.weights.signing import manifest_signature, new_key_pair, trust_public_key
 
     private, public = new_key_pair()
     other_private, _ = new_key_pair()
-    monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
     store = WeightStore(tmp_path, signing_key=private)
     path = store.publish(1, {"a": torch.zeros(10)})
-    monkeypatch.setenv(PUBLIC_KEY_ENV, public)  # what a rollout worker's environment holds
+    trust_public_key(public)  # what a rollout worker read from the run's public key file
     state, manifest = load_verified_with_manifest(path)  # the loader rollout workers use
     assert torch.equal(state["a"], torch.zeros(10))
     assert manifest["signature"]["alg"] == "ed25519" and manifest["signature"]["public_key"] == public
@@ -184,16 +183,17 @@ def test_a_snapshot_signed_with_anything_but_the_trainers_private_key_is_refused
     refused("signature field is malformed")
 
 
-def test_a_key_that_is_not_an_ed25519_key_is_named(monkeypatch):
-    from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, WeightStore
-    from tidal.weights.signing import public_key_from_env
+def test_a_key_file_that_is_not_an_ed25519_key_is_named(tmp_path):
+    from tidal.weights.signing import read_key_file, trust_public_key
 
-    monkeypatch.setenv(SIGNING_KEY_ENV, "run-secret")
-    with pytest.raises(ValueError, match=r"TIDAL_WEIGHTS_SIGNING_KEY: not an ed25519 key \(64 hex digits expected, got 10 characters\)"):
-        WeightStore("unused")
-    monkeypatch.setenv(PUBLIC_KEY_ENV, "ab" * 31)
-    with pytest.raises(ValueError, match="TIDAL_WEIGHTS_PUBLIC_KEY: not an ed25519 key"):
-        public_key_from_env()
+    (tmp_path / "private").write_text("run-secret\n")
+    with pytest.raises(ValueError, match=r"/private: not an ed25519 key \(64 hex digits expected, got 10 characters\)"):
+        read_key_file(tmp_path / "private", private=True)
+    (tmp_path / "public").write_text("ab" * 31)
+    with pytest.raises(ValueError, match=r"/public: not an ed25519 key"):
+        read_key_file(tmp_path / "public", private=False)
+    with pytest.raises(ValueError, match="not an ed25519 key"):
+        trust_public_key("ab" * 31)
 
 
 def test_the_run_key_pair_is_made_once_private_and_kept(tmp_path):
@@ -210,15 +210,13 @@ def test_the_run_key_pair_is_made_once_private_and_kept(tmp_path):
     assert run_key_pair(tmp_path) == (private, public) and (tmp_path / "weights-public-key").read_text() == public
 
 
-def test_an_hmac_era_run_directory_is_re_signed_on_its_next_launch_and_its_symmetric_key_deleted(tmp_path, monkeypatch):
+def test_an_hmac_era_run_directory_is_re_signed_on_its_next_launch_and_its_symmetric_key_deleted(tmp_path):
     """a run directory written before Ed25519 signing: versions whose HMAC verifies with RUN_DIR/weights-key are
     re-signed with the new private key; one whose HMAC does not is left as it was, and every loader refuses it."""
     from tidal.run_keys import run_key_pair, snapshot_keys, upgrade_hmac_run
-    from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, sha256_of, verify_snapshot
+    from tidal.weights import sha256_of, verify_snapshot
     from tidal.weights.signing import hmac_signature
 
-    monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
-    monkeypatch.delenv(PUBLIC_KEY_ENV, raising=False)
     (tmp_path / "weights-key").write_text("t" + "ab" * 32)
     store = WeightStore(tmp_path / "weights")
     good, planted = store.publish(1, {"a": torch.zeros(3)}), store.publish(2, {"a": torch.ones(3)})
@@ -257,26 +255,55 @@ def test_a_clusters_key_pair_is_written_once_and_the_private_key_is_0600(tmp_pat
     assert again.returncode == 2 and "already exists" in again.stderr and (tmp_path / "keys" / "private-key").read_text() == private
 
 
-def test_the_launcher_upgrades_an_hmac_era_run_before_any_role_and_keeps_the_private_key_out_of_its_environment(tmp_path, monkeypatch):
-    """what `tidal run` does first on a run directory: its key pair (made once), HMAC-era versions re-signed, the
-    public key in the environment its children inherit, the private key returned for the trainer alone (one in the
-    user's shell dropped)."""
+def test_the_launcher_upgrades_an_hmac_era_run_before_any_role_and_keeps_the_private_key_out_of_its_environment(tmp_path):
+    """what `tidal run` does first on a run directory: its key pair (made once, in the run directory's key files),
+    HMAC-era versions re-signed, the public key trusted by the launcher's own checks, the private key returned for
+    sync mode's trainer alone; nothing of either in the environment its children inherit."""
     import os
 
     from tidal.local import run_signatures
     from tidal.rundir import RunDir
-    from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, verify_snapshot
-    from tidal.weights.signing import hmac_signature, new_key_pair, public_key_of
+    from tidal.weights import verify_snapshot
+    from tidal.weights.signing import hmac_signature, new_key_pair, public_key_of, trusted_public_key
 
-    monkeypatch.setenv(SIGNING_KEY_ENV, new_key_pair()[0])  # the user's shell's
-    monkeypatch.setenv(PUBLIC_KEY_ENV, "")  # run_signatures sets it: restored after the test
+    before = dict(os.environ)
     (tmp_path / "weights-key").write_text("old-key")
     path = WeightStore(tmp_path / "weights", signing_key=new_key_pair()[0]).publish(1, {"a": torch.zeros(3)})
     manifest = {k: v for k, v in json.loads((path / "manifest.json").read_text()).items() if k != "signature"}  # as an HMAC-era trainer wrote it
     (path / "manifest.json").write_text(json.dumps({**manifest, "hmac": hmac_signature(manifest, b"old-key")}))
 
     private = run_signatures(RunDir(tmp_path))
-    assert SIGNING_KEY_ENV not in os.environ and os.environ[PUBLIC_KEY_ENV] == public_key_of(private)
+    assert dict(os.environ) == before and trusted_public_key() == public_key_of(private)
     assert (tmp_path / "weights-signing-key").read_text() == private and not (tmp_path / "weights-key").exists()
-    assert verify_snapshot(path)["signature"]["public_key"] == public_key_of(private)  # checked with the environment's key
+    assert (tmp_path / "weights-public-key").read_text() == public_key_of(private)
+    assert verify_snapshot(path)["signature"]["public_key"] == public_key_of(private)  # checked with the trusted key
     assert run_signatures(RunDir(tmp_path)) == private  # a resume signs with the same key
+
+
+def test_each_role_reads_the_key_it_needs_from_a_file_and_a_named_file_must_exist(tmp_path):
+    """roles read the snapshot keys from files, never their environment: the run directory's by default (what
+    `tidal run` writes), or the files weights.public_key_file / weights.signing_key_file name (a cluster's mounts),
+    which must exist; a run directory without key files (a pipeline on kfp.local) is checked by sha256 alone."""
+    from tidal.config import config_from_dict
+    from tidal.run_keys import load_public_key, load_signing_key, run_key_pair
+    from tidal.rundir import RunDir
+    from tidal.weights import verify_snapshot
+    from tidal.weights.signing import new_key_pair, trusted_public_key
+
+    run, cfg = RunDir(tmp_path / "run"), config_from_dict({})
+    run.root.mkdir()
+    assert load_public_key(cfg, run) is None and load_signing_key(cfg, run) is None and trusted_public_key() is None
+    private, public = run_key_pair(run.root)
+    assert (load_public_key(cfg, run), load_signing_key(cfg, run), trusted_public_key()) == (public, private, public)
+    unsigned = WeightStore(tmp_path / "weights").publish(1, {"a": torch.zeros(2)})
+    with pytest.raises(CorruptSnapshotError, match="its manifest is not signed"):
+        verify_snapshot(unsigned)  # the trusted key is every check's default
+
+    mounted_private, mounted_public = new_key_pair()
+    (tmp_path / "public-key").write_text(mounted_public + "\n")
+    (tmp_path / "private-key").write_text(mounted_private)
+    named = config_from_dict({"weights": {"public_key_file": str(tmp_path / "public-key"), "signing_key_file": str(tmp_path / "private-key")}})
+    assert (load_public_key(named, run), load_signing_key(named, run)) == (mounted_public, mounted_private)
+    missing = config_from_dict({"weights": {"public_key_file": str(tmp_path / "absent")}})
+    with pytest.raises(FileNotFoundError, match=r"/absent: no such key file \(weights.public_key_file"):
+        load_public_key(missing, run)

@@ -28,6 +28,11 @@ def _common(p: argparse.ArgumentParser, nats: bool = False, run_dir_default: boo
     )
     if nats:
         p.add_argument("--nats-url", required=True, help="NATS server URL, e.g. nats://127.0.0.1:4222")
+        p.add_argument(
+            "--nats-token-file",
+            default=None,
+            help="a file holding the server's token (tidal run: the run directory's nats-token); default: the environment's NATS credentials",
+        )
 
 
 NO_OPTION_PREFIX = "\0"
@@ -173,8 +178,9 @@ def train_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     _role_setup()
     from tidal import roles
+    from tidal.transport import role_credentials
 
-    roles.run_async(roles.trainer_role(cfg, RunDir(args.run_dir), args.nats_url, args.iterations))
+    roles.run_async(roles.trainer_role(cfg, RunDir(args.run_dir), args.nats_url, args.iterations, role_credentials(args.nats_token_file)))
     return 0
 
 
@@ -185,9 +191,11 @@ def worker_command(args: argparse.Namespace) -> int:
     import signal
 
     from tidal import roles
+    from tidal.transport import role_credentials
 
+    credentials = role_credentials(args.nats_token_file)
     try:
-        roles.run_async(roles.worker_role(cfg, RunDir(args.run_dir), args.nats_url, args.worker_id))
+        roles.run_async(roles.worker_role(cfg, RunDir(args.run_dir), args.nats_url, args.worker_id, credentials))
     except asyncio.CancelledError:  # SIGTERM: the worker stopped in order
         print("tidal: rollout worker stopped by SIGTERM", file=sys.stderr)
         return 128 + signal.SIGTERM
@@ -200,18 +208,17 @@ def eval_command(args: argparse.Namespace) -> int:
     from tidal.data import load_dataset
     from tidal.evaluate import evaluate_snapshot
     from tidal.model.hub import check_hub_model
-    from tidal.run_keys import snapshot_keys
+    from tidal.run_keys import load_public_key, snapshot_keys
     from tidal.sandbox import confine_user_code
-    from tidal.weights import PUBLIC_KEY_ENV, WeightStore
+    from tidal.weights import WeightStore
 
     run = RunDir(args.run_dir)
     confine_user_code(cfg, run.root)
     run.rehome_moved_store()
     info = run.info()
     check_hub_model(info.base_model)
-    keys = snapshot_keys(run.root)
-    if keys.get("public_key"):  # the engine's own load checks the trainer's signature too
-        os.environ[PUBLIC_KEY_ENV] = keys["public_key"]
+    load_public_key(cfg, run)  # trusted by the engine's own load of a snapshot too
+    keys = snapshot_keys(run.root)  # that key, else a run directory's from before Ed25519 signing
     store = WeightStore(run.weights)
     problems = load_dataset(cfg.data, cfg.seed).eval
     problems = problems[: cfg.eval.num_prompts] if cfg.eval.num_prompts else problems
@@ -220,6 +227,10 @@ def eval_command(args: argparse.Namespace) -> int:
 
         if not cfg.eval.every:
             raise ValueError("tidal eval --follow needs eval.every (evaluate every N-th version)")
+        if cfg.eval.threads is not None:  # resolved by `tidal run` beside the trainer's and the workers'
+            from tidal.threads import set_threads
+
+            set_threads(cfg.eval.threads)
         follow_run(cfg, run.root, info.base_model, problems, run.tracker().log)
         return 0
     path = args.weights or latest_snapshot(store)

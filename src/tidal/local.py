@@ -30,8 +30,8 @@ from tidal.summary import agent_before_after, at_k_before_after, result_table, s
 from tidal.supervise import NatsSupervisor, RoleFailed, RoleProcesses, Stopped, child_options, stop_on_signals, tail
 from tidal.threads import resolve_threads, set_threads
 from tidal.tracking import check_server_reachable, start_run, tracking_uri
-from tidal.transport.server import TOKEN_ENV, EmbeddedNats, reachable
-from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, WeightStore, sha256_of, version_dir_name
+from tidal.transport.server import EmbeddedNats, reachable
+from tidal.weights import WeightStore, sha256_of, version_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,9 @@ class ProgressBar:
         self.bar.close()
 
 
-def run_periodic_local(
-    cfg: TidalConfig, run: RunDir, bar: ProgressBar, lock: RunDirLock | None = None, reward_servers=None, trainer_env: dict | None = None
-) -> dict:
+def run_periodic_local(cfg: TidalConfig, run: RunDir, bar: ProgressBar, lock: RunDirLock | None = None, reward_servers=None) -> dict:
     """Starts NATS (embedded unless transport.nats_url), the trainer and the workers, and supervises
-    them until the trainer is done. Stopped (a signal): every process is stopped, the run state says "stopped".
-    `trainer_env`: what the trainer role alone gets (the signing key)."""
+    them until the trainer is done. Stopped (a signal): every process is stopped, the run state says "stopped"."""
     from tidal.transport import NatsUnavailableError
 
     options = child_options(lock)
@@ -76,8 +73,8 @@ def run_periodic_local(
     elif not reachable(nats_url):
         raise NatsUnavailableError(f"cannot reach NATS at {nats_url} (transport.nats_url): is it running?")
     nats = run.nats(nats_url, cfg.transport, credentials)
-    env = {TOKEN_ENV: credentials["token"]} if credentials else {}
-    roles = RoleProcesses(run, nats_url, cfg, env=env, options=options, reopen_run=nats.open_run_state, trainer_env=trainer_env)
+    token_file = run.nats_token_file if credentials else None
+    roles = RoleProcesses(run, nats_url, cfg, options=options, reopen_run=nats.open_run_state, nats_token_file=token_file)
     seen = 0
     try:
         nats.open_run_state()
@@ -121,9 +118,9 @@ def start_curve_eval(cfg: TidalConfig, run: RunDir, options: dict | None = None)
     if not (cfg.eval.enabled and cfg.eval.every):
         return None
     cmd = [sys.executable, "-m", "tidal.cli", "eval", str(run.config), "--run-dir", str(run.root), "--follow"]
-    threads = str(max(1, (os.cpu_count() or 1) // (cfg.rollout.initial_workers + 2)))
+    threads = {"OMP_NUM_THREADS": str(cfg.eval.threads)} if cfg.eval.threads is not None else {}  # the follower sets them itself too
     with run.log("eval").open("ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": threads}, **(options or {}))
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **threads}, **(options or {}))
 
 
 def finish_curve_eval(curve, run: RunDir, timeout: float = 1800.0) -> None:
@@ -201,7 +198,7 @@ def prepare_run(cfg: TidalConfig, run: RunDir, dataset, show_progress: bool = Tr
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
 
-    from tidal.demo.warm_start import prepare_base_model
+    from tidal.model.base_model import prepare_base_model
     from tidal.roles import check_prompt_settings
 
     base = prepare_base_model(cfg, dataset, progress)
@@ -263,14 +260,16 @@ def run_local(
 
 
 def run_signatures(run: RunDir) -> str:
-    """The run's snapshot keys, made on its first launch: the public key goes to every process this launcher starts
-    (through its environment), the private key it returns goes to the trainer alone. A run directory from before
-    Ed25519 signing has its versions re-signed here, before any role runs."""
+    """The run's snapshot keys, made on its first launch in the run directory's key files, which each role reads for
+    itself (the private key: the trainer alone). This process trusts the public key; the private key it returns is
+    sync mode's trainer's, in this process. A run directory from before Ed25519 signing has its versions re-signed
+    here, before any role runs."""
+    from tidal.weights.signing import trust_public_key
+
     signing_key, public_key = run_key_pair(run.root)
     for snapshot in upgrade_hmac_run(run.root, run.weights, signing_key):
         log.warning("snapshot %s: its HMAC does not verify with the run's old weights-key: not re-signed, and no role will load it", snapshot)
-    os.environ.pop(SIGNING_KEY_ENV, None)  # one in the user's shell would reach every role
-    os.environ[PUBLIC_KEY_ENV] = public_key
+    trust_public_key(public_key)
     return signing_key
 
 
@@ -328,15 +327,14 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
         curve = start_curve_eval(cfg, run, child_options(lock))
         reward_servers = RewardServers(cfg, run.logs, child_options(lock), info.base_model)
         try:
-            # every role reads the urls of the reward servers started here from its environment
-            os.environ.update(reward_servers.start())
+            run.save_reward_servers(reward_servers.start())  # each role reads their urls from the run directory
             if cfg.mode == "sync":
                 if isinstance(cfg.trainer.threads, int):  # set, or chosen by the planner; else every core
                     set_threads(cfg.trainer.threads)
                 with reward_servers.watched():
                     sync_trainer(cfg, run, dataset, tracker, engine, signing_key, on_iteration=bar.update)
             else:
-                extra = run_periodic_local(cfg, run, bar, lock, reward_servers, {SIGNING_KEY_ENV: signing_key})
+                extra = run_periodic_local(cfg, run, bar, lock, reward_servers)
             finish_curve_eval(curve, run)
         finally:
             reward_servers.stop()

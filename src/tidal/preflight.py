@@ -71,9 +71,9 @@ def model_context(cfg: TidalConfig) -> tuple[int | None, str]:
 
 def prompt_tokenizer(cfg: TidalConfig):
     if cfg.model.name_or_path is None:
-        from tidal.demo.tiny import build_char_tokenizer
+        from tidal.model.base_model import tiny_tokenizer
 
-        return build_char_tokenizer()
+        return tiny_tokenizer()
     return tokenizer_of(cfg.model.name_or_path)
 
 

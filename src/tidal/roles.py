@@ -2,7 +2,8 @@
 
 This module wires the packages together (the trainer and the rollout package never import each
 other): the trainer's group source, its NCCL weight push over the vLLM adapter, and sync mode's
-in-process generation."""
+in-process generation. The rollout side (engines, workers, rewards, environments) is imported where
+a role generates (a worker, sync mode): a periodic trainer's process never loads it."""
 
 from __future__ import annotations
 
@@ -19,17 +20,13 @@ import torch
 
 from tidal.config import TidalConfig
 from tidal.data import load_dataset
-from tidal.demo.warm_start import prepare_base_model
 from tidal.devices import resolve_device
+from tidal.model.base_model import prepare_base_model
 from tidal.model.loading import load_model_and_tokenizer
 from tidal.model.lora import adapter_config, apply_lora
 from tidal.model.probe import make_probe
 from tidal.protocol import GroupLimits, RunState
-from tidal.rewards import RewardScorer
-from tidal.rollout.agent import AgentLoop
-from tidal.rollout.engine import HFEngine
-from tidal.rollout.generator import generate_groups
-from tidal.rollout.worker import RolloutWorker
+from tidal.run_keys import load_public_key, load_signing_key
 from tidal.rundir import RunDir, RunInfo
 from tidal.sandbox import confine_user_code
 from tidal.threads import set_threads, split_cores, trainer_threads
@@ -146,15 +143,17 @@ async def nccl_weight_push(cfg: TidalConfig, transport: Transport, adapter: dict
     )
 
 
-async def trainer_role(cfg: TidalConfig, run: RunDir, nats_url: str, iterations: int | None = None) -> list[dict]:
-    """The trainer, on one rank or many (torchrun): rank 0 alone talks to NATS and MLflow."""
+async def trainer_role(cfg: TidalConfig, run: RunDir, nats_url: str, iterations: int | None = None, credentials: dict | None = None) -> list[dict]:
+    """The trainer, on one rank or many (torchrun): rank 0 alone talks to NATS and MLflow, and signs the snapshots
+    it writes with the private key it reads from its file."""
     confine_user_code(cfg, run.root)
+    load_public_key(cfg, run)  # a resume loads the weights its checkpoint names, checked
     info = run.info()
     ctx, strategy, device = start_trainer_ranks(cfg, run)
     try:
         if not ctx.is_main:
             return await follower_trainer(cfg, run, info, ctx, strategy, device, iterations)
-        return await main_trainer(cfg, run, nats_url, info, ctx, strategy, device, iterations)
+        return await main_trainer(cfg, run, nats_url, info, ctx, strategy, device, iterations, credentials)
     finally:
         shutdown_process_group()
 
@@ -167,13 +166,21 @@ async def follower_trainer(cfg, run: RunDir, info: RunInfo, ctx: DistContext, st
 
 
 async def main_trainer(
-    cfg, run: RunDir, nats_url: str, info: RunInfo, ctx: DistContext, strategy: Strategy, device: str, iterations: int | None
+    cfg,
+    run: RunDir,
+    nats_url: str,
+    info: RunInfo,
+    ctx: DistContext,
+    strategy: Strategy,
+    device: str,
+    iterations: int | None,
+    credentials: dict | None,
 ) -> list[dict]:
-    async with session(nats_url, info.run_id, cfg.transport, create=True) as transport:
+    async with session(nats_url, info.run_id, cfg.transport, create=True, credentials=credentials) as transport:
         try:  # from here on, any failure (a model that does not load included) is written to the run state
             dataset = load_dataset(cfg.data, cfg.seed)
             learner, _ = build_learner(cfg, info.base_model, strategy, device)
-            store = trainer_weight_store(cfg, run, info.base_model, learner)
+            store = trainer_weight_store(cfg, run, info.base_model, learner, load_signing_key(cfg, run))
             tracker = run.tracker()
             status = await transport.run_status()
             if status is None or status.state is not RunState.RUNNING:
@@ -209,11 +216,16 @@ def judge_seed(cfg: TidalConfig) -> int | None:
     return cfg.seed if cfg.rollout.deterministic else None
 
 
-def in_process_source(cfg: TidalConfig, learner: Learner, tokenizer, store: WeightStore, engine=None) -> InProcessSource:
+def in_process_source(cfg: TidalConfig, run: RunDir, learner: Learner, tokenizer, store: WeightStore, engine=None) -> InProcessSource:
     """Sync mode's source: generation in this process. `engine` None: the HF engine over the
     learner's own model (no copy); else an engine with `load_snapshot` (vLLM) that loads version v
     from the weight store before generating it."""
-    scorer = RewardScorer.from_config(cfg.reward, seed=judge_seed(cfg))
+    from tidal.rewards import RewardScorer
+    from tidal.rollout.agent import AgentLoop
+    from tidal.rollout.engine import HFEngine
+    from tidal.rollout.generator import generate_groups
+
+    scorer = RewardScorer.from_config(cfg.reward, seed=judge_seed(cfg), served_urls=run.reward_server_urls())
     if engine is None:
         engine = HFEngine.for_rollout(learner.model, tokenizer, cfg.rollout)
         load_weights = None
@@ -251,12 +263,15 @@ def sync_trainer(
     confine_user_code(cfg, run.root)
     learner, tokenizer = build_learner(cfg, run.info().base_model)
     store = trainer_weight_store(cfg, run, run.info().base_model, learner, signing_key, loaded_by_engines=engine is not None)
-    source = in_process_source(cfg, learner, tokenizer, store, engine)
+    source = in_process_source(cfg, run, learner, tokenizer, store, engine)
     return asyncio.run(train(cfg, learner, source, dataset, store, run, tracker, on_iteration=on_iteration))
 
 
 def rollout_engine(cfg: TidalConfig, base_model: str) -> tuple[object, object, type]:
     """(engine, tokenizer, worker class) for `rollout.engine`; vLLM is imported only when asked for."""
+    from tidal.rollout.engine import HFEngine
+    from tidal.rollout.worker import RolloutWorker
+
     if cfg.rollout.engine == "vllm":
         from tidal.model.loading import load_tokenizer
         from tidal.rollout.vllm_adapter import VLLMEngine
@@ -282,17 +297,20 @@ def cancel_on_sigterm() -> Callable[[], bool]:
     return lambda: bool(requested)
 
 
-async def worker_role(cfg: TidalConfig, run: RunDir, nats_url: str, worker_id: str) -> int:
+async def worker_role(cfg: TidalConfig, run: RunDir, nats_url: str, worker_id: str, credentials: dict | None = None) -> int:
+    from tidal.rewards import RewardScorer
+
     confine_user_code(cfg, run.root)
+    load_public_key(cfg, run)  # every snapshot it loads is checked against it
     stop_requested = cancel_on_sigterm()
     info = run.info()
     set_threads(split_cores(cfg)[1])
     # user rewards' process starts beside the model load; not before vLLM, whose engine processes
     # would inherit its pipes and keep it alive after this worker dies
-    scorer = RewardScorer.from_config(cfg.reward, prestart=cfg.rollout.engine == "hf", seed=judge_seed(cfg))
+    scorer = RewardScorer.from_config(cfg.reward, prestart=cfg.rollout.engine == "hf", seed=judge_seed(cfg), served_urls=run.reward_server_urls())
     engine, tokenizer, worker_class = rollout_engine(cfg, info.base_model)
     try:
-        async with session(nats_url, info.run_id, cfg.transport) as transport:
+        async with session(nats_url, info.run_id, cfg.transport, credentials=credentials) as transport:
             worker = worker_class(
                 cfg, engine, tokenizer, transport, worker_id, weights_root=run.weights, scorer=scorer, stop_requested=stop_requested
             )

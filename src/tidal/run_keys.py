@@ -1,6 +1,9 @@
-"""The run's secrets in its directory: the weight-signing key pair (the private key 0600, handed to the
-trainer role only), a pre-Ed25519 run's HMAC key and its upgrade, and the embedded NATS server's
-per-launch token. User code never reads them: the sandbox hides the run directory."""
+"""The run's secrets in its directory (RunDir names the files): the weight-signing key pair (the private key 0600,
+read by trainer processes alone), a pre-Ed25519 run's HMAC key and its upgrade, and the embedded NATS server's
+per-launch token. Each role reads what it needs from the files, never from its environment: the trainer the
+private key, every role that loads or checks a snapshot the public key (`weights.signing_key_file` and
+`weights.public_key_file` name other files, e.g. a cluster's Secret and ConfigMap mounted into its pods). User
+code never reads them: the sandbox hides the run directory."""
 
 from __future__ import annotations
 
@@ -8,8 +11,12 @@ import json
 import os
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-NATS_TOKEN_FILE = "nats-token"
+from tidal.rundir import RunDir
+
+if TYPE_CHECKING:
+    from tidal.config import TidalConfig
 
 
 def nats_token() -> str:
@@ -17,11 +24,6 @@ def nats_token() -> str:
     value, so one that starts with a digit or '-' (as token_urlsafe's may) is a number followed by
     junk, and the server refuses to start."""
     return "t" + secrets.token_hex(32)
-
-
-WEIGHTS_SIGNING_KEY_FILE = "weights-signing-key"  # private (0600): the launcher hands it to the trainer role only
-WEIGHTS_PUBLIC_KEY_FILE = "weights-public-key"
-HMAC_WEIGHTS_KEY_FILE = "weights-key"  # the symmetric key of runs from before Ed25519 signing (upgrade_hmac_run)
 
 
 def write_private(path: Path, text: str) -> None:
@@ -42,7 +44,7 @@ def run_key_pair(run_dir: Path) -> tuple[str, str]:
     the same key, so the versions written before still verify."""
     from tidal.weights.signing import new_key_pair, public_key_of
 
-    private_path, public_path = Path(run_dir) / WEIGHTS_SIGNING_KEY_FILE, Path(run_dir) / WEIGHTS_PUBLIC_KEY_FILE
+    private_path, public_path = RunDir(run_dir).signing_key_file, RunDir(run_dir).public_key_file
     if private_path.is_file():
         private = private_path.read_text().strip()
         public = public_key_of(private)  # the public file is derived: rewritten if it went missing or was changed
@@ -54,21 +56,52 @@ def run_key_pair(run_dir: Path) -> tuple[str, str]:
     return private, public
 
 
-def run_public_key(run_dir: Path) -> str | None:
-    """The run's public key as its trainer's processes saw it: $TIDAL_WEIGHTS_PUBLIC_KEY (a role of the run, a
-    cluster's pod) first, else RUN_DIR/weights-public-key (a user's `tidal eval` or `tidal export`); None: a run
-    directory from before Ed25519 signing that no launch has upgraded."""
-    from tidal.weights.signing import public_key_from_env
+def key_file(configured: str | None, default: Path) -> Path | None:
+    """The key file a role reads: the configured one (it must exist: a cluster's mount that is missing is an
+    error), else the run directory's, None when the run directory has none (a pipeline run on kfp.local, a run
+    directory from before Ed25519 signing that no launch has upgraded: its snapshots are checked by sha256)."""
+    if configured:
+        if not Path(configured).is_file():
+            raise FileNotFoundError(f"{configured}: no such key file (weights.public_key_file / weights.signing_key_file)")
+        return Path(configured)
+    return default if default.is_file() else None
 
-    path = Path(run_dir) / WEIGHTS_PUBLIC_KEY_FILE
-    return public_key_from_env() or (path.read_text().strip() if path.is_file() else None)
+
+def load_public_key(cfg: TidalConfig, run: RunDir) -> str | None:
+    """The run's public key, read from its file (weights.public_key_file, else RUN_DIR/weights-public-key) and
+    trusted by every snapshot check of this process from now on; None when there is no key file."""
+    from tidal.weights.signing import read_key_file, trust_public_key
+
+    path = key_file(cfg.weights.public_key_file, run.public_key_file)
+    public = read_key_file(path, private=False) if path else None
+    trust_public_key(public)
+    return public
+
+
+def load_signing_key(cfg: TidalConfig, run: RunDir) -> str | None:
+    """The trainer's private key (weights.signing_key_file, else RUN_DIR/weights-signing-key): trainer processes
+    alone call this."""
+    from tidal.weights.signing import read_key_file
+
+    path = key_file(cfg.weights.signing_key_file, run.signing_key_file)
+    return read_key_file(path, private=True) if path else None
+
+
+def run_public_key(run_dir: Path) -> str | None:
+    """The run's public key as its trainer's processes saw it: the one this process trusts (a role of the run, a
+    cluster's pod, which read it from its key file) first, else RUN_DIR/weights-public-key (a user's `tidal eval`
+    or `tidal export`); None: a run directory from before Ed25519 signing that no launch has upgraded."""
+    from tidal.weights.signing import trusted_public_key
+
+    path = RunDir(run_dir).public_key_file
+    return trusted_public_key() or (path.read_text().strip() if path.is_file() else None)
 
 
 def snapshot_keys(run_dir: Path) -> dict:
     """verify_snapshot's keys for a user's command on a run directory (`tidal eval`, `tidal export`): its public key,
     else, for a run directory from before Ed25519 signing that no launch has upgraded, its HMAC key."""
     public = run_public_key(run_dir)
-    hmac_path = Path(run_dir) / HMAC_WEIGHTS_KEY_FILE
+    hmac_path = RunDir(run_dir).hmac_key_file
     if public or not hmac_path.is_file():
         return {"public_key": public}
     return {"hmac_key": hmac_path.read_text().strip().encode()}
@@ -82,7 +115,7 @@ def upgrade_hmac_run(run_dir: Path, weights_root: Path, private: str) -> list[st
     Call it with the run directory locked and no role running."""
     from tidal.weights.signing import resign_hmac_manifest
 
-    key_path = Path(run_dir) / HMAC_WEIGHTS_KEY_FILE
+    key_path = RunDir(run_dir).hmac_key_file
     if not key_path.is_file():
         return []
     hmac_key = key_path.read_text().strip().encode()
@@ -108,7 +141,8 @@ def upgrade_hmac_run(run_dir: Path, weights_root: Path, private: str) -> list[st
 
 def new_nats_token(run_dir: Path) -> str:
     """A fresh random token for this launch's embedded nats-server, in RUN_DIR/nats-token (mode 0600,
-    replaced atomically): roles get it through their environment; user code never sees the run directory."""
+    replaced atomically): the server gets it through its environment, roles read the file (--nats-token-file);
+    user code never sees the run directory."""
     token = nats_token()
-    write_private(Path(run_dir) / NATS_TOKEN_FILE, token)
+    write_private(RunDir(run_dir).nats_token_file, token)
     return token

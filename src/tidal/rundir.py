@@ -155,6 +155,11 @@ class RunDir:
       checkpoint/        optimizer checkpoints (vNNNNNN/ folders)
       logs/              one log (and pid file) per process of the run
       nats/              the embedded NATS server's JetStream store
+      weights-signing-key  the trainer's Ed25519 private key (0600; read by trainer processes alone, tidal.run_keys)
+      weights-public-key   its public key: every role that loads or checks a snapshot reads it
+      weights-key        a run from before Ed25519 signing: its HMAC key, until a launch re-signs its snapshots
+      nats-token         the embedded NATS server's token of this launch (0600): roles read it to log in
+      reward-servers.json  {reward label: url} of the reward servers this launch started (`serve:` entries)
     """
 
     root: Path
@@ -176,6 +181,11 @@ class RunDir:
     groups = property(lambda self: Records(self.root / "groups.jsonl"))
     evals = property(lambda self: Records(self.root / "eval.jsonl"))
     workers_request = property(lambda self: self.root / "workers.request")
+    signing_key_file = property(lambda self: self.root / "weights-signing-key")
+    public_key_file = property(lambda self: self.root / "weights-public-key")
+    hmac_key_file = property(lambda self: self.root / "weights-key")
+    nats_token_file = property(lambda self: self.root / "nats-token")
+    reward_servers_file = property(lambda self: self.root / "reward-servers.json")
 
     def log(self, process: str) -> Path:
         return self.logs / f"{process}.log"
@@ -198,6 +208,17 @@ class RunDir:
             return int(self.workers_request.read_text())
         except (FileNotFoundError, ValueError):
             return None
+
+    def save_reward_servers(self, urls: dict[str, str]) -> None:
+        """{reward label: url} of the reward servers a launch started, for its roles to read (replaced atomically,
+        so a role never reads half of it, nor an earlier launch's ports)."""
+        tmp = self.reward_servers_file.with_name(f".{self.reward_servers_file.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(urls, indent=1))
+        tmp.replace(self.reward_servers_file)
+
+    def reward_server_urls(self) -> dict[str, str]:
+        """What save_reward_servers wrote; {} when this launch started no reward server."""
+        return json.loads(self.reward_servers_file.read_text()) if self.reward_servers_file.is_file() else {}
 
     @property
     def started(self) -> bool:

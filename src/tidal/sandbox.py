@@ -68,8 +68,11 @@ def current() -> SandboxPolicy:
 
 
 def confine_user_code(cfg, run_root: str | Path) -> None:
-    """Every tool and reward process this process starts from now on runs in cfg.sandbox, blind to the run directory."""
-    configure(SandboxPolicy.from_config(cfg.sandbox, hidden=(str(Path(run_root).resolve()),)))
+    """Every tool and reward process this process starts from now on runs in cfg.sandbox, blind to the run directory
+    and to the folders of the snapshot keys' files where the config names others (a pod's mounted Secret)."""
+    key_files = [f for f in (cfg.weights.public_key_file, cfg.weights.signing_key_file) if f]
+    hidden = [str(Path(run_root).resolve()), *(str(Path(f).parent.resolve()) for f in key_files)]
+    configure(SandboxPolicy.from_config(cfg.sandbox, hidden=tuple(dict.fromkeys(hidden))))
 
 
 # --- the parent's side ---------------------------------------------------------------------------

@@ -176,17 +176,15 @@ class RoleProcesses:
         run: RunDir,
         nats_url: str,
         cfg: TidalConfig,
-        env: dict | None = None,
         options: dict | None = None,
         reopen_run=None,
-        trainer_env: dict | None = None,
+        nats_token_file: Path | None = None,
     ):
         self.run, self.nats_url, self.cfg = run, nats_url, cfg
         # Marks the run running again before a restarted trainer: a dying trainer rank may have recorded
         # "failed" (a peer's death surfaces as an error in a collective), and workers exit on it.
         self.reopen_run = reopen_run or (lambda: None)
-        self.env = env or {}  # e.g. the embedded server's token
-        self.trainer_env = trainer_env or {}  # the snapshot-signing key: never a worker's
+        self.nats_token_file = nats_token_file  # the embedded server's token: each role reads it from the file
         self.options = options or {}  # child_options
         trainer_total, self.worker_threads = split_cores(cfg)
         self.trainer_threads = max(1, trainer_total // cfg.trainer.ranks)  # per rank
@@ -201,18 +199,21 @@ class RoleProcesses:
         self.devices = local_accelerator_env(cfg)
 
     def _spawn(self, args: list[str], role: str, threads: int) -> subprocess.Popen:
-        """`role` ("trainer" or a worker id) names its log and its device placement. OMP_NUM_THREADS:
-        the OpenMP pool is sized before any code of the role runs."""
+        """`role` ("trainer" or a worker id) names its log and its device placement. The role sets its threads
+        from the config; OMP_NUM_THREADS gives the OpenMP pool that size before any code of the role runs."""
         env = self.role_env(role, threads)
         cmd = [*self._launcher(role), "tidal.cli", *args, str(self.run.config), "--run-dir", str(self.run.root), "--nats-url", self.nats_url]
+        if self.nats_token_file is not None:
+            cmd += ["--nats-token-file", str(self.nats_token_file)]
         with self.run.log(role).open("ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, **self.options)
         self.run.pid_file(role).write_text(str(proc.pid))
         return proc
 
     def role_env(self, role: str, threads: int) -> dict[str, str]:
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), **self.devices.get(role, {}), **self.env}
-        return {**env, **self.trainer_env} if role == "trainer" else env
+        """The launcher's environment, the role's thread count and device placement: none of the run's secrets
+        (each role reads its key and token files; the private key only the trainer)."""
+        return {**os.environ, "OMP_NUM_THREADS": str(threads), **self.devices.get(role, {})}
 
     def _launcher(self, role: str) -> list[str]:
         """`python -m`, or for several trainer ranks torchrun (standalone rendezvous on this machine).

@@ -38,13 +38,23 @@ def tail_thread_total(setting: int | str | None, trainer_threads: int, worker_th
     return tail if tail > trainer_threads else None
 
 
+def eval_threads(cfg: TidalConfig, cores: int) -> int | None:
+    """The eval.every follower's threads: it runs beside the trainer and the workers, and takes a share of
+    the cores as if it were two more workers; None when there is no follower."""
+    if not (cfg.eval.enabled and cfg.eval.every):
+        return None
+    return max(1, cores // (cfg.rollout.initial_workers + 2))
+
+
 def resolve_threads(cfg: TidalConfig, cores: int | None = None) -> TidalConfig:
     """The config a run's separate processes read: trainer.threads, rollout.threads and
-    trainer.tail_threads as numbers (tail None where it adds nothing). Sync mode runs in one
-    process and keeps its settings."""
+    trainer.tail_threads as numbers (tail None where it adds nothing), and eval.threads for an
+    eval.every follower. Sync mode's trainer runs in the launcher and keeps its settings."""
+    cores = cores or os.cpu_count() or 1
+    if cfg.eval.threads is None and eval_threads(cfg, cores) is not None:
+        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"threads": eval_threads(cfg, cores)})}, deep=True)
     if cfg.mode == "sync":
         return cfg
-    cores = cores or os.cpu_count() or 1
     trainer, worker = split_cores(cfg, cores)
     per_rank = max(1, trainer // cfg.trainer.ranks)
     tail = None

@@ -142,15 +142,16 @@ def weight_sync_seconds(learner, worker_model, tok, reps: int) -> dict:
     from tidal.model.lora import adapter_config
     from tidal.rollout.engine import HFEngine
     from tidal.trainer.distributed import all_reduce_max, barrier
-    from tidal.weights import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, WeightStore
-    from tidal.weights.signing import new_key_pair
+    from tidal.weights import WeightStore
+    from tidal.weights.signing import new_key_pair, trust_public_key
 
-    if SIGNING_KEY_ENV not in os.environ:  # signed and checked like a run's versions; the keys live and die with this process
-        os.environ[SIGNING_KEY_ENV], os.environ[PUBLIC_KEY_ENV] = new_key_pair()
+    private, public = new_key_pair()  # signed and checked like a run's versions; the keys live and die with this process
+    trust_public_key(public)  # rank 0 alone publishes and loads
     main = learner.ctx.is_main
     with tempfile.TemporaryDirectory(prefix="tidal-bench-sync-") as tmp:
         base = Path(tmp) / "base"
-        store = WeightStore(Path(tmp) / "weights", base, adapter_config(learner.peft_model, str(base)) if learner.lora else None)
+        adapter = adapter_config(learner.peft_model, str(base)) if learner.lora else None
+        store = WeightStore(Path(tmp) / "weights", base, adapter, signing_key=private)
         snapshot, paths = [], []
         for rep in range(reps):
             barrier(learner.ctx)

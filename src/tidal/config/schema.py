@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from tidal.config.base import ConfigError, Strict, config_error  # noqa: F401
 from tidal.config.model import DataConfig, LoraConfig, ModelConfig, TinyModelConfig, WarmStartConfig  # noqa: F401
@@ -44,6 +44,11 @@ class EvalConfig(Strict):
         gt=0,
         description="Evaluate every N-th version while training continues (a separate eval process), so MLflow shows a "
         "held-out learning curve (eval/*); unset: only before and after the run.",
+    )
+    threads: PositiveInt | None = Field(
+        None,
+        description="Torch threads of the eval.every process; unset: torch's default. `tidal run` sets it in the run's "
+        "config.yaml: the cores over the rollout workers plus two.",
     )
 
     @model_validator(mode="after")
@@ -107,6 +112,17 @@ class WeightsConfig(Strict):
         "half precision, the larger of 0.02 (float16) / 0.15 (bfloat16) and 6x the engine's own difference on the base "
         "model, measured before its first version ([vLLM](vllm.md#the-arrival-check)). 0 turns the check off. Sync mode on "
         "the HF engine publishes no probe: its engine generates with the trainer's own weights and loads no version.",
+    )
+    public_key_file: str | None = Field(
+        None,
+        description="The file holding the public key that every role checks each snapshot's signature with; unset: the run "
+        "directory's weights-public-key, which `tidal run` writes on the run's first launch. The pipeline sets it to the "
+        "ConfigMap mounted into its pods.",
+    )
+    signing_key_file: str | None = Field(
+        None,
+        description="The file holding the trainer's private key, which signs each snapshot (read by trainer processes alone); "
+        "unset: the run directory's weights-signing-key. The pipeline sets it to the Secret mounted into trainer pods alone.",
     )
 
 

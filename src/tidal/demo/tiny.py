@@ -8,22 +8,10 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tidal.config import TinyModelConfig
+from tidal.model.templates import TOOL_CHAT_TEMPLATE  # noqa: F401 - the tiny model's, where the demo's users look
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
-# A small tool-capable chat template for the tiny model (multi-turn rollouts need one): short role
-# tags, since every character is a token, and the tools by name only. An assistant turn ends with
-# EOS, which the engine samples; every other message ends with a newline.
-TOOL_CHAT_TEMPLATE = (
-    "{%- if tools %}{{ 'tools: ' }}{% for t in tools %}{{ t.function.name }}{% if not loop.last %}{{ ',' }}{% endif %}{% endfor %}{{ '\n' }}{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}{{ '<a>' + m.content + eos_token }}"
-    "{%- elif m.role == 'tool' %}{{ '<t>' + m.content + '\n' }}"
-    "{%- elif m.role == 'system' %}{{ '<s>' + m.content + '\n' }}"
-    "{%- else %}{{ '<u>' + m.content + '\n' }}{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<a>' }}{% endif %}"
-)
 CHARACTERS = [c for c in string.printable if c not in "\r\x0b\x0c"]
 
 

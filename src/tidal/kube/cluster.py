@@ -49,14 +49,18 @@ NATS_SERVER_SECRET_ENV = {nats_password_key(role): f"NATS_{role.upper()}_PASSWOR
 
 WEIGHTS_SIGNING_SECRET = "tidal-weights-signing"
 """Secret whose key ``private-key`` is the trainer's Ed25519 private key (tidal.weights.signing), which signs each
-snapshot's manifest: in trainer pods only (the trainer job's replicas; the train step with trainer_backend=local).
-Required: a missing Secret stops the pod from starting, naming it."""
-WEIGHTS_SIGNING_SECRET_ENV = {"private-key": "TIDAL_WEIGHTS_SIGNING_KEY"}  # tidal.weights.SIGNING_KEY_ENV
+snapshot's manifest: mounted as a file in trainer pods only (the trainer job's replicas; the train step with
+trainer_backend=local). Required: a missing Secret stops the pod from starting, naming it."""
+WEIGHTS_SIGNING_MOUNT_PATH = "/etc/tidal/weights-signing"
+WEIGHTS_SIGNING_KEY_FILE = f"{WEIGHTS_SIGNING_MOUNT_PATH}/private-key"
+"""The staged config's ``weights.signing_key_file``: where a trainer pod reads the private key."""
 WEIGHTS_PUBLIC_CONFIG_MAP = "tidal-weights-public"
-"""ConfigMap whose key ``public-key`` is the matching public key: in every pod that loads or checks a snapshot
-(rollout workers, weight_sync, evaluate, register_model, trainer pods), which refuses one the trainer did not sign.
-Required, as the signing Secret is."""
-WEIGHTS_PUBLIC_ENV = {"public-key": "TIDAL_WEIGHTS_PUBLIC_KEY"}  # tidal.weights.PUBLIC_KEY_ENV
+"""ConfigMap whose key ``public-key`` is the matching public key: mounted as a file in every pod that loads or checks
+a snapshot (rollout workers, weight_sync, evaluate, register_model, trainer pods), which refuses one the trainer did
+not sign. Required, as the signing Secret is."""
+WEIGHTS_PUBLIC_MOUNT_PATH = "/etc/tidal/weights-public"
+WEIGHTS_PUBLIC_KEY_FILE = f"{WEIGHTS_PUBLIC_MOUNT_PATH}/public-key"
+"""The staged config's ``weights.public_key_file``."""
 
 MLFLOW_STATIC_PREFIX = "/tidal/mlflow"
 """The MLflow server's --static-prefix (manifests/base/mlflow.yaml): every route, the REST API included, is under it,

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         profile = Profile.from_json(json.loads(Path(args.profile).read_text())["profile"])
     else:
         from tidal.data import load_dataset
-        from tidal.demo.warm_start import prepare_base_model
+        from tidal.model.base_model import prepare_base_model
 
         base = str(prepare_base_model(cfg, load_dataset(cfg.data, cfg.seed)))
         print(f"tidal plan: {args.config} on {os.cpu_count()} core(s): measuring one iteration per thread count", flush=True)

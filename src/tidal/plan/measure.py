@@ -88,10 +88,10 @@ def measure_child(argv: list[str]) -> None:
         Path(args.out).write_text(json.dumps({args.role: statistics.median(seconds)}))
         return
     figures: dict[str, list[float]] = {"generate": [], "train": [], "boundary": []}
-    from tidal.weights.signing import PUBLIC_KEY_ENV, new_key_pair
+    from tidal.weights.signing import new_key_pair, trust_public_key
 
     private, public = new_key_pair()
-    os.environ[PUBLIC_KEY_ENV] = public  # a scratch store with a key pair of its own, in this measuring process alone
+    trust_public_key(public)  # a scratch store with a key pair of its own, in this measuring process alone
     with tempfile.TemporaryDirectory(prefix="tidal-plan-") as tmp:
         store = WeightStore(tmp, args.base_model, signing_key=private)
         for rep in range(args.reps + 1):  # the first is a warm-up

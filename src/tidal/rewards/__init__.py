@@ -130,9 +130,12 @@ class RewardScorer:
     ledger: FailureLedger = field(default_factory=FailureLedger, repr=False)  # calls and failures per reward, for the groups
 
     @classmethod
-    def from_config(cls, cfg: RewardConfig, prestart: bool = False, seed: int | None = None) -> RewardScorer:
+    def from_config(
+        cls, cfg: RewardConfig, prestart: bool = False, seed: int | None = None, served_urls: dict[str, str] | None = None
+    ) -> RewardScorer:
         """`prestart`: the user functions' process starts now, not at the first score. `seed`: the
-        judge's seed (rollout.deterministic)."""
+        judge's seed (rollout.deterministic). `served_urls`: the reward servers `tidal run` started
+        (RunDir.reward_server_urls), for `serve:` entries."""
         from tidal.rewards.pool import remote_reward, reward_process
         from tidal.rewards.served import ServedRewards
 
@@ -146,7 +149,7 @@ class RewardScorer:
         return cls(
             fns,
             process=process,
-            served=ServedRewards.from_config(served, seed) if served else None,
+            served=ServedRewards.from_config(served, seed, served_urls) if served else None,
             served_weights={f.label: f.weight for f in served},
             windows={f.name: FailureWindow(cfg.error_window, cfg.max_error_rate) for f in local},
         )

@@ -26,8 +26,6 @@ from tidal.rewards.failures import FailureWindow, RewardFailingError
 
 log = logging.getLogger(__name__)
 
-SERVED_URLS_ENV = "TIDAL_SERVED_REWARD_URLS"  # JSON {reward label: url}: the reward servers `tidal run` started
-
 
 class RewardServerError(RewardFailingError):
     """A served reward failed too often: the run stops (one line, naming the endpoint)."""
@@ -192,9 +190,9 @@ def backoff_seconds(first: float, attempt: int) -> float:
 
 def endpoint_url(cfg: ServedRewardConfig, served_urls: dict[str, str] | None = None) -> str:
     """The url requests go to: the entry's (with the protocol's path), or the one of the server
-    `tidal run` started for it."""
+    `tidal run` started for it (`served_urls`: RunDir.reward_server_urls)."""
     if cfg.type == "reward_model" and cfg.serve is not None:
-        urls = served_urls if served_urls is not None else json.loads(os.environ.get(SERVED_URLS_ENV, "{}"))
+        urls = served_urls or {}
         if cfg.label not in urls:
             raise RewardServerError(f"reward {cfg.label!r}: serve is set but no reward server was started for it (run it with `tidal run`)")
         return urls[cfg.label]
@@ -388,9 +386,9 @@ class ServedRewards:
         self.loop = BackgroundLoop() if entries else None
 
     @classmethod
-    def from_config(cls, functions: list[RewardFunctionConfig], seed: int | None = None) -> ServedRewards:
+    def from_config(cls, functions: list[RewardFunctionConfig], seed: int | None = None, served_urls: dict[str, str] | None = None) -> ServedRewards:
         served = [f for f in functions if f.type != "function"]
-        return cls([ServedReward(f, endpoint_url(f), seed if f.type == "judge" else None) for f in served])
+        return cls([ServedReward(f, endpoint_url(f, served_urls), seed if f.type == "judge" else None) for f in served])
 
     def score(self, rows: list[Row]) -> dict[str, list[float | None]]:
         """reward label -> a score per row (None: failed, to score 0 and count). Raises

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import math
 import socket
@@ -217,22 +216,20 @@ class RewardServers:
                 continue
             model = f.serve.model
             if model is None:
-                from tidal.demo.reward_model import prepare_reward_model
+                from tidal.model.base_model import prepare_reward_model
 
                 model = prepare_reward_model(cfg, base_model)
             self.servers.append(RewardServer(f.label, f.serve, logs / f"reward-server-{f.label}.log", popen_options, model))
 
     def start(self) -> dict[str, str]:
-        """Starts them all, waits until each answers; the environment for the roles (their urls)."""
-        from tidal.rewards.served import SERVED_URLS_ENV
-
+        """Starts them all, waits until each answers; {reward label: url} for the roles (RunDir.save_reward_servers)."""
         try:
             for s in self.servers:
                 s.start()
         except BaseException:
             self.stop()
             raise
-        return {SERVED_URLS_ENV: json.dumps({s.label: s.url for s in self.servers})} if self.servers else {}
+        return {s.label: s.url for s in self.servers}
 
     def check(self) -> None:
         for s in self.servers:

@@ -143,9 +143,9 @@ class AgentLoop:
 
     @classmethod
     def from_config(cls, cfg: TidalConfig, tokenizer, context: int | None = None) -> AgentLoop:
-        """The built-in tiny model renders with tidal.demo.tiny.TOOL_CHAT_TEMPLATE unless its
+        """The built-in tiny model renders with tidal.model.templates.TOOL_CHAT_TEMPLATE unless its
         tokenizer has a template of its own; any other model with its tokenizer's."""
-        from tidal.demo.tiny import TOOL_CHAT_TEMPLATE
+        from tidal.model.templates import TOOL_CHAT_TEMPLATE
 
         factory = EnvironmentFactory.from_config(cfg.rollout.agent, tokenizer, cfg.seed)
         own = getattr(tokenizer, "chat_template", None)

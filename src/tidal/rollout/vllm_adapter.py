@@ -228,8 +228,10 @@ class VLLMEngine:
         partial means tensors were loaded before the failure and the caller must reload a good version."""
         if self.cfg.model.lora is not None:
             return await self.load_adapter(path)
-        async with self.swapping_weights():
-            results = await self.llm.collective_rpc("tidal_load_weights", args=(str(path),))
+        from tidal.weights.signing import trusted_public_key
+
+        async with self.swapping_weights():  # the engine's processes check the signature with this process's key
+            results = await self.llm.collective_rpc("tidal_load_weights", args=(str(path), trusted_public_key()))
         bad = [r for r in results if "error" in r]
         return bad[0] if bad else results[0]
 

@@ -37,11 +37,12 @@ class TidalWorkerExtension:
     """Mixed into vLLM's worker class: `self.model_runner` is the worker's. Method names are
     prefixed so they never shadow the worker's own (vLLM has its own `update_weights`)."""
 
-    def tidal_load_weights(self, path: str) -> dict:
+    def tidal_load_weights(self, path: str, public_key: str | None = None) -> dict:
+        """`public_key`: the run's, which the worker read from its key file (these processes have no role of their own)."""
         from tidal.weights import CorruptSnapshotError, load_verified_with_manifest
 
         try:
-            state, manifest = load_verified_with_manifest(path)
+            state, manifest = load_verified_with_manifest(path, public_key)
         except CorruptSnapshotError as err:
             return {"error": str(err), "partial": False}
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, initialize_layerwise_reload

@@ -22,5 +22,6 @@ from tidal.transport.connect import (  # noqa: F401
     inbox_prefix,
     permission_violations,
     raise_if_denied,
+    role_credentials,
 )
 from tidal.transport.streams import STREAM_CONFIG_DIFFERS, TRAINER_CONSUMER, WORKERS_CONSUMER, delete_run, stream_config, stream_names  # noqa: F401

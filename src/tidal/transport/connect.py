@@ -1,4 +1,4 @@
-"""Connecting to NATS: the credentials (from the environment), a client that reconnects through an outage
+"""Connecting to NATS: the credentials (a token file, or the pod's environment), a client that reconnects through an outage
 and logs each connection event in one line, and the server's refusals (of the login, of a subject)."""
 
 from __future__ import annotations
@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from pathlib import Path
 
 import nats
 import nats.errors
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import ServiceUnavailableError
-
-from tidal.transport.server import TOKEN_ENV
 
 DEFAULT_INBOX_PREFIX = "_INBOX"  # nats-py's
 
@@ -45,12 +44,22 @@ def permission_violations(nc: nats.NATS) -> list[str]:
     return nc.permission_violations if isinstance(nc, NatsClient) else []
 
 
+def role_credentials(token_file: str | Path | None) -> dict:
+    """A role's NATS credentials: the token in `token_file` (`--nats-token-file`: the run directory's nats-token,
+    which `tidal run` writes for its embedded server), else the environment's (credentials_from_env)."""
+    if token_file is None:
+        return credentials_from_env()
+    token = Path(token_file).read_text().strip()
+    if not token:
+        raise ValueError(f"--nats-token-file {token_file}: the file is empty")
+    return {"token": token}
+
+
 def credentials_from_env() -> dict:
-    """NATS credentials come from the environment, never from config: the embedded server's per-run
-    token (TIDAL_NATS_TOKEN, set by `tidal run`), else a Kubernetes Secret's (NATS_TOKEN, ...)."""
+    """NATS credentials of a server outside the run (transport.nats_url) or of a cluster's pod, from the
+    environment Kubernetes gives it from a Secret (NATS_USER / NATS_PASSWORD, NATS_TOKEN, NATS_CREDS); never
+    from config. The embedded server's token is a file (role_credentials)."""
     env = os.environ
-    if env.get(TOKEN_ENV):
-        return {"token": env[TOKEN_ENV]}
     if env.get("NATS_TOKEN"):
         return {"token": env["NATS_TOKEN"]}
     if env.get("NATS_USER"):
@@ -129,7 +138,7 @@ def _who(credentials: dict) -> str:
     if credentials.get("user"):
         return f"wrong password for user {credentials['user']} (NATS_USER / NATS_PASSWORD)"
     if credentials.get("token"):
-        return "wrong token (TIDAL_NATS_TOKEN / NATS_TOKEN)"
+        return "wrong token (--nats-token-file / NATS_TOKEN)"
     if credentials.get("user_credentials"):
         return f"credentials file {credentials['user_credentials']} not accepted (NATS_CREDS)"
     return "it requires credentials and the environment has none (NATS_USER / NATS_PASSWORD, NATS_TOKEN or NATS_CREDS)"

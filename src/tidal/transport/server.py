@@ -3,7 +3,7 @@
 With a `token` the server accepts only clients that present it (`authorization { token }`). The
 token reaches the server through its environment, never its command line or config file, so `ps`
 does not show it; the launcher keeps it in RUN_DIR/nats-token (0600, tidal.run_keys), which the
-sandbox hides from user code."""
+roles read (`--nats-token-file`) and the sandbox hides from user code."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-TOKEN_ENV = "TIDAL_NATS_TOKEN"  # the embedded server's token, as roles receive it
+TOKEN_ENV = "TIDAL_NATS_TOKEN"  # the embedded server's token, as nats-server's config reads it (its process alone)
 
 
 def nats_server_binary() -> str:

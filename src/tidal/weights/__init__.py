@@ -14,16 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tidal.weights.signing import (  # noqa: F401 - every role's names for the keys, re-exported
-    PUBLIC_KEY_ENV,
-    SIGNATURE_FIELD,
-    SIGNING_KEY_ENV,
-    hmac_problem,
-    manifest_signature,
-    public_key_from_env,
-    signature_problem,
-    signing_key_from_env,
-)
+from tidal.weights.signing import SIGNATURE_FIELD, hmac_problem, manifest_signature, signature_problem, trusted_public_key
 
 if TYPE_CHECKING:  # torch is imported where tensors are written or read: the launcher's checks do without it
     import torch
@@ -113,8 +104,8 @@ class WeightStore:
     """`adapter_config` (peft's adapter_config.json as a dict): every version is an adapter on top of
     `base_model_dir`, which is stored once and named in each manifest. `probe` (tidal.model.probe):
     the sequences whose log-probs `publish` records with each version for the arrival check.
-    `signing_key` (hex; default: $TIDAL_WEIGHTS_SIGNING_KEY): the trainer's private key, which signs
-    every manifest written; without one, manifests are unsigned and a run's loaders refuse them."""
+    `signing_key` (hex): the trainer's private key (tidal.run_keys.load_signing_key), which signs every manifest
+    written; without one, manifests are unsigned and a run's loaders refuse them."""
 
     def __init__(
         self,
@@ -126,7 +117,7 @@ class WeightStore:
         signing_key: str | None = None,
     ):
         self.root = Path(root)
-        self.signing_key = signing_key or signing_key_from_env()
+        self.signing_key = signing_key
         self.base_model_dir = Path(base_model_dir) if base_model_dir else None
         self.adapter_config = adapter_config
         self.probe = probe
@@ -277,16 +268,16 @@ class WeightStore:
         return load_verified(path)
 
 
-def load_verified(path: str | Path) -> dict[str, torch.Tensor]:
+def load_verified(path: str | Path, public_key: str | None = None) -> dict[str, torch.Tensor]:
     """Loads a snapshot's tensors (the full weights, or the adapter) after verify_snapshot."""
-    return load_verified_with_manifest(path)[0]
+    return load_verified_with_manifest(path, public_key)[0]
 
 
-def load_verified_with_manifest(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+def load_verified_with_manifest(path: str | Path, public_key: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """load_verified, and the verified manifest."""
     from safetensors.torch import load_file
 
-    manifest = verify_snapshot(path)
+    manifest = verify_snapshot(path, public_key)
     name = tensors_file(manifest)
     if name not in manifest["files"]:
         raise CorruptSnapshotError(f"snapshot {path}: its manifest does not cover {name}")
@@ -294,8 +285,8 @@ def load_verified_with_manifest(path: str | Path) -> tuple[dict[str, torch.Tenso
 
 
 def verify_snapshot(path: str | Path, public_key: str | None = None, hmac_key: bytes | None = None) -> dict:
-    """Every file's sha256 against the manifest, and its signature with `public_key` (hex; default:
-    $TIDAL_WEIGHTS_PUBLIC_KEY, which every role of a run holds); returns the manifest.
+    """Every file's sha256 against the manifest, and its signature with `public_key` (hex; default: the key this
+    process trusts, tidal.weights.signing.trust_public_key, which every role of a run sets); returns the manifest.
     CorruptSnapshotError names what is wrong. `hmac_key`, without a public key: the symmetric key of a run
     directory from before Ed25519 signing (tidal.run_keys.snapshot_keys). Without any key only the sha256s are checked."""
     path = Path(path)
@@ -307,7 +298,7 @@ def verify_snapshot(path: str | Path, public_key: str | None = None, hmac_key: b
         files = manifest["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise CorruptSnapshotError(f"snapshot {path}: unreadable manifest ({err})") from None
-    public_key = public_key or public_key_from_env()
+    public_key = public_key or trusted_public_key()
     problem = signature_problem(manifest, public_key) if public_key else hmac_problem(manifest, hmac_key) if hmac_key else None
     if problem:
         raise CorruptSnapshotError(f"snapshot {path}: {problem}: not written by this run's trainer")

@@ -2,23 +2,21 @@
 only trainer processes hold; every other process (rollout workers, evaluation, export, a cluster's
 pipeline steps) holds the public key, which checks a signature but cannot make one.
 
-Keys travel as hex text (raw 32-byte keys): one line fits an environment variable, a file and a
-Kubernetes Secret or ConfigMap value alike."""
+Keys travel as hex text (raw 32-byte keys) in files: one line fits a run directory's key file and a
+Kubernetes Secret or ConfigMap mounted as a file alike (tidal.run_keys says which file a role reads). A process
+that checks snapshots says once which public key it trusts (`trust_public_key`); every check without a key of
+its own uses that one."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
-import os
+from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-SIGNING_KEY_ENV = "TIDAL_WEIGHTS_SIGNING_KEY"
-"""The private key: trainer processes only (`tidal run` gives it to the trainer role, a cluster mounts it into trainer pods)."""
-PUBLIC_KEY_ENV = "TIDAL_WEIGHTS_PUBLIC_KEY"
-"""The public key: every process that loads or checks a snapshot."""
 ALG = "ed25519"
 SIGNATURE_FIELD = "signature"
 HMAC_FIELD = "hmac"  # runs from before Ed25519 signing: HMAC-SHA256 under RUN_DIR/weights-key (see resign_hmac_manifest)
@@ -40,11 +38,11 @@ def _raw_key(text: str, what: str) -> bytes:
     return raw
 
 
-def private_key(text: str, what: str = SIGNING_KEY_ENV) -> Ed25519PrivateKey:
+def private_key(text: str, what: str = "the snapshot-signing key") -> Ed25519PrivateKey:
     return Ed25519PrivateKey.from_private_bytes(_raw_key(text, what))
 
 
-def public_key(text: str, what: str = PUBLIC_KEY_ENV) -> Ed25519PublicKey:
+def public_key(text: str, what: str = "the snapshots' public key") -> Ed25519PublicKey:
     return Ed25519PublicKey.from_public_bytes(_raw_key(text, what))
 
 
@@ -52,19 +50,28 @@ def public_key_of(private_hex: str) -> str:
     return private_key(private_hex).public_key().public_bytes_raw().hex()
 
 
-def signing_key_from_env() -> str | None:
-    """The private key of this process's environment; None when it holds none (not a trainer)."""
-    text = os.environ.get(SIGNING_KEY_ENV, "").strip()
-    if text:
-        private_key(text)  # a malformed key is an error now, not at the first publish
-    return text or None
+def read_key_file(path: Path, private: bool) -> str:
+    """The hex key in `path`, checked now (a malformed key is an error naming the file, not a refusal at the
+    first snapshot)."""
+    text = Path(path).read_text().strip()
+    (private_key if private else public_key)(text, str(path))
+    return text
 
 
-def public_key_from_env() -> str | None:
-    text = os.environ.get(PUBLIC_KEY_ENV, "").strip()
-    if text:
-        public_key(text)
-    return text or None
+_trusted_public_key: str | None = None
+
+
+def trust_public_key(public_hex: str | None) -> None:
+    """The public key every snapshot check of this process uses unless it is given one (a role sets it once, from
+    the key file it reads); None: no signature is checked, only the sha256s (a store outside any run)."""
+    global _trusted_public_key
+    if public_hex:
+        public_key(public_hex)
+    _trusted_public_key = public_hex or None
+
+
+def trusted_public_key() -> str | None:
+    return _trusted_public_key
 
 
 def signed_body(manifest: dict) -> bytes:

@@ -32,10 +32,10 @@ def on_cluster(
     kubernetes.mount_pvc(task, pvc_name=cluster.DATA_PVC, mount_path=cluster.DATA_MOUNT_PATH)
     if nats_role is not None:
         as_nats_user(task, nats_role)
-    if weights is not None:
-        kubernetes.use_config_map_as_env(task, config_map_name=cluster.WEIGHTS_PUBLIC_CONFIG_MAP, config_map_key_to_env=cluster.WEIGHTS_PUBLIC_ENV)
+    if weights is not None:  # files the staged config names (weights.public_key_file, weights.signing_key_file)
+        kubernetes.use_config_map_as_volume(task, config_map_name=cluster.WEIGHTS_PUBLIC_CONFIG_MAP, mount_path=cluster.WEIGHTS_PUBLIC_MOUNT_PATH)
     if weights == "signing":
-        kubernetes.use_secret_as_env(task, secret_name=cluster.WEIGHTS_SIGNING_SECRET, secret_key_to_env=cluster.WEIGHTS_SIGNING_SECRET_ENV)
+        kubernetes.use_secret_as_volume(task, secret_name=cluster.WEIGHTS_SIGNING_SECRET, mount_path=cluster.WEIGHTS_SIGNING_MOUNT_PATH)
     if mlflow:
         # the tracking URI is required (no Secret: the pod does not start, and says why); basic auth is optional
         kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_REQUIRED_ENV)

@@ -25,7 +25,16 @@ from kubernetes import client as k8s
 from tidal.kube import cluster
 from tidal.kube.cluster import DEFAULT_TERMINATION_GRACE_S, AcceleratorProfile, Toleration
 from tidal.kube.steps.records import PipelineStepError, StepRecords
-from tidal.kube.trainer.shared import POD_ANNOTATIONS, STRICT, name_violations, reward_key_env, secret_env, trainer_pod_security
+from tidal.kube.trainer.shared import (
+    POD_ANNOTATIONS,
+    STRICT,
+    key_mounts,
+    key_volumes,
+    name_violations,
+    reward_key_env,
+    secret_env,
+    trainer_pod_security,
+)
 from tidal.rundir import RunDir
 
 KEDA_GROUP, KEDA_VERSION, KEDA_PLURAL = "keda.sh", "v1alpha1", "scaledobjects"
@@ -146,8 +155,8 @@ def metadata(spec: PoolSpec) -> dict:
 
 
 def pool_env() -> list[k8s.V1EnvVar]:
-    """As the fixed pool's worker step: the worker NATS user and its password, the snapshot-signing key, MLflow
-    (required URI, optional credentials), served rewards' API keys (optional); and the pod's name, the worker id."""
+    """As the fixed pool's worker step: the worker NATS user and its password, served rewards' API keys (optional);
+    and the pod's name, the worker id. The snapshots' public key is a file (key_volumes)."""
     pod_name = k8s.V1EnvVar(name="POD_NAME", value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="metadata.name")))
     return [pod_name, *secret_env("worker"), *reward_key_env()]
 
@@ -185,6 +194,7 @@ def build_deployment(spec: PoolSpec) -> dict:
         volume_mounts=[
             k8s.V1VolumeMount(name="data", mount_path=cluster.DATA_MOUNT_PATH),
             k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
+            *key_mounts("worker"),
         ],
         security_context=k8s.V1SecurityContext(allow_privilege_escalation=False, capabilities=k8s.V1Capabilities(drop=["ALL"])),
     )
@@ -201,6 +211,7 @@ def build_deployment(spec: PoolSpec) -> dict:
         volumes=[
             k8s.V1Volume(name="data", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=cluster.DATA_PVC)),
             k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=spec.profile.shm_size)),
+            *key_volumes("worker"),
         ],
     )
     deployment = k8s.V1Deployment(

@@ -18,10 +18,9 @@ from tidal.kube.steps.records import PipelineStepError
 REQUIRED_CREDENTIALS = {
     **{env: (cluster.MLFLOW_SECRET, key) for key, env in cluster.MLFLOW_SECRET_REQUIRED_ENV.items()},
     cluster.NATS_PASSWORD_ENV: (cluster.NATS_SECRET, "<role>-password"),
-    **{env: (cluster.WEIGHTS_SIGNING_SECRET, key) for key, env in cluster.WEIGHTS_SIGNING_SECRET_ENV.items()},
-    **{env: (f"ConfigMap {cluster.WEIGHTS_PUBLIC_CONFIG_MAP}", key) for key, env in cluster.WEIGHTS_PUBLIC_ENV.items()},
 }
-"""Variables a step gets from a required Secret (or ConfigMap) key: present, they must not be empty."""
+"""Variables a step gets from a required Secret key: present, they must not be empty. (The snapshot keys are files,
+which the role reading them checks: an empty or malformed one is an error naming the file.)"""
 
 
 def empty_credential_problem(environ: Mapping[str, str] = os.environ) -> str | None:

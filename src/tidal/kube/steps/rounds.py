@@ -41,6 +41,7 @@ class SyncedWeights:
 def weight_sync(run_dir: str, round_index: int) -> SyncedWeights:
     """Verify the round's newest snapshot against its manifest, point ``latest`` at it, log it to MLflow."""
     run = RunDir(Path(run_dir))
+    snapshots.trust_run_key(run)
     version, path = snapshots.latest_snapshot(run)
     try:
         snapshots.verify_snapshot(path)

@@ -21,6 +21,7 @@ def register_model(run_dir: str, registered_model_name: str) -> str:
     from tidal.export import EXPORT_RECORD, export_version
 
     run = RunDir(Path(run_dir))
+    snapshots.trust_run_key(run)  # the export checks the signature with it too
     version, latest_path = snapshots.latest_snapshot(run)
     snapshots.verify_snapshot(latest_path)
     out = run.root / "exports" / f"{Path(latest_path).name}-final"

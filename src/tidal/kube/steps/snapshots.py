@@ -17,8 +17,17 @@ def latest_snapshot(run: RunDir) -> tuple[int, str]:
     return version, str(store.path(version))
 
 
+def trust_run_key(run: RunDir) -> None:
+    """This pod's checks use the run's public key, from the file the staged config names (mounted from its ConfigMap)."""
+    from tidal.config import load_config
+    from tidal.run_keys import load_public_key
+
+    load_public_key(load_config(run.config), run)
+
+
 def verify_snapshot(path: str) -> None:
-    """Every file in the snapshot's manifest exists and matches its sha256 (the core's check)."""
+    """Every file in the snapshot's manifest exists and matches its sha256, and the trainer signed it (the core's
+    check, with the key trust_run_key read)."""
     from tidal.weights import load_verified
 
     load_verified(path)

@@ -127,8 +127,22 @@ def stage_config(run: RunDir, config_yaml: str, config_path: str, overrides: lis
         check_before_start(config)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         raise PipelineStepError(str(err)) from None
-    run.config.write_text(dump_config(config))
+    run.config.write_text(dump_config(with_key_files(config)))
     return str(run.config)
+
+
+def with_key_files(config):
+    """The staged config names the snapshot keys' files where the pods mount them (cluster.WEIGHTS_*_KEY_FILE), unless
+    the config names others; under ``--via kfp-local`` the pods are processes of this machine, with no keys mounted
+    (the run directory's key files, where there are any)."""
+    from tidal.kube.steps.pod_sandbox import POD_SANDBOX_ENV
+
+    weights = config.weights
+    if os.environ.get(POD_SANDBOX_ENV):
+        return config
+    files = {"public_key_file": weights.public_key_file or cluster.WEIGHTS_PUBLIC_KEY_FILE}
+    files["signing_key_file"] = weights.signing_key_file or cluster.WEIGHTS_SIGNING_KEY_FILE
+    return config.model_copy(update={"weights": weights.model_copy(update=files)})
 
 
 def pipeline_worker_env() -> set[str]:

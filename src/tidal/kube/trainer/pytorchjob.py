@@ -36,6 +36,7 @@ from tidal.kube.trainer.shared import (
     TrainerJobSpec,
     container_resources,
     job_labels,
+    key_mounts,
     name_violations,
     owner_references,
     pod_ip_env,
@@ -77,6 +78,7 @@ def trainer_container(spec: TrainerJobSpec) -> k8s.V1Container:
         volume_mounts=[
             k8s.V1VolumeMount(name="data", mount_path=cluster.DATA_MOUNT_PATH),
             k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
+            *key_mounts("trainer"),
         ],
         security_context=k8s.V1SecurityContext(
             allow_privilege_escalation=False,

@@ -86,17 +86,15 @@ def trainer_command(spec: TrainerJobSpec) -> list[str]:
 
 
 def secret_env(role: str = "trainer") -> list[k8s.V1EnvVar]:
-    """What a pod of ``role`` ("trainer" or "worker") uses, and nothing more: its NATS user and password and the
-    snapshots' public key (required); a trainer also the snapshot-signing private key and the MLflow endpoint
-    (required) with MLflow's basic-auth credentials (optional keys). A worker neither signs nor logs to MLflow."""
+    """What a pod of ``role`` ("trainer" or "worker") gets in its environment, and nothing more: its NATS user and
+    password (required); a trainer also the MLflow endpoint (required) with MLflow's basic-auth credentials
+    (optional keys). A worker does not log to MLflow. The snapshot keys are files (key_volumes)."""
     env = [
         k8s.V1EnvVar(name=cluster.NATS_USER_ENV, value=cluster.nats_user(role)),
         _secret_env_var(cluster.NATS_SECRET, cluster.nats_password_key(role), cluster.NATS_PASSWORD_ENV, optional=False),
     ]
-    env += [_config_map_env_var(cluster.WEIGHTS_PUBLIC_CONFIG_MAP, key, name) for key, name in cluster.WEIGHTS_PUBLIC_ENV.items()]
     if role != "trainer":
         return env
-    env += [_secret_env_var(cluster.WEIGHTS_SIGNING_SECRET, key, name, optional=False) for key, name in cluster.WEIGHTS_SIGNING_SECRET_ENV.items()]
     env += [_secret_env_var(cluster.MLFLOW_SECRET, key, name, optional=False) for key, name in cluster.MLFLOW_SECRET_REQUIRED_ENV.items()]
     env += [_secret_env_var(cluster.MLFLOW_SECRET, key, name, optional=True) for key, name in cluster.MLFLOW_SECRET_OPTIONAL_ENV.items()]
     return env
@@ -114,9 +112,22 @@ def pod_ip_env() -> k8s.V1EnvVar:
     return k8s.V1EnvVar(name="POD_IP", value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="status.podIP")))
 
 
-def _config_map_env_var(config_map: str, key: str, name: str) -> k8s.V1EnvVar:
-    selector = k8s.V1ConfigMapKeySelector(name=config_map, key=key, optional=False)
-    return k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(config_map_key_ref=selector))
+def key_volumes(role: str = "trainer") -> list[k8s.V1Volume]:
+    """The snapshot keys as files: the public key (ConfigMap) in every pod of ``role``, the private key (Secret) in
+    a trainer's alone; both required. The staged config names where they are mounted (key_mounts)."""
+    volumes = [k8s.V1Volume(name="weights-public", config_map=k8s.V1ConfigMapVolumeSource(name=cluster.WEIGHTS_PUBLIC_CONFIG_MAP, optional=False))]
+    if role == "trainer":
+        volumes.append(
+            k8s.V1Volume(name="weights-signing", secret=k8s.V1SecretVolumeSource(secret_name=cluster.WEIGHTS_SIGNING_SECRET, optional=False))
+        )
+    return volumes
+
+
+def key_mounts(role: str = "trainer") -> list[k8s.V1VolumeMount]:
+    mounts = [k8s.V1VolumeMount(name="weights-public", mount_path=cluster.WEIGHTS_PUBLIC_MOUNT_PATH, read_only=True)]
+    if role == "trainer":
+        mounts.append(k8s.V1VolumeMount(name="weights-signing", mount_path=cluster.WEIGHTS_SIGNING_MOUNT_PATH, read_only=True))
+    return mounts
 
 
 def _secret_env_var(secret: str, key: str, name: str, optional: bool) -> k8s.V1EnvVar:
@@ -146,10 +157,11 @@ def trainer_pod_security() -> k8s.V1PodSecurityContext:
 
 
 def trainer_volumes(spec: TrainerJobSpec) -> list[k8s.V1Volume]:
-    """The run's data volume and a memory-backed /dev/shm (the process group's shared memory)."""
+    """The run's data volume, a memory-backed /dev/shm (the process group's shared memory) and the snapshot keys."""
     return [
         k8s.V1Volume(name="data", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=cluster.DATA_PVC)),
         k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=spec.profile.shm_size)),
+        *key_volumes("trainer"),
     ]
 
 

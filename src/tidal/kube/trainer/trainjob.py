@@ -35,6 +35,7 @@ from tidal.kube.trainer.shared import (
     TrainerJobSpec,
     container_resources,
     job_labels,
+    key_mounts,
     name_violations,
     owner_references,
     pod_ip_env,
@@ -109,7 +110,11 @@ def pod_patch(spec: TrainerJobSpec) -> dict:
     container = {
         "name": NODE,
         "volumeMounts": _serialize(
-            [k8s.V1VolumeMount(name="data", mount_path=cluster.DATA_MOUNT_PATH), k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm")]
+            [
+                k8s.V1VolumeMount(name="data", mount_path=cluster.DATA_MOUNT_PATH),
+                k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
+                *key_mounts("trainer"),
+            ]
         ),
         "securityContext": _serialize(k8s.V1SecurityContext(allow_privilege_escalation=False, capabilities=k8s.V1Capabilities(drop=["ALL"]))),
     }
