@@ -48,15 +48,15 @@ class ScriptedEnvironment:
             return None
         return self.inserted(row, t)
 
-    def respond_all(self, turns: dict[int, Turn]) -> dict[int, list[int] | None]:  # the HF engine's turn loop asks this
-        return {row: self.answer(row, turn) for row, turn in turns.items()}
+    async def respond(self, row: int, turn: Turn) -> list[int] | None:  # the HF engine's turn loop asks this
+        return self.answer(row, turn)
 
 
 class EndsEveryTrajectory:
     """A responder that ends each trajectory after its first turn."""
 
-    def respond_all(self, turns: dict[int, Turn]) -> dict[int, None]:
-        return dict.fromkeys(turns)
+    async def respond(self, row: int, turn: Turn) -> None:
+        return None
 
 
 def requests(tok, seed: int = 0):
@@ -123,8 +123,9 @@ def test_the_trainer_sees_the_engines_logprobs_on_every_sampled_token():
 
 
 def test_inserted_tokens_extend_the_cache_without_recomputing_the_prefix():
-    """After the prefill, every forward pass takes one token per row (a decode step) or one row's
-    last sampled token and its inserted tokens: never the prompt or an earlier turn again."""
+    """After the prefill, every forward pass takes one token per row (a decode step) or the rows
+    joining again, each with its last sampled token and its inserted tokens: never the prompt or an
+    earlier turn again, and each turn boundary of each row once."""
     model, tok = tiny()
     engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
     reqs = requests(tok)
@@ -140,7 +141,7 @@ def test_inserted_tokens_extend_the_cache_without_recomputing_the_prefix():
     later = [w for _, w in widths[1:]]
     assert set(later) <= {1, *range(2, longest_insert + 2)} and max(later) == longest_insert + 1
     assert max(later) < min(len(r.prompt_ids) for r in reqs) + MAX_NEW_TOKENS  # no forward over a prefix
-    assert sum(1 for w in later if w > 1) == 2  # one extension per turn boundary
+    assert sum(rows for rows, w in widths[1:] if w > 1) == 9 * 2  # each row's two turn boundaries, once each
     assert all(t.turns == 3 for t in trajectories)
 
 
