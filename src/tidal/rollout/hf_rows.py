@@ -135,7 +135,9 @@ class HFRows:
         row_prompt = torch.repeat_interleave(torch.arange(len(requests), device=device), torch.tensor([r.n for r in requests], device=device))
         cache = returned_cache(out)
         cache.batch_select_indices(row_prompt)
-        self.slab: Slab | None = Slab(cache, mask[row_prompt], positions[row_prompt, -1:] + 1, out.logits[row_prompt, -1, :], list(range(len(row_prompt))))
+        self.slab: Slab | None = Slab(
+            cache, mask[row_prompt], positions[row_prompt, -1:] + 1, out.logits[row_prompt, -1, :], list(range(len(row_prompt)))
+        )
 
     @property
     def rows(self) -> list[int]:
@@ -161,9 +163,7 @@ class HFRows:
 
     def _forward(self, slab: Slab, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         engine = self.engine
-        out = engine.model(
-            input_ids=input_ids, attention_mask=slab.mask, position_ids=positions, use_cache=True, **{engine.cache_kwarg: slab.cache}
-        )
+        out = engine.model(input_ids=input_ids, attention_mask=slab.mask, position_ids=positions, use_cache=True, **{engine.cache_kwarg: slab.cache})
         slab.cache = returned_cache(out)
         return out.logits
 
