@@ -224,7 +224,7 @@ class Scheduled(ScriptedEnvironment):
             ready = asyncio.get_running_loop().create_future()
             self.waiting.setdefault(t, []).append((row, ready))
             if {r for r, _ in self.waiting[t]} == self.going:
-                for r, f in sorted(self.waiting.pop(t)):
+                for _row, f in self.waiting.pop(t):
                     f.set_result(None)
             await ready
         tokens = self.answer(row, turn)
