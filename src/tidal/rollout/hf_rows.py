@@ -28,7 +28,6 @@ import torch
 
 from tidal.rollout.trajectory import Turn
 
-
 INTERRUPTED = "interrupted"  # a turn stopped between tokens for new weights (rollout.partial)
 
 
