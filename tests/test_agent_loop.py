@@ -56,7 +56,7 @@ def items():
 
 
 def test_trajectory_groups_are_the_sampled_tokens_and_the_templates_rendering_of_each_observation():
-    engine, tok = tiny_engine()
+    engine, tok = tiny_engine(eos_logit=2.5)
     cfg = agent_config("tests.environments:Chatty")
     agent = AgentLoop.from_config(cfg, tok, 256)
     assert agent.chat_template == TOOL_CHAT_TEMPLATE  # the tiny tokenizer has none of its own
@@ -124,7 +124,7 @@ def test_long_observations_are_cut_to_the_per_turn_limit_and_counted():
 
 
 def test_an_environment_that_raises_ends_only_its_own_trajectory():
-    engine, tok = tiny_engine()
+    engine, tok = tiny_engine(eos_logit=2.5)
     cfg = agent_config("tests.environments:Fragile")
     groups = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, version=0, worker_id="w")
     reasons = [s.finish_reason for g in groups for s in g.samples]

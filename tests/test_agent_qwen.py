@@ -6,6 +6,7 @@ see tests/data/README.md), saved as a tokenizer directory and named as model.nam
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -120,7 +121,7 @@ def play(agent, turns: list[str]):
         ids = tok(turn_text, add_special_tokens=False).input_ids + [tok.eos_token_id]
         tokens += ids
         mask += [1] * len(ids)
-        inserted = call.respond_all({0: Turn(ids, [0.0] * len(ids), "stop")})[0]
+        inserted = asyncio.run(call.respond(0, Turn(ids, [0.0] * len(ids), "stop")))
         if inserted is None:
             assert i == len(turns) - 1
             break

@@ -4,7 +4,9 @@ before the inserted tokens is computed again, and the tokens kept are the tokens
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import time
 
 import numpy as np
 import pytest
@@ -48,15 +50,15 @@ class ScriptedEnvironment:
             return None
         return self.inserted(row, t)
 
-    def respond_all(self, turns: dict[int, Turn]) -> dict[int, list[int] | None]:  # the HF engine's turn loop asks this
-        return {row: self.answer(row, turn) for row, turn in turns.items()}
+    async def respond(self, row: int, turn: Turn) -> list[int] | None:  # the HF engine's turn loop asks this
+        return self.answer(row, turn)
 
 
 class EndsEveryTrajectory:
     """A responder that ends each trajectory after its first turn."""
 
-    def respond_all(self, turns: dict[int, Turn]) -> dict[int, None]:
-        return dict.fromkeys(turns)
+    async def respond(self, row: int, turn: Turn) -> None:
+        return None
 
 
 def requests(tok, seed: int = 0):
@@ -123,8 +125,9 @@ def test_the_trainer_sees_the_engines_logprobs_on_every_sampled_token():
 
 
 def test_inserted_tokens_extend_the_cache_without_recomputing_the_prefix():
-    """After the prefill, every forward pass takes one token per row (a decode step) or one row's
-    last sampled token and its inserted tokens: never the prompt or an earlier turn again."""
+    """After the prefill, every forward pass takes one token per row (a decode step) or the rows
+    joining again, each with its last sampled token and its inserted tokens: never the prompt or an
+    earlier turn again, and each turn boundary of each row once."""
     model, tok = tiny()
     engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
     reqs = requests(tok)
@@ -140,7 +143,7 @@ def test_inserted_tokens_extend_the_cache_without_recomputing_the_prefix():
     later = [w for _, w in widths[1:]]
     assert set(later) <= {1, *range(2, longest_insert + 2)} and max(later) == longest_insert + 1
     assert max(later) < min(len(r.prompt_ids) for r in reqs) + MAX_NEW_TOKENS  # no forward over a prefix
-    assert sum(1 for w in later if w > 1) == 2  # one extension per turn boundary
+    assert sum(rows for rows, w in widths[1:] if w > 1) == 9 * 2  # each row's two turn boundaries, once each
     assert all(t.turns == 3 for t in trajectories)
 
 
@@ -166,3 +169,91 @@ def test_trajectories_are_a_function_of_the_seed():
     assert [t.token_ids for t in runs[0]] == [t.token_ids for t in runs[1]]
     other = engine.play_blocking(requests(tok, seed=10), ScriptedEnvironment(tok, ends_after={2: 2}), max_turns=3)
     assert [t.token_ids for t in other] != [t.token_ids for t in runs[0]]
+
+
+class SlowFirstCall(ScriptedEnvironment):
+    """Row `slow`'s first answer is a blocking call that sleeps 5 s on a thread (as a tool call does);
+    every other answer is instant. Records, in order, when each trajectory ended and when the slow
+    call returned."""
+
+    def __init__(self, tok, slow: int):
+        super().__init__(tok, ends_after={})
+        self.slow, self.events = slow, []
+
+    async def respond(self, row: int, turn: Turn) -> list[int] | None:
+        if row == self.slow and row not in self.seen:
+            await asyncio.to_thread(time.sleep, 5)
+            self.events.append(("slow call returned", row))
+        tokens = self.answer(row, turn)
+        if len(self.seen[row]) == 3:  # max_turns: the trajectory is over
+            self.events.append(("trajectory done", row))
+        return tokens
+
+
+def test_a_slow_tool_call_holds_only_its_own_trajectory():
+    """No turn barrier: while one row's first tool call sleeps, every other row plays all its turns."""
+    model, tok = tiny()
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
+    env = SlowFirstCall(tok, slow=4)
+    trajectories = engine.play_blocking(requests(tok), env, max_turns=3)
+    assert all(t.turns == 3 for t in trajectories)
+    returned = env.events.index(("slow call returned", 4))
+    done_before = {row for kind, row in env.events[:returned] if kind == "trajectory done"}
+    assert done_before == set(range(9)) - {4}
+    assert env.events[returned + 1 :] == [("trajectory done", 4)]
+
+
+class Scheduled(ScriptedEnvironment):
+    """Answers at once; with `odd_last`, the odd rows' answers only once every even row's trajectory
+    is over; with `barrier`, each turn's answers only once every row still going has ended that turn
+    (the old lockstep engine's schedule)."""
+
+    def __init__(self, tok, odd_last: bool = False, barrier: bool = False):
+        super().__init__(tok, ends_after={0: 1, 3: 2, 6: 2})
+        self.odd_last, self.barrier = odd_last, barrier
+        self.waiting: dict[int, list[tuple[int, asyncio.Future]]] = {}
+        self.going = set(range(9))
+        self.evens_done: asyncio.Event | None = None
+
+    async def respond(self, row: int, turn: Turn) -> list[int] | None:
+        t = len(self.seen.get(row, []))
+        self.evens_done = self.evens_done or asyncio.Event()
+        if self.odd_last and row % 2:
+            await self.evens_done.wait()
+        if self.barrier:
+            ready = asyncio.get_running_loop().create_future()
+            self.waiting.setdefault(t, []).append((row, ready))
+            if {r for r, _ in self.waiting[t]} == self.going:
+                for _row, f in self.waiting.pop(t):
+                    f.set_result(None)
+            await ready
+        tokens = self.answer(row, turn)
+        if tokens is None or len(self.seen[row]) == 3:
+            self.going.discard(row)
+            if not any(r % 2 == 0 for r in self.going):
+                self.evens_done.set()
+        return tokens
+
+
+def test_trajectories_do_not_depend_on_which_rows_share_a_decode_step():
+    """Deterministic sampling: the same group played in lockstep (every row's turn waits for the
+    others'), free-running, and with the odd rows answered only once the even rows are done gives the same tokens,
+    and log-probs equal up to float rounding (forward passes of other batch shapes)."""
+    model, tok = tiny()
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
+    runs, shapes = [], []
+    for env in (Scheduled(tok, barrier=True), Scheduled(tok), Scheduled(tok, odd_last=True)):
+        shapes.append([])
+        hook = model.register_forward_pre_hook(lambda module, args, kwargs: shapes[-1].append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+        try:
+            runs.append(engine.play_blocking(requests(tok, seed=5), env, max_turns=3))
+        finally:
+            hook.remove()
+    assert len({tuple(s) for s in shapes}) == 3  # three schedules: the rows shared their forward passes differently
+    reference = runs[0]
+    assert {t.turns for t in reference} == {1, 2, 3}
+    for run in runs[1:]:
+        assert [t.token_ids for t in run] == [t.token_ids for t in reference]
+        assert [t.loss_mask for t in run] == [t.loss_mask for t in reference]
+        for t, r in zip(run, reference, strict=True):
+            torch.testing.assert_close(torch.tensor(t.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)

@@ -134,6 +134,8 @@ def test_auto_is_accepted_only_where_the_planner_can_measure(tiny_config_dict):
     cfg = config_from_dict({**tiny_config_dict, "rollout": {**tiny_config_dict["rollout"], "workers": "auto"}, "trainer": {"threads": "auto"}})
     assert wants_plan(cfg)
     assert split_cores(cfg, cores=4) == (2, 2)  # a role started outside `tidal run` reads auto as an even split
+    sync = config_from_dict({**tiny_config_dict, "mode": "sync"})
+    assert split_cores(sync, cores=4)[0] == 4  # sync mode has no worker process: the trainer generates on every core
     with pytest.raises(ConfigError, match="rollout.workers 'auto'"):
         config_from_dict({**tiny_config_dict, "rollout": {"workers": "auto", "engine": "vllm"}})
     with pytest.raises(ConfigError, match="rollout.workers"):

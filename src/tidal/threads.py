@@ -19,10 +19,12 @@ def set_threads(n: int) -> None:
 def split_cores(cfg: TidalConfig, cores: int | None = None) -> tuple[int, int]:
     """(trainer threads over all its ranks, threads per rollout worker), unless set in config. `tidal
     run` replaces `auto` by the capacity planner's figures before any role starts; a role started
-    another way (a pod) reads `auto` as an even split."""
+    another way (a pod) reads `auto` as an even split. Sync mode has no worker process: the trainer,
+    which generates too, gets every core."""
     cores = cores or os.cpu_count() or 1
     workers = cfg.rollout.initial_workers
-    trainer = cfg.trainer.threads if isinstance(cfg.trainer.threads, int) else max(1, cores // (workers + 1))
+    share = cores if cfg.mode == "sync" else max(1, cores // (workers + 1))
+    trainer = cfg.trainer.threads if isinstance(cfg.trainer.threads, int) else share
     rollout = cfg.rollout.threads if isinstance(cfg.rollout.threads, int) else max(1, (cores - trainer) // workers)
     return trainer, rollout
 

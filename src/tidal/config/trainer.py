@@ -73,7 +73,9 @@ class TrainerConfig(Strict):
     reduce_dtype: Dtype | None = Field(None, description="fsdp2 gradient reduction dtype.")
     cpu_offload: bool = Field(False, description="fsdp2: parameters, gradients and optimizer state on the CPU.")
     activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass.")
-    threads: PositiveInt | Literal["auto"] | None = Field(None, description="Unset: an even split of the cores; auto: tidal plan's.")
+    threads: PositiveInt | Literal["auto"] | None = Field(
+        None, description="Unset: an even split of the cores (sync mode: every core); auto: tidal plan's."
+    )
     tail_threads: PositiveInt | Literal["auto"] | None = Field(
         "auto",
         description="Periodic mode: once every group of an iteration is in, the workers wait for the next weights, so the "

@@ -11,10 +11,10 @@ turns), when it would outgrow the model's context, or when the environment raise
 worker goes on).
 
 The environment logic (`EnvResponder`, the trajectory.Responder of one engine call) is the same for
-both engines. The HF engine runs a call's rows as one batch over its KV cache and asks for every row's
-answer to a turn at once (`respond_all`: the steps run together on threads); the vLLM engine runs each
-trajectory as a request per turn, every trajectory at once, and asks row by row (`respond`: the step on
-a thread, so that the others keep decoding meanwhile). Both turn loops are in tidal.rollout.trajectory.
+both engines, which ask for each row's answer as soon as its turn ends (`respond`: the step on a
+thread, so that the other rows keep decoding meanwhile). The HF engine runs a call's rows over one
+decode batch that a row leaves while its environment steps; the vLLM engine runs each trajectory as a
+request per turn. Both turn loops are in tidal.rollout.trajectory.
 """
 
 from __future__ import annotations
@@ -343,15 +343,6 @@ class EnvResponder:
 
     def __init__(self, agent: AgentLoop, rows: list[_Row], prompt_lengths: list[int], started: float):
         self.agent, self.rows, self.prompt_lengths, self.started = agent, rows, prompt_lengths, started
-
-    def respond_all(self, turns: dict[int, Turn]) -> dict[int, list[int] | None]:
-        """Every row's answer to one turn: the environment steps run at once, on the step threads, so the
-        rows wait for the slowest step of the turn, not for the sum of them (a slow tool's latency is
-        paid once per turn). Reading and tokenising stay on this thread."""
-        texts = {index: self.read(index, turn) for index, turn in turns.items()}
-        pool = self.agent.env_pool()
-        futures = {index: pool.submit(self.step, index, text) for index, text in texts.items() if text is not None}
-        return {index: self.answer(index, futures[index].result() if index in futures else None) for index in texts}
 
     async def respond(self, index: int, turn: Turn) -> list[int] | None:
         """One row's answer, its environment step on a thread: the other rows decode meanwhile."""

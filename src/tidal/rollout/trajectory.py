@@ -7,15 +7,17 @@ After each sampled turn a `Responder` gives the tokens to insert before the next
 the trajectory is over. The kept tokens are the ones sampled and the ones the responder gave, never
 a re-tokenisation of decoded text.
 
-The turn loops: `play_batch` runs the rows of one engine call together over one KV cache (the HF
-engine: every row's turn is sampled, then the responder answers all of them at once); `play_row`
-runs one row as one request per turn (vLLM: every row its own task, so while one waits on its
-environment the others decode).
+The turn loops: `play_rows` runs the rows of one engine call over one decode batch that a row leaves
+when its turn ends and joins again when the responder has answered it (the HF engine); `play_row`
+runs one row as one request per turn (vLLM: every row its own task). Either way, while one row waits
+on its environment the others decode.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -78,43 +80,69 @@ class TrajectoryTokens:
 
 class Responder(Protocol):
     """What answers a row's turn: the token ids to insert before its next turn, or None when its
-    trajectory is over. `respond_all` answers every row of one turn at once (a batch engine);
-    `respond` one row, on the event loop, while the other rows decode (a request-per-turn engine)."""
-
-    def respond_all(self, turns: dict[int, Turn]) -> dict[int, list[int] | None]: ...
+    trajectory is over; on the event loop, while the other rows decode."""
 
     async def respond(self, row: int, turn: Turn) -> list[int] | None: ...
 
 
-class TurnBatch(Protocol):
-    """The rows of one engine call over one KV cache (the HF engine's HFTrajectories)."""
+class RowBatch(Protocol):
+    """The rows of one engine call over one decode batch that a row leaves when its turn ends and
+    joins again for its next one (the HF engine's hf_rows.HFRows)."""
 
     @property
     def rows(self) -> list[int]: ...
 
-    def sample_turn(self, max_new_tokens: int, greedy: bool = False, final: bool = False) -> dict[int, Turn]: ...
+    @property
+    def decoding(self) -> bool: ...
 
-    def extend(self, inserted: dict[int, list[int]]) -> None: ...
+    def decode(self, max_new_tokens: int, greedy: bool = False, wake: threading.Event | None = None) -> dict[int, Turn]: ...
+
+    def join(self, inserted: dict[int, list[int]]) -> None: ...
+
+    def drop(self, rows: list[int]) -> None: ...
 
 
-def play_batch(batch: TurnBatch, responder: Responder, max_turns: int, max_new_tokens: int, greedy: bool = False) -> list[TrajectoryTokens]:
-    """One trajectory per row of `batch`, in row order, turn after turn: every row's turn is sampled,
-    the responder answers them all, and the rows that go on get their inserted tokens. A trajectory
-    that still wants a turn after `max_turns` ends there (finish reason max_turns)."""
+async def play_rows(batch: RowBatch, responder: Responder, max_turns: int, max_new_tokens: int, greedy: bool = False) -> list[TrajectoryTokens]:
+    """One trajectory per row of `batch`, in row order. The batch decodes (on a thread) until some
+    row's turn ends; that row's answer is asked for at once, and the rows whose answers are in join
+    the batch again for their next turn while the others decode on. A trajectory that still wants a
+    turn after `max_turns` ends there (finish reason max_turns)."""
     out = {row: TrajectoryTokens() for row in batch.rows}
-    for turn_index in range(max_turns):
-        last = turn_index + 1 == max_turns
-        turns = batch.sample_turn(max_new_tokens, greedy, final=last)
-        answers = responder.respond_all(turns)
-        inserted: dict[int, list[int]] = {}
-        for row, turn in turns.items():
-            out[row].add_sampled(turn)
-            tokens = out[row].answered(answers[row], last)
-            if tokens is not None:
-                inserted[row] = tokens
-        if not inserted:
-            break
-        batch.extend(inserted)
+    answers: dict[int, list[int] | None] = {}
+    wake = threading.Event()  # an answer came in: the decode thread returns at its next step
+    tasks: set[asyncio.Task] = set()
+
+    async def answer(row: int, turn: Turn) -> None:
+        reply = await responder.respond(row, turn)
+        answers[row] = out[row].answered(reply, out[row].turns == max_turns)
+        wake.set()
+
+    try:
+        while True:
+            for task in [t for t in tasks if t.done()]:
+                tasks.discard(task)
+                task.result()  # a responder that raised: the call fails, as it would on one thread
+            if answers:
+                ready = dict(answers)
+                answers.clear()
+                batch.drop([row for row, tokens in ready.items() if tokens is None])
+                going = {row: tokens for row, tokens in ready.items() if tokens is not None}
+                if going:
+                    await asyncio.to_thread(batch.join, going)
+                continue
+            if batch.decoding:
+                wake.clear()
+                ended = await asyncio.to_thread(batch.decode, max_new_tokens, greedy, wake)
+                for row, turn in ended.items():
+                    out[row].add_sampled(turn)
+                    tasks.add(asyncio.create_task(answer(row, turn)))
+            elif tasks:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                break
+    finally:
+        for task in tasks:
+            task.cancel()
     return [out[row] for row in sorted(out)]
 
 
