@@ -150,9 +150,9 @@ def measure(
     states = {v: load_verified(run.weights / f"v{v:06d}") for v in range(a, b + 1)}
     vocab = json.loads((base_dir / "config.json").read_text())["vocab_size"]
     probe = make_probe(cfg.seed, vocab)
-    if probe_kind == "run":
+    if probe_kind == "run" and "probe" in manifest:
         probe = manifest["probe"]["sequences"]
-    elif probe_kind == "sampled":  # as the trainer builds it, from the base model
+    elif probe_kind in ("run", "sampled"):  # as the trainer builds it, from the base model (a sync run on the HF engine records none)
         base, _ = load_model_and_tokenizer(base_dir, "float32")
         probe = sample_responses(base.eval(), probe, cfg.seed)
     served = variants(states, a, b, lora, max_tensors)
