@@ -245,7 +245,7 @@ def is_users_parser(parser) -> bool:
 
 
 def hosted_parser(reference: str, tokenizer, limits: ToolLimits) -> HostedParser:
-    parser = HostedParser(reference, tokenizer, limits.timeout_seconds, limits.memory_mb, limits.cpu_seconds)
+    parser = HostedParser(reference, limits, tokenizer)
     try:
         parser.check()
     except BaseException:

@@ -10,6 +10,7 @@ import shutil
 import tempfile
 
 from tidal import sandbox
+from tidal.envs.isolation import ToolLimits
 from tidal.envs.parsing import ParsedTurn, turn_from_json
 from tidal.envs.tools import EnvError
 from tidal.hosted import HostCallError, HostProcess, HostStartError
@@ -19,12 +20,10 @@ class HostedParser:
     """`reference`'s parser in a sandboxed process; `tokenizer` (optional) is saved to a folder that
     process may read, and loaded there."""
 
-    def __init__(self, reference: str, tokenizer=None, timeout: float = 30.0, memory_mb: int | None = 4096, cpu_seconds: int | None = 60):
+    def __init__(self, reference: str, limits: ToolLimits, tokenizer=None):
         self.reference = reference
         self.folder = None
-        args = [f"--memory-mb={memory_mb}"] if memory_mb else []
-        if cpu_seconds:
-            args.append(f"--cpu-seconds={cpu_seconds}")
+        args = limits.rlimit_args()
         policy = sandbox.current()
         if tokenizer is not None:
             self.folder = tempfile.mkdtemp(prefix="tidal-parser-tokenizer-")
@@ -32,7 +31,12 @@ class HostedParser:
             args.append(f"--tokenizer={self.folder}")
             policy = dataclasses.replace(policy, read_paths=(*policy.read_paths, self.folder))
         self.process = HostProcess(
-            "tidal.envs.parser_host", [*args, reference], timeout, "rollout.agent.tool_timeout_seconds", memory_mb=memory_mb, policy=policy
+            "tidal.envs.parser_host",
+            [*args, reference],
+            limits.timeout_seconds,
+            "rollout.agent.tool_timeout_seconds",
+            memory_mb=limits.memory_mb,
+            policy=policy,
         )
 
     def check(self) -> None:

@@ -43,13 +43,13 @@ class ToolLimits:
             ToolLatency.from_config(agent.tool_latency, seed),
         )
 
+    def rlimit_args(self) -> list[str]:
+        """A host's memory and per-call CPU-time limits, as tidal.hosted.serve's hosts take them."""
+        args = [f"--memory-mb={self.memory_mb}"] if self.memory_mb else []
+        return [*args, f"--cpu-seconds={self.cpu_seconds}"] if self.cpu_seconds else args
+
     def host_args(self) -> list[str]:
-        args = [f"--output-bytes={self.output_bytes}"]
-        if self.memory_mb:
-            args.append(f"--memory-mb={self.memory_mb}")
-        if self.cpu_seconds:
-            args.append(f"--cpu-seconds={self.cpu_seconds}")
-        return args
+        return [f"--output-bytes={self.output_bytes}", *self.rlimit_args()]
 
 
 class ToolHost:
