@@ -287,3 +287,47 @@ def test_without_a_control_group_the_watch_holds_the_process_and_memory_limits(m
         host.close()
     assert forks.failure == "crash" and "over 64 processes (sandbox.processes)" in forks.text, forks.text
     assert memory.failure == "crash" and "over 1024 MB resident" in memory.text, memory.text
+
+
+FORK_FOREVER = """
+import os, sys, time
+for _ in range(2000):
+    if os.fork() == 0:
+        os.setsid()
+        time.sleep(60)
+        os._exit(0)
+time.sleep(60)
+"""
+
+
+def test_killing_a_tree_that_forks_as_fast_as_it_can_leaves_no_process_behind():
+    """Without a control group, a tree whose processes fork while it is being stopped: a child made
+    between one look at the tree and the moment its parent's SIGSTOP took effect must not outlive it."""
+    import os
+    import subprocess
+    import sys
+
+    marker = f"tidal-fork-forever-{os.getpid()}"
+    survivors = []
+    for _ in range(10):
+        proc = subprocess.Popen([sys.executable, "-c", FORK_FOREVER, marker], start_new_session=True)
+        box = sandbox.HostBox(Path("/nonexistent"), processes=10_000)
+        box.pid = proc.pid
+        while len(box.members()) < 30:
+            time.sleep(0.005)
+        box.kill_tree()
+        proc.wait()
+        time.sleep(0.05)
+        survivors = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, marker)]
+        if survivors:
+            break
+    for pid in survivors:
+        os.kill(int(pid), 9)
+    assert not survivors, f"{len(survivors)} processes outlived kill_tree"
+
+
+def _cmdline_has(pid: str, marker: str) -> bool:
+    try:
+        return marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

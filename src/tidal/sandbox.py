@@ -148,7 +148,9 @@ class HostBox:
     def kill_tree(self, spare_host: bool = False) -> None:
         """Stops every process of the tree (SIGSTOP: a stopped process forks no more, and its children
         stay its children), again until no new one shows, then kills them all and waits until they
-        have ended (the host's next call must not meet them still running)."""
+        have ended (the host's next call must not meet them still running). Each round waits until
+        its signals have taken effect: a process signalled on another core may still fork before it
+        stops, and a child it made after the next look would outlive the tree."""
         stopped: set[int] = set()
         for _ in range(100):
             new = {p for p in self.members() if not (spare_host and p == self.pid)} - stopped
@@ -156,6 +158,7 @@ class HostBox:
                 break
             for pid in new:
                 _signal(pid, signal.SIGSTOP)
+            wait_stopped(new)
             stopped |= new
         for pid in stopped:
             _kill(pid)
@@ -237,11 +240,25 @@ def wait_ended(pids: set[int], seconds: float = 2.0) -> None:
             time.sleep(0.002)
 
 
-def _running(pid: int) -> bool:
+def wait_stopped(pids: set[int], seconds: float = 2.0) -> None:
+    """Until each of `pids` is stopped (or ended), or `seconds` passed."""
+    deadline = time.monotonic() + seconds
+    while pids and time.monotonic() < deadline:
+        pids = {pid for pid in pids if _state(pid) not in "TtZX"}
+        if pids:
+            time.sleep(0.001)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc/PID/stat; "X" when it is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
+        return "X"
+
+
+def _running(pid: int) -> bool:
+    return _state(pid) not in "ZX"
 
 
 def _alive(pid: int) -> bool:
