@@ -15,6 +15,7 @@ from tests.conftest import run_cli
 from tidal.bench.versus_trl import (
     SettingsMismatch,
     check_settings,
+    child_threads,
     gradient_check,
     prompt_rows,
     ratio_table,
@@ -200,6 +201,13 @@ def test_step_seconds_run_end_to_end_and_the_warmup_is_left_out():
         summarize_run(raw, 1, 32)
     with pytest.raises(SystemExit, match="no iteration left to measure"):
         summarize_run(raw, 3, 16)
+
+
+def test_trl_takes_trainer_threads_when_it_is_a_number_and_every_core_otherwise():
+    assert child_threads(config({"trainer.threads": 1}), 2) == 1
+    assert child_threads(config({"trainer.threads": 3}), 2) == 3
+    assert child_threads(config(), 2) == 2  # the default, auto
+    assert child_threads(config({"trainer.threads": "auto"}), 16) == 16
 
 
 def test_repetitions_alternate_the_order_and_ratios_are_against_trl_and_sync():

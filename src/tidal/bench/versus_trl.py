@@ -805,6 +805,12 @@ def run_child(kind: str, config_path: Path, out: Path, args: list[str]) -> dict:
     return json.loads(out.read_text())
 
 
+def child_threads(cfg, cores: int) -> int:
+    """A child's torch threads: trainer.threads when it is a number (`--set trainer.threads=1`: TRL gets the
+    threads Tidal's sync trainer gets, a comparison that holds on a loaded machine), else every core."""
+    return cfg.trainer.threads if isinstance(cfg.trainer.threads, int) else cores
+
+
 def _child_setup(config_path: str):
     import logging
     import warnings
@@ -818,8 +824,8 @@ def _child_setup(config_path: str):
     logging.getLogger("tidal").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
-    set_threads(os.cpu_count() or 1)
     cfg = load_config(config_path)
+    set_threads(child_threads(cfg, os.cpu_count() or 1))
     dataset = load_dataset(cfg.data, cfg.seed)
     return cfg, dataset, str(prepare_base_model(cfg, dataset))
 
