@@ -13,13 +13,14 @@ import json
 import os
 import re
 
+import numpy as np
 import pytest
 import yaml
 
 from tests.conftest import read_jsonl, run_cli
 from tidal.demo.vision import TinyVLMSize, save_tiny_vlm, write_count_task
 from tidal.rollout.vllm_args import vllm_available
-from tidal.rollout.vllm_vision import collapse_image_tokens
+from tidal.rollout.vllm_vision import collapse_image_tokens, image_processor_only
 
 pytestmark = [
     pytest.mark.vllm,
@@ -35,6 +36,25 @@ def test_collapse_image_tokens_keeps_one_image_token_per_image():
     assert collapse_image_tokens([1, 8, image, image, image, 7, 8, image, 7, 3], image) == [1, 8, image, 7, 8, image, 7, 3]
     assert collapse_image_tokens([image, image, 4, image], image) == [image, 4, image]
     assert collapse_image_tokens([1, 2, 3], image) == [1, 2, 3]
+
+
+def test_the_plugins_processor_processes_images_as_the_worker_does_and_passes_vllms_pixel_options(tmp_path):
+    from tidal.images import open_image
+    from tidal.model.vision import load_processor
+
+    model = save_tiny_vlm(tmp_path / "model", size=VLLM_TINY_VLM)
+    data = write_count_task(tmp_path / "data", rows=1)
+    image = (data.parent / "images" / "00000.png").read_bytes()
+    ours = load_processor(model).process_images([image])
+    served = image_processor_only(str(model))
+    out = served(images=[open_image(image)], return_tensors="np")
+    assert np.array_equal(out["image_grid_thw"], ours.image_grid_thw)
+    assert np.allclose(out["pixel_values"], ours.pixel_values, atol=1e-6)
+    # vLLM normalises pixels in the model and asks for them raw; an option the image processor lacks is dropped
+    raw = served(images=[open_image(image)], return_tensors="np", do_rescale=False, do_normalize=False, not_an_option=1)
+    assert raw["pixel_values"].max() > 200 and raw["pixel_values"].min() >= 0
+    with pytest.raises(ValueError, match="videos"):
+        served(videos=[[open_image(image)]])
 
 
 def test_a_periodic_run_on_vllm_trains_the_tiny_vlm_on_prompts_with_images(tmp_path):
