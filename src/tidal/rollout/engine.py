@@ -35,6 +35,7 @@ class GroupRequest:
     generator: torch.Generator | None = None  # per-group RNG (HF engine): deterministic, batch-independent samples
     seed: int | None = None  # the same for vLLM (a per-request seed); None: the engine's own RNG
     images: ImageInputs | None = None  # the prompt's processed images (HF engine): encoded once, in the group's shared prefill
+    image_files: list[bytes] | None = None  # the same images' files (vLLM processes them itself, once for the n=G request)
 
 
 class RolloutEngine(Protocol):

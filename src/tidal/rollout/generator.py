@@ -117,6 +117,7 @@ class Generator:
             group_generator(seed, item.iteration, item.prompt_id),
             group_seed(seed, item.iteration, item.prompt_id) if r.deterministic else None,
             images=self.images.get(item.msg_id),
+            image_files=item.images or None,
         )
 
     async def calls(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import shutil
 import tempfile
@@ -39,6 +40,7 @@ from tidal.rollout.vllm_args import (
     require_vllm,
     start_failure_hint,
 )
+from tidal.rollout.vllm_vision import check_vision_serving, collapse_image_tokens
 
 log = logging.getLogger(__name__)
 
@@ -92,15 +94,26 @@ def to_samples(output) -> list[Completion]:
     return samples
 
 
+def vision_processor(model_dir: str | Path):
+    """A vision-language model's processor (None for a language model); vLLM must be able to serve it."""
+    from tidal.model.vision import load_processor
+
+    if json.loads((Path(model_dir) / "config.json").read_text()).get("vision_config") is None:
+        return None
+    check_vision_serving(model_dir)
+    return load_processor(model_dir)
+
+
 class VLLMEngine:
     """AsyncLLM with the calls Tidal makes: generate a group, load a snapshot, shut down."""
 
     kind = "vllm"
 
-    def __init__(self, llm, cfg: TidalConfig, device: str = "cpu"):
+    def __init__(self, llm, cfg: TidalConfig, device: str = "cpu", processor=None):
         self.llm = llm
         self.cfg = cfg
         self.device = device  # vLLM's platform device type: cpu, cuda, npu
+        self.processor = processor  # a vision-language model's (tidal.model.vision.VisionProcessor): prompts with images
         self.lora_request = None  # under model.lora: the adapter of the version loaded (None: the base)
         self.landing: Path | None = None  # adapters received over NCCL are written here (made on first use)
 
@@ -111,6 +124,7 @@ class VLLMEngine:
         with output_to_log():  # in the launcher: vLLM's import warnings and its engine processes' output into its log
             device = check_platform(cfg.rollout.vllm.platform)
             check_head_size(model_dir, device)
+            processor = vision_processor(model_dir)
             from vllm.v1.engine.async_llm import AsyncLLM
 
             start_reaper()
@@ -123,7 +137,7 @@ class VLLMEngine:
             library_logs_to_log("vllm")  # after the engine: AsyncLLM configures vLLM's logging again
         lora = f" with LoRA (max rank {args.max_lora_rank}, {args.max_loras} adapters)" if args.enable_lora else ""
         log.info("vLLM engine started on %s in %.1fs%s", device, time.perf_counter() - t0, lora)
-        return cls(llm, cfg, device)
+        return cls(llm, cfg, device, processor)
 
     @property
     def context_length(self) -> int:
@@ -139,21 +153,36 @@ class VLLMEngine:
     def compute_dtypes(self) -> tuple[str, ...]:
         return (self.dtype,)
 
-    async def _final(self, prompt_ids: list[int], params, tag: str):
-        """One request on a token prompt, with the loaded version's adapter; its final output."""
+    def _prompt(self, prompt_ids: list[int], images: list[bytes] | None):
+        """A token prompt; with images, one image token per image and the images, which vLLM processes and
+        widens the image tokens for (to the ids `prompt_ids` already hold: checked on the output)."""
         from vllm.inputs.engine import tokens_input
 
+        if not images:
+            return tokens_input(list(prompt_ids))
+        from vllm.inputs import TokensPrompt
+
+        from tidal.images import open_image
+
+        collapsed = collapse_image_tokens(list(prompt_ids), self.processor.image_token_id)
+        return TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": [open_image(b) for b in images]})
+
+    async def _final(self, prompt_ids: list[int], params, tag: str, images: list[bytes] | None = None):
+        """One request on a token prompt (with its images), with the loaded version's adapter; its final output."""
         final = None
         request_id = f"{tag}-{uuid.uuid4().hex[:8]}"
-        async for out in self.llm.generate(tokens_input(list(prompt_ids)), params, request_id=request_id, lora_request=self.lora_request):
+        prompt = self._prompt(prompt_ids, images)
+        async for out in self.llm.generate(prompt, params, request_id=request_id, lora_request=self.lora_request):
             final = out
         if final is None or not final.finished:
             raise RuntimeError(f"request {tag} ended without a final output")
+        if images and list(final.prompt_token_ids) != list(prompt_ids):
+            raise RuntimeError(f"request {tag}: vLLM widened the image tokens to {len(final.prompt_token_ids)} prompt tokens, not {len(prompt_ids)}")
         return final
 
-    async def _request(self, prompt_ids: list[int], params, tag: str) -> list[Completion]:
+    async def _request(self, prompt_ids: list[int], params, tag: str, images: list[bytes] | None = None) -> list[Completion]:
         """One request on a token prompt; its samples once all are finished."""
-        return to_samples(await self._final(prompt_ids, params, tag))
+        return to_samples(await self._final(prompt_ids, params, tag, images))
 
     async def probe(self, probe: list[dict]) -> list[list[float]]:
         """The arrival check's probe: each response token's log-prob given what precedes it (temperature 1),
@@ -168,7 +197,10 @@ class VLLMEngine:
     async def generate_group(
         self, request: GroupRequest, seed: int | None = None, tag: str = "g", greedy: bool = False, max_tokens: int | None = None
     ) -> list[Completion]:
-        return await self._request(request.prompt_ids, sampling_params(self.cfg, request.n, seed, greedy, max_tokens), tag)
+        if request.image_files and self.processor is None:
+            raise ValueError(f"request {tag} has images but the model served is not a vision-language model")
+        params = sampling_params(self.cfg, request.n, seed, greedy, max_tokens)
+        return await self._request(request.prompt_ids, params, tag, request.image_files)
 
     async def complete(
         self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None, tag: str = "b"
@@ -340,6 +372,10 @@ class BlockingVLLMEngine:
     @property
     def context_length(self) -> int:
         return self.engine.context_length
+
+    @property
+    def processor(self):
+        return self.engine.processor
 
     @property
     def compute_dtypes(self) -> tuple[str, ...]:

@@ -48,12 +48,14 @@ def check_head_size(model_dir: str | Path, device: str) -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)  # a vision-language model's language model
     head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     supported = CPUAttentionBackend.get_supported_head_sizes()
     if head not in supported:
         raise ValueError(
             f"model {model_dir}: head size {head} is not supported by vLLM on CPU (supported: {supported}); "
-            "for the tiny model set model.tiny.hidden_size / model.tiny.num_heads accordingly, or use rollout.engine 'hf'"
+            "for the tiny model set model.tiny.hidden_size / model.tiny.num_heads accordingly (the tiny VLM: "
+            "tidal.demo.vision.TinyVLMSize), or use rollout.engine 'hf'"
         )
 
 

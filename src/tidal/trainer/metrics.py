@@ -205,4 +205,5 @@ def group_record(group: Group, version: int, train_start: float, train_end: floa
         "train_start": train_start,
         "train_end": train_end,
         "reward_mean": float(np.mean(group.rewards)),
+        **({} if group.images is None else {"images": len(group.images.image_grid_thw)}),  # a text group's record is unchanged
     }
