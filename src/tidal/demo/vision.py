@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from tidal.data.count_squares import COLOURS, count_image  # noqa: F401 - the task's images, where the demo's users look
 from tidal.demo.tiny import build_char_tokenizer
 
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
@@ -129,25 +130,7 @@ def save_tiny_vlm(directory: str | Path, seed: int = 0, size: TinyVLMSize = Tiny
     return out
 
 
-# --- the synthetic task: count the squares of one colour -----------------------------------------
-
-COLOURS = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 170, 60)}
-
-
-def count_image(rng: random.Random, target: str, count: int, side: int = 56, cell: int = 14, distractors: int = 2):
-    """A `side`x`side` white image with `count` squares of colour `target` and up to `distractors` of others,
-    one per cell of a grid, so that squares never overlap."""
-    from PIL import Image, ImageDraw
-
-    cells = [(x, y) for x in range(0, side, cell) for y in range(0, side, cell)]
-    others = [c for c in COLOURS if c != target]
-    placed = rng.sample(cells, count + distractors)
-    image = Image.new("RGB", (side, side), (255, 255, 255))
-    draw = ImageDraw.Draw(image)
-    for i, (x, y) in enumerate(placed):
-        colour = COLOURS[target] if i < count else COLOURS[rng.choice(others)]
-        draw.rectangle([x + 2, y + 2, x + cell - 3, y + cell - 3], fill=colour)
-    return image
+# --- the synthetic task: count the squares of one colour (made in memory by data.task count_squares) --------
 
 
 def write_count_task(directory: str | Path, rows: int, seed: int = 0, max_count: int = 4, target: str = "red") -> Path:
@@ -163,3 +146,56 @@ def write_count_task(directory: str | Path, rows: int, seed: int = 0, max_count:
             count_image(rng, target, count).save(out / name)
             fh.write(json.dumps({"question": f"how many {target} squares?", "answer": str(count), "images": [name]}) + "\n")
     return out / "data.jsonl"
+
+
+# --- the warm start of the built-in tiny VLM (model.tiny.arch: qwen2_vl) on count_squares ----------------
+
+
+def vision_sft_batch(processor, rows: list[tuple[list[int], object, str]]):
+    """Right-padded prompt+completion+eos with the prompts' images (`rows`: prompt ids with their image tokens
+    widened, the processed images, the answer); labels only on the completion. The warm start's Chunk."""
+    import numpy as np
+    import torch
+
+    from tidal.data import arithmetic_completion
+
+    tokenizer = processor.tokenizer
+    completions = [tokenizer(arithmetic_completion(answer), add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for _, _, answer in rows]
+    seqs = [prompt + completion for (prompt, _, _), completion in zip(rows, completions)]
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in seqs])
+    labels = torch.tensor([[-100] * len(p) + c + [-100] * (width - len(p) - len(c)) for (p, _, _), c in zip(rows, completions)])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    images = {
+        "pixel_values": torch.from_numpy(np.concatenate([inputs.pixel_values for _, inputs, _ in rows])),
+        "image_grid_thw": torch.from_numpy(np.concatenate([inputs.image_grid_thw for _, inputs, _ in rows])),
+        "mm_token_type_ids": (ids == processor.image_token_id).int(),  # where M-RoPE's image positions are
+    }
+    return ids, mask, labels, images
+
+
+def vision_warm_start(cfg, model, processor, pool, progress=None):
+    """Prompt with its image -> final-answer line, stopped early at model.warm_start.stop_at_accuracy greedy
+    accuracy if set (tidal.demo.warm_start.supervised_warm_start)."""
+    from tidal.data import prompt_encoder
+    from tidal.demo.warm_start import greedy_probe, supervised_warm_start, warm_start_seed
+
+    ws = cfg.model.warm_start
+    encode = prompt_encoder(processor.tokenizer, cfg.data)
+    rows = [(*processor.encode(encode(p.prompt, len(p.images)), list(p.images)), p.answer) for p in pool]
+    probe = None
+    if ws.stop_at_accuracy:
+        probe = greedy_probe(model, processor.tokenizer, pool[: ws.probe_prompts], cfg.rollout.max_new_tokens, encode, processor)
+    return supervised_warm_start(
+        model,
+        lambda indices: [vision_sft_batch(processor, [rows[i] for i in indices])],
+        len(rows),
+        ws.steps,
+        ws.batch_size,
+        ws.lr,
+        warm_start_seed(cfg),
+        progress,
+        probe,
+        ws.probe_every,
+        ws.stop_at_accuracy,
+    )
