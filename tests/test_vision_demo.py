@@ -57,8 +57,8 @@ def test_the_warm_starts_key_follows_the_vision_fields_only_where_they_apply():
 def test_the_vision_warm_start_trains_on_the_answers_with_the_images():
     import torch
 
-    from tidal.demo.tiny import build_tiny_model
-    from tidal.demo.vision import build_processor, vision_sft_batch, vision_warm_start
+    from tidal.demo.vision import build_processor, build_tiny_vlm, tiny_vlm_size, vision_sft_batch
+    from tidal.demo.warm_start import vision_warm_start
 
     cfg = load_config(EXAMPLE)
     cfg = cfg.model_copy(
@@ -71,7 +71,7 @@ def test_the_vision_warm_start_trains_on_the_answers_with_the_images():
     pool = load_dataset(cfg.data.model_copy(update={"num_train": 64, "num_eval": 1}), cfg.seed).train
     torch.manual_seed(0)
     processor = build_processor()
-    model = build_tiny_model(cfg.model.tiny, processor.tokenizer)
+    model = build_tiny_vlm(processor.tokenizer, tiny_vlm_size(cfg.model.tiny))
     ids, mask, labels, images = vision_sft_batch(
         processor,
         [

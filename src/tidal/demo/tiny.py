@@ -41,13 +41,7 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast):
         pad_token_id=tokenizer.pad_token_id,
     )
     if cfg.arch == "qwen2_vl":
-        from tidal.demo.vision import TinyVLMSize, build_tiny_vlm
-
-        size = TinyVLMSize(
-            cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-            cfg.vision_depth, cfg.vision_embed_dim, cfg.vision_heads, cfg.max_position_embeddings,
-        )  # fmt: skip
-        return build_tiny_vlm(tokenizer, size)
+        raise ValueError("model.tiny.arch 'qwen2_vl' is built by tidal.demo.vision.build_tiny_vlm (with its processor's tokenizer)")
     if cfg.arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))
     return Qwen2ForCausalLM(Qwen2Config(**common))

@@ -117,6 +117,14 @@ def build_tiny_vlm(tokenizer, size: TinyVLMSize = TinyVLMSize()):
     return Qwen2VLForConditionalGeneration(config)
 
 
+def tiny_vlm_size(cfg) -> TinyVLMSize:
+    """The size `model.tiny` (a TinyModelConfig with arch qwen2_vl) gives."""
+    return TinyVLMSize(
+        cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+        cfg.vision_depth, cfg.vision_embed_dim, cfg.vision_heads, cfg.max_position_embeddings,
+    )  # fmt: skip
+
+
 def save_tiny_vlm(directory: str | Path, seed: int = 0, size: TinyVLMSize = TinyVLMSize(), max_side: int = 112) -> Path:
     """A freshly initialised tiny VLM and its processor in one directory (model, tokenizer, image processor)."""
     import torch
@@ -148,7 +156,7 @@ def write_count_task(directory: str | Path, rows: int, seed: int = 0, max_count:
     return out / "data.jsonl"
 
 
-# --- the warm start of the built-in tiny VLM (model.tiny.arch: qwen2_vl) on count_squares ----------------
+# --- the warm start's batches for the built-in tiny VLM (model.tiny.arch: qwen2_vl) on count_squares ------
 
 
 def vision_sft_batch(processor, rows: list[tuple[list[int], object, str]]):
@@ -172,30 +180,3 @@ def vision_sft_batch(processor, rows: list[tuple[list[int], object, str]]):
         "mm_token_type_ids": (ids == processor.image_token_id).int(),  # where M-RoPE's image positions are
     }
     return ids, mask, labels, images
-
-
-def vision_warm_start(cfg, model, processor, pool, progress=None):
-    """Prompt with its image -> final-answer line, stopped early at model.warm_start.stop_at_accuracy greedy
-    accuracy if set (tidal.demo.warm_start.supervised_warm_start)."""
-    from tidal.data import prompt_encoder
-    from tidal.demo.warm_start import greedy_probe, supervised_warm_start, warm_start_seed
-
-    ws = cfg.model.warm_start
-    encode = prompt_encoder(processor.tokenizer, cfg.data)
-    rows = [(*processor.encode(encode(p.prompt, len(p.images)), list(p.images)), p.answer) for p in pool]
-    probe = None
-    if ws.stop_at_accuracy:
-        probe = greedy_probe(model, processor.tokenizer, pool[: ws.probe_prompts], cfg.rollout.max_new_tokens, encode, processor)
-    return supervised_warm_start(
-        model,
-        lambda indices: [vision_sft_batch(processor, [rows[i] for i in indices])],
-        len(rows),
-        ws.steps,
-        ws.batch_size,
-        ws.lr,
-        warm_start_seed(cfg),
-        progress,
-        probe,
-        ws.probe_every,
-        ws.stop_at_accuracy,
-    )

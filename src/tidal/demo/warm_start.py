@@ -179,6 +179,32 @@ def answer_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem], p
     )
 
 
+def vision_warm_start(cfg: TidalConfig, model, processor, pool: list[Problem], progress=None) -> WarmStartResult:
+    """The tiny vision-language model's: prompt with its image -> final-answer line, stopped early at
+    ws.stop_at_accuracy greedy accuracy if set. `processor`: tidal.model.vision.VisionProcessor."""
+    from tidal.demo.vision import vision_sft_batch
+
+    ws = cfg.model.warm_start
+    encode = prompt_encoder(processor.tokenizer, cfg.data)
+    rows = [(*processor.encode(encode(p.prompt, len(p.images)), list(p.images)), p.answer) for p in pool]
+    probe = None
+    if ws.stop_at_accuracy:
+        probe = greedy_probe(model, processor.tokenizer, pool[: ws.probe_prompts], cfg.rollout.max_new_tokens, encode, processor)
+    return supervised_warm_start(
+        model,
+        lambda indices: [vision_sft_batch(processor, [rows[i] for i in indices])],
+        len(rows),
+        ws.steps,
+        ws.batch_size,
+        ws.lr,
+        warm_start_seed(cfg),
+        progress,
+        probe,
+        ws.probe_every,
+        ws.stop_at_accuracy,
+    )
+
+
 def plays_tool_traces(cfg: TidalConfig) -> bool:
     """The built-in environment with a built-in tool the traces call (calc, python): the warm start
     plays tool-use traces. Any other environment's steps are the user's (they may be costly, or have
@@ -226,11 +252,11 @@ def prepare_base_model(cfg: TidalConfig, dataset: Dataset, progress=None) -> Pat
         dataset = load_dataset(cfg.data, seed)  # the warm start's own problems, the same for every run seed
     torch.manual_seed(seed)
     if is_tiny_vlm(cfg):
-        from tidal.demo.vision import build_processor, vision_warm_start
+        from tidal.demo.vision import build_processor, build_tiny_vlm, tiny_vlm_size
 
         # the processor (tokenizer and image processor) is saved with the model and stands in for the tokenizer
         tokenizer = processor = build_processor()
-        model = build_tiny_model(cfg.model.tiny, processor.tokenizer)
+        model = build_tiny_vlm(processor.tokenizer, tiny_vlm_size(cfg.model.tiny))
         task, warm = "count_squares", vision_warm_start
     else:
         tokenizer = build_char_tokenizer()
