@@ -73,7 +73,7 @@ def prompt_tokenizer(cfg: TidalConfig):
     if cfg.model.name_or_path is None:
         from tidal.model.base_model import tiny_tokenizer
 
-        return tiny_tokenizer()
+        return tiny_tokenizer(cfg.model.tiny.arch)
     return tokenizer_of(cfg.model.name_or_path)
 
 

@@ -15,13 +15,21 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 class TinyModelConfig(Strict):
     """Architecture of the built-in tiny model (used when `model.name_or_path` is unset)."""
 
-    arch: Literal["qwen2", "llama"] = Field("qwen2", description="Transformers architecture of the tiny model.")
+    arch: Literal["qwen2", "llama", "qwen2_vl"] = Field(
+        "qwen2",
+        description="Transformers architecture of the tiny model; `qwen2_vl`: a vision-language model (Qwen2-VL, its vision tower "
+        "sized by the `vision_*` fields) with the character tokenizer, Qwen2-VL's vision tokens and its image processor, for a "
+        "task with images (`data.task: count_squares`).",
+    )
     hidden_size: int = Field(128, gt=0, description="The tiny model's `hidden_size` (as in a transformers config).")
     intermediate_size: int = Field(384, gt=0, description="The tiny model's MLP width.")
     num_layers: int = Field(4, gt=0, description="The tiny model's decoder layers.")
     num_heads: int = Field(4, gt=0, description="The tiny model's attention heads.")
     num_kv_heads: int = Field(2, gt=0, description="The tiny model's key/value heads (grouped-query attention when fewer than `num_heads`).")
     max_position_embeddings: int = Field(128, gt=0, description="Longest sequence (prompt and response) the tiny model takes.")
+    vision_depth: int = Field(2, gt=0, description="qwen2_vl: the vision tower's transformer blocks.")
+    vision_embed_dim: int = Field(32, gt=0, description="qwen2_vl: the vision tower's width (per 14x14 patch).")
+    vision_heads: int = Field(2, gt=0, description="qwen2_vl: the vision tower's attention heads.")
 
 
 class WarmStartConfig(Strict):
@@ -88,8 +96,11 @@ class ModelConfig(Strict):
 
 
 class DataConfig(Strict):
-    task: Literal["arithmetic", "jsonl"] = Field(
-        "arithmetic", description="`arithmetic`: synthetic problems made from `seed`; `jsonl`: rows from `data.path`."
+    task: Literal["arithmetic", "jsonl", "count_squares"] = Field(
+        "arithmetic",
+        description="`arithmetic`: synthetic problems made from `seed`; `jsonl`: rows from `data.path`; `count_squares`: "
+        'synthetic 56x56 images of coloured squares made from `seed`, "how many red squares?" (needs a vision-language model: '
+        "`model.tiny.arch: qwen2_vl` or one in `model.name_or_path`).",
     )
     path: str | None = Field(None, description="jsonl: rows with `question` and `answer`.")
     eval_path: str | None = Field(None, description="jsonl: held-out rows; unset: the last tenth of the rows read from `data.path` is held out.")
@@ -101,6 +112,10 @@ class DataConfig(Strict):
     num_eval: int = Field(200, gt=0, description="Held-out problems (jsonl: the most rows used of `data.eval_path` or the held-out tenth).")
     max_digits: int = Field(2, gt=0, le=9, description="arithmetic: digits per operand.")
     operations: list[Literal["+", "-", "*"]] = Field(["+", "-"], description="arithmetic: the operators drawn from.")
+    max_count: int = Field(4, ge=1, le=16, description="count_squares: the most red squares in an image (answers 0..max_count).")
+    max_distractors: int = Field(
+        2, ge=0, le=16, description="count_squares: the most blue or green squares in an image (each image draws 0..this many)."
+    )
     prompt_template: str = Field(
         "{prompt}",
         description="What the model sees: `prompt_template` around each problem's text (`{prompt}`; write literal braces as "

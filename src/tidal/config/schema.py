@@ -190,6 +190,15 @@ class TidalConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _images_need_a_vision_model(self) -> TidalConfig:
+        if self.data.task == "count_squares" and self.model.name_or_path is None and self.model.tiny.arch != "qwen2_vl":
+            raise config_error(
+                "data.task 'count_squares' has images: set model.tiny.arch: qwen2_vl (the tiny vision-language model) "
+                "or a vision-language model in model.name_or_path"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _agent_runs_fit_their_parts(self) -> TidalConfig:
         if self.rollout.agent is None:
             return self

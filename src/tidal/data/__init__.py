@@ -1,4 +1,4 @@
-"""Prompt datasets: synthetic arithmetic (deterministic from the seed) and JSONL files."""
+"""Prompt datasets: synthetic arithmetic and square counting (deterministic from the seed) and JSONL files."""
 
 from __future__ import annotations
 
@@ -120,9 +120,23 @@ def read_jsonl_problems(path: str | Path, limit: int | None = None) -> list[Prob
     return problems
 
 
+def make_count_squares(seed: int, num_train: int, num_eval: int, max_count: int, max_distractors: int) -> Dataset:
+    """Distinct images from `seed` (tidal.data.count_squares); the held-out split shares none with the train split."""
+    from tidal.data.count_squares import COUNT_QUESTION, count_problem_images
+
+    question = COUNT_QUESTION.format(colour="red")
+    problems = [
+        Problem(i, question, str(count), images=(image,))
+        for i, (image, count) in enumerate(count_problem_images(seed, num_train + num_eval, max_count, max_distractors))
+    ]
+    return Dataset(train=problems[:num_train], eval=[Problem(i, p.prompt, p.answer, images=p.images) for i, p in enumerate(problems[num_train:])])
+
+
 def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
     if cfg.task == "arithmetic":
         return make_arithmetic(seed, cfg.num_train, cfg.num_eval, cfg.max_digits, list(cfg.operations))
+    if cfg.task == "count_squares":
+        return make_count_squares(seed, cfg.num_train, cfg.num_eval, cfg.max_count, cfg.max_distractors)
     train = read_jsonl_problems(cfg.path, cfg.num_train)
     if cfg.eval_path:
         return Dataset(train, read_jsonl_problems(cfg.eval_path, cfg.num_eval))

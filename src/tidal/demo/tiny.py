@@ -40,6 +40,8 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerFast):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if cfg.arch == "qwen2_vl":
+        raise ValueError("model.tiny.arch 'qwen2_vl' is built by tidal.demo.vision.build_tiny_vlm (with its processor's tokenizer)")
     if cfg.arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))
     return Qwen2ForCausalLM(Qwen2Config(**common))

@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from tidal.data.count_squares import COLOURS, count_image  # noqa: F401 - the task's images, where the demo's users look
 from tidal.demo.tiny import build_char_tokenizer
 
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
@@ -116,6 +117,14 @@ def build_tiny_vlm(tokenizer, size: TinyVLMSize = TinyVLMSize()):
     return Qwen2VLForConditionalGeneration(config)
 
 
+def tiny_vlm_size(cfg) -> TinyVLMSize:
+    """The size `model.tiny` (a TinyModelConfig with arch qwen2_vl) gives."""
+    return TinyVLMSize(
+        cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+        cfg.vision_depth, cfg.vision_embed_dim, cfg.vision_heads, cfg.max_position_embeddings,
+    )  # fmt: skip
+
+
 def save_tiny_vlm(directory: str | Path, seed: int = 0, size: TinyVLMSize = TinyVLMSize(), max_side: int = 112) -> Path:
     """A freshly initialised tiny VLM and its processor in one directory (model, tokenizer, image processor)."""
     import torch
@@ -129,25 +138,7 @@ def save_tiny_vlm(directory: str | Path, seed: int = 0, size: TinyVLMSize = Tiny
     return out
 
 
-# --- the synthetic task: count the squares of one colour -----------------------------------------
-
-COLOURS = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 170, 60)}
-
-
-def count_image(rng: random.Random, target: str, count: int, side: int = 56, cell: int = 14, distractors: int = 2):
-    """A `side`x`side` white image with `count` squares of colour `target` and up to `distractors` of others,
-    one per cell of a grid, so that squares never overlap."""
-    from PIL import Image, ImageDraw
-
-    cells = [(x, y) for x in range(0, side, cell) for y in range(0, side, cell)]
-    others = [c for c in COLOURS if c != target]
-    placed = rng.sample(cells, count + distractors)
-    image = Image.new("RGB", (side, side), (255, 255, 255))
-    draw = ImageDraw.Draw(image)
-    for i, (x, y) in enumerate(placed):
-        colour = COLOURS[target] if i < count else COLOURS[rng.choice(others)]
-        draw.rectangle([x + 2, y + 2, x + cell - 3, y + cell - 3], fill=colour)
-    return image
+# --- the synthetic task: count the squares of one colour (made in memory by data.task count_squares) --------
 
 
 def write_count_task(directory: str | Path, rows: int, seed: int = 0, max_count: int = 4, target: str = "red") -> Path:
@@ -163,3 +154,29 @@ def write_count_task(directory: str | Path, rows: int, seed: int = 0, max_count:
             count_image(rng, target, count).save(out / name)
             fh.write(json.dumps({"question": f"how many {target} squares?", "answer": str(count), "images": [name]}) + "\n")
     return out / "data.jsonl"
+
+
+# --- the warm start's batches for the built-in tiny VLM (model.tiny.arch: qwen2_vl) on count_squares ------
+
+
+def vision_sft_batch(processor, rows: list[tuple[list[int], object, str]]):
+    """Right-padded prompt+completion+eos with the prompts' images (`rows`: prompt ids with their image tokens
+    widened, the processed images, the answer); labels only on the completion. The warm start's Chunk."""
+    import numpy as np
+    import torch
+
+    from tidal.data import arithmetic_completion
+
+    tokenizer = processor.tokenizer
+    completions = [tokenizer(arithmetic_completion(answer), add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for _, _, answer in rows]
+    seqs = [prompt + completion for (prompt, _, _), completion in zip(rows, completions)]
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in seqs])
+    labels = torch.tensor([[-100] * len(p) + c + [-100] * (width - len(p) - len(c)) for (p, _, _), c in zip(rows, completions)])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    images = {
+        "pixel_values": torch.from_numpy(np.concatenate([inputs.pixel_values for _, inputs, _ in rows])),
+        "image_grid_thw": torch.from_numpy(np.concatenate([inputs.image_grid_thw for _, inputs, _ in rows])),
+        "mm_token_type_ids": (ids == processor.image_token_id).int(),  # where M-RoPE's image positions are
+    }
+    return ids, mask, labels, images

@@ -33,14 +33,23 @@ def warm_start_seed(cfg: TidalConfig) -> int:
     return cfg.seed if ws_seed is None else ws_seed
 
 
+VISION_FIELDS = {"vision_depth", "vision_embed_dim", "vision_heads"}
+COUNT_FIELDS = {"max_count", "max_distractors"}
+
+
+def is_tiny_vlm(cfg: TidalConfig) -> bool:
+    return cfg.model.tiny.arch == "qwen2_vl"
+
+
 def warm_start_key(cfg: TidalConfig) -> str:
     """Everything the warm-started weights depend on, hashed."""
     spec = {
         "format": 1,
-        "tiny": cfg.model.tiny.model_dump(mode="json"),
+        # a field that does not apply to the model or the task stays out, so the text demo's keys do not change with it
+        "tiny": cfg.model.tiny.model_dump(mode="json", exclude=set() if is_tiny_vlm(cfg) else VISION_FIELDS),
         # the seed enters resolved (below): an unset warm_start.seed and one equal to the run's give one model
         "warm_start": cfg.model.warm_start.model_dump(mode="json", exclude={"cache_dir", "seed"}),
-        "data": cfg.data.model_dump(mode="json", exclude={"num_eval", "eval_path"}),
+        "data": cfg.data.model_dump(mode="json", exclude={"num_eval", "eval_path"} | (set() if cfg.data.task == "count_squares" else COUNT_FIELDS)),
         "seed": warm_start_seed(cfg),
     }
     if plays_tool_traces(cfg):  # the traces are played through the environment and its template
@@ -68,7 +77,8 @@ def sft_batch(
     return ids, mask, lab
 
 
-Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, attention mask, labels (-100: not trained)
+# ids, attention mask, labels (-100: not trained), and a vision-language model's image inputs by keyword
+Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]
 # a batch of the examples at some indices, as one chunk or several (rows of similar length together:
 # a padded row costs as much as a real one)
 Batcher = Callable[[list[int]], list[Chunk]]
@@ -77,11 +87,15 @@ Batcher = Callable[[list[int]], list[Chunk]]
 def batch_loss(model, chunks: list[Chunk]) -> torch.Tensor:
     """The mean token loss over every labelled token of the batch, whatever its chunks."""
     if len(chunks) == 1:
-        ids, mask, labels = chunks[0]
-        return model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    counts = [int((labels[:, 1:] != -100).sum()) for _, _, labels in chunks]
+        return chunk_loss(model, chunks[0])
+    counts = [int((chunk[2][:, 1:] != -100).sum()) for chunk in chunks]
     total = sum(counts)
-    return sum(model(input_ids=ids, attention_mask=mask, labels=labels).loss * (n / total) for (ids, mask, labels), n in zip(chunks, counts) if n)
+    return sum(chunk_loss(model, chunk) * (n / total) for chunk, n in zip(chunks, counts) if n)
+
+
+def chunk_loss(model, chunk: Chunk) -> torch.Tensor:
+    ids, mask, labels, *images = chunk
+    return model(input_ids=ids, attention_mask=mask, labels=labels, **(images[0] if images else {})).loss
 
 
 @dataclass(frozen=True)
@@ -138,14 +152,17 @@ def supervised_warm_start(
     return WarmStartResult(step, loss_value, accuracy)
 
 
-def greedy_probe(model, tokenizer, problems: list[Problem], max_new_tokens: int, encode: Callable[[str], list[int]]) -> Callable[[], float]:
-    """Greedy accuracy of `model` (as it is when called) on `problems`."""
-    from tidal.config import RolloutConfig
+def greedy_probe(
+    model, tokenizer, problems: list[Problem], max_new_tokens: int, encode: Callable[[str], list[int]], processor=None
+) -> Callable[[], float]:
+    """Greedy accuracy of `model` (as it is when called) on `problems`; problems with images need the
+    vision-language model's `processor` (the model is not saved yet: the engine cannot load it)."""
     from tidal.evaluate import held_out_accuracy
     from tidal.rollout.engine import HFEngine
 
     def accuracy() -> float:
-        engine = HFEngine.for_rollout(model, tokenizer, RolloutConfig(max_new_tokens=max_new_tokens))
+        engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_new_tokens)
+        engine.processor = processor
         return held_out_accuracy(engine, tokenizer, problems, 128, max_new_tokens, encode=encode)
 
     return accuracy
@@ -159,6 +176,32 @@ def answer_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem], p
     batch = answer_batcher(tokenizer, pool, encode)
     return supervised_warm_start(
         model, batch, len(pool), ws.steps, ws.batch_size, ws.lr, warm_start_seed(cfg), progress, probe, ws.probe_every, ws.stop_at_accuracy
+    )
+
+
+def vision_warm_start(cfg: TidalConfig, model, processor, pool: list[Problem], progress=None) -> WarmStartResult:
+    """The tiny vision-language model's: prompt with its image -> final-answer line, stopped early at
+    ws.stop_at_accuracy greedy accuracy if set. `processor`: tidal.model.vision.VisionProcessor."""
+    from tidal.demo.vision import vision_sft_batch
+
+    ws = cfg.model.warm_start
+    encode = prompt_encoder(processor.tokenizer, cfg.data)
+    rows = [(*processor.encode(encode(p.prompt, len(p.images)), list(p.images)), p.answer) for p in pool]
+    probe = None
+    if ws.stop_at_accuracy:
+        probe = greedy_probe(model, processor.tokenizer, pool[: ws.probe_prompts], cfg.rollout.max_new_tokens, encode, processor)
+    return supervised_warm_start(
+        model,
+        lambda indices: [vision_sft_batch(processor, [rows[i] for i in indices])],
+        len(rows),
+        ws.steps,
+        ws.batch_size,
+        ws.lr,
+        warm_start_seed(cfg),
+        progress,
+        probe,
+        ws.probe_every,
+        ws.stop_at_accuracy,
     )
 
 
@@ -208,13 +251,23 @@ def prepare_base_model(cfg: TidalConfig, dataset: Dataset, progress=None) -> Pat
     if seed != cfg.seed:
         dataset = load_dataset(cfg.data, seed)  # the warm start's own problems, the same for every run seed
     torch.manual_seed(seed)
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(cfg.model.tiny, tokenizer)
+    if is_tiny_vlm(cfg):
+        from tidal.demo.vision import build_processor, build_tiny_vlm, tiny_vlm_size
+
+        # the processor (tokenizer and image processor) is saved with the model and stands in for the tokenizer
+        tokenizer = processor = build_processor()
+        model = build_tiny_vlm(processor.tokenizer, tiny_vlm_size(cfg.model.tiny))
+        task, warm = "count_squares", vision_warm_start
+    else:
+        tokenizer = build_char_tokenizer()
+        model = build_tiny_model(cfg.model.tiny, tokenizer)
+        task, warm = "arithmetic", tool_use_warm_start if plays_tool_traces(cfg) else answer_warm_start
     if cfg.model.warm_start.enabled and cfg.model.warm_start.steps:
-        if cfg.data.task != "arithmetic":
-            raise ValueError("model.warm_start for the tiny model needs data.task 'arithmetic'; set model.name_or_path for other tasks")
+        if cfg.data.task != task:
+            raise ValueError(
+                f"model.warm_start for the tiny {cfg.model.tiny.arch} model needs data.task {task!r}; set model.name_or_path for other tasks"
+            )
         t0 = time.time()
-        warm = tool_use_warm_start if plays_tool_traces(cfg) else answer_warm_start
         result = warm(cfg, model, tokenizer, dataset.train[: cfg.model.warm_start.examples], progress)
         log.info(
             "warm start: %d steps in %.1fs, final loss %.3f, probe accuracy %s", result.steps, time.time() - t0, result.loss, result.probe_accuracy

@@ -19,8 +19,12 @@ def prepare_base_model(cfg: TidalConfig, dataset, progress=None) -> Path | str:
     return warm_start(cfg, dataset, progress)
 
 
-def tiny_tokenizer():
-    """The tiny model's tokenizer (one token per character), built without the model."""
+def tiny_tokenizer(arch: str = "qwen2"):
+    """The tiny model's tokenizer (one token per character, and Qwen2-VL's vision tokens for `qwen2_vl`), built without the model."""
+    if arch == "qwen2_vl":
+        from tidal.demo.vision import build_vision_tokenizer
+
+        return build_vision_tokenizer()
     from tidal.demo.tiny import build_char_tokenizer
 
     return build_char_tokenizer()
