@@ -145,7 +145,7 @@ def greedy_probe(model, tokenizer, problems: list[Problem], max_new_tokens: int,
     from tidal.rollout.engine import HFEngine
 
     def accuracy() -> float:
-        engine = HFEngine.for_rollout(model, tokenizer, RolloutConfig(max_new_tokens=max_new_tokens))
+        engine = HFEngine.for_rollout(model, tokenizer, max_new_tokens, RolloutConfig().temperature)  # greedy: the temperature is unused
         return held_out_accuracy(engine, tokenizer, problems, 128, max_new_tokens, encode=encode)
 
     return accuracy
