@@ -39,7 +39,7 @@ def main() -> None:
     dataset = load_dataset(cfg.data, cfg.seed)
     model, tok = load_model_and_tokenizer(prepare_base_model(cfg, dataset))
     torch.set_num_threads(args.threads)
-    engine = HFEngine.for_rollout(model, tok, cfg.rollout)
+    engine = HFEngine.for_rollout(model, tok, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
     scorer = RewardScorer.from_config(cfg.reward)
     agent = AgentLoop.from_config(cfg, tok, engine.context_length)
     items = [WorkItem(0, i, p.prompt, p.answer) for i, p in enumerate(dataset.train[: args.prompts])]

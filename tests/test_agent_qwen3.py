@@ -330,7 +330,7 @@ def test_qwen3_trajectories_train_on_the_tokens_generated_and_inserted_turn_by_t
     try:
         cfg, tok = loop.cfg, loop.tokenizer
         model = taught_policy(tok, *scripted_sequence(loop))
-        engine = HFEngine.for_rollout(model, tok, cfg.rollout)
+        engine = HFEngine.for_rollout(model, tok, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
         (group,) = generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), [ITEM], cfg, version=0, worker_id="w", agent=loop)
         assert_trained_is_generated_and_inserted(loop, group, model, mismatch=1e-5)
     finally:

@@ -52,9 +52,9 @@ def test_the_default_tolerance_follows_the_dtypes_both_sides_compute_in():
         assert arrival_tolerance(None, "hf", dtype, dtype, dtype) == HF_TOLERANCE
     # ... but a trainer computing under fsdp2/DeepSpeed mixed precision is another dtype: its tolerance
     mixed = config_from_dict({"trainer": {"param_dtype": "bfloat16"}})
-    assert trainer_compute_dtypes(mixed) == ("float32", "bfloat16")
-    assert arrival_tolerance(None, "hf", *trainer_compute_dtypes(mixed)) == DTYPE_TOLERANCE["bfloat16"]
-    assert trainer_compute_dtypes(config_from_dict({})) == ("float32", "float32")
+    assert trainer_compute_dtypes(mixed.model.dtype, mixed.trainer.param_dtype) == ("float32", "bfloat16")
+    assert arrival_tolerance(None, "hf", *trainer_compute_dtypes(mixed.model.dtype, mixed.trainer.param_dtype)) == DTYPE_TOLERANCE["bfloat16"]
+    assert trainer_compute_dtypes(config_from_dict({}).model.dtype, config_from_dict({}).trainer.param_dtype) == ("float32", "float32")
     # vLLM: the coarsest of the engine's dtype and the trainer's
     assert arrival_tolerance(None, "vllm", "float32", "float32") == DTYPE_TOLERANCE["float32"]
     assert arrival_tolerance(None, "vllm", "float16", "float32") == DTYPE_TOLERANCE["float16"]

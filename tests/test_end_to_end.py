@@ -358,6 +358,7 @@ def test_workers_that_left_on_a_dying_trainers_failed_state_are_started_again(tm
 
     from tidal.config import load_config
     from tidal.rundir import RunDir
+    from tidal.transport import RunNats
 
     config = write_config(SLOW_GROUP_AT_A_TIME)
     run_dir = tmp_path / "run"
@@ -365,9 +366,8 @@ def test_workers_that_left_on_a_dying_trainers_failed_state_are_started_again(tm
         wait_until(lambda: trained_in(run_dir, 1), proc)
         run = RunDir(run_dir)
         # what the dying trainer rank writes, with the run's own credentials
-        run.nats(embedded_nats_url(run_dir), load_config(config).transport, {"token": (run_dir / "nats-token").read_text()}).record_run_state(
-            "failed"
-        )
+        token = {"token": (run_dir / "nats-token").read_text()}
+        RunNats(run, embedded_nats_url(run_dir), load_config(config).transport, token).record_run_state("failed")
         wait_until(lambda: "the run or round is over" in run.log("worker-0").read_text(), proc)
         os.kill(int(run.pid_file("trainer").read_text()), signal.SIGKILL)
         out, err = proc.communicate(timeout=600)

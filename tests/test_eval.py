@@ -75,13 +75,14 @@ def test_a_follower_that_fell_behind_skips_a_snapshot_weight_retention_deleted(t
         def shutdown(self):
             pass
 
-    def snapshot_scores(cfg, base_model, problems, path, engine):
+    def snapshot_scores(cfg, base_model, problems, path, engine, tokenizer):
         if not path.is_dir():
             store.publish(4, {"a": torch.ones(2)})  # training went on meanwhile
             raise FileNotFoundError(path)
         evaluated.append(path.name)
         return {"accuracy": 0.5}
 
+    monkeypatch.setattr(evaluate, "load_tokenizer", lambda path: object())  # no model "base": what the stand-ins get
     monkeypatch.setattr(evaluate, "open_engine", lambda *a, **k: Engine())
     monkeypatch.setattr(evaluate, "evaluate_snapshot", snapshot_scores)
     records = evaluate.follow_run(cfg, tmp_path, "base", [], lambda metrics, step: None, poll_seconds=0.01)

@@ -107,7 +107,14 @@ def test_tail_threads_resolve_only_where_tidal_run_said_whose_cores_are_free(tin
     import copy
 
     from tidal.config import config_from_dict
-    from tidal.threads import resolve_threads, tail_threads, trainer_threads
+    from tidal.threads import resolve_threads, split_cores
+    from tidal.threads import tail_threads as tail_of
+
+    def tail_threads(c, threads):
+        return tail_of(c.trainer.tail_threads, c.mode, c.trainer.ranks, threads)
+
+    def trainer_threads(c, ranks_here=1):
+        return split_cores(c)[0] // ranks_here
 
     def cfg(**trainer):
         data = copy.deepcopy(tiny_config_dict)

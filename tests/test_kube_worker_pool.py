@@ -493,7 +493,7 @@ def test_a_pool_pod_runs_a_real_worker_per_round_waits_between_rounds_and_passes
     from tidal.config import load_config
     from tidal.kube.steps import run_state
     from tidal.protocol import KVKey
-    from tidal.transport import run_in_session
+    from tidal.transport import RunNats, run_in_session
 
     config_path = tmp_path / "runs" / "run-9" / "config.yaml"
     config_path.parent.mkdir(parents=True)
@@ -512,7 +512,7 @@ def test_a_pool_pod_runs_a_real_worker_per_round_waits_between_rounds_and_passes
     try:
         wait_for(lambda: heartbeat() is not None, proc, log)
         first = heartbeat()["incarnation"]
-        run.nats(nats_server.url, cfg.transport).record_run_state("round_done")
+        RunNats(run, nats_server.url, cfg.transport).record_run_state("round_done")
         wait_for(lambda: "the rollout worker ended with its round; waiting for the next one" in log.read_text(), proc, log)
         assert proc.poll() is None  # between rounds the pod waits: exiting would make the Deployment restart it
         run_state.open_round(run, str(config_path), 1)

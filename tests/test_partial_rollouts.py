@@ -114,7 +114,7 @@ def test_the_engine_stops_the_rows_still_sampling_at_the_step_it_is_told():
 def test_the_generator_makes_groups_whose_samples_carry_their_token_versions(tiny_config_dict):
     cfg = config_from_dict(copy.deepcopy(tiny_config_dict) | {"mode": "bounded", "rollout": {**tiny_config_dict["rollout"], "partial": True}})
     model, tok = tiny()
-    engine = HFEngine.for_rollout(model, tok, cfg.rollout)
+    engine = HFEngine.for_rollout(model, tok, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
     generator = Generator(cfg, engine, tok, RewardScorer.from_config(cfg.reward), "w")
     refresh = StepRefresh(engine, version=2, weights=other_weights(model), after=2)
     items = [WorkItem(3, i, f"{i}+1=", str(i + 1)) for i in range(2)]

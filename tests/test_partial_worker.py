@@ -77,7 +77,7 @@ async def scenario(cfg, tmp_path, nats_server, worker_ids: list[str]) -> tuple[l
             transport = await Transport.connect(nats_server.url, "partial", cfg.transport)
             worker = RolloutWorker(
                 cfg,
-                HFEngine.for_rollout(model, tokenizer, cfg.rollout),
+                HFEngine.for_rollout(model, tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.temperature),
                 tokenizer,
                 transport,
                 worker_id,

@@ -79,7 +79,7 @@ def test_workers_and_eval_generate_from_the_same_chat_prompt():
     tok = chat_tokenizer()
     torch.manual_seed(0)
     model = build_tiny_model(TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1), tok).eval()
-    engine = HFEngine.for_rollout(model, tok, cfg.rollout)
+    engine = HFEngine.for_rollout(model, tok, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
     problem = Problem(3, "12+7=", "19")
     (group,) = generate_groups(
         engine, tok, RewardScorer.from_config(cfg.reward), [WorkItem(0, problem.id, problem.prompt, problem.answer)], cfg, version=0, worker_id="w0"

@@ -107,7 +107,9 @@ def test_a_rewritten_policy_pointer_cannot_redirect_a_worker_to_other_weights(na
     async def scenario():
         t = await Transport.connect(nats_server.url, "redirect", TransportConfig())
         await t.put_policy(0, str(tmp_path / "elsewhere" / "v000000"))  # a forged pointer: nothing there
-        engine = HFEngine.for_rollout(build_tiny_model(tiny_config.model.tiny, tok), tok, tiny_config.rollout)
+        engine = HFEngine.for_rollout(
+            build_tiny_model(tiny_config.model.tiny, tok), tok, tiny_config.rollout.max_new_tokens, tiny_config.rollout.temperature
+        )
         own = await RolloutWorker(tiny_config, engine, tok, t, "w0", weights_root=tmp_path / "weights").arrival.load(0)
         follows_pointer = await RolloutWorker(tiny_config, engine, tok, t, "w1").arrival.load(0)
         await t.close()
@@ -192,10 +194,10 @@ def test_a_periodic_worker_drops_work_of_an_iteration_the_trainer_has_left(nats_
         t = await Transport.connect(nats_server.url, "leftover", TransportConfig())
         await t.put_policy(3, "/w/v000003")
         periodic = TidalConfig()
-        assert await version_to_generate(t, periodic, WorkItem(1, 0, "1+1=", "2")) is None
-        assert await version_to_generate(t, periodic, WorkItem(3, 0, "1+1=", "2")) == 3
+        assert await version_to_generate(t, periodic.mode, WorkItem(1, 0, "1+1=", "2")) is None
+        assert await version_to_generate(t, periodic.mode, WorkItem(3, 0, "1+1=", "2")) == 3
         bounded = TidalConfig.model_validate({"mode": "bounded", "rollout": {"max_staleness": 2}})
-        assert await version_to_generate(t, bounded, WorkItem(4, 0, "1+1=", "2")) == 3
+        assert await version_to_generate(t, bounded.mode, WorkItem(4, 0, "1+1=", "2")) == 3
         await t.close()
 
     asyncio.run(scenario())

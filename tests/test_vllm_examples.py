@@ -45,7 +45,7 @@ def test_every_example_with_only_the_switch_serves_vllm_the_dtype_it_trains_in_o
     args = engine_args(cfg, tmp_path, "cpu")
     pinned = cfg.rollout.vllm.dtype != "auto"
     assert args.dtype == (cfg.rollout.vllm.dtype if pinned else cfg.model.dtype) and args.kv_cache_memory_bytes == 2**30
-    tolerance = arrival_tolerance(None, "vllm", args.dtype, *trainer_compute_dtypes(cfg))
+    tolerance = arrival_tolerance(None, "vllm", args.dtype, *trainer_compute_dtypes(cfg.model.dtype, cfg.trainer.param_dtype))
     assert tolerance == DTYPE_TOLERANCE["bfloat16" if pinned else cfg.model.dtype]
 
 

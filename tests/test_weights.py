@@ -292,9 +292,17 @@ def test_each_role_reads_the_key_it_needs_from_a_file_and_a_named_file_must_exis
 
     run, cfg = RunDir(tmp_path / "run"), config_from_dict({})
     run.root.mkdir()
-    assert load_public_key(cfg, run) is None and load_signing_key(cfg, run) is None and trusted_public_key() is None
+    assert (
+        load_public_key(cfg.weights.public_key_file, run) is None
+        and load_signing_key(cfg.weights.signing_key_file, run) is None
+        and trusted_public_key() is None
+    )
     private, public = run_key_pair(run.root)
-    assert (load_public_key(cfg, run), load_signing_key(cfg, run), trusted_public_key()) == (public, private, public)
+    assert (load_public_key(cfg.weights.public_key_file, run), load_signing_key(cfg.weights.signing_key_file, run), trusted_public_key()) == (
+        public,
+        private,
+        public,
+    )
     unsigned = WeightStore(tmp_path / "weights").publish(1, {"a": torch.zeros(2)})
     with pytest.raises(CorruptSnapshotError, match="its manifest is not signed"):
         verify_snapshot(unsigned)  # the trusted key is every check's default
@@ -303,7 +311,10 @@ def test_each_role_reads_the_key_it_needs_from_a_file_and_a_named_file_must_exis
     (tmp_path / "public-key").write_text(mounted_public + "\n")
     (tmp_path / "private-key").write_text(mounted_private)
     named = config_from_dict({"weights": {"public_key_file": str(tmp_path / "public-key"), "signing_key_file": str(tmp_path / "private-key")}})
-    assert (load_public_key(named, run), load_signing_key(named, run)) == (mounted_public, mounted_private)
+    assert (load_public_key(named.weights.public_key_file, run), load_signing_key(named.weights.signing_key_file, run)) == (
+        mounted_public,
+        mounted_private,
+    )
     missing = config_from_dict({"weights": {"public_key_file": str(tmp_path / "absent")}})
     with pytest.raises(FileNotFoundError, match=r"/absent: no such key file \(weights.public_key_file"):
-        load_public_key(missing, run)
+        load_public_key(missing.weights.public_key_file, run)

@@ -217,7 +217,7 @@ def eval_command(args: argparse.Namespace) -> int:
     run.rehome_moved_store()
     info = run.info()
     check_hub_model(info.base_model)
-    load_public_key(cfg, run)  # trusted by the engine's own load of a snapshot too
+    load_public_key(cfg.weights.public_key_file, run)  # trusted by the engine's own load of a snapshot too
     keys = snapshot_keys(run.root)  # that key, else a run directory's from before Ed25519 signing
     store = WeightStore(run.weights)
     problems = load_dataset(cfg.data, cfg.seed).eval

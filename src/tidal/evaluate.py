@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tidal.config import TidalConfig
 from tidal.data import Problem, prompt_encoder
-from tidal.model.loading import load_model_and_tokenizer, load_tokenizer
+from tidal.model.loading import load_model, load_tokenizer
 from tidal.protocol import tool_use_rates
 from tidal.rewards import exact_match, extract_final_answer
 from tidal.rollout.engine import BlockingEngine, GroupRequest, HFEngine, group_generator, group_seed
@@ -138,18 +138,20 @@ def held_out_accuracy(*args, **kwargs) -> float:
     return held_out_scores(*args, **kwargs)["accuracy"]
 
 
-def open_engine(cfg: TidalConfig, model_dir: str | Path, kind: str) -> BlockingEngine:
-    """A standalone engine over `model_dir` (its own model copy): "hf" or "vllm"."""
+def open_engine(cfg: TidalConfig, model_dir: str | Path, kind: str, tokenizer=None) -> BlockingEngine:
+    """A standalone engine over `model_dir` (its own model copy): "hf" or "vllm". `tokenizer`: model_dir's, where
+    the caller holds it already (else the HF engine loads it)."""
     if kind == "vllm":
         from tidal.rollout.vllm_adapter import BlockingVLLMEngine
 
         return BlockingVLLMEngine(cfg, model_dir)
-    model, tokenizer = load_model_and_tokenizer(model_dir, cfg.model.dtype)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+    model = load_model(model_dir, cfg.model.dtype)
     if cfg.model.lora is not None:  # snapshots are adapters on top of model_dir (without one: the base exactly)
         from tidal.model.lora import apply_lora
 
         model = apply_lora(model, cfg.model.lora, cfg.seed)
-    return HFEngine.for_rollout(model, tokenizer, cfg.rollout)
+    return HFEngine.for_rollout(model, tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
 
 
 def eval_engine_kind(cfg: TidalConfig) -> str:
@@ -157,19 +159,26 @@ def eval_engine_kind(cfg: TidalConfig) -> str:
 
 
 def evaluate_snapshot(
-    cfg: TidalConfig, model_dir: str | Path, problems: list[Problem], snapshot: str | Path | None = None, engine: BlockingEngine | None = None
+    cfg: TidalConfig,
+    model_dir: str | Path,
+    problems: list[Problem],
+    snapshot: str | Path | None = None,
+    engine: BlockingEngine | None = None,
+    tokenizer=None,
 ) -> dict:
     """Held-out accuracy of `snapshot` (a weight-store version directory; None: the base model):
     `accuracy` greedy, `sampled_accuracy` at the rollout temperature (what RL optimises; None when
     eval.samples_per_prompt is 0), and `pass@k` / `maj@k` over those samples for each eval.k. Without `engine`, one is opened for the call and shut down after
-    (a vLLM engine must not sit on the accelerator the rollout workers need)."""
+    (a vLLM engine must not sit on the accelerator the rollout workers need). `tokenizer`: model_dir's, where
+    the caller holds it already (else loaded here, once for the call)."""
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
     own = engine is None
-    engine = engine or open_engine(cfg, model_dir, eval_engine_kind(cfg))
+    engine = engine or open_engine(cfg, model_dir, eval_engine_kind(cfg), tokenizer)
     log.info("held-out eval of %s on %d prompts with the %s engine", snapshot or model_dir, len(problems), type(engine).__name__)
     try:
         if snapshot is not None:
             engine.load_snapshot(snapshot)
-        tokenizer, max_tokens = load_tokenizer(model_dir), cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+        max_tokens = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
         if cfg.rollout.agent is not None:
             return agent_snapshot_scores(cfg, engine, tokenizer, problems)
         k, encode = cfg.eval.samples_per_prompt, prompt_encoder(tokenizer, cfg.data)
@@ -229,7 +238,8 @@ def follow_run(cfg: TidalConfig, run_dir: Path, base_model: str, problems: list[
     final = cfg.trainer.iterations
     evals = RunDir(run_dir).evals
     done = {record["version"] for record in evals.read()}
-    engine = open_engine(cfg, base_model, eval_engine_kind(cfg))
+    tokenizer = load_tokenizer(base_model)  # once: the engine and every version's scoring share it
+    engine = open_engine(cfg, base_model, eval_engine_kind(cfg), tokenizer)
     records = []
     try:
         while final not in done:
@@ -241,7 +251,7 @@ def follow_run(cfg: TidalConfig, run_dir: Path, base_model: str, problems: list[
             version = pending[0]
             t0 = time.perf_counter()
             try:
-                scores = evaluate_snapshot(cfg, base_model, problems, store.path(version), engine=engine)
+                scores = evaluate_snapshot(cfg, base_model, problems, store.path(version), engine=engine, tokenizer=tokenizer)
             except Exception:
                 if store.path(version).is_dir():
                     raise

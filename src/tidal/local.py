@@ -20,7 +20,7 @@ from tqdm import tqdm
 from tidal.config import ConfigError, TidalConfig, dump_config, load_config, training_changes
 from tidal.logs import setup_logging
 from tidal.plan import apply_plan, cached_profile, format_pool, planned_tail, recommend_pool, wants_plan
-from tidal.preflight import check_before_start, check_this_machine
+from tidal.preflight import check_before_start, check_this_machine, tokenizer_of
 from tidal.rewards import check_failure_rates
 from tidal.rewards.served import check_reward_urls
 from tidal.run_keys import new_nats_token, run_key_pair, upgrade_hmac_run
@@ -57,7 +57,7 @@ class ProgressBar:
 def run_periodic_local(cfg: TidalConfig, run: RunDir, bar: ProgressBar, lock: RunDirLock | None = None, reward_servers=None) -> dict:
     """Starts NATS (embedded unless transport.nats_url), the trainer and the workers, and supervises
     them until the trainer is done. Stopped (a signal): every process is stopped, the run state says "stopped"."""
-    from tidal.transport import NatsUnavailableError
+    from tidal.transport import NatsUnavailableError, RunNats
 
     options = child_options(lock)
     supervisor = None
@@ -72,7 +72,7 @@ def run_periodic_local(cfg: TidalConfig, run: RunDir, bar: ProgressBar, lock: Ru
         nats_url, credentials = server.url, server.credentials
     elif not reachable(nats_url):
         raise NatsUnavailableError(f"cannot reach NATS at {nats_url} (transport.nats_url): is it running?")
-    nats = run.nats(nats_url, cfg.transport, credentials)
+    nats = RunNats(run, nats_url, cfg.transport, credentials)
     token_file = run.nats_token_file if credentials else None
     roles = RoleProcesses(run, nats_url, cfg, options=options, reopen_run=nats.open_run_state, nats_token_file=token_file)
     seen = 0
@@ -309,6 +309,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
 
     set_threads(os.cpu_count() or 1)
     info = prepare_run(cfg, run, dataset, show_progress)
+    tokenizer = tokenizer_of(info.base_model)  # loaded once, by prepare_run's check: eval and sync mode's trainer share it
     cfg = resolved_config(cfg, run, info.base_model)
     eval_set = dataset.eval[: cfg.eval.num_prompts] if cfg.eval.num_prompts else dataset.eval
     log.info("prepared run %s", info.run_id)
@@ -320,7 +321,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
     engine = open_engine(cfg, info.base_model, "vllm") if cfg.mode == "sync" and cfg.rollout.engine == "vllm" else None
     eval_engine = engine if eval_engine_kind(cfg) == "vllm" else None
     try:
-        before = evaluate_snapshot(cfg, info.base_model, eval_set, engine=eval_engine) if cfg.eval.enabled else None
+        before = evaluate_snapshot(cfg, info.base_model, eval_set, engine=eval_engine, tokenizer=tokenizer) if cfg.eval.enabled else None
         log.info("accuracy before: %s", before)
         bar = ProgressBar(cfg.trainer.iterations, show_progress)
         extra: dict = {}
@@ -332,7 +333,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
                 if isinstance(cfg.trainer.threads, int):  # set, or chosen by the planner; else every core
                     set_threads(cfg.trainer.threads)
                 with reward_servers.watched():
-                    sync_trainer(cfg, run, dataset, tracker, engine, signing_key, on_iteration=bar.update)
+                    sync_trainer(cfg, run, dataset, tracker, engine, signing_key, on_iteration=bar.update, tokenizer=tokenizer)
             else:
                 extra = run_periodic_local(cfg, run, bar, lock, reward_servers)
             finish_curve_eval(curve, run)
@@ -344,7 +345,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
         log.info("loop finished")
         final = store.path(store.latest_version())
         set_threads(os.cpu_count() or 1)
-        after = evaluate_snapshot(cfg, info.base_model, eval_set, final, engine=eval_engine) if cfg.eval.enabled else None
+        after = evaluate_snapshot(cfg, info.base_model, eval_set, final, engine=eval_engine, tokenizer=tokenizer) if cfg.eval.enabled else None
     except BaseException as err:
         try:
             tracker.finish("KILLED" if isinstance(err, Stopped) else "FAILED")
@@ -355,7 +356,7 @@ def _run_locked(cfg: TidalConfig, run: RunDir, show_progress: bool, force_new_co
         if engine is not None:
             engine.shutdown()
     history = run.metrics.read()
-    summary = summarize(cfg, history, before, after, final, info, extra)
+    summary = summarize(cfg.mode, cfg.rollout.group_size, cfg.eval.samples_per_prompt, history, before, after, final, info, extra)
     summary["eval_curve"] = run.evals.read()
     summary.update(at_k_before_after(before, after))
     summary.update(agent_before_after(before, after))

@@ -22,14 +22,14 @@ from tidal.config import TidalConfig
 from tidal.data import load_dataset
 from tidal.devices import resolve_device
 from tidal.model.base_model import prepare_base_model
-from tidal.model.loading import load_model_and_tokenizer
+from tidal.model.loading import load_model, load_tokenizer
 from tidal.model.lora import adapter_config, apply_lora
 from tidal.model.probe import make_probe
 from tidal.protocol import GroupLimits, RunState
 from tidal.run_keys import load_public_key, load_signing_key
 from tidal.rundir import RunDir, RunInfo
 from tidal.sandbox import confine_user_code
-from tidal.threads import set_threads, split_cores, trainer_threads
+from tidal.threads import core_split, set_threads
 from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.distributed import DistContext, context_from_env, init_process_group
 from tidal.trainer.distributed import shutdown as shutdown_process_group
@@ -44,16 +44,20 @@ from tidal.weights import WeightStore
 log = logging.getLogger(__name__)
 
 
-def load_policy(cfg: TidalConfig, base_model: str | Path) -> tuple[torch.nn.Module, object]:
-    """The base model and its tokenizer; under model.lora wrapped by peft (the adapter at its start: the base exactly)."""
-    model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
+def load_policy(cfg: TidalConfig, base_model: str | Path, tokenizer=None) -> tuple[torch.nn.Module, object]:
+    """The base model and its tokenizer (`tokenizer`: the one this process holds already, else loaded); under
+    model.lora wrapped by peft (the adapter at its start: the base exactly)."""
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(base_model)
+    model = load_model(base_model, cfg.model.dtype)
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg.model.lora, cfg.seed)
     return model, tokenizer
 
 
-def build_learner(cfg: TidalConfig, base_model: str, strategy: Strategy | None = None, device: str | None = None) -> tuple[Learner, object]:
-    model, tokenizer = load_policy(cfg, base_model)
+def build_learner(
+    cfg: TidalConfig, base_model: str, strategy: Strategy | None = None, device: str | None = None, tokenizer=None
+) -> tuple[Learner, object]:
+    model, tokenizer = load_policy(cfg, base_model, tokenizer)
     learner = Learner(
         cfg.trainer, model, tokenizer.pad_token_id, cfg.rollout.temperature, cfg.reward, cfg.rollout.max_new_tokens, strategy=strategy, device=device
     )
@@ -87,10 +91,16 @@ def rank_device(cfg: TidalConfig, ctx: DistContext) -> str:
     return device
 
 
+def role_cores(cfg: TidalConfig) -> tuple[int, int]:
+    """(trainer threads over all its ranks, threads per rollout worker) from the thread plan in the config
+    (numbers, as `tidal run` writes them; a pod's `auto`: an even split of this machine's cores)."""
+    return core_split(cfg.mode, cfg.rollout.initial_workers, cfg.trainer.threads, cfg.rollout.threads)
+
+
 def start_trainer_ranks(cfg: TidalConfig, run: RunDir) -> tuple[DistContext, Strategy, str]:
     """This process's rank (torchrun's environment), its process group, strategy and device."""
     ctx = context_from_env()
-    set_threads(trainer_threads(cfg, ctx.local_world_size))
+    set_threads(max(1, role_cores(cfg)[0] // ctx.local_world_size))
     resolve_strategy_name(cfg.trainer.strategy, ctx.world_size)  # one that cannot run here: an error before any rendezvous
     device = rank_device(cfg, ctx)
     init_process_group(ctx, device.partition(":")[0])
@@ -147,7 +157,7 @@ async def trainer_role(cfg: TidalConfig, run: RunDir, nats_url: str, iterations:
     """The trainer, on one rank or many (torchrun): rank 0 alone talks to NATS and MLflow, and signs the snapshots
     it writes with the private key it reads from its file."""
     confine_user_code(cfg, run.root)
-    load_public_key(cfg, run)  # a resume loads the weights its checkpoint names, checked
+    load_public_key(cfg.weights.public_key_file, run)  # a resume loads the weights its checkpoint names, checked
     info = run.info()
     ctx, strategy, device = start_trainer_ranks(cfg, run)
     try:
@@ -180,7 +190,7 @@ async def main_trainer(
         try:  # from here on, any failure (a model that does not load included) is written to the run state
             dataset = load_dataset(cfg.data, cfg.seed)
             learner, _ = build_learner(cfg, info.base_model, strategy, device)
-            store = trainer_weight_store(cfg, run, info.base_model, learner, load_signing_key(cfg, run))
+            store = trainer_weight_store(cfg, run, info.base_model, learner, load_signing_key(cfg.weights.signing_key_file, run))
             tracker = run.tracker()
             status = await transport.run_status()
             if status is None or status.state is not RunState.RUNNING:
@@ -227,7 +237,7 @@ def in_process_source(cfg: TidalConfig, run: RunDir, learner: Learner, tokenizer
 
     scorer = RewardScorer.from_config(cfg.reward, seed=judge_seed(cfg), served_urls=run.reward_server_urls())
     if engine is None:
-        engine = HFEngine.for_rollout(learner.model, tokenizer, cfg.rollout)
+        engine = HFEngine.for_rollout(learner.model, tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
         load_weights = None
     else:
 
@@ -256,12 +266,20 @@ def in_process_source(cfg: TidalConfig, run: RunDir, learner: Learner, tokenizer
 
 
 def sync_trainer(
-    cfg: TidalConfig, run: RunDir, dataset, tracker, engine=None, signing_key: str | None = None, on_iteration: Callable[[dict], None] | None = None
+    cfg: TidalConfig,
+    run: RunDir,
+    dataset,
+    tracker,
+    engine=None,
+    signing_key: str | None = None,
+    on_iteration: Callable[[dict], None] | None = None,
+    tokenizer=None,
 ) -> list[dict]:
     """Sync mode in this process: generate, then train, all cores to each phase. `signing_key`: the run's
-    private key, handed over by the launcher (never put in the environment its other children inherit)."""
+    private key, handed over by the launcher (never put in the environment its other children inherit);
+    `tokenizer`: the base model's, which the launcher holds already."""
     confine_user_code(cfg, run.root)
-    learner, tokenizer = build_learner(cfg, run.info().base_model)
+    learner, tokenizer = build_learner(cfg, run.info().base_model, tokenizer=tokenizer)
     store = trainer_weight_store(cfg, run, run.info().base_model, learner, signing_key, loaded_by_engines=engine is not None)
     source = in_process_source(cfg, run, learner, tokenizer, store, engine)
     return asyncio.run(train(cfg, learner, source, dataset, store, run, tracker, on_iteration=on_iteration))
@@ -273,13 +291,12 @@ def rollout_engine(cfg: TidalConfig, base_model: str) -> tuple[object, object, t
     from tidal.rollout.worker import RolloutWorker
 
     if cfg.rollout.engine == "vllm":
-        from tidal.model.loading import load_tokenizer
         from tidal.rollout.vllm_adapter import VLLMEngine
         from tidal.rollout.vllm_worker import VLLMRolloutWorker
 
         return VLLMEngine.create(cfg, base_model), load_tokenizer(base_model), VLLMRolloutWorker
     model, tokenizer = load_policy(cfg, base_model)  # under LoRA the base once, each version's adapter set in place
-    return HFEngine.for_rollout(model, tokenizer, cfg.rollout), tokenizer, RolloutWorker
+    return HFEngine.for_rollout(model, tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.temperature), tokenizer, RolloutWorker
 
 
 def cancel_on_sigterm() -> Callable[[], bool]:
@@ -301,10 +318,10 @@ async def worker_role(cfg: TidalConfig, run: RunDir, nats_url: str, worker_id: s
     from tidal.rewards import RewardScorer
 
     confine_user_code(cfg, run.root)
-    load_public_key(cfg, run)  # every snapshot it loads is checked against it
+    load_public_key(cfg.weights.public_key_file, run)  # every snapshot it loads is checked against it
     stop_requested = cancel_on_sigterm()
     info = run.info()
-    set_threads(split_cores(cfg)[1])
+    set_threads(role_cores(cfg)[1])
     # user rewards' process starts beside the model load; not before vLLM, whose engine processes
     # would inherit its pipes and keep it alive after this worker dies
     scorer = RewardScorer.from_config(cfg.reward, prestart=cfg.rollout.engine == "hf", seed=judge_seed(cfg), served_urls=run.reward_server_urls())

@@ -11,12 +11,8 @@ import json
 import os
 import secrets
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tidal.rundir import RunDir
-
-if TYPE_CHECKING:
-    from tidal.config import TidalConfig
 
 
 def nats_token() -> str:
@@ -67,23 +63,24 @@ def key_file(configured: str | None, default: Path) -> Path | None:
     return default if default.is_file() else None
 
 
-def load_public_key(cfg: TidalConfig, run: RunDir) -> str | None:
-    """The run's public key, read from its file (weights.public_key_file, else RUN_DIR/weights-public-key) and
-    trusted by every snapshot check of this process from now on; None when there is no key file."""
+def load_public_key(configured: str | None, run: RunDir) -> str | None:
+    """The run's public key, read from its file (`configured`: weights.public_key_file, else
+    RUN_DIR/weights-public-key) and trusted by every snapshot check of this process from now on; None when there
+    is no key file."""
     from tidal.weights.signing import read_key_file, trust_public_key
 
-    path = key_file(cfg.weights.public_key_file, run.public_key_file)
+    path = key_file(configured, run.public_key_file)
     public = read_key_file(path, private=False) if path else None
     trust_public_key(public)
     return public
 
 
-def load_signing_key(cfg: TidalConfig, run: RunDir) -> str | None:
-    """The trainer's private key (weights.signing_key_file, else RUN_DIR/weights-signing-key): trainer processes
-    alone call this."""
+def load_signing_key(configured: str | None, run: RunDir) -> str | None:
+    """The trainer's private key (`configured`: weights.signing_key_file, else RUN_DIR/weights-signing-key):
+    trainer processes alone call this."""
     from tidal.weights.signing import read_key_file
 
-    path = key_file(cfg.weights.signing_key_file, run.signing_key_file)
+    path = key_file(configured, run.signing_key_file)
     return read_key_file(path, private=True) if path else None
 
 

@@ -247,10 +247,6 @@ class RunDir:
         found = self.latest_checkpoint()
         return found.next_version if found else 0
 
-    def nats(self, url: str, transport_cfg, credentials: dict | None = None) -> RunNats:
-        """The run's NATS streams and KV bucket on the server at `url` (transport_cfg: TransportConfig)."""
-        return RunNats(self, url, transport_cfg, credentials)
-
     def rehome_moved_store(self, locked: bool = False) -> Path | None:
         """A run directory moved or copied since it started still records its own MLflow store (RUN_DIR/mlflow.db,
         the default) at the old place, and the store records its artifacts there: a resume, an export's
@@ -300,53 +296,6 @@ def moved_path(value: str, old_root: Path, new_root: Path) -> str:
     if path == str(old_root) or path.startswith(f"{old_root}/"):
         return f"{scheme}{new_root}{path[len(str(old_root)) :]}"
     return value
-
-
-class RunNats:
-    """One-off operations on the run's NATS streams and KV bucket, for launchers (synchronous: each
-    is one session, connected and closed)."""
-
-    def __init__(self, run: RunDir, url: str, transport_cfg, credentials: dict | None = None):
-        self.run, self.url, self.transport_cfg, self.credentials = run, url, transport_cfg, credentials
-
-    def _call(self, fn, create: bool = False, timeout: float | None = None):
-        from tidal.transport import run_in_session
-
-        return run_in_session(self.url, self.run.run_id, self.transport_cfg, fn, create=create, credentials=self.credentials, timeout=timeout)
-
-    def open_run_state(self) -> None:
-        """Marks the run running before any worker starts: a run directory re-used after a finished or
-        failed run still holds "done" / "failed", and workers reading it would exit at once."""
-        from tidal.protocol import RunState
-
-        async def reset(t) -> None:
-            status = await t.run_status()
-            if status is not None and status.state is not RunState.RUNNING:
-                log.info("run state was %s (an earlier run in %s): now running", status.state.value, self.run.root)
-            await t.put_run_state(RunState.RUNNING)
-
-        self._call(reset, create=True)
-
-    def record_run_state(self, state: str) -> None:
-        """Best effort (NATS may be what failed): the run state in the KV bucket, for roles and a re-run to read."""
-        from tidal.protocol import RunState
-
-        async def put(t) -> None:
-            await t.put_run_state(RunState(state))
-
-        try:
-            self._call(put, timeout=10)
-        except Exception as err:  # noqa: BLE001 - the state is a record; stopping goes on without it
-            log.warning("could not record the run state %r in NATS: %s", state, err)
-
-    def count_rollouts(self) -> int:
-        """Groups published to the ROLLOUTS stream (generated), as the server counts them: its last
-        sequence number, since at `transport.stream_max_mb` the stream drops its oldest messages."""
-
-        async def count(t) -> int:
-            return (await t.js.stream_info(t.names["rollouts_stream"])).state.last_seq
-
-        return self._call(count)
 
 
 CHECKPOINT_STATE = "state.json"

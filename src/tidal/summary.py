@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tidal.config import TidalConfig
 from tidal.rundir import RunDir, RunInfo
 
 # (label, summary key, per-iteration metric): the split of an iteration, in the order it is shown
@@ -46,15 +45,25 @@ def at_k_before_after(before: dict | None, after: dict | None) -> dict[str, floa
 
 
 def summarize(
-    cfg: TidalConfig, history: list[dict], before: dict | None, after: dict | None, final_weights: Path, info: RunInfo, extra: dict
+    mode: str,
+    group_size: int,
+    eval_samples_per_prompt: int,
+    history: list[dict],
+    before: dict | None,
+    after: dict | None,
+    final_weights: Path,
+    info: RunInfo,
+    extra: dict,
 ) -> dict:
+    """summary.json's record of a run (`mode`, rollout.group_size and eval.samples_per_prompt: the config's part)."""
+
     def mean(key: str) -> float:
         return mean_of(history, key)
 
-    trained = sum(int(m["samples"]) // cfg.rollout.group_size for m in history)
+    trained = sum(int(m["samples"]) // group_size for m in history)
     filtered = int(sum(m.get("groups_filtered", 0) for m in history))
     return {
-        "mode": cfg.mode,
+        "mode": mode,
         "iterations": len(history),
         "accuracy_before": before and before["accuracy"],
         "accuracy_after": after and after["accuracy"],
@@ -70,7 +79,7 @@ def summarize(
         "generation_tail_seconds_mean": mean("generation_tail_seconds"),
         "reward_seconds_mean": mean("reward_seconds"),
         **served_reward_totals(history),
-        "eval_samples_per_prompt": cfg.eval.samples_per_prompt,
+        "eval_samples_per_prompt": eval_samples_per_prompt,
         "staleness_max": max((m["staleness_max"] for m in history), default=0.0),
         "reward_errors": sum(m["reward_errors"] for m in history),
         "failures": run_failures(history),

@@ -21,11 +21,15 @@ def split_cores(cfg: TidalConfig, cores: int | None = None) -> tuple[int, int]:
     run` replaces `auto` by the capacity planner's figures before any role starts; a role started
     another way (a pod) reads `auto` as an even split. Sync mode has no worker process: the trainer,
     which generates too, gets every core."""
+    return core_split(cfg.mode, cfg.rollout.initial_workers, cfg.trainer.threads, cfg.rollout.threads, cores)
+
+
+def core_split(mode: str, workers: int, trainer: int | str, rollout: int | str, cores: int | None = None) -> tuple[int, int]:
+    """split_cores from the values it reads: the mode, the worker count, trainer.threads and rollout.threads."""
     cores = cores or os.cpu_count() or 1
-    workers = cfg.rollout.initial_workers
-    share = cores if cfg.mode == "sync" else max(1, cores // (workers + 1))
-    trainer = cfg.trainer.threads if isinstance(cfg.trainer.threads, int) else share
-    rollout = cfg.rollout.threads if isinstance(cfg.rollout.threads, int) else max(1, (cores - trainer) // workers)
+    share = cores if mode == "sync" else max(1, cores // (workers + 1))
+    trainer = trainer if isinstance(trainer, int) else share
+    rollout = rollout if isinstance(rollout, int) else max(1, (cores - trainer) // workers)
     return trainer, rollout
 
 
@@ -71,17 +75,11 @@ def resolve_threads(cfg: TidalConfig, cores: int | None = None) -> TidalConfig:
     )
 
 
-def trainer_threads(cfg: TidalConfig, ranks_here: int = 1) -> int:
-    """One trainer rank's threads (`ranks_here`: the trainer's ranks on this machine)."""
-    return max(1, split_cores(cfg)[0] // ranks_here)
-
-
-def tail_threads(cfg: TidalConfig, threads: int) -> int | None:
-    """One trainer rank's threads once its iteration's groups are all in, when more than `threads`;
-    None otherwise. Only a number counts: `auto` is resolved by `tidal run`, which knows whose cores
-    are free; a pod started with `auto` does not."""
-    tail = cfg.trainer.tail_threads
-    if cfg.mode != "periodic" or not isinstance(tail, int):
+def tail_threads(setting: int | str | None, mode: str, ranks: int, threads: int) -> int | None:
+    """One trainer rank's threads once its iteration's groups are all in (trainer.tail_threads over `ranks`),
+    when more than `threads`; None otherwise. Only a number counts: `auto` is resolved by `tidal run`, which
+    knows whose cores are free; a pod started with `auto` does not."""
+    if mode != "periodic" or not isinstance(setting, int):
         return None
-    per_rank = max(1, tail // cfg.trainer.ranks)
+    per_rank = max(1, setting // ranks)
     return per_rank if per_rank > threads else None

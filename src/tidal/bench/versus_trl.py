@@ -589,7 +589,7 @@ def gradient_check(cfg: TidalConfig, base_model: str, dataset, workdir: Path, mi
 
     # Tidal: generate once, then the learner's accumulated gradient scaled by 1/units, as its step does (before clipping)
     model, tokenizer = load_model_and_tokenizer(base_model, cfg.model.dtype)
-    engine = HFEngine.for_rollout(model, tokenizer, cfg.rollout)
+    engine = HFEngine.for_rollout(model, tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
     agent = AgentLoop.from_config(cfg, tokenizer) if cfg.rollout.agent is not None else None
     try:
         groups = generate_groups(

@@ -55,11 +55,15 @@ def load_tokenizer(path: str | Path):
 
 def load_model_and_tokenizer(path: str | Path, dtype: str = "float32"):
     tokenizer = load_tokenizer(path)
+    return load_model(path, dtype), tokenizer
+
+
+def load_model(path: str | Path, dtype: str = "float32"):
+    """The model alone, for a process that holds its tokenizer already."""
     with _loading(path, "model"):
         config = AutoConfig.from_pretrained(str(path))
         auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
-        model = auto.from_pretrained(str(path), dtype=DTYPES[dtype])
-    return model, tokenizer
+        return auto.from_pretrained(str(path), dtype=DTYPES[dtype])
 
 
 def load_state_dict_tied(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

@@ -114,7 +114,7 @@ def coarsest_dtype(*dtypes: str) -> str:
     return max(dtypes, key=lambda dtype: DTYPE_TOLERANCE.get(dtype, float("inf")))
 
 
-def trainer_compute_dtypes(cfg) -> tuple[str, ...]:
+def trainer_compute_dtypes(model_dtype: str, param_dtype: str | None) -> tuple[str, ...]:
     """The dtypes the trainer's probe forward computes in: model.dtype, and trainer.param_dtype when fsdp2's or
     DeepSpeed's mixed precision casts the weights for the forward."""
-    return (cfg.model.dtype, cfg.trainer.param_dtype or cfg.model.dtype)
+    return (model_dtype, param_dtype or model_dtype)

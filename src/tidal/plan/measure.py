@@ -54,7 +54,7 @@ def measure_child(argv: list[str]) -> None:
     cfg = load_config(args.config)
     dataset = load_dataset(cfg.data, cfg.seed)
     learner, tokenizer = build_learner(cfg, args.base_model)
-    engine = HFEngine.for_rollout(learner.model, tokenizer, cfg.rollout)
+    engine = HFEngine.for_rollout(learner.model, tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
     scorer = RewardScorer.from_config(cfg.reward)
     r = cfg.rollout
 

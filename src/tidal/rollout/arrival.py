@@ -16,7 +16,6 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from tidal.config import TidalConfig
 from tidal.model.probe import (
     BASE_BOUND,
     CALIBRATION_FACTOR,
@@ -25,7 +24,6 @@ from tidal.model.probe import (
     coarsest_dtype,
     largest_difference,
     probe_difference,
-    trainer_compute_dtypes,
 )
 from tidal.protocol import WorkItem
 from tidal.rollout.engine import RolloutEngine
@@ -36,13 +34,13 @@ from tidal.weights import WeightsDidNotArriveError, readable_manifest, version_d
 log = logging.getLogger(__name__)
 
 
-async def version_to_generate(transport: Transport, cfg: TidalConfig, item: WorkItem) -> int | None:
+async def version_to_generate(transport: Transport, mode: str, item: WorkItem) -> int | None:
     """The policy version that must generate `item`. periodic: exactly the item's iteration, once
     published. bounded: the newest published version, which is at least iteration -
     rollout.max_staleness because the trainer releases work only that far ahead. None when the
     trainer has already moved past the item's iteration (a leftover, e.g. a redelivered or spare
     item: its group would be discarded, and weight retention may have deleted its snapshot)."""
-    if cfg.mode != "bounded":
+    if mode != "bounded":
         policy = await transport.wait_for_policy(item.iteration)
         return None if policy.version > item.iteration else item.iteration
     policy = await transport.wait_for_policy(0)
@@ -137,8 +135,19 @@ Receive = Callable[[int], Awaitable[bool]]
 class WeightArrival:
     """How one worker's engine gets the versions it generates with."""
 
-    def __init__(self, cfg: TidalConfig, engine: RolloutEngine, transport: Transport, health: WorkerHealth, weights_root: Path | None):
-        self.cfg, self.engine, self.transport, self.health, self.weights_root = cfg, engine, transport, health, weights_root
+    def __init__(
+        self,
+        tolerance: float | None,
+        trainer_dtypes: tuple[str, ...],
+        engine: RolloutEngine,
+        transport: Transport,
+        health: WorkerHealth,
+        weights_root: Path | None,
+    ):
+        """`tolerance`: weights.arrival_tolerance (None: the default for the dtypes); `trainer_dtypes`: what the
+        trainer's probe forward computes in (tidal.model.probe.trainer_compute_dtypes)."""
+        self.tolerance, self.trainer_dtypes = tolerance, trainer_dtypes
+        self.engine, self.transport, self.health, self.weights_root = engine, transport, health, weights_root
         self._check: ArrivalCheck | None = None
         self.backoff = 0.0  # after a refusal: how long the worker waits before trying again
 
@@ -146,8 +155,8 @@ class WeightArrival:
     def check(self) -> ArrivalCheck:
         """The engine's arrival check (made on first use: an engine knows its dtype once started)."""
         if self._check is None:
-            dtypes = (*self.engine.compute_dtypes, *trainer_compute_dtypes(self.cfg))
-            self._check = ArrivalCheck(self.cfg.weights.arrival_tolerance, self.engine.kind, dtypes, self.health.worker_id)
+            dtypes = (*self.engine.compute_dtypes, *self.trainer_dtypes)
+            self._check = ArrivalCheck(self.tolerance, self.engine.kind, dtypes, self.health.worker_id)
         return self._check
 
     async def path(self, version: int) -> str:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.config import TidalConfig
+from tidal.model.probe import trainer_compute_dtypes
 from tidal.rewards import RewardScorer
 from tidal.rollout.arrival import WeightArrival
 from tidal.rollout.engine import RolloutEngine
@@ -40,6 +41,13 @@ class WorkerCore:
         return cls(
             health=health,
             lease=Lease(transport, health, cfg.transport.ack_wait_seconds),
-            arrival=WeightArrival(cfg, engine, transport, health, weights_root),
+            arrival=WeightArrival(
+                cfg.weights.arrival_tolerance,
+                trainer_compute_dtypes(cfg.model.dtype, cfg.trainer.param_dtype),
+                engine,
+                transport,
+                health,
+                weights_root,
+            ),
             generator=Generator.for_worker(cfg, engine, tokenizer, scorer, worker_id),
         )

@@ -113,9 +113,9 @@ class HFEngine:
         self.processor = None  # a vision-language model's (tidal.model.vision.VisionProcessor): prompts with images
 
     @classmethod
-    def for_rollout(cls, model, tokenizer, rollout_cfg) -> HFEngine:
-        """The engine `rollout.*` describes, over `model` (shared, not copied)."""
-        engine = cls(model, tokenizer.eos_token_id, tokenizer.pad_token_id, rollout_cfg.max_new_tokens, rollout_cfg.temperature)
+    def for_rollout(cls, model, tokenizer, max_new_tokens: int, temperature: float) -> HFEngine:
+        """The engine of rollout.max_new_tokens and rollout.temperature, over `model` (shared, not copied)."""
+        engine = cls(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_new_tokens, temperature)
         from tidal.model.vision import is_vision_model, load_processor
 
         if is_vision_model(getattr(model, "config", None)):

@@ -165,7 +165,7 @@ class VLLMRolloutWorker:
         """Starts backlog items of the loaded version; switches version only with nothing in flight."""
         while self.backlog and len(self.inflight) < self.cfg.rollout.max_inflight_groups:
             msg, item = self.backlog[0]
-            version = await version_to_generate(self.transport, self.cfg, item)
+            version = await version_to_generate(self.transport, self.cfg.mode, item)
             if version is None:
                 self.backlog.popleft()
                 await self.lease.ack(msg)  # obsolete: the trainer has moved past its iteration

@@ -110,7 +110,7 @@ class RolloutWorker:
                 if it.iteration != iteration:
                     await m.nak()  # another iteration: handle it on a later pull
             pulled = [(m, it) for m, it in pulled if it.iteration == iteration]
-            version = await version_to_generate(self.transport, self.cfg, pulled[0][1])
+            version = await version_to_generate(self.transport, self.cfg.mode, pulled[0][1])
             if version is None:
                 log.info("worker %s: dropping %d obsolete work item(s) of iteration %d", self.worker_id, len(pulled), iteration)
                 for m, _ in pulled:

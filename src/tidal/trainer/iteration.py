@@ -121,7 +121,7 @@ class LoopContext:
         end: int,
         on_iteration: Callable[[dict], None] | None = None,
     ) -> LoopContext:
-        threads = TailThreads(torch.get_num_threads(), tail_threads(cfg, torch.get_num_threads()))
+        threads = TailThreads(torch.get_num_threads(), tail_threads(cfg.trainer.tail_threads, cfg.mode, cfg.trainer.ranks, torch.get_num_threads()))
         one_rank = learner.ctx.world_size == 1
         release, writer = WorkRelease(cfg, dataset, end), BoundaryWriter(background=one_rank)
         receives_while_training = one_rank and source.receives_while_training

@@ -1,11 +1,13 @@
 """NATS JetStream: the WORK and ROLLOUTS streams and the run's KV bucket.
 
 connect: credentials, connecting, the server's refusals; streams: the run's streams and KV bucket;
-client: the `Transport` client, and `session` / `run_in_session` for one job on a connection."""
+client: the `Transport` client, `session` / `run_in_session` for one job on a connection, and `RunNats`, a
+launcher's one-off operations on a run's streams and KV bucket."""
 
 from tidal.transport.client import (  # noqa: F401
     OUTAGE_SECONDS,
     MessageTooLargeError,
+    RunNats,
     Transport,
     group_msg_id,
     keep_in_progress,

@@ -291,3 +291,46 @@ def run_in_session(
             return await fn(t)
 
     return asyncio.run(asyncio.wait_for(run(), timeout))
+
+
+class RunNats:
+    """One-off operations on a run's NATS streams and KV bucket, for launchers (synchronous: each
+    is one session, connected and closed). `run`: its tidal.rundir.RunDir (the run id, the directory)."""
+
+    def __init__(self, run, url: str, cfg: TransportConfig, credentials: dict | None = None):
+        self.run, self.url, self.cfg, self.credentials = run, url, cfg, credentials
+
+    def _call(self, fn, create: bool = False, timeout: float | None = None):
+        return run_in_session(self.url, self.run.run_id, self.cfg, fn, create=create, credentials=self.credentials, timeout=timeout)
+
+    def open_run_state(self) -> None:
+        """Marks the run running before any worker starts: a run directory re-used after a finished or
+        failed run still holds "done" / "failed", and workers reading it would exit at once."""
+
+        async def reset(t) -> None:
+            status = await t.run_status()
+            if status is not None and status.state is not RunState.RUNNING:
+                log.info("run state was %s (an earlier run in %s): now running", status.state.value, self.run.root)
+            await t.put_run_state(RunState.RUNNING)
+
+        self._call(reset, create=True)
+
+    def record_run_state(self, state: str) -> None:
+        """Best effort (NATS may be what failed): the run state in the KV bucket, for roles and a re-run to read."""
+
+        async def put(t) -> None:
+            await t.put_run_state(RunState(state))
+
+        try:
+            self._call(put, timeout=10)
+        except Exception as err:  # noqa: BLE001 - the state is a record; stopping goes on without it
+            log.warning("could not record the run state %r in NATS: %s", state, err)
+
+    def count_rollouts(self) -> int:
+        """Groups published to the ROLLOUTS stream (generated), as the server counts them: its last
+        sequence number, since at `transport.stream_max_mb` the stream drops its oldest messages."""
+
+        async def count(t) -> int:
+            return (await t.js.stream_info(t.names["rollouts_stream"])).state.last_seq
+
+        return self._call(count)

@@ -2,7 +2,7 @@
 failed), the round lease that keeps rounds one after another, and deleting the run's streams and KV bucket.
 
 Each call is one session on the run's NATS server (:func:`tidal.transport.run_in_session`, the primitive
-:class:`tidal.rundir.RunNats` uses too; here the run id comes from the run directory's name, which
+:class:`tidal.transport.RunNats` uses too; here the run id comes from the run directory's name, which
 finalize needs before prepare wrote run.json). Nothing here imports torch: these steps run in small pods.
 """
 

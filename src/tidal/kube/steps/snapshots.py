@@ -22,7 +22,7 @@ def trust_run_key(run: RunDir) -> None:
     from tidal.config import load_config
     from tidal.run_keys import load_public_key
 
-    load_public_key(load_config(run.config), run)
+    load_public_key(load_config(run.config).weights.public_key_file, run)
 
 
 def verify_snapshot(path: str) -> None:
