@@ -66,7 +66,7 @@ def main() -> None:
     one_call = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"generation_token_budget": 1 << 30})}, deep=True)
     dataset = load_dataset(cfg.data, cfg.seed)
     learner, tokenizer = build_learner(cfg, str(prepare_base_model(cfg, dataset)))
-    engine = HFEngine.for_rollout(learner.model, tokenizer, cfg.rollout)
+    engine = HFEngine.for_rollout(learner.model, tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
     scorer = RewardScorer.from_config(cfg.reward, seed=judge_seed(cfg))
     rows: dict[str, list[tuple[float, float, float]]] = {p: [] for p in plans}
     for v, plan in enumerate(plan_order(plans, args.iterations)):

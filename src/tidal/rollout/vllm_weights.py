@@ -19,11 +19,17 @@ if TYPE_CHECKING:
     from tidal.rollout.vllm_adapter import VLLMEngine
 
 
+EMBEDDING_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")  # a language model's, a VLM's
+
+
 def _retie(state: dict, hf_config) -> dict:
     """Snapshots drop tied aliases; vLLM's layer-by-layer reload needs the lm_head too, or it keeps
     the previous version's lm_head while the embedding moves on."""
-    if getattr(hf_config, "tie_word_embeddings", False) and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
-        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    text_config = getattr(hf_config, "text_config", None)
+    tied = getattr(hf_config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False)
+    embedding = next((name for name in EMBEDDING_NAMES if name in state), None)
+    if tied and "lm_head.weight" not in state and embedding is not None:
+        state = {**state, "lm_head.weight": state[embedding]}
     return state
 
 
