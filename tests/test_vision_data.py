@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tidal import images as image_limits
-from tidal.data import DatasetError, read_jsonl_problems
+from tidal.data import Dataset, DatasetError, Problem, read_jsonl_problems
 from tidal.demo.vision import save_tiny_vlm, write_count_task
 from tidal.images import ImageInputs
 from tidal.protocol import Group, GroupLimits, ProtocolError, Sample, WorkItem, decode_group, decode_work_item, pack, unpack
@@ -164,3 +164,24 @@ def test_the_tiny_vlm_and_its_processor_load_back_from_one_directory(tmp_path, t
         do_sample=False,
     )
     assert out.shape == (1, len(prompt) + 3)
+
+
+def test_rows_with_images_are_refused_before_start_by_a_multi_turn_run(task):
+    from tidal.config import config_from_dict
+    from tidal.preflight import check_images_fit_the_rollout
+
+    dataset = Dataset(read_jsonl_problems(task), [])
+    check_images_fit_the_rollout(config_from_dict({}), dataset)  # single-turn: taken
+    agent = config_from_dict({"rollout": {"agent": {"env": "tools", "tools": ["calc"], "max_turns": 3}}})
+    with pytest.raises(DatasetError, match=r"data\.jsonl:1: the row has images, and rollout\.agent \(multi-turn\) does not take images yet"):
+        check_images_fit_the_rollout(agent, dataset)
+
+
+def test_a_rows_images_count_toward_its_work_items_size(task):
+    from tidal.preflight import check_row_sizes
+
+    problem = read_jsonl_problems(task)[0]
+    heavy = Problem(problem.id, problem.prompt, problem.answer, problem.origin, (b"\0" * (2 << 20),))
+    check_row_sizes(Dataset([problem], []), max_payload_mb=1)
+    with pytest.raises(DatasetError, match=r"data\.jsonl:1: the row is 2\.0 MB; a work item must fit in transport\.max_payload_mb \(1 MB\)"):
+        check_row_sizes(Dataset([heavy], []), max_payload_mb=1)

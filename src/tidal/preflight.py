@@ -21,8 +21,20 @@ def check_before_start(cfg: TidalConfig, dataset: Dataset | None = None) -> Data
     check_environment(cfg)
     dataset = dataset if dataset is not None else load_dataset(cfg.data, cfg.seed)
     check_row_sizes(dataset, cfg.transport.max_payload_mb)
+    check_images_fit_the_rollout(cfg, dataset)
     check_prompt_lengths(cfg, dataset)
     return dataset
+
+
+def check_images_fit_the_rollout(cfg: TidalConfig, dataset: Dataset) -> None:
+    """Rows with images go to single-turn rollouts only: refused before start, not by the first worker that meets one."""
+    if cfg.rollout.agent is None:
+        return
+    with_images = next((p for p in (*dataset.train, *dataset.eval) if p.images), None)
+    if with_images is not None:
+        raise DatasetError(
+            f"{where(with_images)}: the row has images, and rollout.agent (multi-turn) does not take images yet; single-turn rollouts do"
+        )
 
 
 def check_environment(cfg: TidalConfig) -> None:
@@ -45,7 +57,7 @@ def check_row_sizes(dataset: Dataset, max_payload_mb: int) -> None:
     """A problem travels in one work item, which must fit in one NATS message."""
     limit = max_payload_mb * 2**20
     for p in (*dataset.train, *dataset.eval):
-        size = len(p.prompt.encode(errors="surrogateescape")) + len(p.answer.encode(errors="surrogateescape"))
+        size = len(p.prompt.encode(errors="surrogateescape")) + len(p.answer.encode(errors="surrogateescape")) + sum(map(len, p.images))
         if size > limit:
             raise DatasetError(
                 f"{where(p)}: the row is {size / 2**20:.1f} MB; a work item must fit in transport.max_payload_mb ({max_payload_mb} MB)"
