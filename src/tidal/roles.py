@@ -238,6 +238,7 @@ def in_process_source(cfg: TidalConfig, run: RunDir, learner: Learner, tokenizer
     scorer = RewardScorer.from_config(cfg.reward, seed=judge_seed(cfg), served_urls=run.reward_server_urls())
     if engine is None:
         engine = HFEngine.for_rollout(learner.model, tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
+        engine.generate_inline = True  # InProcessSource generates on the trainer's compute thread
         load_weights = None
     else:
 

@@ -111,6 +111,10 @@ class HFEngine:
         self.cache_kwarg = cache_argument_name(model)
         self.version: int | None = None  # the weight-store version loaded by load_snapshot
         self.processor = None  # a vision-language model's (tidal.model.vision.VisionProcessor): prompts with images
+        # Single-turn generation on the calling thread instead of a worker thread: set where the caller is the
+        # trainer's compute thread (sync mode), whose OpenMP team then does both phases; a second team (asyncio's
+        # pool, a new thread per iteration) made generation slower on two threads than on one.
+        self.generate_inline = False
 
     @classmethod
     def for_rollout(cls, model, tokenizer, max_new_tokens: int, temperature: float) -> HFEngine:
@@ -160,6 +164,8 @@ class HFEngine:
         tag: str = "b",
         interrupt: Interrupt | None = None,
     ) -> list[list[Completion]]:
+        if self.generate_inline:
+            return self.generate(requests, greedy, max_new_tokens, interrupt)
         return await asyncio.to_thread(self.generate, requests, greedy, max_new_tokens, interrupt)
 
     def play_blocking(
