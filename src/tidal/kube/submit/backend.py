@@ -121,20 +121,20 @@ def executor_config_fields(pipeline_documents: list[dict]) -> set[str]:
 
 
 def since(field: str) -> tuple[int, int, int]:
-    """The first release that knows ``field``; a field Tidal has no rule for counts as unknown to every release."""
-    return FIELD_SINCE.get(field, (99, 0, 0))
+    """The first release that knows ``field`` (a list item's field without a rule of its own: its list's); a field
+    Tidal has no rule for counts as unknown to every release."""
+    return FIELD_SINCE.get(field, FIELD_SINCE.get(field.split("[]")[0], (99, 0, 0)))
 
 
 def strip_above_floor(pipeline_documents: list[dict]) -> None:
-    """Remove, in place, every executor-config field the floor's proto does not know (:data:`NOT_CARRIED`)."""
+    """Remove, in place, the executor-config fields the floor's proto does not know (:data:`NOT_CARRIED`)."""
     for config in platform_executors(pipeline_documents).values():
-        for name in list(config):
-            if since(name) > BACKEND_FLOOR:
-                del config[name]
-                continue
-            for item in config[name] if isinstance(config[name], list) else []:
-                for child in [c for c in item if since(f"{name}[].{c}") > BACKEND_FLOOR] if isinstance(item, dict) else []:
-                    del item[child]
+        for field in NOT_CARRIED:
+            name, _, child = field.partition("[].")
+            if not child:
+                config.pop(name, None)
+            for item in config.get(name, []) if child else []:
+                item.pop(child, None)
 
 
 def unknown_to(version: tuple[int, int, int], fields: set[str]) -> set[str]:
