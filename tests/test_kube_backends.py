@@ -337,7 +337,7 @@ def pod_env_as_the_driver_builds_it(tag: str, documents: list[dict], executor: s
 
 
 def as_the_images_user() -> list[str]:
-    """A command prefix running a child as uid/gid 1000, the images' USER (no security context on KFP < 2.16: the
+    """A command prefix running a child as uid/gid 1000, the images' USER (the pipeline sets no security context: the
     image's USER is what the pod runs as): as is when this test is not root, else in a user namespace."""
     if os.geteuid() != 0:
         return []
@@ -394,12 +394,12 @@ def test_a_secret_missing_a_key_stops_the_pod_on_every_release(open_round_pod, t
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the step's pod running as uid 0")
 def test_a_step_in_a_kfp_pod_running_as_root_stops_in_one_line(open_round_pod):
     run, config_path, _, start = open_round_pod
-    step = start("2.5.0", user=[])  # as root: an image whose USER is root, and no security context (KFP < 2.16)
+    step = start("2.5.0", user=[])  # as root: an image whose USER is root, and no security context in the pipeline
     assert step.returncode != 0
     assert step.stderr.strip().splitlines()[-1] == (
         "tidal.kube.steps.records.PipelineStepError: this step runs as root (uid 0) in pod stand-in-exec-open-round-pod: "
-        "Tidal's steps run as uid 1000 (the images' USER; KFP backends before 2.16 set no security context), so run the "
-        "image as a non-root user"
+        "Tidal's steps run as uid 1000 (the images' USER; the pipeline sets no security context, which KFP 2.5.0 does not "
+        "know), so run the image as a non-root user"
     )
     assert run_state.read_run_state(run, config_path) != "running"  # refused before it did anything
 

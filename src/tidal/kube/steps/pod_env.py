@@ -46,7 +46,7 @@ def root_problem(environ: Mapping[str, str], uid: int) -> str | None:
     if uid == 0 and environ.get(KFP_POD_ENV):
         return (
             f"this step runs as root (uid 0) in pod {environ[KFP_POD_ENV]}: Tidal's steps run as uid {cluster.RUN_AS_USER} "
-            "(the images' USER; KFP backends before 2.16 set no security context), so run the image as a non-root user"
+            "(the images' USER; the pipeline sets no security context, which KFP 2.5.0 does not know), so run the image as a non-root user"
         )
     return None
 
