@@ -23,7 +23,8 @@ def on_cluster(
     mlflow: bool = False,
     weights: str | None = None,
 ) -> dsl.PipelineTask:
-    """What every step gets on Kubernetes: the data PVC, the NetworkPolicy label, resource requests, no caching (steps are stateful), and only the credentials it uses.
+    """What every step gets on Kubernetes: the data PVC, the NetworkPolicy label, resource requests, no caching
+    (steps are stateful), and only the credentials it uses.
     ``nats_role``: the NATS user the step logs in as (cluster.NATS_ROLES), None for steps that do not use NATS;
     ``mlflow``: it logs to MLflow; ``weights``: which snapshot keys it holds (WEIGHT_KEYS)."""
     if weights not in WEIGHT_KEYS:
