@@ -1,11 +1,12 @@
-"""A small reader of the KFP executor-config protos in tests/data/kfp_protos/ (one per KFP backend tag) and the
-check of a compiled task's executor config against one: which fields that release's driver reads, and which it
-does not know (2.4.x: refused, its driver parses strictly; 2.5.0 on: dropped).
+"""A small reader of the KFP protos in tests/data/kfp_protos/ (per KFP backend release: its executor-config and
+pipeline-spec protos, and how it parses them, releases.json) and the check of a compiled pipeline against them:
+which fields a release does not know.
 
 Only what these protos use is read: messages (nested too), scalar, message, ``repeated`` and ``map<>`` fields,
 ``oneof`` groups (their fields are the message's), enums (their values are not checked). A type from another
 file (``ml_pipelines.*``, ``google.protobuf.*``) is opaque: the check does not look inside it."""
 
+import json
 import re
 from pathlib import Path
 
@@ -14,8 +15,13 @@ SCALARS = {"string", "bool", "int32", "int64", "uint32", "uint64", "double", "fl
 TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[A-Za-z_][\w.]*|\d+|[{}<>;=,\[\]()]')
 
 
+def releases() -> dict[str, dict]:
+    """``{tag: {"proto", "driver", "compiler", "healthz_tag_name", "pipeline_store"}}`` (releases.json)."""
+    return {tag: rule for tag, rule in json.loads((PROTOS / "releases.json").read_text()).items() if not tag.startswith("_")}
+
+
 def tags() -> list[str]:
-    return sorted((p.stem.split("-", 1)[1] for p in PROTOS.glob("kubernetes_executor_config-*.proto")), key=version)
+    return sorted(releases(), key=version)
 
 
 def version(tag: str) -> tuple[int, ...]:
@@ -28,8 +34,9 @@ def json_name(field: str) -> str:
 
 
 def parse(text: str) -> dict[str, dict[str, tuple[str, str]]]:
-    """``{message: {json field name: (kind, type)}}``, kind ``scalar``, ``message``, ``map`` or ``opaque``; nested
-    messages are named ``Outer.Inner``; each message's field types are resolved to these names."""
+    """``{message: {json field name: (kind, type)}}``, kind ``scalar``, ``message``, ``map`` (type: its values'
+    message, or empty) or ``opaque``; nested messages are named ``Outer.Inner``; each message's field types are
+    resolved to these names."""
     text = re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", text, flags=re.S))
     tokens = TOKEN.findall(text)
     messages: dict[str, dict[str, str]] = {}
@@ -59,7 +66,7 @@ def parse(text: str) -> dict[str, dict[str, tuple[str, str]]]:
             if statement[0] in ("optional", "repeated", "required"):
                 statement = statement[1:]
             if statement[0] == "map":  # map < k , v > name = n
-                ftype, fname = "map", statement[6]
+                ftype, fname = f"map<{statement[4]}>", statement[6]
             else:
                 ftype, fname = statement[0], statement[1]
             owner = ".".join(n for k, n in scope if k == "message")
@@ -71,8 +78,9 @@ def parse(text: str) -> dict[str, dict[str, tuple[str, str]]]:
 
 
 def resolve(owner: str, ftype: str, messages: dict, enums: set[str]) -> tuple[str, str]:
-    if ftype == "map":
-        return "map", ""
+    if ftype.startswith("map<"):
+        kind, target = resolve(owner, ftype[4:-1], messages, enums)
+        return "map", target if kind == "message" else ""
     if ftype in SCALARS:
         return "scalar", ftype
     parts = owner.split(".")
@@ -86,7 +94,13 @@ def resolve(owner: str, ftype: str, messages: dict, enums: set[str]) -> tuple[st
 
 
 def load(tag: str) -> dict[str, dict[str, tuple[str, str]]]:
-    return parse((PROTOS / f"kubernetes_executor_config-{tag}.proto").read_text())
+    """The executor-config proto release ``tag`` is built with."""
+    return parse((PROTOS / f"kubernetes_executor_config-{releases()[tag]['proto']}.proto").read_text())
+
+
+def load_pipeline_spec(tag: str) -> dict[str, dict[str, tuple[str, str]]]:
+    """The pipeline-spec proto release ``tag`` is built with."""
+    return parse((PROTOS / f"pipeline_spec-{releases()[tag]['proto']}.proto").read_text())
 
 
 def unknown_fields(value, schema: dict, message: str = "KubernetesExecutorConfig", path: str = "") -> list[str]:
@@ -98,6 +112,9 @@ def unknown_fields(value, schema: dict, message: str = "KubernetesExecutorConfig
             found.append(where)
             continue
         kind, target = schema[message][name]
+        if kind == "map" and target:
+            for key, item in child.items():
+                found += unknown_fields(item, schema, target, f"{where}[{key}]")
         if kind != "message":
             continue
         for item in child if isinstance(child, list) else [child]:

@@ -304,13 +304,15 @@ def test_the_policy_check_catches_an_open_policy(tmp_path):
     assert admitted(policy, {"app": "anything"}, cluster.REWARD_SERVER_PORT)
 
 
-def test_both_pools_give_their_workers_the_reward_keys_from_the_secret_optionally(compiled):
-    """api_key_env names one of these variables; a Secret without the key (most servers need none) starts the pod anyway."""
+def test_both_pools_give_their_workers_the_reward_keys_from_the_secret(compiled):
+    """api_key_env names one of these variables. The fixed pool's step cannot mark them optional (KFP 2.5.0 does not
+    know ``optional``): the Secret holds every key, empty where a server needs none. The elastic pool's Deployment,
+    made through the Kubernetes API, marks them optional."""
     for profile, pipeline in compiled.items():
         _, platform = pipeline
         worker = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-rollout-worker"]
         (reward_keys,) = [s for s in worker["secretAsEnv"] if s["secretName"] == cluster.REWARD_SECRET]
-        assert {k["secretKey"]: k["envVar"] for k in reward_keys["keyToEnv"]} == cluster.REWARD_SECRET_ENV and reward_keys["optional"] is True
+        assert {k["secretKey"]: k["envVar"] for k in reward_keys["keyToEnv"]} == cluster.REWARD_SECRET_ENV and "optional" not in reward_keys
         assert worker["podMetadata"]["labels"] == {**cluster.TIDAL_POD_LABEL, **cluster.WORKER_POD_LABEL}, profile
         env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef") for e in pool_pod(profile)["spec"]["containers"][0]["env"]}
         for key, variable in cluster.REWARD_SECRET_ENV.items():
@@ -411,11 +413,11 @@ def test_a_worker_pods_env_gives_the_staged_entry_its_key_and_the_server_scores(
     secrets = {
         cluster.NATS_SECRET: {"worker-password": "p"},
         cluster.MLFLOW_SECRET: {"tracking-uri": cluster.MLFLOW_URL},
-        cluster.REWARD_SECRET: {"reward-model-api-key": "s3cret"},  # no judge-api-key: optional
+        cluster.REWARD_SECRET: {"reward-model-api-key": "s3cret", "judge-api-key": ""},  # every key, empty = unset
     }
     specs = fixed_worker_env_specs(compiled["nvidia"]) if pool == "fixed" else pool_env_specs("nvidia")
     env = pod_env(specs, secrets)
-    assert env["TIDAL_REWARD_MODEL_API_KEY"] == "s3cret" and "TIDAL_JUDGE_API_KEY" not in env
+    assert env["TIDAL_REWARD_MODEL_API_KEY"] == "s3cret" and env["TIDAL_JUDGE_API_KEY"] == ""
     server = StubServer(tmp_path, "--api-key-env", "STUB_KEY", env={"STUB_KEY": "s3cret"})
     try:
         # the in-cluster entry, its Service address replaced by the stand-in server's (which mounts /classify under /v1)

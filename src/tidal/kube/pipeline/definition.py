@@ -32,6 +32,7 @@ from tidal.kube.pipeline import components as c
 from tidal.kube.pipeline.ir_check import driver_resolution_violations
 from tidal.kube.pipeline.parameters import LOOP_PARAMETERS, ROUND_PARAMETERS, per_round_values, pipeline_function, run_parameters
 from tidal.kube.pipeline.task_settings import LONG_STEP_TIMEOUT_S, as_rollout_worker, in_queue, on_accelerator, on_cluster, retried
+from tidal.kube.submit.backend import strip_above_floor
 
 PIPELINE_NAME = "tidal-grpo"
 
@@ -223,6 +224,7 @@ def compile_pipeline(output_path, accelerator: str = "nvidia", image: str = "", 
     if problems:
         raise ValueError("the compiled pipeline has inputs the KFP driver cannot resolve:\n  - " + "\n  - ".join(problems))
     set_executor_images(documents[0], image or profile.image)
+    strip_above_floor(documents)
     output.write_text(yaml.safe_dump_all(documents, sort_keys=False))
     return output
 

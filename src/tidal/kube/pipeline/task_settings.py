@@ -1,5 +1,8 @@
-"""What a pipeline task gets on Kubernetes: volume, credentials, labels, security context, resources, accelerators,
-Kueue queue, retries (kfp-kubernetes' settings, applied per task at compile time)."""
+"""What a pipeline task gets on Kubernetes: volume, credentials, labels, resources, accelerators, Kueue queue,
+retries (kfp-kubernetes' settings, applied per task at compile time).
+
+Only what KFP backend 2.5.0 knows (tidal.kube.submit.backend): no security context (the images' USER 1000 and each
+step's own check keep pods non-root) and no optional Secret keys (the Secrets hold every key, empty = unset)."""
 
 from kfp import dsl, kubernetes
 
@@ -20,8 +23,8 @@ def on_cluster(
     mlflow: bool = False,
     weights: str | None = None,
 ) -> dsl.PipelineTask:
-    """What every step gets on Kubernetes: the data PVC, the NetworkPolicy label, a non-root security context,
-    resource requests, no caching (steps are stateful), and only the credentials it uses.
+    """What every step gets on Kubernetes: the data PVC, the NetworkPolicy label, resource requests, no caching
+    (steps are stateful), and only the credentials it uses.
     ``nats_role``: the NATS user the step logs in as (cluster.NATS_ROLES), None for steps that do not use NATS;
     ``mlflow``: it logs to MLflow; ``weights``: which snapshot keys it holds (WEIGHT_KEYS)."""
     if weights not in WEIGHT_KEYS:
@@ -37,12 +40,11 @@ def on_cluster(
     if weights == "signing":
         kubernetes.use_secret_as_volume(task, secret_name=cluster.WEIGHTS_SIGNING_SECRET, mount_path=cluster.WEIGHTS_SIGNING_MOUNT_PATH)
     if mlflow:
-        # the tracking URI is required (no Secret: the pod does not start, and says why); basic auth is optional
-        kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_REQUIRED_ENV)
-        kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_OPTIONAL_ENV, optional=True)
+        # every key must exist (no Secret or key: the pod does not start, and says why); basic auth and the UI link
+        # may be empty (unset), the tracking URI may not (tidal.kube.steps.pod_env)
+        kubernetes.use_secret_as_env(task, secret_name=cluster.MLFLOW_SECRET, secret_key_to_env=cluster.MLFLOW_SECRET_ENV)
     for key, value in cluster.TIDAL_POD_LABEL.items():
         kubernetes.add_pod_label(task, label_key=key, label_value=value)
-    kubernetes.set_security_context(task, run_as_user=cluster.RUN_AS_USER, run_as_group=cluster.RUN_AS_GROUP, run_as_non_root=True)
     return task
 
 
@@ -57,10 +59,11 @@ def as_nats_user(task: dsl.PipelineTask, role: str) -> dsl.PipelineTask:
 
 def as_rollout_worker(task: dsl.PipelineTask) -> dsl.PipelineTask:
     """A rollout-worker pod: the label the reward server's NetworkPolicy admits, and served rewards' API keys from
-    Secret tidal-rewards (optional keys), as the elastic pool's pods get them (tidal.kube.pool.elastic.pool_env)."""
+    Secret tidal-rewards (every key present, empty where a server needs none), as the elastic pool's pods get them
+    (tidal.kube.pool.elastic.pool_env)."""
     for key, value in cluster.WORKER_POD_LABEL.items():
         kubernetes.add_pod_label(task, label_key=key, label_value=value)
-    kubernetes.use_secret_as_env(task, secret_name=cluster.REWARD_SECRET, secret_key_to_env=cluster.REWARD_SECRET_ENV, optional=True)
+    kubernetes.use_secret_as_env(task, secret_name=cluster.REWARD_SECRET, secret_key_to_env=cluster.REWARD_SECRET_ENV)
     return task
 
 

@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--check-backend",
         default=None,
         metavar="VERSION",
-        help="refuse (exit 2) if a KFP backend of this version (e.g. 2.5.0) cannot run the compiled pipeline; note what it drops",
+        help="refuse (exit 2) if a KFP backend of this version (e.g. 2.5.0) cannot run the compiled pipeline",
     )
     add_profile_arguments(compile_parser)
     compile_parser.set_defaults(func=compile_command)
@@ -65,6 +65,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gate.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the outcome as JSON")
     gate.add_argument(
         "--summary", default=None, metavar="PATH", help="write the outcome as Markdown (default: appended to $GITHUB_STEP_SUMMARY when set)"
+    )
+    submit_parser.add_argument(
+        "--backend-version",
+        default=None,
+        metavar="VERSION",
+        help="the KFP backend's release (e.g. 2.5.0), checked against Tidal's floor when its API reports none "
+        "(KFP's release images before 2.16 report 'unknown')",
     )
     submit_parser.set_defaults(func=submit_command)
 
@@ -112,8 +119,11 @@ def compile_command(args: argparse.Namespace) -> int:
     if args.check_backend is not None:
         import yaml
 
-        from tidal.kube.submit.backend import BackendTooOld, check_backend
+        from tidal.kube.submit.backend import BackendTooOld, check_backend, parse_version
 
+        if parse_version(args.check_backend) is None:
+            print(f"tidal compile: --check-backend {args.check_backend!r} is not a KFP release (like 2.5.0)", file=sys.stderr)
+            return 2
         try:
             notes = check_backend(args.check_backend, list(yaml.safe_load_all(path.read_text())))
         except BackendTooOld as err:
@@ -140,6 +150,7 @@ def submit_command(args: argparse.Namespace) -> int:
             image=args.image,
             queue_name=args.queue_name,
             run_name=args.run_name,
+            backend_version=args.backend_version,
         )
     except SubmitError as err:
         print(f"tidal submit: {err}", file=sys.stderr)

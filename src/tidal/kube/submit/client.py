@@ -258,15 +258,17 @@ def submit_run(
     run_name: str | None = None,
     client: Any = None,
     queue_name: str = "",
+    backend_version: str | None = None,
 ) -> SubmittedRun:
     """Compile for ``accelerator``, submit with ``config_path``'s text, return the run's id and URL. The run's
-    ``kfp_ui_url`` defaults to the KFP UI (``$KFP_UI_HOST`` or the host), so its MLflow run links back to it."""
+    ``kfp_ui_url`` defaults to the KFP UI (``$KFP_UI_HOST`` or the host), so its MLflow run links back to it.
+    ``backend_version``: the KFP backend's release, for a backend whose API does not report it."""
     resolved_host = kfp_host(host)
     arguments = {"kfp_ui_url": ui_base(resolved_host), **pipeline_arguments(config_path, params or {})}
     client = client or kfp_client_from_env(resolved_host)
     with tempfile.TemporaryDirectory() as tmp:
         package = compile_pipeline(Path(tmp) / "tidal-pipeline.yaml", accelerator=accelerator, image=image, queue_name=queue_name)
-        check_backend_of(client, resolved_host, package)
+        check_backend_of(client, resolved_host, package, backend_version)
         # kfp prints its own "Experiment details: / Run details:" links (to the API host, not KFP_UI_HOST): the
         # caller prints the run's link, so stdout starts with it
         with kfp_api_calls(resolved_host, "creating the run"), contextlib.redirect_stdout(io.StringIO()):
@@ -281,16 +283,19 @@ def submit_run(
     return SubmittedRun(run_id=result.run_id, url=run_url(resolved_host, result.run_id), client=client)
 
 
-def check_backend_of(client: Any, host: str, package: Path) -> None:
-    """Before anything is created: the backend's version (its healthz) against the floor; a note for what it drops."""
+def check_backend_of(client: Any, host: str, package: Path, stated: str | None = None) -> None:
+    """Before anything is created: the backend's version (its healthz, else ``stated``) against the floor."""
     import yaml
 
-    from tidal.kube.submit.backend import BackendTooOld, check_backend, reported_version
+    from tidal.kube.submit.backend import BackendTooOld, check_backend, healthz, parse_version, version_of
 
+    if stated is not None and parse_version(stated) is None:
+        raise SubmitError(f"--backend-version {stated!r} is not a KFP release (like 2.5.0)")
     with kfp_api_calls(host, "reading its version"):
-        version = reported_version(client)
+        version, notes = version_of(healthz(client), stated)
     try:
-        notes = check_backend(version, list(yaml.safe_load_all(package.read_text())))
+        if parse_version(version) is not None:
+            notes += check_backend(version, list(yaml.safe_load_all(package.read_text())))
     except BackendTooOld as err:
         raise SubmitError(str(err)) from None
     for note in notes:
