@@ -20,25 +20,13 @@ import asyncio
 import contextlib
 import logging
 import threading
-from typing import Protocol
 
 from tidal.rollout.arrival import WeightArrival
 from tidal.rollout.engine import INTERRUPTED, Completion, GroupRequest, RolloutEngine
+from tidal.rollout.refresh import Refresh
 from tidal.transport import Transport
 
 log = logging.getLogger(__name__)
-
-
-class Refresh(Protocol):
-    """What a partial rollout asks: whether newer weights wait, and to load them."""
-
-    version: int  # the version the engine holds now
-
-    def interrupt(self) -> bool:
-        """True when a newer version waits (asked from the engine's thread, between decode steps)."""
-
-    async def swap(self) -> int:
-        """Loads the waiting version; returns the version the engine holds after it (unchanged when refused)."""
 
 
 def continuation(request: GroupRequest, sampled: list[int]) -> GroupRequest:

@@ -1,0 +1,167 @@
+"""Partial rollouts of multi-turn trajectories (rollout.partial with rollout.agent, HF engine).
+
+Real parts: a tiny model built from a config, the HF engine's row batch and turn loop, the generator,
+the protocol codec. The trigger is deterministic: the first time a row's turn ends, its environment's
+answer is held until newer weights are in, and the next decode step says they wait. So at the swap one
+row is between turns (its answer pending) and the others are stopped in the middle of a turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import eos_prone
+from tidal.algo import token_logprobs_from_logits
+from tidal.config import ConfigError, TinyModelConfig, config_from_dict
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
+from tidal.rollout import hf_rows
+from tidal.rollout.engine import GroupRequest, HFEngine, group_generator
+from tidal.rollout.generator import mixed_versions
+from tidal.rollout.trajectory import Turn
+from tidal.token_versions import NO_VERSION
+
+MAX_NEW = 7
+START = 4  # the version the trajectories start with
+
+
+def tiny():
+    torch.manual_seed(0)
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1), tok).eval()
+    return eos_prone(model, tok, 2.5), tok
+
+
+def other_weights(model) -> dict[str, torch.Tensor]:
+    """Version START + 1: every tensor moved, so its log-probs differ from version START's everywhere."""
+    gen = torch.Generator().manual_seed(7)
+    return {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+
+
+class HeldFirstAnswer:
+    """An environment per row that answers each turn with tokens of its own (unequal lengths) and ends
+    some rows early; it records every call. The first answer of the call waits until new weights are in,
+    and meanwhile tells the refresh that they wait."""
+
+    def __init__(self, tok, ends_after: dict[int, int]):
+        self.tok, self.ends_after = tok, ends_after
+        self.seen: dict[int, list[Turn]] = {}
+        self.held: int | None = None
+        self.loaded = asyncio.Event()
+
+    def inserted(self, row: int, t: int) -> list[int]:
+        return self.tok(f"<r{row}t{t}>" + "=" * (row % 3), add_special_tokens=False).input_ids
+
+    async def respond(self, row: int, turn: Turn) -> list[int] | None:
+        self.seen.setdefault(row, []).append(turn)
+        if self.held is None:
+            self.held = row
+            await asyncio.wait_for(self.loaded.wait(), 60)  # a missed swap fails the test instead of hanging it
+        t = len(self.seen[row])
+        return None if t >= self.ends_after.get(row, 99) else self.inserted(row, t)
+
+
+class NewWeightsWhenHeld:
+    """A Refresh (tidal.rollout.refresh): newer weights wait once the environment holds an answer;
+    swap loads them into the engine's model."""
+
+    def __init__(self, engine: HFEngine, env: HeldFirstAnswer, weights: dict):
+        self.engine, self.env, self.weights, self.version = engine, env, weights, START
+        self.swaps = 0
+
+    def interrupt(self) -> bool:
+        return self.swaps == 0 and self.env.held is not None
+
+    async def swap(self) -> int:
+        self.engine.load_state_dict(self.weights)
+        self.swaps += 1
+        self.version += 1
+        self.env.loaded.set()
+        return self.version
+
+
+def logprobs_under(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1]
+    return token_logprobs_from_logits(logits, ids[:, len(prompt) :])[0][0]
+
+
+@pytest.fixture
+def reloads(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """(rows between turns, rows stopped mid-turn) at each reload of the row batch."""
+    real = hf_rows.HFRows.reload
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def reload(self, version: int) -> None:
+        seen.append((sorted(self.kept), sorted(self.stopped)))
+        real(self, version)
+
+    monkeypatch.setattr(hf_rows.HFRows, "reload", reload)
+    return seen
+
+
+def test_trajectories_span_two_versions_each_token_with_its_samplers_logprob_and_every_answer_inserted_once(reloads):
+    model, tok = tiny()
+    before = copy.deepcopy(model)
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW)
+    prompts = [tok(t).input_ids for t in ("12+3=", "45+678=", "9-1000+20=")]
+    requests = [GroupRequest(p, n, group_generator(0, 1, i)) for i, (p, n) in enumerate(zip(prompts, (3, 2, 4)))]
+    env = HeldFirstAnswer(tok, ends_after={0: 2, 5: 1})
+    refresh = NewWeightsWhenHeld(engine, env, other_weights(model))
+    trajectories = asyncio.run(engine.play(requests, env, max_turns=3, refresh=refresh))
+    after = copy.deepcopy(model)  # the engine's model now holds the new weights
+    assert refresh.swaps == 1 and len(reloads) == 1
+    between, stopped = reloads[0]
+    assert env.held in between and stopped, "the swap found a row between turns and rows mid-turn"
+
+    rows_prompts = [r.prompt_ids for r in requests for _ in range(r.n)]
+    spanning_turns = 0
+    for row, (prompt, t) in enumerate(zip(rows_prompts, trajectories)):
+        mask = np.array(t.loss_mask, dtype=bool)
+        versions = np.array(t.versions)
+        assert versions.size == mask.size and (versions[~mask] == NO_VERSION).all() and set(versions[mask]) <= {START, START + 1}
+        # the environment was asked once per turn, and each answer is in the trajectory once, as given
+        assert len(env.seen[row]) == t.turns
+        expected = []
+        for k, turn in enumerate(env.seen[row]):
+            expected += turn.token_ids
+            if k + 1 < t.turns:
+                expected += env.inserted(row, k + 1)
+        assert t.token_ids == expected
+        spanning_turns += sum(len(set(turn.versions)) == 2 for turn in env.seen[row])
+        # each sampled token's behaviour log-prob is the one the weights that sampled it give over everything before it
+        old, new = logprobs_under(before, prompt, t.token_ids), logprobs_under(after, prompt, t.token_ids)
+        expected_lp = torch.where(torch.from_numpy(versions == START), old, new)[torch.from_numpy(mask)]
+        torch.testing.assert_close(torch.tensor(t.logprobs)[mask], expected_lp, atol=1e-4, rtol=0)
+        fresh = torch.from_numpy(versions[mask] == START + 1)
+        if fresh.any():  # the new weights really differ there: a stale cache would not match them
+            assert not torch.allclose(torch.tensor(t.logprobs)[mask][fresh], old[torch.from_numpy(mask)][fresh], atol=1e-2)
+    assert spanning_turns >= 1  # a turn stopped mid-way went on with the new weights
+    held = trajectories[env.held]
+    if held.turns > 1:  # the held row's next turn, after its answer, is the new version's alone
+        first_turn = len(env.seen[env.held][0].token_ids)
+        assert set(np.array(held.versions)[first_turn:][np.array(held.loss_mask[first_turn:], bool)]) == {START + 1}
+
+
+def test_a_trajectorys_versions_ride_on_its_sample_only_when_they_differ_from_the_groups():
+    assert mixed_versions(None, 3) is None
+    assert mixed_versions([3, 3, NO_VERSION, 3], 3) is None
+    assert mixed_versions([3, NO_VERSION, 4], 3).tolist() == [3, NO_VERSION, 4]
+    assert mixed_versions([4, 4], 3).tolist() == [4, 4]  # one version, but not the group's
+
+
+def test_partial_rollouts_load_with_an_agent_and_are_refused_on_vllm_in_one_line(tiny_config_dict):
+    data = copy.deepcopy(tiny_config_dict)
+    data["mode"] = "bounded"
+    data["rollout"] |= {"partial": True, "agent": {"env": "tests.environments:Chatty", "max_turns": 2}}
+    assert config_from_dict(copy.deepcopy(data)).rollout.partial
+    data["rollout"]["engine"] = "vllm"
+    data["eval"]["engine"] = "hf"  # held-out eval through an agent runs on the HF engine
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    assert "rollout.partial is implemented on the HF engine alone" in str(err.value) and "\n" not in str(err.value).strip()
