@@ -34,7 +34,7 @@ def bounded_partial_agent(tiny_config_dict):
 
 
 def test_trajectories_started_with_version_0_go_on_with_version_1_every_turn_answered_once(
-    tmp_path, tiny_config_dict, nats_server, held_until_published
+    tmp_path, tiny_config_dict, nats_server, held_until_published  # noqa: F811 (the imported fixture)
 ):
     cfg = bounded_partial_agent(tiny_config_dict)
     metrics, _ = asyncio.run(scenario(cfg, tmp_path, nats_server, ["w1"]))
@@ -52,7 +52,7 @@ def test_trajectories_started_with_version_0_go_on_with_version_1_every_turn_ans
 
 @pytest.mark.parametrize("hands_back", [True, False], ids=["hands-back", "killed"])
 def test_a_worker_that_dies_mid_trajectory_after_new_weights_loses_nothing_and_trains_nothing_twice(
-    tmp_path, tiny_config_dict, nats_server, held_until_published, monkeypatch, hands_back
+    tmp_path, tiny_config_dict, nats_server, held_until_published, monkeypatch, hands_back  # noqa: F811 (the imported fixture)
 ):
     real_swap = partial.PolicyRefresh.swap
     crashed: list[int] = []
