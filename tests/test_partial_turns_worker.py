@@ -17,6 +17,8 @@ from tests.test_partial_worker import ITERATIONS, PROMPTS, WorkerCrashed, held_u
 from tidal.config import config_from_dict
 from tidal.rollout import lease, partial
 
+pytestmark = pytest.mark.usefixtures("held_until_published")  # iteration 1's first decode step waits for version 1
+
 
 def bounded_partial_agent(tiny_config_dict):
     data = copy.deepcopy(tiny_config_dict)
@@ -33,12 +35,10 @@ def bounded_partial_agent(tiny_config_dict):
     return config_from_dict(data)
 
 
-def test_trajectories_started_with_version_0_go_on_with_version_1_every_turn_answered_once(
-    tmp_path, tiny_config_dict, nats_server, held_until_published  # noqa: F811 (the imported fixture)
-):
+def test_trajectories_started_with_version_0_go_on_with_version_1_every_turn_answered_once(tmp_path, tiny_config_dict, nats_server, request):
     cfg = bounded_partial_agent(tiny_config_dict)
     metrics, _ = asyncio.run(scenario(cfg, tmp_path, nats_server, ["w1"]))
-    assert held_until_published == [1]
+    assert request.getfixturevalue("held_until_published") == [1]
     first, second = metrics
     assert first["mixed_version_sample_fraction"] == 0.0
     assert second["mixed_version_sample_fraction"] > 0.0 and 0.0 < second["token_staleness_fraction_1"] < 1.0
@@ -52,7 +52,11 @@ def test_trajectories_started_with_version_0_go_on_with_version_1_every_turn_ans
 
 @pytest.mark.parametrize("hands_back", [True, False], ids=["hands-back", "killed"])
 def test_a_worker_that_dies_mid_trajectory_after_new_weights_loses_nothing_and_trains_nothing_twice(
-    tmp_path, tiny_config_dict, nats_server, held_until_published, monkeypatch, hands_back  # noqa: F811 (the imported fixture)
+    tmp_path,
+    tiny_config_dict,
+    nats_server,
+    monkeypatch,
+    hands_back,
 ):
     real_swap = partial.PolicyRefresh.swap
     crashed: list[int] = []
