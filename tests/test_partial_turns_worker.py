@@ -86,3 +86,32 @@ def test_a_worker_that_dies_mid_trajectory_after_new_weights_loses_nothing_and_t
     assert metrics[1]["mixed_version_sample_fraction"] == 0.0
     assert [m["samples"] for m in metrics] == [PROMPTS * cfg.rollout.group_size] * ITERATIONS
     assert {r["reward_mean"] for r in records} == {1.0}
+
+
+def test_the_calculator_example_in_bounded_mode_with_partial_rollouts_finishes(tmp_path):
+    """examples/calculator.yaml as shipped, shortened, with bounded k=1 and rollout.partial, run as a user runs it."""
+    import json
+
+    from tests.conftest import run_cli
+
+    shorter = [
+        "model.warm_start.steps=40",
+        "model.warm_start.batch_size=16",
+        f"model.warm_start.cache_dir={tmp_path / 'cache'}",
+        "data.num_train=200",
+        "rollout.group_size=4",
+        "trainer.iterations=3",
+        "trainer.prompts_per_iteration=4",
+        "eval.enabled=false",
+        "mode=bounded",
+        "rollout.max_staleness=1",
+        "rollout.partial=true",
+    ]
+    sets = [a for s in shorter for a in ("--set", s)]
+    proc = run_cli("run", "examples/calculator.yaml", "--run-dir", str(tmp_path / "run"), *sets, "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_jsonl(tmp_path / "run" / "groups.jsonl")
+    assert len(records) == len({(r["iteration"], r["prompt_id"]) for r in records}) == 3 * 4
+    for m in (json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()):
+        assert m["token_staleness_fraction_0"] + m["token_staleness_fraction_1"] == pytest.approx(1.0)
+        assert m["agent_turns_mean"] >= 1.0 and m["logprob_mismatch"] < 1e-4
