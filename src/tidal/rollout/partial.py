@@ -1,4 +1,4 @@
-"""Partial rollouts (`rollout.partial`, bounded mode, HF engine, single-turn): new weights mid-response.
+"""Partial rollouts (`rollout.partial`, bounded mode, HF engine): new weights mid-response.
 
 While a worker generates the items of iteration i with version v, the trainer may publish v+1 (<= i).
 The engine is asked between decode steps (`Refresh.interrupt`); when a newer version waits, the rows
@@ -10,8 +10,10 @@ weights' own. Each token keeps the version and the behaviour log-prob it was sam
 among its tokens, which the trainer's staleness bound applies to.
 
 The HF engine stops between decode steps rather than at a turn boundary: a single-turn response has
-one turn, so a turn boundary would never come before the response ends. Multi-turn (rollout.agent)
-and vLLM workers are refused by the config for now.
+one turn, so a turn boundary would never come before the response ends. This module runs single-turn
+calls; multi-turn ones (rollout.agent) stop, load and go on inside their turn loop
+(trajectory.play_rows, hf_rows.HFRows.reload), since their rows are between turns as often as in
+one. vLLM workers are refused by the config for now.
 """
 
 from __future__ import annotations
