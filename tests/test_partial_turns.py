@@ -148,6 +148,70 @@ def test_trajectories_span_two_versions_each_token_with_its_samplers_logprob_and
         assert set(np.array(held.versions)[first_turn:][np.array(held.loss_mask[first_turn:], bool)]) == {START + 1}
 
 
+class TwoSwaps(NewWeightsWhenHeld):
+    """Newer weights twice: once the environment holds its first answer, and again `later` decode steps
+    after, when `third` weights are loaded (None: that snapshot is refused, and the engine keeps the
+    weights and version it has, as PolicyRefresh.swap does)."""
+
+    def __init__(self, engine: HFEngine, env: HeldFirstAnswer, weights: dict, later: int, third: dict | None):
+        super().__init__(engine, env, weights)
+        self.later, self.third, self.asked_after = later, third, 0
+
+    def interrupt(self) -> bool:
+        if self.swaps == 1:
+            self.asked_after += 1
+            return self.asked_after == self.later
+        return super().interrupt()
+
+    async def swap(self) -> int:
+        if self.swaps != 1:
+            return await super().swap()
+        self.swaps += 1
+        if self.third is not None:
+            self.engine.load_state_dict(self.third)
+            self.version += 1
+        return self.version
+
+
+@pytest.mark.parametrize("second", ["loaded", "refused"])
+def test_a_second_stop_goes_on_with_the_weights_the_engine_then_holds(reloads, second):
+    """Three versions in one call (or two, when the second snapshot is refused): every sampled token's
+    log-prob is its own version's, across two reloads of the row batch."""
+    model, tok = tiny()
+    weights = {START: copy.deepcopy(model)}
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW)
+    requests = [GroupRequest(tok(t).input_ids, 3, group_generator(0, 2, i)) for i, t in enumerate(("7*8=", "123-45="))]
+    env = HeldFirstAnswer(tok, ends_after={})
+    new = other_weights(model)
+    third = {k: v.flip(0) if v.dim() else v for k, v in new.items()} if second == "loaded" else None
+    refresh = TwoSwaps(engine, env, new, later=3, third=third)
+
+    async def play_and_keep_each_version():
+        real_swap = refresh.swap
+
+        async def swap() -> int:
+            version = await real_swap()
+            weights.setdefault(version, copy.deepcopy(model))
+            return version
+
+        refresh.swap = swap
+        return await engine.play(requests, env, max_turns=3, refresh=refresh)
+
+    trajectories = asyncio.run(play_and_keep_each_version())
+    assert refresh.swaps == 2 and len(reloads) == 2 and all(stopped for _, stopped in reloads)
+    assert sorted(weights) == ([START, START + 1, START + 2] if second == "loaded" else [START, START + 1])
+    prompts = [r.prompt_ids for r in requests for _ in range(r.n)]
+    seen = set()
+    for prompt, t in zip(prompts, trajectories):
+        mask, versions = np.array(t.loss_mask, bool), np.array(t.versions)
+        seen |= set(versions[mask].tolist())
+        expected = torch.zeros(len(t.token_ids))
+        for version, m in weights.items():
+            expected = torch.where(torch.from_numpy(versions == version), logprobs_under(m, prompt, t.token_ids), expected)
+        torch.testing.assert_close(torch.tensor(t.logprobs)[mask], expected[torch.from_numpy(mask)], atol=1e-4, rtol=0)
+    assert seen == set(weights)
+
+
 def test_a_trajectorys_versions_ride_on_its_sample_only_when_they_differ_from_the_groups():
     assert mixed_versions(None, 3) is None
     assert mixed_versions([3, 3, NO_VERSION, 3], 3) is None
