@@ -16,14 +16,17 @@ import pytest
 import torch
 
 from tests.conftest import eos_prone
+from tests.test_partial_rollouts import logprobs_under_grad
 from tidal.algo import token_logprobs_from_logits
-from tidal.config import ConfigError, TinyModelConfig, config_from_dict
+from tidal.config import ConfigError, TinyModelConfig, TrainerConfig, config_from_dict
 from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
+from tidal.protocol import Group, Sample
 from tidal.rollout import hf_rows
 from tidal.rollout.engine import GroupRequest, HFEngine, group_generator
 from tidal.rollout.generator import mixed_versions
 from tidal.rollout.trajectory import Turn
 from tidal.token_versions import NO_VERSION
+from tidal.trainer.learner import Learner
 
 MAX_NEW = 7
 START = 4  # the version the trajectories start with
@@ -229,3 +232,55 @@ def test_partial_rollouts_load_with_an_agent_and_are_refused_on_vllm_in_one_line
     with pytest.raises(ConfigError) as err:
         config_from_dict(data)
     assert "rollout.partial is implemented on the HF engine alone" in str(err.value) and "\n" not in str(err.value).strip()
+
+
+def test_the_loss_of_multi_turn_samples_spanning_two_versions_equals_a_hand_computation():
+    """Iteration 3 trains a group of version 2 whose trajectories hold sampled tokens of versions 2 and 3
+    and inserted tokens (loss mask 0, no version): the gradient is that of sum over sampled tokens of
+    -A_i w_t log pi(t) / sampled tokens, w_t = min(pi_prox / pi_behaviour, cap) on version-2 tokens and 1
+    on version-3 tokens; inserted tokens count nowhere."""
+    model, tok = tiny()
+    reference = copy.deepcopy(model)
+    cap = 5.0
+    learner = Learner(TrainerConfig(behaviour_weight_cap=cap, max_grad_norm=1e9), model, tok.pad_token_id)
+    learner.begin_iteration(3)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(4, 60, 4).tolist()
+    n = NO_VERSION
+    # sampled turn, inserted tokens, sampled turn; versions None: every sampled token version 2
+    versions = [[2, 2, n, n, 2, 3, 3], [2, 3, n, n, n, 3, 3], None, [3, 3, n, 3, 3, 3, 3]]
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    samples, hand = [], []
+    for reward, v in zip(rewards, versions):
+        tokens = rng.integers(4, 60, 7).tolist()
+        token_versions = np.array(v if v is not None else [2, 2, n, n, 2, 2, 2])
+        mask = token_versions != NO_VERSION
+        trainer_lp = logprobs_under(reference, prompt, tokens)
+        stale = torch.from_numpy(token_versions == 2)
+        shift = torch.where(torch.arange(7) % 2 == 0, torch.tensor(-2.0), torch.tensor(-0.5))
+        behaviour = torch.where(stale, trainer_lp + shift, torch.tensor(-20.0))
+        behaviour = torch.where(torch.from_numpy(mask), behaviour, torch.tensor(0.0))
+        samples.append(
+            Sample(
+                np.array(tokens, np.int32),
+                behaviour.numpy().astype(np.float32),
+                reward,
+                loss_mask=mask.astype(np.uint8),
+                versions=None if v is None else token_versions.astype(np.int32),
+            )
+        )
+        weight = torch.where(stale, torch.exp(-shift).clamp(max=cap), torch.tensor(1.0))
+        hand.append((tokens, weight, torch.from_numpy(mask)))
+    learner.train_on_groups([Group(3, 0, 2, "w", np.array(prompt, np.int32), samples)])
+
+    r = torch.tensor(rewards)
+    advantages = (r - r.mean()) / (r.std(unbiased=True) + 1e-6)
+    sampled = sum(int(m.sum()) for _, _, m in hand)
+    loss = sum((-a * w * logprobs_under_grad(reference, prompt, t))[m].sum() for a, (t, w, m) in zip(advantages, hand)) / sampled
+    loss.backward()
+    assert learner.sums["loss"] == pytest.approx(sum(float((-a * w)[m].sum()) for a, (_, w, m) in zip(advantages, hand)), rel=1e-4)
+    assert learner.sums["tis_truncated"] == sum(int((w[m] == cap).sum()) for _, w, m in hand) > 0
+    learner.strategy.scale_gradients(learner.model, 1.0 / learner.units)
+    trained = dict(learner.model.named_parameters())
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(trained[name].grad, p.grad, atol=1e-6, rtol=1e-4, msg=name)
