@@ -3,7 +3,8 @@
 Real parts: a tiny model built from a config, the HF engine's row batch and turn loop, the generator,
 the protocol codec. The trigger is deterministic: the first time a row's turn ends, its environment's
 answer is held until newer weights are in, and the next decode step says they wait. So at the swap one
-row is between turns (its answer pending) and the others are stopped in the middle of a turn.
+row is between turns (its answer pending) and the others are stopped in the middle of a turn. The
+learner's per-token correction on such samples is checked against a hand computation.
 """
 
 from __future__ import annotations
