@@ -27,6 +27,21 @@ class Chatty(Environment):
         return {"turns": float(sum(m["role"] == "assistant" for m in trajectory.messages))}
 
 
+class Counted(Chatty):
+    """Chatty that scores 1 when its step() ran exactly once per answer in the trajectory (no turn answered
+    twice, none lost), and -1 otherwise."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def step(self, assistant_text: str):
+        self.steps += 1
+        return super().step(assistant_text)
+
+    def reward(self, trajectory: Trajectory) -> float:
+        return 1.0 if self.steps == sum(m["role"] == "tool" for m in trajectory.messages) else -1.0
+
+
 class Verbose(Chatty):
     def step(self, assistant_text: str):
         return [{"role": "tool", "content": "x" * 300}], False

@@ -251,7 +251,7 @@ def test_per_token_staleness_is_logged_beside_the_per_sample_histogram():
     [
         ({"mode": "periodic"}, "rollout.partial needs mode 'bounded' (mode 'periodic'"),
         ({"mode": "sync"}, "rollout.partial needs mode 'bounded' (mode 'sync'"),
-        ({"mode": "bounded", "rollout.engine": "vllm"}, "rollout.partial is implemented for single-turn groups on the HF engine"),
+        ({"mode": "bounded", "rollout.engine": "vllm"}, "rollout.partial is implemented on the HF engine alone"),
     ],
 )
 def test_partial_rollouts_outside_bounded_single_turn_hf_are_refused_in_one_line(tiny_config_dict, overrides, message):

@@ -48,7 +48,7 @@ SYSTEMS = {  # name -> config overrides
     "periodic": ["mode=periodic"],
     "bounded-k1": ["mode=bounded", "rollout.max_staleness=1"],
     "bounded-k2": ["mode=bounded", "rollout.max_staleness=2"],
-    "bounded-k1-partial": ["mode=bounded", "rollout.max_staleness=1", "rollout.partial=true"],  # HF engine, single-turn
+    "bounded-k1-partial": ["mode=bounded", "rollout.max_staleness=1", "rollout.partial=true"],  # HF engine
 }
 
 SPLIT = {  # figure -> the per-iteration metric it is the mean of (the trainer's own timers: where the time goes)

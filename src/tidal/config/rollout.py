@@ -241,9 +241,9 @@ class RolloutConfig(Strict):
     )
     partial: bool = Field(
         False,
-        description="Mode bounded, HF engine, single-turn: when a newer version is published while a group is being generated, the "
-        "worker stops between decode steps, loads it and continues the same responses with it; every token carries the version "
-        "that sampled it. See [Modes](modes.md#partial-rollouts).",
+        description="Mode bounded, HF engine: when a newer version is published while a group is being generated, the worker stops "
+        "between decode steps, loads it and continues the same responses (with rollout.agent, the same trajectories: no turn or tool "
+        "call again) with it; every sampled token carries the version that sampled it. See [Modes](modes.md#partial-rollouts).",
     )
     vllm: VLLMConfig = Field(VLLMConfig(), description="vLLM engine settings (`engine: vllm`).")
     agent: AgentConfig | None = Field(

@@ -221,9 +221,9 @@ class TidalConfig(Strict):
             return self
         if self.mode != "bounded":
             raise config_error(f"rollout.partial needs mode 'bounded' (mode {self.mode!r} trains each iteration on its own weights alone)")
-        if self.rollout.engine != "hf" or self.rollout.agent is not None:
+        if self.rollout.engine != "hf":
             raise config_error(
-                "rollout.partial is implemented for single-turn groups on the HF engine: set rollout.engine 'hf' without rollout.agent"
+                "rollout.partial is implemented on the HF engine alone (vLLM cannot yet stop a response for new weights): set rollout.engine 'hf'"
             )
         return self
 

@@ -35,6 +35,7 @@ from tidal.protocol import Sample, WorkItem
 from tidal.rewards import RewardScorer, checked_reward, exact_match
 from tidal.rewards.failures import RewardFailingError
 from tidal.rollout.engine import GroupRequest, RolloutEngine
+from tidal.rollout.refresh import Refresh
 from tidal.rollout.trajectory import TrajectoryTokens, Turn
 
 log = logging.getLogger(__name__)
@@ -244,13 +245,15 @@ class AgentLoop:
     # --- one engine call ---------------------------------------------------------------------
 
     async def play(
-        self, engine: RolloutEngine, problems: list[Problem], requests: list[GroupRequest], greedy: bool = False
+        self, engine: RolloutEngine, problems: list[Problem], requests: list[GroupRequest], greedy: bool = False, refresh: Refresh | None = None
     ) -> list[tuple[_Row, TrajectoryTokens]]:
         """The trajectories of `problems` (request i gives problem i's G rows their RNG; its prompt is
-        set here): each row's environment and messages, and its tokens, in row order."""
+        set here): each row's environment and messages, and its tokens, in row order. `refresh`
+        (rollout.partial, HF engine): the rows go on with newer weights published meanwhile."""
         r = self.cfg.rollout
         responder = self.begin(problems, requests)
-        trajectories = await engine.play(requests, responder, r.agent.max_turns, r.max_new_tokens, greedy)
+        newer = {} if refresh is None else {"refresh": refresh}  # the HF engine's alone: the config refuses partial on vLLM
+        trajectories = await engine.play(requests, responder, r.agent.max_turns, r.max_new_tokens, greedy, **newer)
         return list(zip(responder.rows, trajectories))
 
     def begin(self, problems: list[Problem], requests: list[GroupRequest]) -> EnvResponder:

@@ -26,8 +26,10 @@ from tidal.protocol import Group, Sample, WorkItem
 from tidal.rewards import RewardScorer, exact_match
 from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import Completion, GroupRequest, RolloutEngine, group_generator, group_seed
-from tidal.rollout.partial import Refresh, complete_partial
+from tidal.rollout.partial import complete_partial
+from tidal.rollout.refresh import Refresh
 from tidal.rollout.scoring_queue import GroupScoringQueue
+from tidal.token_versions import NO_VERSION
 
 
 def generation_chunks(
@@ -144,7 +146,8 @@ class Generator:
             batch = [items[i] for i in chunk]
             requests = [self.request(it, prompts[i]) for i, it in zip(chunk, batch)]
             if self.agent is not None:  # the agent loop scores each trajectory as it ends
-                groups = await self.agent_groups(batch, requests, version)
+                version = version if refresh is None else refresh.version
+                groups = await self.agent_groups(batch, requests, version, refresh=refresh)
                 yield groups if scoring is None else finished(groups)
                 continue
             gen_start = time.time()
@@ -169,12 +172,14 @@ class Generator:
         return await queue.score((item, request.prompt_ids, completions, version, gen_start, time.time()), len(completions))
 
     async def agent_groups(
-        self, items: list[WorkItem], requests: list[GroupRequest], version: int, score_pool: Executor | None = None
+        self, items: list[WorkItem], requests: list[GroupRequest], version: int, score_pool: Executor | None = None, refresh: Refresh | None = None
     ) -> list[Group]:
-        """rollout.agent: the items' trajectories, scored on `score_pool` (rewards may be slow user code)."""
+        """rollout.agent: the items' trajectories, scored on `score_pool` (rewards may be slow user code).
+        With `refresh` (rollout.partial) a trajectory may go on with newer weights: `version` is the one
+        it started with, the oldest among its tokens."""
         agent = self.agent
         gen_start = time.time()
-        played = await agent.play(self.engine, [agent.problem(item) for item in items], requests)
+        played = await agent.play(self.engine, [agent.problem(item) for item in items], requests, refresh=refresh)
         gen_end = time.time()
 
         def scored() -> list[Group]:
@@ -182,6 +187,8 @@ class Generator:
             for item, request in zip(items, requests):
                 errors_before = self.scorer.errors
                 samples, stats = agent.scored(played[at : at + request.n], item, self.scorer)
+                for sample, (_, tokens) in zip(samples, played[at : at + request.n], strict=True):
+                    sample.versions = mixed_versions(tokens.versions, version)
                 at += request.n
                 errors = self.scorer.errors - errors_before
                 failures = self.scorer.ledger.take()
@@ -237,6 +244,16 @@ class Generator:
             images=self.images.pop(item.msg_id, None),
             **extra,
         )
+
+
+def mixed_versions(versions: list[int] | None, group_version: int) -> np.ndarray | None:
+    """A trajectory's per-token versions as its sample carries them: None (every sampled token the
+    group's version) unless some sampled token has another."""
+    if versions is None:
+        return None
+    array = np.asarray(versions, dtype=np.int32)
+    sampled = array[array != NO_VERSION]
+    return None if not sampled.size or (sampled == group_version).all() else array
 
 
 def completion_sample(c: Completion, reward: float, parts: dict[str, float], correct: float) -> Sample:

@@ -15,6 +15,13 @@ A row's samples do not depend on the rows it shares a decode step with: its firs
 its group's generator (one draw of G rows per step, as the single-turn engine always has: the
 group's rows decode that turn together from the prefill on), each later turn from a generator of its
 own, seeded by (group seed, row in group, turn).
+
+Partial rollouts (rollout.partial) change the weights between decode steps: the rows still sampling
+stop where they are (`decode`'s `interrupt`), and once the engine holds the new weights, `reload`
+computes the cache of every row still in play again under them, from its prompt and its tokens so far
+(a fresh prefill; a row between turns keeps its place, and its environment is not asked again), and
+the stopped rows decode on in the same turn. Each sampled token is stamped with the version that
+sampled it (`Turn.versions`).
 """
 
 from __future__ import annotations
@@ -136,6 +143,8 @@ class RowState:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None  # turns after the first
+    history: list[int] = field(default_factory=list)  # the trajectory before this turn: earlier turns and inserted tokens
+    stamped: list[int] = field(default_factory=list)  # rollout.partial: versions of this turn's tokens sampled before the last reload
 
 
 class HFRows:
@@ -147,6 +156,8 @@ class HFRows:
         self.device = device = next(model.parameters()).device  # the trainer's, when the model is shared with it
         self.state = [RowState(g, j) for g, r in enumerate(requests) for j in range(r.n)]
         self.kept: dict[int, Kept] = {}
+        self.version: int | None = None  # rollout.partial: the weights' version, stamped on each sampled token
+        self.stopped: list[int] = []  # rows stopped mid-turn for newer weights: they go on after `reload`
         prompts = [r.prompt_ids for r in requests]
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[engine.pad] * (width - len(p)) + p for p in prompts], device=device)
@@ -197,9 +208,10 @@ class HFRows:
         self, max_new_tokens: int, greedy: bool = False, wake: threading.Event | None = None, interrupt: Callable[[], bool] | None = None
     ) -> dict[int, Turn]:
         """Decodes the rows in the batch until at least one row's turn ends (or `wake` is set, or no
-        row is left): row -> its ended turn. A row whose turn ended has left the batch. `interrupt`
-        (single-turn calls): asked after each step; True ends every row still sampling there, finish
-        reason INTERRUPTED."""
+        row is left): row -> its ended turn. A row whose turn ended has left the batch. `interrupt`:
+        asked after each step; True stops every row still sampling there: a single-turn call ends
+        them (finish reason INTERRUPTED), a multi-turn one keeps them in `stopped`, their turns open,
+        until `reload`."""
         engine, slab, ended = self.engine, self.slab, {}
         while slab is not None and slab.rows and not ended:
             lp = torch.log_softmax(slab.logits.float() / engine.temperature, dim=-1)
@@ -213,8 +225,9 @@ class HFRows:
                 s.logprobs.append(step_logps[i])
                 if step_tokens[i] == engine.eos or len(s.tokens) == max_new_tokens:
                     leave.append(i)
-                    ended[row] = Turn(s.tokens, s.logprobs, "stop" if step_tokens[i] == engine.eos else "length")
-                    s.tokens, s.logprobs = [], []
+                    ended[row] = Turn(s.tokens, s.logprobs, "stop" if step_tokens[i] == engine.eos else "length", self._versions(s))
+                    s.history += s.tokens
+                    s.tokens, s.logprobs, s.stamped = [], [], []
                 else:
                     keep.append(i)
             if leave:
@@ -226,10 +239,13 @@ class HFRows:
                 nxt = nxt[torch.tensor(keep, dtype=torch.long, device=self.device)]
             if not keep:
                 break
-            if interrupt is not None and self.max_turns == 1 and interrupt():
-                for row in slab.rows:  # the rows kept this step
-                    s = self.state[row]
-                    ended[row] = Turn(s.tokens, s.logprobs, INTERRUPTED)
+            if interrupt is not None and interrupt():
+                if self.max_turns == 1:
+                    for row in slab.rows:  # the rows kept this step
+                        s = self.state[row]
+                        ended[row] = Turn(s.tokens, s.logprobs, INTERRUPTED)
+                else:
+                    self.stopped = list(slab.rows)
                 slab.select([])
                 break
             slab.mask = torch.cat([slab.mask, torch.ones_like(slab.mask[:, :1])], dim=1)
@@ -239,8 +255,14 @@ class HFRows:
                 break
         return ended
 
-    def _kept(self, i: int, pending: int) -> Kept:
-        slab = self.slab
+    def _versions(self, s: RowState) -> list[int] | None:
+        """The versions of the turn `s` has sampled so far (None without rollout.partial)."""
+        if self.version is None:
+            return None
+        return [*s.stamped, *[self.version] * (len(s.tokens) - len(s.stamped))]
+
+    def _kept(self, i: int, pending: int, slab: Slab | None = None) -> Kept:
+        slab = slab or self.slab
         real = slab.mask[i].nonzero().flatten()
         keys = [layer.keys[i][:, real] for layer in slab.cache.layers]
         values = [layer.values[i][:, real] for layer in slab.cache.layers]
@@ -252,10 +274,39 @@ class HFRows:
             self.kept.pop(row, None)
 
     @torch.no_grad()
-    def join(self, inserted: dict[int, list[int]]) -> None:
+    def reload(self, version: int) -> None:
+        """The engine holds new weights, of `version` (rollout.partial; called between decode steps): every
+        row still in play, between turns or stopped mid-turn, gets its cache computed again under them from
+        its prompt and its tokens so far, and the stopped rows join the decode batch again, their turns
+        going on. The tokens sampled so far keep the version that sampled them."""
+        if any(r.images is not None for r in self.requests):
+            raise ValueError("rollout.partial: a multi-turn row with images cannot be prefilled again under new weights yet")
+        stopped, self.stopped = self.stopped, []
+        for row in stopped:
+            s = self.state[row]
+            s.stamped = self._versions(s) or []
+        self.version = version
+        rows = sorted([*self.kept, *stopped])
+        if not rows:
+            return
+        contexts = [[*self.requests[self.state[row].group].prompt_ids, *self.state[row].history, *self.state[row].tokens] for row in rows]
+        # each row's last token is one no forward has seen yet (a kept row's pending token, a stopped row's last sample)
+        width = max(len(c) - 1 for c in contexts)
+        ids = torch.tensor([[self.engine.pad] * (width - len(c) + 1) + c[:-1] for c in contexts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(c) + 1) + [1] * (len(c) - 1) for c in contexts], device=self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        prefilled = Slab(returned_cache(out), mask, positions[:, -1:] + 1, None, rows)
+        for i, (row, context) in enumerate(zip(rows, contexts)):
+            self.kept[row] = self._kept(i, context[-1], prefilled)
+        if stopped:
+            self.join({row: [] for row in stopped}, next_turn=False)
+
+    @torch.no_grad()
+    def join(self, inserted: dict[int, list[int]], next_turn: bool = True) -> None:
         """Rows between turns take their next turn: `inserted[row]` (the environment's and the
         template's tokens) is prefilled after the row's last sampled token on its kept cache, and the
-        rows join the decode batch."""
+        rows join the decode batch. `next_turn` False: rows stopped mid-turn (`reload`) go on with it."""
         rows = sorted(inserted)
         kept = [self.kept.pop(row) for row in rows]
         chunks = [[k.pending, *inserted[row]] for row, k in zip(rows, kept)]
@@ -280,6 +331,9 @@ class HFRows:
         joining.next_pos = start + last[:, None] + 1
         for row in rows:
             s = self.state[row]
+            s.history += inserted[row]
+            if not next_turn:
+                continue
             s.turn += 1
             r = self.requests[s.group]
             s.generator = torch.Generator().manual_seed(turn_seed(group_seed_of(r), s.index, s.turn))

@@ -1,4 +1,4 @@
-"""Partial rollouts (`rollout.partial`, bounded mode, HF engine, single-turn): new weights mid-response.
+"""Partial rollouts (`rollout.partial`, bounded mode, HF engine): new weights mid-response.
 
 While a worker generates the items of iteration i with version v, the trainer may publish v+1 (<= i).
 The engine is asked between decode steps (`Refresh.interrupt`); when a newer version waits, the rows
@@ -10,8 +10,10 @@ weights' own. Each token keeps the version and the behaviour log-prob it was sam
 among its tokens, which the trainer's staleness bound applies to.
 
 The HF engine stops between decode steps rather than at a turn boundary: a single-turn response has
-one turn, so a turn boundary would never come before the response ends. Multi-turn (rollout.agent)
-and vLLM workers are refused by the config for now.
+one turn, so a turn boundary would never come before the response ends. This module runs single-turn
+calls; multi-turn ones (rollout.agent) stop, load and go on inside their turn loop
+(trajectory.play_rows, hf_rows.HFRows.reload), since their rows are between turns as often as in
+one. vLLM workers are refused by the config for now.
 """
 
 from __future__ import annotations
@@ -20,25 +22,13 @@ import asyncio
 import contextlib
 import logging
 import threading
-from typing import Protocol
 
 from tidal.rollout.arrival import WeightArrival
 from tidal.rollout.engine import INTERRUPTED, Completion, GroupRequest, RolloutEngine
+from tidal.rollout.refresh import Refresh
 from tidal.transport import Transport
 
 log = logging.getLogger(__name__)
-
-
-class Refresh(Protocol):
-    """What a partial rollout asks: whether newer weights wait, and to load them."""
-
-    version: int  # the version the engine holds now
-
-    def interrupt(self) -> bool:
-        """True when a newer version waits (asked from the engine's thread, between decode steps)."""
-
-    async def swap(self) -> int:
-        """Loads the waiting version; returns the version the engine holds after it (unchanged when refused)."""
 
 
 def continuation(request: GroupRequest, sampled: list[int]) -> GroupRequest:

@@ -22,6 +22,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tidal.rollout.refresh import Refresh
+from tidal.token_versions import NO_VERSION
+
 
 @dataclass
 class Turn:
@@ -30,6 +33,7 @@ class Turn:
     token_ids: list[int]
     logprobs: list[float]  # under the processed (temperature-scaled) distribution
     finish_reason: str  # "stop" (EOS) or "length"
+    versions: list[int] | None = None  # rollout.partial: the policy version that sampled each token
 
 
 class TrajectoryState(enum.Enum):
@@ -48,9 +52,12 @@ class TrajectoryTokens:
     turns: int = 0
     finish_reason: str = "stop"  # the last turn's (stop, length), or max_turns when the environment wanted more
     state: TrajectoryState = TrajectoryState.SAMPLING
+    versions: list[int] | None = None  # rollout.partial: per token, the version that sampled it (NO_VERSION where inserted)
 
     def add_sampled(self, turn: Turn) -> None:
         """A turn the policy sampled: its tokens and log-probs, mask 1."""
+        if turn.versions is not None:
+            self.versions = [*(self.versions or []), *turn.versions]
         self.token_ids += turn.token_ids
         self.logprobs += turn.logprobs
         self.loss_mask += [1] * len(turn.token_ids)
@@ -60,6 +67,8 @@ class TrajectoryTokens:
 
     def add_inserted(self, tokens: list[int]) -> None:
         """Tokens the environment or the chat template inserted: log-prob 0, mask 0."""
+        if self.versions is not None:
+            self.versions += [NO_VERSION] * len(tokens)
         self.token_ids += tokens
         self.logprobs += [0.0] * len(tokens)
         self.loss_mask += [0] * len(tokens)
@@ -95,18 +104,31 @@ class RowBatch(Protocol):
     @property
     def decoding(self) -> bool: ...
 
-    def decode(self, max_new_tokens: int, greedy: bool = False, wake: threading.Event | None = None) -> dict[int, Turn]: ...
+    version: int | None  # rollout.partial: the version stamped on the tokens it samples
+    stopped: list[int]  # rows stopped mid-turn for newer weights (decode's interrupt), until reload
+
+    def decode(
+        self, max_new_tokens: int, greedy: bool = False, wake: threading.Event | None = None, interrupt: Callable[[], bool] | None = None
+    ) -> dict[int, Turn]: ...
 
     def join(self, inserted: dict[int, list[int]]) -> None: ...
+
+    def reload(self, version: int) -> None: ...
 
     def drop(self, rows: list[int]) -> None: ...
 
 
-async def play_rows(batch: RowBatch, responder: Responder, max_turns: int, max_new_tokens: int, greedy: bool = False) -> list[TrajectoryTokens]:
+async def play_rows(
+    batch: RowBatch, responder: Responder, max_turns: int, max_new_tokens: int, greedy: bool = False, refresh: Refresh | None = None
+) -> list[TrajectoryTokens]:
     """One trajectory per row of `batch`, in row order. The batch decodes (on a thread) until some
     row's turn ends; that row's answer is asked for at once, and the rows whose answers are in join
     the batch again for their next turn while the others decode on. A trajectory that still wants a
-    turn after `max_turns` ends there (finish reason max_turns)."""
+    turn after `max_turns` ends there (finish reason max_turns). With `refresh` (rollout.partial),
+    newer weights stop the batch between decode steps, are loaded, and every row goes on with them:
+    nothing is sampled or asked of an environment again, and each sampled token carries its version."""
+    if refresh is not None:
+        batch.version = refresh.version
     out = {row: TrajectoryTokens() for row in batch.rows}
     answers: dict[int, list[int] | None] = {}
     wake = threading.Event()  # an answer came in: the decode thread returns at its next step
@@ -132,10 +154,12 @@ async def play_rows(batch: RowBatch, responder: Responder, max_turns: int, max_n
                 continue
             if batch.decoding:
                 wake.clear()
-                ended = await asyncio.to_thread(batch.decode, max_new_tokens, greedy, wake)
+                ended = await asyncio.to_thread(batch.decode, max_new_tokens, greedy, wake, refresh and refresh.interrupt)
                 for row, turn in ended.items():
                     out[row].add_sampled(turn)
                     tasks.add(asyncio.create_task(answer(row, turn)))
+                if batch.stopped:  # newer weights wait: loaded here, while no forward runs
+                    await asyncio.to_thread(batch.reload, await refresh.swap())
             elif tasks:
                 await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             else:
