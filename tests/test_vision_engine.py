@@ -88,3 +88,26 @@ def test_a_work_item_with_images_needs_a_vision_processor(model, processor):  # 
     item = WorkItem(0, 0, "how many?", "1", images=[b"\x89PNG"])
     with pytest.raises(ValueError, match="work item w-0-0 has images: a vision-language model's processor"):
         generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), [item], cfg, version=0, worker_id="w")
+
+
+def test_a_partial_rollout_with_images_continues_on_the_new_weights_with_its_images(model, processor):  # noqa: F811
+    """rollout.partial on a vision-language model: rows stopped for newer weights are prefilled again with
+    their prompt's images, so the tokens after the swap carry the new weights' log-probs of the whole prompt."""
+    import asyncio
+
+    from tests.test_partial_rollouts import StepRefresh, other_weights
+    from tidal.rollout.partial import complete_partial
+
+    tok = processor.tokenizer
+    groups = vision_groups(processor, [8, 8], seed=6)
+    requests = [GroupRequest(g[0], 4, torch.Generator().manual_seed(i), images=g[3]) for i, g in enumerate(groups)]
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=8)
+    refresh = StepRefresh(engine, version=2, weights=other_weights(model), after=2)
+    outputs = asyncio.run(complete_partial(engine, requests, 8, refresh))
+    assert refresh.swaps == 1
+    spanning = [(r, c) for r, cs in zip(requests, outputs) for c in cs if c.versions is not None]
+    assert spanning and all(c.versions[:2] == [2, 2] and set(c.versions[2:]) == {3} for _, c in spanning)
+    with torch.no_grad():  # the engine's model holds the new weights: the later tokens are theirs, images included
+        after = packed_vision_token_logprobs(model, [(r.prompt_ids, [c.token_ids], [None], r.images) for r, c in spanning], "cpu", kernel="sdpa")
+    for out, (_, c) in zip(after, spanning, strict=True):
+        torch.testing.assert_close(out.logprobs[0, 2 : len(c.token_ids)], torch.tensor(c.logprobs[2:]), atol=2e-5, rtol=1e-4)

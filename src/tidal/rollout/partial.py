@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 
 
 def continuation(request: GroupRequest, sampled: list[int]) -> GroupRequest:
-    """One stopped row's request: its prompt and the tokens it has so far, one row, the group's RNG."""
-    return GroupRequest([*request.prompt_ids, *sampled], 1, request.generator, None)
+    """One stopped row's request: its prompt and the tokens it has so far, one row, the group's RNG, the
+    prompt's images (the continuation's prefill encodes them again, under the new weights)."""
+    return GroupRequest([*request.prompt_ids, *sampled], 1, request.generator, None, images=request.images, image_files=request.image_files)
 
 
 def joined(before: Completion, after: Completion, start_version: int, after_version: int) -> Completion:
