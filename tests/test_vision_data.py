@@ -166,17 +166,6 @@ def test_the_tiny_vlm_and_its_processor_load_back_from_one_directory(tmp_path, t
     assert out.shape == (1, len(prompt) + 3)
 
 
-def test_rows_with_images_are_refused_before_start_by_a_multi_turn_run(task):
-    from tidal.config import config_from_dict
-    from tidal.preflight import check_images_fit_the_rollout
-
-    dataset = Dataset(read_jsonl_problems(task), [])
-    check_images_fit_the_rollout(config_from_dict({}), dataset)  # single-turn: taken
-    agent = config_from_dict({"rollout": {"agent": {"env": "tools", "tools": ["calc"], "max_turns": 3}}})
-    with pytest.raises(DatasetError, match=r"data\.jsonl:1: the row has images, and rollout\.agent \(multi-turn\) does not take images yet"):
-        check_images_fit_the_rollout(agent, dataset)
-
-
 def test_a_rows_images_count_toward_its_work_items_size(task):
     from tidal.preflight import check_row_sizes
 

@@ -21,20 +21,8 @@ def check_before_start(cfg: TidalConfig, dataset: Dataset | None = None) -> Data
     check_environment(cfg)
     dataset = dataset if dataset is not None else load_dataset(cfg.data, cfg.seed)
     check_row_sizes(dataset, cfg.transport.max_payload_mb)
-    check_images_fit_the_rollout(cfg, dataset)
     check_prompt_lengths(cfg, dataset)
     return dataset
-
-
-def check_images_fit_the_rollout(cfg: TidalConfig, dataset: Dataset) -> None:
-    """Rows with images go to single-turn rollouts only: refused before start, not by the first worker that meets one."""
-    if cfg.rollout.agent is None:
-        return
-    with_images = next((p for p in (*dataset.train, *dataset.eval) if p.images), None)
-    if with_images is not None:
-        raise DatasetError(
-            f"{where(with_images)}: the row has images, and rollout.agent (multi-turn) does not take images yet; single-turn rollouts do"
-        )
 
 
 def check_environment(cfg: TidalConfig) -> None:
