@@ -6,16 +6,21 @@ token the engine's log-prob (float32), and an unpacked HF forward of the whole s
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
+from transformers import AutoTokenizer
 
-from tests.conftest import mask_runs
+from tests.conftest import mask_runs, read_jsonl, run_cli
 from tests.test_vision_packing import EncoderCalls, png
 from tidal.config import TrainerConfig, config_from_dict
-from tidal.demo.vision import build_processor, build_tiny_vlm, count_image
+from tidal.demo.vision import TinyVLMSize, count_image, save_tiny_vlm, write_count_task
 from tidal.envs import EnvError
+from tidal.model.loading import load_model
 from tidal.protocol import WorkItem, decode_group, pack
 from tidal.rewards import RewardScorer
 from tidal.roles import group_limits
@@ -24,26 +29,47 @@ from tidal.rollout.engine import HFEngine
 from tidal.rollout.generator import generate_groups
 from tidal.trainer.learner import Learner, as_packing_group, token_logprobs
 
-G, MAX_NEW_TOKENS = 4, 5
+G, MAX_NEW_TOKENS = 4, 10
+VLLM_TINY_VLM = TinyVLMSize(num_heads=2, num_kv_heads=1)  # heads of 32: vLLM's CPU attention takes them
 
 
 @pytest.fixture(scope="module")
-def processor():
-    return build_processor()
+def model_dir(tmp_path_factory):
+    return save_eos_prone_vlm(tmp_path_factory.mktemp("vlm") / "model")
 
 
-def eos_prone_vlm(processor, eos_logit: float = 1.5):
-    """The tiny VLM (float32) with an untied output layer whose EOS bias ends turns at different steps."""
-    torch.manual_seed(0)
-    model = build_tiny_vlm(processor.tokenizer).float()
-    text = model.config.get_text_config()
-    head = torch.nn.Linear(text.hidden_size, text.vocab_size, bias=True)
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    """The HF engine over the model, float32, with the processor it loads from the model's directory."""
+    from tidal.model.vision import load_processor
+
+    tok = load_processor(model_dir).tokenizer
+    return HFEngine.for_rollout(load_model(model_dir, "float32").eval(), tok, MAX_NEW_TOKENS, 1.0)
+
+
+@pytest.fixture(scope="module")
+def processor(engine):
+    return engine.processor
+
+
+def save_eos_prone_vlm(directory, size: TinyVLMSize = VLLM_TINY_VLM, boost: float = 1.4):
+    """The tiny VLM whose turns end with EOS after a few tokens, on either engine:
+    hidden dimension 0 carries a constant (1 in every token's embedding, `boost` in EOS's; no layer writes to it), so
+    the tied output layer adds EOS a logit margin at every position. An untrained model rarely samples EOS."""
+    from transformers import AutoModelForImageTextToText
+
+    path = save_tiny_vlm(directory, size=size)
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    text = model.model.language_model
+    eos = AutoTokenizer.from_pretrained(path).eos_token_id
     with torch.no_grad():
-        head.weight.copy_(model.get_output_embeddings().weight)
-        head.bias.zero_()
-        head.bias[processor.tokenizer.eos_token_id] = eos_logit
-    model.lm_head = head
-    return model.eval()
+        text.embed_tokens.weight[:, 0] = 1.0
+        text.embed_tokens.weight[eos, 0] = boost
+        for layer in text.layers:
+            layer.self_attn.o_proj.weight[0].zero_()
+            layer.mlp.down_proj.weight[0].zero_()
+    model.save_pretrained(path)
+    return path
 
 
 def agent_config():
@@ -81,11 +107,8 @@ def hf_forward_logprobs(model, processor, prompt: list[int], images, tokens: lis
     return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-def test_multi_turn_trajectories_with_images_carry_the_trainers_logprobs(processor):
-    tok = processor.tokenizer
-    model = eos_prone_vlm(processor)
-    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
-    engine.processor = processor  # what HFEngine.for_rollout loads from a vision-language model's directory
+def test_multi_turn_trajectories_with_images_carry_the_trainers_logprobs(engine, processor):
+    tok, model = processor.tokenizer, engine.model
     cfg = agent_config()
     agent = AgentLoop.from_config(cfg, tok, 1024)
     calls = EncoderCalls(model)
@@ -151,8 +174,6 @@ def test_a_turn_that_samples_an_image_token_ends_its_trajectory(processor):
     agent = AgentLoop.from_config(cfg, tok, 1024)
     try:
         item = image_items()[0]
-        engine = HFEngine(eos_prone_vlm(processor), tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
-        engine.processor = processor
         request = engine_request(cfg, item)
         responder = agent.begin([agent.problem(item)], [request], processor)
         from tidal.rollout.trajectory import Turn
@@ -187,3 +208,43 @@ def test_images_go_before_the_first_user_messages_text_and_a_template_must_rende
             agent.begin([agent.problem(image_items()[0])], [engine_request(cfg, image_items()[0])], processor)
     finally:
         agent.close()
+
+
+def vision_agent_run(tmp_path, model: Path, mode: str, **rollout) -> dict:
+    """A `tidal run` config: the square-counting rows with their images, multi-turn through tests.environments:Chatty."""
+    data = write_count_task(tmp_path / "data", rows=32)
+    return {
+        "mode": mode,
+        "model": {"name_or_path": str(model)},
+        "data": {"task": "jsonl", "path": str(data), "num_train": 28, "num_eval": 4},
+        "rollout": {
+            "group_size": G,
+            "max_new_tokens": MAX_NEW_TOKENS,
+            "agent": {"env": "tests.environments:Chatty", "max_turns": 3, "max_env_tokens_per_turn": 16},
+            **rollout,
+        },
+        "trainer": {"prompts_per_iteration": 2, "iterations": 2, "kl_coef": 0.01},  # a KL term: every group is trained
+        "eval": {"engine": "hf", "samples_per_prompt": 2, "k": [1, 2]},  # held-out prompts with their images, through the environment
+    }
+
+
+def check_vision_agent_run(run: Path, tolerance: float) -> None:
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["iteration"] for m in metrics] == [0, 1]
+    assert all(m["trained_tokens"] > 0 and m["agent_turns_mean"] > 1 for m in metrics), [m["agent_turns_mean"] for m in metrics]
+    # every sampled token of every turn: the engine's log-prob (with the image) is the trainer's
+    assert max(m["logprob_mismatch"] for m in metrics) < tolerance, [m["logprob_mismatch"] for m in metrics]
+    records = read_jsonl(run / "groups.jsonl")
+    assert len(records) == 4 and all(r["images"] == 1 for r in records)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["iterations"] == 2 and summary["staleness_max"] == 0
+    assert summary["accuracy_before"] is not None and summary["accuracy_after"] is not None
+
+
+@pytest.mark.parametrize("mode", ["sync", "periodic"])
+def test_tidal_run_trains_multi_turn_trajectories_on_prompts_with_images(tmp_path, model_dir, mode):
+    path = tmp_path / "vision-agent.yaml"
+    path.write_text(yaml.safe_dump(vision_agent_run(tmp_path, model_dir, mode)))
+    proc = run_cli("run", str(path), "--run-dir", str(tmp_path / "run"), "--no-progress", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_vision_agent_run(tmp_path / "run", 1e-5)
