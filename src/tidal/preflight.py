@@ -21,8 +21,36 @@ def check_before_start(cfg: TidalConfig, dataset: Dataset | None = None) -> Data
     check_environment(cfg)
     dataset = dataset if dataset is not None else load_dataset(cfg.data, cfg.seed)
     check_row_sizes(dataset, cfg.transport.max_payload_mb)
+    check_agent_renders_images(cfg, dataset)
     check_prompt_lengths(cfg, dataset)
     return dataset
+
+
+def check_agent_renders_images(cfg: TidalConfig, dataset: Dataset) -> None:
+    """rollout.agent with rows that have images: the model's chat template renders each image part of a first user
+    message as the image token (a template that drops them would stop the first worker that met such a row)."""
+    row = next((p for p in (*dataset.train, *dataset.eval) if p.images), None) if cfg.rollout.agent is not None else None
+    if row is None:
+        return
+    from tidal.model.vision import IMAGE_TOKEN
+
+    tokenizer = prompt_tokenizer(cfg)
+    if not getattr(tokenizer, "chat_template", None):
+        return  # the agent loop's own check says so, in one line
+    image_token = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    parts = [{"type": "image"}] * len(row.images) + [{"type": "text", "text": row.prompt.strip()}]
+    try:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as err:  # noqa: BLE001 - a template's own error, of any type: the user needs one line
+        raise DatasetError(
+            f"{where(row)}: the model's chat template cannot render the row's images in a user message ({type(err).__name__}: {err})"
+        ) from None
+    rendered = list(ids).count(image_token) if image_token is not None and image_token != tokenizer.unk_token_id else 0
+    if rendered != len(row.images):
+        raise DatasetError(
+            f"{where(row)}: the row has {len(row.images)} image(s), and the model's chat template renders {rendered} {IMAGE_TOKEN} tokens "
+            "for them; rollout.agent needs a template that renders a user message's image parts"
+        )
 
 
 def check_environment(cfg: TidalConfig) -> None:
