@@ -248,3 +248,14 @@ def test_tidal_run_trains_multi_turn_trajectories_on_prompts_with_images(tmp_pat
     proc = run_cli("run", str(path), "--run-dir", str(tmp_path / "run"), "--no-progress", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_vision_agent_run(tmp_path / "run", 1e-5)
+
+
+def test_the_recount_environment_asks_again_after_a_wrong_answer():
+    """tests.environments:Recount, the verifier of docs/vision.md's multi-turn learning check."""
+    from tests.environments import Recount
+    from tidal.rollout.agent import Problem
+
+    env = Recount()
+    assert env.reset(Problem(0, "how many red squares?", "3")) == [{"role": "user", "content": "how many red squares?"}]
+    assert env.step("A: 2") == ([{"role": "user", "content": "count again"}], False)
+    assert env.step("A: 3") == ([], True)
