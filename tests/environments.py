@@ -216,3 +216,18 @@ class Reviewed(Environment):
             self.reviewed = True
             return [{"role": "user", "content": "Check it once more."}], False
         return observations, done
+
+
+class Recount(Environment):
+    """A verifier that knows the answer: a wrong final answer is answered "count again" (one more turn), a right
+    one ends the trajectory; the run's reward functions score the last answer."""
+
+    def reset(self, problem):
+        self.answer = str(problem.answer).strip()
+        return super().reset(problem)
+
+    def step(self, assistant_text: str):
+        said = assistant_text.rpartition("A:")[2].strip()
+        if said == self.answer:
+            return [], True
+        return [{"role": "user", "content": "count again"}], False

@@ -219,8 +219,8 @@ class Recorded:
 
 
 class RecordingLoop(AgentLoop):
-    def begin(self, problems, requests):
-        self.recorded = Recorded(super().begin(problems, requests))
+    def begin(self, problems, requests, processor=None):
+        self.recorded = Recorded(super().begin(problems, requests, processor))
         return self.recorded
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 
 import numpy as np
 import pytest
@@ -166,15 +167,30 @@ def test_the_tiny_vlm_and_its_processor_load_back_from_one_directory(tmp_path, t
     assert out.shape == (1, len(prompt) + 3)
 
 
-def test_rows_with_images_are_refused_before_start_by_a_multi_turn_run(task):
+def test_a_multi_turn_run_with_images_needs_a_template_that_renders_them(task, tmp_path):
     from tidal.config import config_from_dict
-    from tidal.preflight import check_images_fit_the_rollout
+    from tidal.demo.tiny import TOOL_CHAT_TEMPLATE
+    from tidal.demo.vision import build_vision_tokenizer
+    from tidal.preflight import check_agent_renders_images
 
     dataset = Dataset(read_jsonl_problems(task), [])
-    check_images_fit_the_rollout(config_from_dict({}), dataset)  # single-turn: taken
-    agent = config_from_dict({"rollout": {"agent": {"env": "tools", "tools": ["calc"], "max_turns": 3}}})
-    with pytest.raises(DatasetError, match=r"data\.jsonl:1: the row has images, and rollout\.agent \(multi-turn\) does not take images yet"):
-        check_images_fit_the_rollout(agent, dataset)
+    agent = {"env": "tools", "tools": ["calc"], "max_turns": 3}
+    tiny_vlm = config_from_dict({"model": {"tiny": {"arch": "qwen2_vl"}}, "rollout": {"agent": agent}})
+    check_agent_renders_images(tiny_vlm, dataset)  # the tiny VLM's template renders image parts
+    partial = config_from_dict({"mode": "bounded", "model": {"tiny": {"arch": "qwen2_vl"}}, "rollout": {"agent": agent, "partial": True}})
+    with pytest.raises(DatasetError, match=r"data\.jsonl:1: the row has images, and rollout\.partial does not yet continue a multi-turn"):
+        check_agent_renders_images(partial, dataset)
+    for name, template, refused in (
+        ("drops", "{% for m in messages %}{{ m.content if m.content is string else m.content[-1].text }}{% endfor %}", "renders 0 <|image_pad|>"),
+        ("text", TOOL_CHAT_TEMPLATE, "cannot render the row's images in a user message"),  # '<u>' + a list of parts
+    ):
+        tokenizer = build_vision_tokenizer()
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(tmp_path / name)
+        cfg = config_from_dict({"model": {"name_or_path": str(tmp_path / name)}, "rollout": {"agent": agent}})
+        check_agent_renders_images(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"agent": None})}), dataset)  # single-turn
+        with pytest.raises(DatasetError, match=r"data\.jsonl:1: .*" + re.escape(refused)):
+            check_agent_renders_images(cfg, dataset)
 
 
 def test_a_rows_images_count_toward_its_work_items_size(task):

@@ -81,7 +81,7 @@ def held_out_agent_scores(
     totals: dict[str, float] = {}
 
     def answers() -> Iterator[tuple[Problem, list[str]]]:
-        for chunk, requests in eval_requests(problems, batch_size, n, seed, None):
+        for chunk, requests in eval_requests(problems, batch_size, n, seed, None, getattr(engine, "processor", None)):
             played = asyncio.run(loop.play(engine, [loop.framed(p.id, p.prompt, p.answer) for p in chunk], requests, greedy=samples == 0))
             for i, p in enumerate(chunk):
                 rows = played[i * n : (i + 1) * n]
@@ -102,11 +102,12 @@ def eval_requests(
     def request(p: Problem) -> GroupRequest:
         prompt, images = encode(p.prompt) if encode else [], None
         if p.images:
-            if processor is None or encode is None:
-                raise ValueError(
-                    f"held-out problem {p.id} ({p.origin}) has images: a vision-language model's processor and a single-turn eval take them"
-                )
-            prompt, images = processor.encode(encode(p.prompt, len(p.images)), list(p.images))
+            if processor is None:
+                raise ValueError(f"held-out problem {p.id} ({p.origin}) has images: a vision-language model's processor takes them")
+            if encode is None:  # the agent loop renders the prompt and widens its image tokens
+                images = processor.process_images(list(p.images))
+            else:
+                prompt, images = processor.encode(encode(p.prompt, len(p.images)), list(p.images))
         seeds = group_generator(seed, EVAL_ITERATION, p.id), group_seed(seed, EVAL_ITERATION, p.id)
         return GroupRequest(prompt, n, *seeds, images, list(p.images) or None)
 

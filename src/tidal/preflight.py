@@ -21,19 +21,41 @@ def check_before_start(cfg: TidalConfig, dataset: Dataset | None = None) -> Data
     check_environment(cfg)
     dataset = dataset if dataset is not None else load_dataset(cfg.data, cfg.seed)
     check_row_sizes(dataset, cfg.transport.max_payload_mb)
-    check_images_fit_the_rollout(cfg, dataset)
+    check_agent_renders_images(cfg, dataset)
     check_prompt_lengths(cfg, dataset)
     return dataset
 
 
-def check_images_fit_the_rollout(cfg: TidalConfig, dataset: Dataset) -> None:
-    """Rows with images go to single-turn rollouts only: refused before start, not by the first worker that meets one."""
-    if cfg.rollout.agent is None:
+def check_agent_renders_images(cfg: TidalConfig, dataset: Dataset) -> None:
+    """rollout.agent with rows that have images: the model's chat template renders each image part of a first user
+    message as the image token (a template that drops them would stop the first worker that met such a row), and
+    rollout.partial is off (a trajectory with images is not yet prefilled again under new weights)."""
+    row = next((p for p in (*dataset.train, *dataset.eval) if p.images), None) if cfg.rollout.agent is not None else None
+    if row is None:
         return
-    with_images = next((p for p in (*dataset.train, *dataset.eval) if p.images), None)
-    if with_images is not None:
+    if cfg.rollout.partial:
         raise DatasetError(
-            f"{where(with_images)}: the row has images, and rollout.agent (multi-turn) does not take images yet; single-turn rollouts do"
+            f"{where(row)}: the row has images, and rollout.partial does not yet continue a multi-turn trajectory with images "
+            "under new weights (single-turn rows with images, or rollout.partial: false)"
+        )
+    from tidal.model.vision import IMAGE_TOKEN
+
+    tokenizer = prompt_tokenizer(cfg)
+    if not getattr(tokenizer, "chat_template", None):
+        return  # the agent loop's own check says so, in one line
+    image_token = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    parts = [{"type": "image"}] * len(row.images) + [{"type": "text", "text": row.prompt.strip()}]
+    try:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as err:  # noqa: BLE001 - a template's own error, of any type: the user needs one line
+        raise DatasetError(
+            f"{where(row)}: the model's chat template cannot render the row's images in a user message ({type(err).__name__}: {err})"
+        ) from None
+    rendered = list(ids).count(image_token) if image_token is not None and image_token != tokenizer.unk_token_id else 0
+    if rendered != len(row.images):
+        raise DatasetError(
+            f"{where(row)}: the row has {len(row.images)} image(s), and the model's chat template renders {rendered} {IMAGE_TOKEN} tokens "
+            "for them; rollout.agent needs a template that renders a user message's image parts"
         )
 
 

@@ -20,10 +20,14 @@ from tidal.demo.tiny import build_char_tokenizer
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
 VISION_TOKENS = [IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END]
 PATCH, MERGE, TEMPORAL_PATCH = 14, 2, 2
-# a user turn holds its images (vision start, the image's tokens, vision end) before its text
+# tidal.model.templates.TOOL_CHAT_TEMPLATE (tools by name, short role tags: multi-turn rollouts need it) whose
+# messages may hold images: a message's image parts render as vision start, the image token, vision end, in
+# place (a user turn holds its images before its text)
 VISION_CHAT_TEMPLATE = (
+    "{%- if tools %}{{ 'tools: ' }}{% for t in tools %}{{ t.function.name }}{% if not loop.last %}{{ ',' }}{% endif %}{% endfor %}{{ '\n' }}{% endif %}"
     "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}{{ '<a>' }}{% else %}{{ '<u>' }}{% endif %}"
+    "{%- if m.role == 'assistant' %}{{ '<a>' }}{% elif m.role == 'tool' %}{{ '<t>' }}{% elif m.role == 'system' %}{{ '<s>' }}"
+    "{%- else %}{{ '<u>' }}{% endif %}"
     "{%- if m.content is string %}{{ m.content }}{% else %}"
     "{%- for part in m.content %}"
     "{%- if part.type == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"

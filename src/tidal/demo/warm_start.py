@@ -52,6 +52,10 @@ def warm_start_key(cfg: TidalConfig) -> str:
         "data": cfg.data.model_dump(mode="json", exclude={"num_eval", "eval_path"} | (set() if cfg.data.task == "count_squares" else COUNT_FIELDS)),
         "seed": warm_start_seed(cfg),
     }
+    if is_tiny_vlm(cfg):  # its chat template is saved with it (multi-turn rollouts render tools and tool turns with it)
+        from tidal.demo.vision import VISION_CHAT_TEMPLATE
+
+        spec["chat_template"] = hashlib.sha256(VISION_CHAT_TEMPLATE.encode()).hexdigest()[:16]
     if plays_tool_traces(cfg):  # the traces are played through the environment and its template
         spec["agent"] = cfg.rollout.agent.model_dump(mode="json", include={"env", "tools", "tool_parser", "max_turns", "max_env_tokens_per_turn"})
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]

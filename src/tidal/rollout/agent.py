@@ -5,9 +5,12 @@ first messages in the chat template (with the tools); after each assistant turn 
 answers, and the tokens the template renders for that answer (up to and including the next
 assistant header) are inserted into the trajectory as token ids, loss mask 0. The sampled tokens
 are kept exactly as sampled: the decoded text goes to the environment, never back into the
-trajectory. A trajectory ends when the environment says done, at rollout.agent.max_turns, when a turn
+trajectory. A prompt's images (a vision-language model) are image parts of the first user message, and
+the prompt's image tokens are widened to each image's token count as in a single-turn prompt; the
+later turns hold text only. A trajectory ends when the environment says done, at rollout.agent.max_turns, when a turn
 hits max_new_tokens (it was cut mid-turn), past rollout.agent.trajectory_timeout_seconds (checked between
-turns), when it would outgrow the model's context, or when the environment raises (counted, the
+turns), when it would outgrow the model's context, when a turn or an answer holds an image placeholder token (a vision-language model: no
+image stands behind it, and vLLM would take it as one), or when the environment raises (counted, the
 worker goes on).
 
 The environment logic (`EnvResponder`, the trajectory.Responder of one engine call) is the same for
@@ -31,6 +34,7 @@ from jinja2 import TemplateError
 
 from tidal.config import TidalConfig
 from tidal.envs import EnvError, Environment, EnvironmentFactory, Trajectory
+from tidal.images import ImageInputs
 from tidal.protocol import Sample, WorkItem
 from tidal.rewards import RewardScorer, checked_reward, exact_match
 from tidal.rewards.failures import RewardFailingError
@@ -247,30 +251,39 @@ class AgentLoop:
     async def play(
         self, engine: RolloutEngine, problems: list[Problem], requests: list[GroupRequest], greedy: bool = False, refresh: Refresh | None = None
     ) -> list[tuple[_Row, TrajectoryTokens]]:
-        """The trajectories of `problems` (request i gives problem i's G rows their RNG; its prompt is
-        set here): each row's environment and messages, and its tokens, in row order. `refresh`
+        """The trajectories of `problems` (request i gives problem i's G rows their RNG and images; its prompt
+        is set here): each row's environment and messages, and its tokens, in row order. `refresh`
         (rollout.partial, HF engine): the rows go on with newer weights published meanwhile."""
         r = self.cfg.rollout
-        responder = self.begin(problems, requests)
+        responder = self.begin(problems, requests, getattr(engine, "processor", None))
         newer = {} if refresh is None else {"refresh": refresh}  # the HF engine's alone: the config refuses partial on vLLM
         trajectories = await engine.play(requests, responder, r.agent.max_turns, r.max_new_tokens, greedy, **newer)
         return list(zip(responder.rows, trajectories))
 
-    def begin(self, problems: list[Problem], requests: list[GroupRequest]) -> EnvResponder:
-        """One environment per row (G per problem, in order), and each request's prompt: the first messages, rendered."""
+    def begin(self, problems: list[Problem], requests: list[GroupRequest], processor=None) -> EnvResponder:
+        """One environment per row (G per problem, in order), and each request's prompt: the first messages,
+        rendered, with the request's images (`processor`: the vision-language model's, which processes them
+        when the request does not carry them processed already)."""
         rows: list[_Row] = []
         prompt_lengths: list[int] = []
         for problem, request in zip(problems, requests):
-            group_rows = [self.start_row(problem) for _ in range(request.n)]
+            images = len(request.image_files or ())
+            group_rows = [self.start_row(problem, images) for _ in range(request.n)]
             encoded = [self.render(row.messages, row.env.tool_schemas, True) for row in group_rows]
             if any(e != encoded[0] for e in encoded[1:]):
                 raise EnvError(
                     f"environment {self.factory.cls.__qualname__}: reset() gave different first messages for one problem; a group shares its prompt"
                 )
+            if images:
+                if processor is None:
+                    raise EnvError(f"problem {problem.id} has images but the model is not a vision-language model (no image processor)")
+                if request.images is None:
+                    request.images = processor.process_images(list(request.image_files))
+                encoded[0] = widened_image_tokens(processor, encoded[0], request.images, images)
             request.prompt_ids = encoded[0]
             rows += group_rows
             prompt_lengths += [len(encoded[0])] * request.n
-        return EnvResponder(self, rows, prompt_lengths, time.monotonic())
+        return EnvResponder(self, rows, prompt_lengths, time.monotonic(), placeholder_ids(processor))
 
     def scored(self, played: list[tuple[_Row, TrajectoryTokens]], item: WorkItem, scorer: RewardScorer) -> tuple[list[Sample], dict[str, float]]:
         """One group's finished trajectories as scored samples, and the group's environment counts."""
@@ -295,10 +308,13 @@ class AgentLoop:
             record_steps(scorer.ledger, row)
         return samples, stats
 
-    def first_prompt(self, item: WorkItem) -> list[int]:
-        """The prompt tokens of `item`'s trajectories (one environment's first messages, rendered)."""
-        row = self.start_row(self.problem(item))
-        return self.render(row.messages, row.env.tool_schemas, True)
+    def first_prompt(self, item: WorkItem, processor=None, images: ImageInputs | None = None) -> list[int]:
+        """The prompt tokens of `item`'s trajectories (one environment's first messages, rendered); with images,
+        `processor` widens their image tokens to `images` (the item's, processed)."""
+        count = len(item.images or ())
+        row = self.start_row(self.problem(item), count)
+        ids = self.render(row.messages, row.env.tool_schemas, True)
+        return widened_image_tokens(processor, ids, images, count) if count else ids
 
     def problem(self, item: WorkItem) -> Problem:
         return self.framed(item.prompt_id, item.prompt, item.answer)
@@ -307,13 +323,14 @@ class AgentLoop:
         """A dataset problem as reset() gets it: the prompt through data.prompt_template."""
         return Problem(prompt_id, self.cfg.data.prompt_template.format(prompt=prompt), answer)
 
-    def start_row(self, problem: Problem) -> _Row:
+    def start_row(self, problem: Problem, images: int = 0) -> _Row:
+        """A row's environment and first messages; `images` image parts go before the first user message's text."""
         env = self.factory()
         messages = list(env.reset(problem))
         system = self.cfg.data.system_prompt
         if system is not None and not (messages and messages[0].get("role") == "system"):
             messages.insert(0, {"role": "system", "content": system})
-        return _Row(env, messages)
+        return _Row(env, with_images(messages, images, type(env).__qualname__) if images else messages)
 
     def reward(self, env: Environment, trajectory: Trajectory, item: WorkItem, scorer: RewardScorer) -> tuple[float, dict[str, float]]:
         """The environment's reward (a dict: named parts, summed), or else reward.functions on the
@@ -340,12 +357,42 @@ class AgentLoop:
             return 0.0, {}
 
 
+def with_images(messages: list[dict], images: int, env_name: str) -> list[dict]:
+    """`messages` with `images` image parts before the first user message's text (where a single-turn chat
+    prompt has them); the messages given are not changed."""
+    for i, m in enumerate(messages):
+        if m.get("role") == "user":
+            content = m.get("content")
+            parts = list(content) if isinstance(content, list) else [{"type": "text", "text": str(content or "")}]
+            return [*messages[:i], {**m, "content": [{"type": "image"}] * images + parts}, *messages[i + 1 :]]
+    raise EnvError(f"environment {env_name}: reset() gave no user message to hold the problem's {images} image(s)")
+
+
+def widened_image_tokens(processor, ids: list[int], images: ImageInputs, count: int) -> list[int]:
+    """A rendered prompt's image tokens, one per image, widened to each image's token count."""
+    rendered = sum(1 for t in ids if t == processor.image_token_id)
+    if rendered != count:
+        raise EnvError(f"the chat template rendered {rendered} image tokens for the first messages' {count} image(s): it must render each image part")
+    return processor.expand_image_tokens(ids, images)
+
+
+def placeholder_ids(processor) -> frozenset[int]:
+    """The tokens a vision-language model's prompt takes as image (or video) placeholders; none for a language model."""
+    if processor is None:
+        return frozenset()
+    tokenizer = processor.tokenizer
+    video = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    return frozenset({processor.image_token_id} | ({video} if isinstance(video, int) and video != tokenizer.unk_token_id else set()))
+
+
 class EnvResponder:
     """The rows of one engine call and their environments, answering their turns (trajectory.Responder):
     the token ids to insert before a row's next turn, or None when its trajectory is over."""
 
-    def __init__(self, agent: AgentLoop, rows: list[_Row], prompt_lengths: list[int], started: float):
+    def __init__(self, agent: AgentLoop, rows: list[_Row], prompt_lengths: list[int], started: float, placeholders: frozenset[int] = frozenset()):
         self.agent, self.rows, self.prompt_lengths, self.started = agent, rows, prompt_lengths, started
+        # a vision-language model's image placeholders: in a later turn's prompt no image stands behind them
+        self.placeholders = placeholders
 
     async def respond(self, index: int, turn: Turn) -> list[int] | None:
         """One row's answer, its environment step on a thread: the other rows decode meanwhile."""
@@ -363,6 +410,9 @@ class EnvResponder:
         row.messages.append({"role": "assistant", "content": text})
         if turn.finish_reason != "stop":
             return None  # cut off mid-turn: what it meant to call is unknown
+        if self.placeholders.intersection(turn.token_ids):
+            row.finish_reason = "image_token"
+            return None
         if turn.token_ids[-1] != self.agent.eos:
             # vLLM also stops on the generation config's other end tokens; the template's rendering of
             # what follows (inserted_tokens) starts after the tokenizer's EOS only
@@ -397,6 +447,9 @@ class EnvResponder:
         tokens = agent.fit_observations(observations, row.env.tool_schemas, row)
         if tokens is None:
             row.finish_reason = "env_tokens"
+            return None
+        if self.placeholders.intersection(tokens):
+            row.finish_reason = "image_token"
             return None
         if agent.context is not None and self.prompt_lengths[index] + row.length + len(tokens) + agent.cfg.rollout.max_new_tokens > agent.context:
             row.finish_reason = "context"

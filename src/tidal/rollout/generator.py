@@ -103,12 +103,22 @@ class Generator:
 
     def prompt(self, item: WorkItem) -> list[int]:
         """The prompt tokens of `item`'s group (with rollout.agent: one environment's first messages, rendered)."""
-        if item.images and (self.processor is None or self.agent is not None):
-            raise ValueError(f"work item {item.msg_id} has images: a vision-language model's processor and a single-turn rollout take them")
+        if item.images and self.processor is None:
+            raise ValueError(f"work item {item.msg_id} has images: a vision-language model's processor takes them")
+        if self.agent is not None:
+            return self.agent.first_prompt(item, self.processor, self.processed_images(item))
         if not item.images:
-            return self.agent.first_prompt(item) if self.agent is not None else self.encode(item.prompt)
+            return self.encode(item.prompt)
         prompt, self.images[item.msg_id] = self.processor.encode(self.encode(item.prompt, len(item.images)), item.images)
         return prompt
+
+    def processed_images(self, item: WorkItem) -> ImageInputs | None:
+        """`item`'s images processed, once, kept until its group is made (rollout.agent: the loop renders the prompt)."""
+        if item.images and item.msg_id not in self.images:
+            if self.processor is None:
+                raise ValueError(f"work item {item.msg_id} has images: a vision-language model's processor takes them")
+            self.images[item.msg_id] = self.processor.process_images(item.images)
+        return self.images.get(item.msg_id)
 
     def request(self, item: WorkItem, prompt: list[int]) -> GroupRequest:
         """The group's request: G rows, and in deterministic mode its own RNG (HF) and seed (vLLM)."""
@@ -163,10 +173,12 @@ class Generator:
     async def group(self, item: WorkItem, version: int, queue: GroupScoringQueue, score_pool: Executor) -> Group:
         """One group, alone in its engine call; scored through `queue` (batched with the groups that
         finish meanwhile), or with rollout.agent on `score_pool`."""
-        request = self.request(item, [] if self.agent is not None else self.prompt(item))  # the agent loop renders its prompt
-        if self.agent is not None:
+        if self.agent is not None:  # the agent loop renders its prompt
+            self.processed_images(item)
+            request = self.request(item, [])
             (group,) = await self.agent_groups([item], [request], version, score_pool)
             return group
+        request = self.request(item, self.prompt(item))
         gen_start = time.time()
         (completions,) = await self.engine.complete([request], tag=f"{item.iteration}-{item.prompt_id}")
         return await queue.score((item, request.prompt_ids, completions, version, gen_start, time.time()), len(completions))

@@ -222,7 +222,7 @@ class VLLMEngine:
             async def sample(prompt_ids: list[int], turn_index: int) -> Turn:
                 seed = None if request.seed is None else turn_seed(request.seed, index, turn_index)
                 params = sampling_params(self.cfg, 1, seed, greedy, max_new_tokens)
-                (sample,) = await self._request(prompt_ids, params, f"t{tag}-{row}-{turn_index}")
+                (sample,) = await self._request(prompt_ids, params, f"t{tag}-{row}-{turn_index}", request.image_files)
                 return Turn(sample.token_ids, sample.logprobs, sample.finish_reason)
 
             return sample
