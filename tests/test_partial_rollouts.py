@@ -251,10 +251,9 @@ def test_per_token_staleness_is_logged_beside_the_per_sample_histogram():
     [
         ({"mode": "periodic"}, "rollout.partial needs mode 'bounded' (mode 'periodic'"),
         ({"mode": "sync"}, "rollout.partial needs mode 'bounded' (mode 'sync'"),
-        ({"mode": "bounded", "rollout.engine": "vllm"}, "rollout.partial is implemented on the HF engine alone"),
     ],
 )
-def test_partial_rollouts_outside_bounded_single_turn_hf_are_refused_in_one_line(tiny_config_dict, overrides, message):
+def test_partial_rollouts_outside_bounded_mode_are_refused_in_one_line(tiny_config_dict, overrides, message):
     data = copy.deepcopy(tiny_config_dict)
     data["rollout"]["partial"] = True
     for dotted, value in overrides.items():
@@ -271,3 +270,7 @@ def test_partial_rollouts_outside_bounded_single_turn_hf_are_refused_in_one_line
 def test_partial_rollouts_load_in_bounded_mode(tiny_config_dict):
     cfg = config_from_dict(copy.deepcopy(tiny_config_dict) | {"mode": "bounded", "rollout": {**tiny_config_dict["rollout"], "partial": True}})
     assert cfg.rollout.partial and not config_from_dict(copy.deepcopy(tiny_config_dict)).rollout.partial
+    on_vllm = config_from_dict(
+        copy.deepcopy(tiny_config_dict) | {"mode": "bounded", "rollout": {**tiny_config_dict["rollout"], "partial": True, "engine": "vllm"}}
+    )
+    assert on_vllm.rollout.partial and on_vllm.rollout.engine == "vllm"  # single-turn: vLLM aborts and resumes (tests/test_vllm_partial.py)

@@ -232,7 +232,7 @@ def test_partial_rollouts_load_with_an_agent_and_are_refused_on_vllm_in_one_line
     data["eval"]["engine"] = "hf"  # held-out eval through an agent runs on the HF engine
     with pytest.raises(ConfigError) as err:
         config_from_dict(data)
-    assert "rollout.partial is implemented on the HF engine alone" in str(err.value) and "\n" not in str(err.value).strip()
+    assert "rollout.partial with rollout.agent runs on the HF engine alone" in str(err.value) and "\n" not in str(err.value).strip()
 
 
 def test_the_loss_of_multi_turn_samples_spanning_two_versions_equals_a_hand_computation():

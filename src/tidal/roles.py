@@ -295,7 +295,10 @@ def rollout_engine(cfg: TidalConfig, base_model: str) -> tuple[object, object, t
         from tidal.rollout.vllm_adapter import VLLMEngine
         from tidal.rollout.vllm_worker import VLLMRolloutWorker
 
-        return VLLMEngine.create(cfg, base_model), load_tokenizer(base_model), VLLMRolloutWorker
+        # rollout.partial: one call's groups stop together for newer weights, which the pull-at-a-time worker
+        # has (its engine calls are one iteration's); the continuous-batching worker never stops its groups
+        worker = RolloutWorker if cfg.rollout.partial else VLLMRolloutWorker
+        return VLLMEngine.create(cfg, base_model), load_tokenizer(base_model), worker
     model, tokenizer = load_policy(cfg, base_model)  # under LoRA the base once, each version's adapter set in place
     return HFEngine.for_rollout(model, tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.temperature), tokenizer, RolloutWorker
 

@@ -221,9 +221,9 @@ class TidalConfig(Strict):
             return self
         if self.mode != "bounded":
             raise config_error(f"rollout.partial needs mode 'bounded' (mode {self.mode!r} trains each iteration on its own weights alone)")
-        if self.rollout.engine != "hf":
+        if self.rollout.engine != "hf" and self.rollout.agent is not None:
             raise config_error(
-                "rollout.partial is implemented on the HF engine alone (vLLM cannot yet stop a response for new weights): set rollout.engine 'hf'"
+                "rollout.partial with rollout.agent runs on the HF engine alone (vLLM stops single-turn responses only): set rollout.engine 'hf'"
             )
         return self
 

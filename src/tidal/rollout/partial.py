@@ -1,4 +1,4 @@
-"""Partial rollouts (`rollout.partial`, bounded mode, HF engine): new weights mid-response.
+"""Partial rollouts (`rollout.partial`, bounded mode): new weights mid-response.
 
 While a worker generates the items of iteration i with version v, the trainer may publish v+1 (<= i).
 The engine is asked between decode steps (`Refresh.interrupt`); when a newer version waits, the rows
@@ -10,10 +10,11 @@ weights' own. Each token keeps the version and the behaviour log-prob it was sam
 among its tokens, which the trainer's staleness bound applies to.
 
 The HF engine stops between decode steps rather than at a turn boundary: a single-turn response has
-one turn, so a turn boundary would never come before the response ends. This module runs single-turn
-calls; multi-turn ones (rollout.agent) stop, load and go on inside their turn loop
-(trajectory.play_rows, hf_rows.HFRows.reload), since their rows are between turns as often as in
-one. vLLM workers are refused by the config for now.
+one turn, so a turn boundary would never come before the response ends. The vLLM engine streams each
+group's request and aborts it (tidal.rollout.vllm_partial); its stopped rows resume as requests of
+their own. This module runs single-turn calls; multi-turn ones (rollout.agent, HF engine only) stop,
+load and go on inside their turn loop (trajectory.play_rows, hf_rows.HFRows.reload), since their
+rows are between turns as often as in one.
 """
 
 from __future__ import annotations
@@ -24,17 +25,19 @@ import logging
 import threading
 
 from tidal.rollout.arrival import WeightArrival
-from tidal.rollout.engine import INTERRUPTED, Completion, GroupRequest, RolloutEngine
+from tidal.rollout.engine import INTERRUPTED, Completion, GroupRequest, RolloutEngine, turn_seed
 from tidal.rollout.refresh import Refresh
 from tidal.transport import Transport
 
 log = logging.getLogger(__name__)
 
 
-def continuation(request: GroupRequest, sampled: list[int]) -> GroupRequest:
-    """One stopped row's request: its prompt and the tokens it has so far, one row, the group's RNG, the
+def continuation(request: GroupRequest, sampled: list[int], row: int, stop: int) -> GroupRequest:
+    """Row `row`'s request after its `stop`-th stop: its prompt and the tokens it has so far, one row, the
+    group's RNG (HF) or in deterministic mode the seed `turn_seed(group seed, row, stop)` (vLLM), the
     prompt's images (the continuation's prefill encodes them again, under the new weights)."""
-    return GroupRequest([*request.prompt_ids, *sampled], 1, request.generator, None, images=request.images, image_files=request.image_files)
+    seed = None if request.seed is None else turn_seed(request.seed, row, stop)
+    return GroupRequest([*request.prompt_ids, *sampled], 1, request.generator, seed, images=request.images, image_files=request.image_files)
 
 
 def joined(before: Completion, after: Completion, start_version: int, after_version: int) -> Completion:
@@ -54,12 +57,17 @@ async def complete_partial(engine: RolloutEngine, requests: list[GroupRequest], 
     row has ended (EOS or max_new_tokens). A row that changed version carries its per-token versions."""
     start = refresh.version
     outputs = [list(group) for group in await engine.complete(requests, interrupt=refresh.interrupt)]
+    stops: dict[tuple[int, int], int] = {}
     while stopped := [(g, i) for g, group in enumerate(outputs) for i, c in enumerate(group) if c.finish_reason == INTERRUPTED]:
         after = await refresh.swap()
+        for row in stopped:
+            stops[row] = stops.get(row, 0) + 1
         for left in sorted({max_new_tokens - len(outputs[g][i].token_ids) for g, i in stopped}):
             rows = [(g, i) for g, i in stopped if max_new_tokens - len(outputs[g][i].token_ids) == left]
             more = await engine.complete(
-                [continuation(requests[g], outputs[g][i].token_ids) for g, i in rows], max_new_tokens=left, interrupt=refresh.interrupt
+                [continuation(requests[g], outputs[g][i].token_ids, i, stops[g, i]) for g, i in rows],
+                max_new_tokens=left,
+                interrupt=refresh.interrupt,
             )
             for (g, i), (c,) in zip(rows, more, strict=True):
                 outputs[g][i] = joined(outputs[g][i], c, start, after)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tidal.config import TidalConfig
 from tidal.logs import library_logs_to_log, output_to_log
-from tidal.rollout.engine import Completion, GroupRequest, turn_seed
+from tidal.rollout.engine import Completion, GroupRequest, Interrupt, turn_seed
 from tidal.rollout.trajectory import Responder, TrajectoryTokens, Turn, play_row
 from tidal.rollout.vllm_args import (
     VLLMStartError,
@@ -40,6 +40,7 @@ from tidal.rollout.vllm_args import (
     require_vllm,
     start_failure_hint,
 )
+from tidal.rollout.vllm_partial import streamed_group
 from tidal.rollout.vllm_vision import check_vision_serving, collapse_image_tokens
 
 log = logging.getLogger(__name__)
@@ -195,18 +196,36 @@ class VLLMEngine:
         return list(await asyncio.gather(*(one(seq) for seq in probe)))
 
     async def generate_group(
-        self, request: GroupRequest, seed: int | None = None, tag: str = "g", greedy: bool = False, max_tokens: int | None = None
+        self,
+        request: GroupRequest,
+        seed: int | None = None,
+        tag: str = "g",
+        greedy: bool = False,
+        max_tokens: int | None = None,
+        interrupt: Interrupt | None = None,
     ) -> list[Completion]:
+        """`interrupt` (rollout.partial): the request streams and stops when it turns True (vllm_partial)."""
         if request.image_files and self.processor is None:
             raise ValueError(f"request {tag} has images but the model served is not a vision-language model")
         params = sampling_params(self.cfg, request.n, seed, greedy, max_tokens)
+        if interrupt is not None:
+            return await streamed_group(self, request, params, tag, interrupt)
         return await self._request(request.prompt_ids, params, tag, request.image_files)
 
     async def complete(
-        self, requests: list[GroupRequest], greedy: bool = False, max_new_tokens: int | None = None, tag: str = "b"
+        self,
+        requests: list[GroupRequest],
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+        tag: str = "b",
+        interrupt: Interrupt | None = None,
     ) -> list[list[Completion]]:
-        """The engine protocol's batch call: every group in flight at once, each with its request's seed."""
-        calls = (self.generate_group(r, r.seed, f"{tag}{i}" if len(requests) > 1 else tag, greedy, max_new_tokens) for i, r in enumerate(requests))
+        """The engine protocol's batch call: every group in flight at once, each with its request's seed.
+        `interrupt` (rollout.partial): asked after each streamed output; True stops the unfinished rows."""
+        calls = (
+            self.generate_group(r, r.seed, f"{tag}{i}" if len(requests) > 1 else tag, greedy, max_new_tokens, interrupt)
+            for i, r in enumerate(requests)
+        )
         return list(await asyncio.gather(*calls))
 
     async def play(
