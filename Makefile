@@ -96,6 +96,7 @@ test-vllm: install-vllm
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_reward_server.py
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_examples.py
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_vision.py
+	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_partial.py
 	TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_vision_agent.py
 
 clean:

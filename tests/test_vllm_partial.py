@@ -176,5 +176,81 @@ def test_tidal_run_in_bounded_mode_with_partial_rollouts_on_vllm_finishes(tmp_pa
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["iterations"] == 3 and summary["groups_trained"] == 3 * 64
     assert "vLLM engine started" in worker_log
+    assert "worker worker-0: the run or round is over, exiting" in worker_log  # the pull-at-a-time worker, whose calls stop together
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["logprob_mismatch"] < 2e-3 for m in metrics), [m["logprob_mismatch"] for m in metrics]
+    assert [m["iteration"] for m in metrics] == [0, 1, 2] and all(m["staleness_max"] <= 1 for m in metrics)
+    # per-token staleness is logged; whether a version arrives mid-response here depends on timing (one run: 11 % of
+    # iteration 1's samples spanned two versions), so only its bookkeeping is checked
+    for m in metrics:
+        assert m["token_staleness_fraction_0"] + m["token_staleness_fraction_1"] == pytest.approx(1.0)
+        assert 0.0 <= m["mixed_version_sample_fraction"] <= 1.0
+
+
+def language_layers_moved(state: dict, seed: int, scale: float = 0.3) -> dict:
+    """Other weights of the same vision-language model: the language model's decoder matrices moved, the rest
+    (vision tower, embeddings, the tied head) as they were."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        k: v + scale * v.std() * torch.randn(v.shape, generator=gen) if v.dim() > 1 and ".layers." in k and "visual" not in k else v.clone()
+        for k, v in state.items()
+    }
+
+
+def test_a_vllm_row_with_an_image_resumes_with_its_image_under_the_new_weights(tmp_path):
+    """A prompt with an image: the rows stopped for newer weights resume as requests that carry the image file
+    again, and their later tokens' log-probs are the new weights' packed vision forward of the whole prompt."""
+    import random
+
+    from tests.test_vision_packing import png
+    from tidal.data.count_squares import count_image
+    from tidal.demo.vision import TinyVLMSize, save_tiny_vlm
+    from tidal.model.loading import load_model
+    from tidal.model.vision import load_processor
+    from tidal.rollout.vllm_adapter import VLLMEngine
+    from tidal.trainer.vision_packing import packed_vision_token_logprobs
+
+    directory = save_tiny_vlm(tmp_path / "vlm", size=TinyVLMSize(num_heads=2, num_kv_heads=1))  # head size 32 for vLLM's CPU attention
+    processor = load_processor(directory)
+    model = load_model(directory).eval()
+    store = WeightStore(tmp_path / "weights", directory)
+    states = {0: copy.deepcopy(model.state_dict())}
+    states[1] = language_layers_moved(states[0], 3)
+    for v, s in states.items():
+        store.publish(v, s)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "how many red squares?"}]}]
+    ids = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    image = png(count_image(random.Random(4), "red", 2, side=56, cell=14))
+    prompt, images = processor.encode(list(ids), [image])
+    request = GroupRequest(prompt, G, seed=11, images=images, image_files=[image])
+    cfg = config_from_dict(
+        {
+            "mode": "bounded",
+            "model": {"name_or_path": str(directory)},
+            "rollout": {
+                "engine": "vllm",
+                "partial": True,
+                "group_size": G,
+                "max_new_tokens": MAX_NEW,
+                "vllm": {"enforce_eager": True, "kv_cache_memory_gib": 0.25, "max_model_len": 128},
+            },
+        }
+    )
+    loop = asyncio.new_event_loop()
+    engine = VLLMEngine.create(cfg, directory)
+    try:
+        loop.run_until_complete(engine.load_weights(store.path(0)))
+        refresh = OutputsRefresh(engine, store, version=0, after=3)
+        (group,) = loop.run_until_complete(complete_partial(engine, [request], MAX_NEW, refresh))
+    finally:
+        engine.shutdown()
+        loop.close()
+    assert refresh.swaps == 1
+    spanning = [c for c in group if c.versions is not None]
+    assert spanning
+    for version, weights in states.items():
+        model.load_state_dict(weights)
+        with torch.no_grad():
+            packed = packed_vision_token_logprobs(model, [(prompt, [c.token_ids], [None], images) for c in spanning], "cpu", kernel="sdpa")
+        for out, c in zip(packed, spanning, strict=True):
+            mine = [i for i, v in enumerate(c.versions) if v == version]  # the tokens this version sampled
+            torch.testing.assert_close(out.logprobs[0, mine], torch.tensor([c.logprobs[i] for i in mine]), atol=LOGPROB_TOL, rtol=0)
