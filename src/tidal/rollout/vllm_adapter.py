@@ -12,6 +12,8 @@ not use). Nothing outside rollout/vllm* imports vllm.
   then added as an adapter of its own (`add_lora`, id version + 1), the previous one removed, and
   every request of that version names it (`lora_request`). The base is never reloaded.
 - The arrival check's probe: prompt log-probs of prompt + response with the version's adapter.
+- Partial rollouts (`rollout.partial`): `complete(..., interrupt=...)` streams each group's request and
+  aborts it when newer weights wait (tidal.rollout.vllm_partial).
 - `BlockingVLLMEngine`: the engine's calls for callers without an event loop (sync mode, eval).
 - What runs inside vLLM's worker processes, and the NCCL weight transfer: tidal.rollout.vllm_weights.
 """

@@ -8,6 +8,8 @@ waits until nothing of the current version is in flight, then the worker loads t
 
 The lease on its work items (rollout.lease), the weight arrival (rollout.arrival) and group generation
 (rollout.generator) are the HF worker's; this module holds the scheduling loop and NCCL's weight offers.
+With rollout.partial a bounded vLLM run uses the HF engine's worker (tidal.rollout.worker) instead: its
+engine calls, one iteration's groups each, stop together when newer weights wait.
 """
 
 from __future__ import annotations

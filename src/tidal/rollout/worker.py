@@ -1,4 +1,5 @@
-"""The HF engine's rollout worker: pull work items, generate G samples each, score, publish the group, ack.
+"""The pull-at-a-time rollout worker (the HF engine's, and vLLM's with rollout.partial): pull work items,
+generate G samples each, score, publish the group, ack.
 
 It never waits for a whole batch: each engine call's groups go out at once, while the engine runs the
 next call, and a work item is acknowledged only after its group is published, so a worker that dies
