@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections import Counter
 
 import pytest
 
 from tests.conftest import read_jsonl
-from tests.test_partial_worker import ITERATIONS, PROMPTS, WorkerCrashed, held_until_published, scenario  # noqa: F401 (a fixture)
+from tests.test_partial_worker import ITERATIONS, PROMPTS, die_after_new_weights_and_replay, held_until_published, scenario  # noqa: F401 (a fixture)
 from tidal.config import config_from_dict
-from tidal.rollout import lease, partial
 
 pytestmark = pytest.mark.usefixtures("held_until_published")  # iteration 1's first decode step waits for version 1
 
@@ -57,31 +55,8 @@ def test_a_worker_that_dies_mid_trajectory_after_new_weights_loses_nothing_and_t
     monkeypatch,
     hands_back,
 ):
-    real_swap = partial.PolicyRefresh.swap
-    crashed: list[int] = []
-
-    async def swap_then_die(self) -> int:
-        version = await real_swap(self)
-        if not crashed:
-            crashed.append(version)
-            raise WorkerCrashed(f"died mid-trajectory with v{version} loaded")
-        return version
-
-    monkeypatch.setattr(partial.PolicyRefresh, "swap", swap_then_die)
-    if not hands_back:  # as SIGKILL leaves it: no NAK, no last heartbeat
-
-        async def nothing(*args) -> None:
-            return None
-
-        monkeypatch.setattr(lease, "hand_back", nothing)
     cfg = bounded_partial_agent(tiny_config_dict)
-    metrics, workers = asyncio.run(scenario(cfg, tmp_path, nats_server, ["w1", "w2"]))
-    assert crashed == [1] and len(workers) == 2
-    records = read_jsonl(tmp_path / "run" / "groups.jsonl")
-    trained = Counter((r["iteration"], r["prompt_id"]) for r in records)
-    assert len(trained) == ITERATIONS * PROMPTS and set(trained.values()) == {1}
-    by_w2 = [r for r in records if r["worker_id"] == "w2"]
-    assert by_w2 and all(r["iteration"] == 1 and r["policy_version"] == 1 for r in by_w2)  # regenerated from scratch with v1
+    metrics, records = die_after_new_weights_and_replay(cfg, tmp_path, nats_server, monkeypatch, hands_back)
     assert metrics[1]["mixed_version_sample_fraction"] == 0.0
     assert [m["samples"] for m in metrics] == [PROMPTS * cfg.rollout.group_size] * ITERATIONS
     assert {r["reward_mean"] for r in records} == {1.0}

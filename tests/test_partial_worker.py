@@ -121,14 +121,10 @@ def test_a_response_started_with_version_0_goes_on_with_version_1_and_trains_wit
     assert len(records) == ITERATIONS * PROMPTS
 
 
-@pytest.mark.parametrize("hands_back", [True, False], ids=["hands-back", "killed"])
-def test_a_worker_that_dies_mid_response_after_new_weights_loses_nothing_and_trains_nothing_twice(
-    tmp_path, tiny_config_dict, nats_server, held_until_published, monkeypatch, hands_back
-):
-    """The first worker takes version 1 in the middle of a response and dies before finishing it: its
-    work item goes back (the lease's hand-back; or, killed, it hands back nothing and the item returns
-    when its heartbeat falls silent or its ack deadline passes), the second worker generates that group
-    from scratch, and every group of the run is trained exactly once."""
+def die_after_new_weights_and_replay(cfg, tmp_path, nats_server, monkeypatch, hands_back: bool) -> tuple[list[dict], list[dict]]:
+    """Workers w1 and w2; w1 loads version 1 in the middle of its responses and dies there (handing its work
+    back, or as SIGKILL leaves it: no NAK, no last heartbeat). Checks that every group was trained exactly once
+    and the one w1 died in was made by w2 from scratch with version 1; returns the metrics and group records."""
     real_swap = partial.PolicyRefresh.swap
     crashed: list[int] = []
 
@@ -140,21 +136,32 @@ def test_a_worker_that_dies_mid_response_after_new_weights_loses_nothing_and_tra
         return version
 
     monkeypatch.setattr(partial.PolicyRefresh, "swap", swap_then_die)
-    if not hands_back:  # as SIGKILL leaves it: no NAK, no last heartbeat
+    if not hands_back:
 
         async def nothing(*args) -> None:
             return None
 
         monkeypatch.setattr(lease, "hand_back", nothing)
-    cfg = bounded_partial(tiny_config_dict)
     metrics, workers = asyncio.run(scenario(cfg, tmp_path, nats_server, ["w1", "w2"]))
     assert crashed == [1] and len(workers) == 2
     records = read_jsonl(tmp_path / "run" / "groups.jsonl")
     trained = Counter((r["iteration"], r["prompt_id"]) for r in records)
     assert len(trained) == ITERATIONS * PROMPTS and set(trained.values()) == {1}
-    # the group w1 died in was made by w2, from scratch, with version 1 alone
     by_w2 = [r for r in records if r["worker_id"] == "w2"]
     assert by_w2 and all(r["iteration"] == 1 and r["policy_version"] == 1 for r in by_w2)
+    return metrics, records
+
+
+@pytest.mark.parametrize("hands_back", [True, False], ids=["hands-back", "killed"])
+def test_a_worker_that_dies_mid_response_after_new_weights_loses_nothing_and_trains_nothing_twice(
+    tmp_path, tiny_config_dict, nats_server, held_until_published, monkeypatch, hands_back
+):
+    """The first worker takes version 1 in the middle of a response and dies before finishing it: its
+    work item goes back (the lease's hand-back; or, killed, it hands back nothing and the item returns
+    when its heartbeat falls silent or its ack deadline passes), the second worker generates that group
+    from scratch, and every group of the run is trained exactly once."""
+    cfg = bounded_partial(tiny_config_dict)
+    metrics, _ = die_after_new_weights_and_replay(cfg, tmp_path, nats_server, monkeypatch, hands_back)
     assert metrics[1]["mixed_version_sample_fraction"] == 0.0
     assert [m["samples"] for m in metrics] == [PROMPTS * cfg.rollout.group_size] * ITERATIONS
 

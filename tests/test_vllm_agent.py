@@ -101,8 +101,8 @@ def recording(engine) -> list[tuple[list[int], object]]:
     inner = engine.engine
     seen, request = [], inner._request
 
-    async def record(prompt_ids, params, tag):
-        samples = await request(prompt_ids, params, tag)
+    async def record(prompt_ids, params, tag, images=None):
+        samples = await request(prompt_ids, params, tag, images)
         seen.append((list(prompt_ids), samples))
         return samples
 
