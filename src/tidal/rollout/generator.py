@@ -103,8 +103,7 @@ class Generator:
 
     def prompt(self, item: WorkItem) -> list[int]:
         """The prompt tokens of `item`'s group (with rollout.agent: one environment's first messages, rendered)."""
-        if item.images and self.processor is None:
-            raise ValueError(f"work item {item.msg_id} has images: a vision-language model's processor takes them")
+        self.check_processor(item)
         if self.agent is not None:
             return self.agent.first_prompt(item, self.processor, self.processed_images(item))
         if not item.images:
@@ -115,10 +114,13 @@ class Generator:
     def processed_images(self, item: WorkItem) -> ImageInputs | None:
         """`item`'s images processed, once, kept until its group is made (rollout.agent: the loop renders the prompt)."""
         if item.images and item.msg_id not in self.images:
-            if self.processor is None:
-                raise ValueError(f"work item {item.msg_id} has images: a vision-language model's processor takes them")
+            self.check_processor(item)
             self.images[item.msg_id] = self.processor.process_images(item.images)
         return self.images.get(item.msg_id)
+
+    def check_processor(self, item: WorkItem) -> None:
+        if item.images and self.processor is None:
+            raise ValueError(f"work item {item.msg_id} has images: a vision-language model's processor takes them")
 
     def request(self, item: WorkItem, prompt: list[int]) -> GroupRequest:
         """The group's request: G rows, and in deterministic mode its own RNG (HF) and seed (vLLM)."""
