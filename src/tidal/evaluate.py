@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from tidal.blocking import run_blocking
 from tidal.config import TidalConfig
 from tidal.data import Problem, prompt_encoder
 from tidal.model.loading import load_model, load_tokenizer
@@ -82,7 +82,7 @@ def held_out_agent_scores(
 
     def answers() -> Iterator[tuple[Problem, list[str]]]:
         for chunk, requests in eval_requests(problems, batch_size, n, seed, None, getattr(engine, "processor", None)):
-            played = asyncio.run(loop.play(engine, [loop.framed(p.id, p.prompt, p.answer) for p in chunk], requests, greedy=samples == 0))
+            played = run_blocking(loop.play(engine, [loop.framed(p.id, p.prompt, p.answer) for p in chunk], requests, greedy=samples == 0))
             for i, p in enumerate(chunk):
                 rows = played[i * n : (i + 1) * n]
                 for row, tokens in rows:

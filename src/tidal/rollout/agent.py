@@ -23,6 +23,7 @@ request per turn. Both turn loops are in tidal.rollout.trajectory.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,8 @@ from tidal.rollout.refresh import Refresh
 from tidal.rollout.trajectory import TrajectoryTokens, Turn
 
 log = logging.getLogger(__name__)
+
+RENDERS_KEPT = 4096  # AgentLoop.render's cache
 
 # a fixed conversation ending with an assistant turn: what the template renders after that turn's
 # end-of-turn token, when observations and the generation prompt follow, is what a trajectory inserts
@@ -130,6 +133,7 @@ class AgentLoop:
         self.eos = tokenizer.eos_token_id
         self.template_kwargs = dict(cfg.rollout.agent.chat_template_kwargs) if cfg.rollout.agent else {}
         self._env_pool: ThreadPoolExecutor | None = None
+        self._renders: dict[str, list[int]] = {}  # render's, by the conversation's JSON
         # checked now, not at the first tool call mid-run: a tokenizer whose EOS is not the token the
         # template ends a turn with (a base model's <|endoftext|> under a ChatML template) would let
         # every turn run on to max_new_tokens (HF) or end its trajectory on another stop token (vLLM);
@@ -166,6 +170,19 @@ class AgentLoop:
     # --- the chat template -------------------------------------------------------------------
 
     def render(self, messages: list[dict], tools: list[dict], generation_prompt: bool) -> list[int]:
+        """The conversation's token ids under the chat template. A worker renders the same conversations
+        again and again (a prompt for its chunking and for each of its group's rows, the fixed one before
+        every tool result), and the template is most of an agent call's Python time: renders are kept,
+        by the conversation's JSON, for the last RENDERS_KEPT conversations."""
+        key = json.dumps([messages, tools, generation_prompt], sort_keys=True, default=str)
+        ids = self._renders.get(key)
+        if ids is None:
+            if len(self._renders) >= RENDERS_KEPT:
+                self._renders.clear()
+            ids = self._renders[key] = self._render(messages, tools, generation_prompt)
+        return list(ids)
+
+    def _render(self, messages: list[dict], tools: list[dict], generation_prompt: bool) -> list[int]:
         kwargs = {"chat_template": self.chat_template} if self.chat_template else {}
         ids = self.tokenizer.apply_chat_template(
             messages,

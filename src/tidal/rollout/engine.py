@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from tidal.blocking import run_blocking
 from tidal.images import ImageInputs
 from tidal.rollout.hf_rows import INTERRUPTED, HFRows, gumbel_sample, returned_cache, turn_seed
 from tidal.rollout.refresh import Refresh
@@ -174,7 +175,7 @@ class HFEngine:
         self, requests: list[GroupRequest], responder: Responder, max_turns: int, max_new_tokens: int | None = None, greedy: bool = False
     ) -> list[TrajectoryTokens]:
         """`play` where no event loop runs."""
-        return asyncio.run(self.play(requests, responder, max_turns, max_new_tokens, greedy))
+        return run_blocking(self.play(requests, responder, max_turns, max_new_tokens, greedy))
 
     async def play(
         self,

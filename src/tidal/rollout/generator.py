@@ -19,6 +19,7 @@ from functools import partial
 
 import numpy as np
 
+from tidal.blocking import run_blocking
 from tidal.config import TidalConfig
 from tidal.data import prompt_encoder
 from tidal.images import ImageInputs
@@ -308,7 +309,7 @@ def generate_groups(
         return [group async for call in generator.calls(items, version, max_groups_per_call=max_groups_per_call) for group in call]
 
     try:
-        return asyncio.run(collect())
+        return run_blocking(collect())
     finally:
         if own:
             generator.close()
