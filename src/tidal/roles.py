@@ -29,7 +29,7 @@ from tidal.protocol import GroupLimits, RunState
 from tidal.run_keys import load_public_key, load_signing_key
 from tidal.rundir import RunDir, RunInfo
 from tidal.sandbox import confine_user_code
-from tidal.threads import core_split, set_threads
+from tidal.threads import core_split, set_threads, sync_generation_threads, torch_threads
 from tidal.trainer.compute import on_compute_thread
 from tidal.trainer.distributed import DistContext, context_from_env, init_process_group
 from tidal.trainer.distributed import shutdown as shutdown_process_group
@@ -250,18 +250,21 @@ def in_process_source(cfg: TidalConfig, run: RunDir, learner: Learner, tokenizer
 
     agent = AgentLoop.from_config(cfg, tokenizer, engine.context_length) if cfg.rollout.agent is not None else None
 
+    threads = sync_generation_threads(cfg, on_cpu=next(learner.model.parameters()).device.type == "cpu") if load_weights is None else None
+
     def generate(items, version):
-        return generate_groups(
-            engine,
-            tokenizer,
-            scorer,
-            items,
-            cfg,
-            version=version,
-            worker_id="sync",
-            max_groups_per_call=cfg.rollout.sync_groups_per_call,
-            agent=agent,
-        )
+        with torch_threads(threads):
+            return generate_groups(
+                engine,
+                tokenizer,
+                scorer,
+                items,
+                cfg,
+                version=version,
+                worker_id="sync",
+                max_groups_per_call=cfg.rollout.sync_groups_per_call,
+                agent=agent,
+            )
 
     return InProcessSource(generate, load_weights)
 

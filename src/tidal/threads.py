@@ -4,7 +4,9 @@ role then reads its threads from the config it is given, like any other setting.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 from tidal.config import TidalConfig
 
@@ -14,6 +16,33 @@ def set_threads(n: int) -> None:
 
     torch.set_num_threads(max(1, n))
     os.environ["OMP_NUM_THREADS"] = str(max(1, n))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Torch's threads set to `n` inside the block and put back after it (None: unchanged). Process-wide:
+    only for phases that nothing else computes beside (sync mode's generation)."""
+    import torch
+
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def sync_generation_threads(cfg: TidalConfig, on_cpu: bool) -> int | None:
+    """Sync mode's threads while it generates (None: the trainer's): rollout.threads when a number; unset,
+    one for multi-turn calls on CPU, whose decode steps run on the event loop's helper threads between tool
+    calls, where another OpenMP team per hop costs more than a second thread gains a small decode batch
+    (docs/benchmarks.md); single-turn calls generate on the trainer's own thread and team."""
+    if isinstance(cfg.rollout.threads, int):
+        return cfg.rollout.threads
+    return 1 if on_cpu and cfg.rollout.agent is not None else None
 
 
 def split_cores(cfg: TidalConfig, cores: int | None = None) -> tuple[int, int]:

@@ -231,7 +231,12 @@ class RolloutConfig(Strict):
         description="Every group a function of (seed, iteration, prompt id) alone: sync, periodic and bounded with "
         "`max_staleness` 0 then train the same weights.",
     )
-    threads: PositiveInt | Literal["auto"] | None = Field(None, description="Unset: an even split of the cores; auto: tidal plan's.")
+    threads: PositiveInt | Literal["auto"] | None = Field(
+        None,
+        description="Torch threads per rollout worker. Unset: an even split of the cores; auto: tidal plan's. Sync mode (HF engine): "
+        "the threads it generates with, the trainer's in between; unset: one for multi-turn calls on CPU (their decode steps hop "
+        "between threads, where a second thread costs more than it gains: [benchmarks](benchmarks.md)), else the trainer's.",
+    )
     max_inflight_groups: int = Field(32, gt=0, description="vllm: groups (n=G requests) in flight per worker.")
     max_staleness: int = Field(
         1,
