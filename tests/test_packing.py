@@ -10,6 +10,7 @@ from tidal.trainer.packing import (
     dense_attention_mask,
     flex_attention_supported,
     group_num_tokens,
+    length_buckets,
     naive_token_logprobs,
     pack_groups,
     packed_token_logprobs,
@@ -79,6 +80,8 @@ def scenario(name: str):
             make_group(rng, 30, [8]),
         ],
         "groups_with_empty_response": [make_group(rng, 7, [0, 4]), make_group(rng, 3, [2, 0, 1])],
+        # multi-turn trajectories: lengths ten times apart fall in several length buckets of the segmented kernel
+        "lengths_ten_times_apart": [make_group(rng, 27, [12, 75, 3, 140, 16, 9], eos=True), make_group(rng, 5, [33, 2, 64])],
     }
     return cases[name]
 
@@ -90,6 +93,7 @@ SCENARIOS = [
     "G5_P1_len1_responses",
     "three_groups_one_microbatch",
     "groups_with_empty_response",
+    "lengths_ten_times_apart",
 ]
 
 
@@ -204,6 +208,17 @@ def test_groups_do_not_see_each_other():
     assert not mask[2:, :2].any()
     assert packed.position_ids.tolist() == [[0, 1, 0, 1, 2, 2]]
     assert packed.logit_index.tolist() == [0, 3, 3]
+
+
+def test_length_buckets_keep_each_within_twice_its_shortest():
+    lengths = [12, 75, 3, 140, 16, 9, 0, 1, 2, 64, 65]
+    buckets = length_buckets(lengths)
+    assert sorted(i for b in buckets for i in b) == list(range(len(lengths)))
+    for b in buckets:
+        longest, shortest = max(lengths[i] for i in b), max(1, min(lengths[i] for i in b))
+        assert longest <= 2 * shortest
+    assert [max(lengths[i] for i in b) for b in buckets] == sorted(max(lengths[i] for i in b) for b in buckets)
+    assert [sorted(lengths[i] for i in b) for b in buckets] == [[0, 1], [2], [3], [9, 12, 16], [64], [65, 75], [140]]
 
 
 def test_unknown_kernel_raises():

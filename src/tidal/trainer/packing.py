@@ -220,39 +220,55 @@ def flex_block_mask(packed: PackedBatch):
 
 
 @dataclass(frozen=True)
+class ResponseBucket:
+    """Responses of similar length, attended in one SDPA call (R = the longest of them; padding indexes any
+    valid position and is masked)."""
+
+    index: torch.Tensor  # [responses, R] packed position of each response token
+    keys: torch.Tensor  # [responses, P + R] keys of each response: its group's prompt, then its own tokens
+    mask: torch.Tensor  # [responses, 1, R, P + R] the prompt, then causal over its own tokens
+    valid: torch.Tensor  # [responses, R] True on real response tokens
+
+
+@dataclass(frozen=True)
 class SegmentedLayout:
     """Index tensors of the ``"segmented"`` kernel for one packed row, every group batched together
-    (P = longest prompt, R = longest response of the row; padding indexes any valid position and is masked).
-    Two SDPA calls per layer, whatever the number of groups: per-group calls cost more in dispatch than
-    in arithmetic for the short sequences of RL post-training."""
+    (P = longest prompt; padding indexes any valid position and is masked). One SDPA call for the prompts
+    and one per bucket of responses of similar length (`length_buckets`), whatever the number of groups:
+    per-group calls cost more in dispatch than in arithmetic for the short sequences of RL post-training,
+    and one call padding every response to the longest costs (longest / typical)^2 in attention where
+    multi-turn trajectories vary tenfold in length."""
 
     prompt_index: torch.Tensor  # [groups, P] packed position of each prompt token
     prompt_mask: torch.Tensor  # [groups, 1, P, P] causal, padding keys hidden
     prompt_valid: torch.Tensor  # [groups, P] True on real prompt tokens
-    response_index: torch.Tensor  # [responses, R] packed position of each response token
-    key_index: torch.Tensor  # [responses, P + R] keys of each response: its group's prompt, then its own tokens
-    response_mask: torch.Tensor  # [responses, 1, R, P + R] the prompt, then causal over its own tokens
-    response_valid: torch.Tensor  # [responses, R] True on real response tokens
-    packed_order: torch.Tensor  # [T] where each packed position sits in the concatenated (prompts, responses) outputs
+    buckets: tuple[ResponseBucket, ...]
+    packed_order: torch.Tensor  # [T] where each packed position sits in the concatenated (prompts, buckets) outputs
+
+
+def length_buckets(lengths: Sequence[int]) -> list[list[int]]:
+    """Indices of `lengths` grouped so that each group's longest is at most twice its shortest (by the
+    power of two above each length), shortest first: at most twice the attention of no padding at all,
+    in about log2(longest / shortest) calls."""
+    buckets: dict[int, list[int]] = {}
+    for i, length in enumerate(lengths):
+        buckets.setdefault(max(0, length - 1).bit_length(), []).append(i)
+    return [buckets[b] for b in sorted(buckets)]
 
 
 def segmented_layout(packed: PackedBatch) -> SegmentedLayout:
     """Index tensors the ``"segmented"`` kernel needs; built once per forward, shared by all layers."""
     device = packed.input_ids.device
     prompt_width = max(packed.prompt_lengths)
-    width = max(packed.response_lengths, default=0)
-    prompt_rows, prompt_valid, response_rows, response_valid, key_rows = [], [], [], [], []
+    prompt_rows, prompt_valid, own_rows, prompt_of_response = [], [], [], []
     row, start = 0, 0
     for prompt_len, size in zip(packed.prompt_lengths, packed.group_sizes, strict=True):
-        prompt = list(range(start, start + prompt_len))
-        prompt_rows.append(prompt + [start] * (prompt_width - prompt_len))
+        prompt_rows.append(list(range(start, start + prompt_len)) + [start] * (prompt_width - prompt_len))
         prompt_valid.append([True] * prompt_len + [False] * (prompt_width - prompt_len))
         at = start + prompt_len
         for length in packed.response_lengths[row : row + size]:
-            own = list(range(at, at + length)) + [start] * (width - length)
-            response_rows.append(own)
-            response_valid.append([True] * length + [False] * (width - length))
-            key_rows.append(prompt_rows[-1] + own)
+            own_rows.append(list(range(at, at + length)))
+            prompt_of_response.append(len(prompt_rows) - 1)
             at += length
         row += size
         start = at
@@ -261,28 +277,28 @@ def segmented_layout(packed: PackedBatch) -> SegmentedLayout:
         return torch.tensor(values, dtype=dtype, device=device)
 
     prompt_index, prompt_ok = tensor(prompt_rows), tensor(prompt_valid, torch.bool)
-    response_index = tensor(response_rows).reshape(len(response_rows), width)
-    response_ok = tensor(response_valid, torch.bool).reshape(len(response_rows), width)
     causal_p = torch.ones(prompt_width, prompt_width, dtype=torch.bool, device=device).tril()
     prompt_mask = (causal_p[None] & prompt_ok[:, None, :])[:, None]
-    group_of_response = torch.repeat_interleave(torch.arange(len(packed.group_sizes), device=device), tensor(packed.group_sizes))
-    causal_r = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    own_keys = causal_r[None] & response_ok[:, None, :]  # [responses, R, R]
-    prompt_keys = prompt_ok[group_of_response][:, None, :].expand(-1, width, -1)  # [responses, R, P]
-    response_mask = torch.cat([prompt_keys, own_keys], dim=2)[:, None]
-    output_index = torch.cat([prompt_index[prompt_ok], response_index[response_ok]])
+    buckets = []
+    for members in length_buckets(packed.response_lengths):
+        width = max(packed.response_lengths[i] for i in members)
+        own = [own_rows[i] + [own_rows[i][0] if own_rows[i] else 0] * (width - len(own_rows[i])) for i in members]
+        valid = tensor([[True] * len(own_rows[i]) + [False] * (width - len(own_rows[i])) for i in members], torch.bool).reshape(len(members), width)
+        keys = tensor([prompt_rows[prompt_of_response[i]] + row for i, row in zip(members, own)]).reshape(len(members), prompt_width + width)
+        causal_r = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        prompt_keys = prompt_ok[tensor([prompt_of_response[i] for i in members])][:, None, :].expand(-1, width, -1)  # [responses, R, P]
+        mask = torch.cat([prompt_keys, causal_r[None] & valid[:, None, :]], dim=2)[:, None]
+        buckets.append(ResponseBucket(tensor(own).reshape(len(members), width), keys, mask, valid))
+    output_index = torch.cat([prompt_index[prompt_ok], *(b.index[b.valid] for b in buckets)])
     packed_order = torch.empty_like(output_index)
     packed_order[output_index] = torch.arange(len(output_index), device=device)
-    return SegmentedLayout(
-        prompt_index, prompt_mask, prompt_ok, response_index, tensor(key_rows).reshape(len(key_rows), prompt_width + width),
-        response_mask, response_ok, packed_order,
-    )  # fmt: skip
+    return SegmentedLayout(prompt_index, prompt_mask, prompt_ok, tuple(buckets), packed_order)
 
 
 def _segmented_sdpa(module, query, key, value, attention_mask=None, scaling=None, segmented_layout=None, **kwargs):
-    """HF attention function: every prompt's causal self-attention in one call, then every response's
-    attention over [its prompt, itself] in another. Costs about responses * R * (P + R) scores instead of
-    the (P + G * R)^2 per group of a dense mask."""
+    """HF attention function: every prompt's causal self-attention in one call, then each bucket's responses'
+    attention over [their prompt, themselves] in one call per bucket. Costs about responses * R * (P + R)
+    scores instead of the (P + G * R)^2 per group of a dense mask."""
     layout = segmented_layout
     query, key, value = query[0], key[0], value[0]  # [H, T, D]; key and value [H_kv, T, D]
     # grouped-query attention inside SDPA: the key/value heads are gathered once, not once per query head
@@ -302,11 +318,11 @@ def _segmented_sdpa(module, query, key, value, attention_mask=None, scaling=None
         scale=scaling,
     )
     outputs = [prompts.transpose(0, 1)[:, layout.prompt_valid]]
-    if layout.response_valid.numel():
-        q = rows(query, layout.response_index)
-        k, v = rows(key, layout.key_index), rows(value, layout.key_index)
-        responses = sdpa(q, k, v, attn_mask=layout.response_mask, scale=scaling)  # [responses, H, R, D]
-        outputs.append(responses.transpose(0, 1)[:, layout.response_valid])
+    for bucket in layout.buckets:
+        q = rows(query, bucket.index)
+        k, v = rows(key, bucket.keys), rows(value, bucket.keys)
+        responses = sdpa(q, k, v, attn_mask=bucket.mask, scale=scaling)  # [responses, H, R, D]
+        outputs.append(responses.transpose(0, 1)[:, bucket.valid])
     attn_output = torch.cat(outputs, dim=1)[:, layout.packed_order]  # [H, T, D]
     return attn_output.transpose(0, 1)[None], None
 
