@@ -197,3 +197,25 @@ def test_agent_metrics_from_the_groups():
     assert (m["agent_tool_timeouts"], m["agent_tool_crashes"], m["agent_tool_outputs_cut"]) == (1.0, 0.0, 2.0)
     single = Group(0, 1, 0, "w", np.array([1], dtype=np.int32), [Sample(np.array([5], dtype=np.int32), np.zeros(1, np.float32), 1.0)])
     assert agent_stats([single]) == {} and not any(k.startswith("agent_") for k in group_stats([single]))
+
+
+def test_a_conversation_rendered_again_comes_from_the_kept_renders_and_equals_a_fresh_rendering():
+    engine, tok = tiny_engine()
+    cfg = agent_config("tests.environments:Chatty")
+    agent = AgentLoop.from_config(cfg, tok, 256)
+    calls = []
+    render = agent._render
+    agent._render = lambda *a: calls.append(a) or render(*a)
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    conversation = [{"role": "user", "content": "12+34="}]
+    first = agent.render(conversation, tools, True)
+    first.append(-1)  # a caller's change to its list does not reach the kept rendering
+    again = agent.render([dict(m) for m in conversation], tools, True)
+    assert len(calls) == 1 and again == render(conversation, tools, True) and -1 not in again
+    assert agent.render(conversation, tools, False) == render(conversation, tools, False) and len(calls) == 2
+    assert agent.render([{"role": "user", "content": "5-7="}], tools, True) != again and len(calls) == 3
+    # a whole call: every row of a group and each prompt's chunking render one conversation once
+    calls.clear()
+    generate_groups(engine, tok, RewardScorer.from_config(cfg.reward), items(), cfg, version=0, worker_id="w", agent=agent)
+    first_prompts = [a for a in calls if a[2] and len(a[0]) == 1]
+    assert len(first_prompts) == len(items())

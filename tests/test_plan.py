@@ -255,3 +255,25 @@ def test_tidal_run_resolves_the_eval_followers_threads_into_the_config_in_every_
         assert resolve_threads(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"threads": 3})}), cores=16).eval.threads == 3
     assert resolve_threads(config_from_dict({"eval": {"every": None}}), cores=16).eval.threads is None
     assert resolve_threads(config_from_dict({"eval": {"every": 5, "enabled": False}}), cores=16).eval.threads is None
+
+
+def test_sync_mode_generates_multi_turn_calls_on_one_thread_on_cpu_unless_rollout_threads_says(tiny_config_dict):
+    import torch
+
+    from tidal.threads import sync_generation_threads, torch_threads
+
+    sync = config_from_dict({**tiny_config_dict, "mode": "sync"})
+    agent = config_from_dict(
+        {**tiny_config_dict, "mode": "sync", "rollout": {**tiny_config_dict["rollout"], "agent": {"env": "tools", "tools": ["calc"]}}}
+    )
+    assert sync_generation_threads(sync, on_cpu=True) is None  # single-turn: inline, on the trainer's threads
+    assert sync_generation_threads(agent, on_cpu=True) == 1
+    assert sync_generation_threads(agent, on_cpu=False) is None
+    chosen = agent.model_copy(update={"rollout": agent.rollout.model_copy(update={"threads": 2})}, deep=True)
+    assert sync_generation_threads(chosen, on_cpu=True) == 2
+    before = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with torch_threads(None):
+        assert torch.get_num_threads() == before
