@@ -69,7 +69,9 @@ def test_a_run_directorys_config_saved_before_the_change_loads_and_compares_equa
             'reward.functions=[{name: exact_match}, {type: reward_model, name: rm, url: "http://127.0.0.1:9/score", batch_size: 8},'
             ' {type: judge, name: judge, url: "http://127.0.0.1:9/v1", model: m, score: number, weight: 0.5}]',
             "rollout.agent.tool_latency={p50_seconds: 0.05}",
-            "rollout.generation_token_budget=16384",  # the example's value when the file was saved (raised since)
+            "rollout.generation_token_budget=16384",  # the example's values when the file was saved (changed since)
+            "rollout.workers=1",
+            "rollout.groups_per_batch=null",
         ],
     )
     saved, notes = loaded(SAVED_AGENT)
