@@ -157,6 +157,24 @@ def test_the_end_of_run_table_says_how_many_rewards_failed_and_where_to_look(tmp
     assert "32 reward(s) scored 0" in line and "logs/worker-*.log" in line
 
 
+def test_the_report_names_every_failing_reward_with_its_counts_and_first_error(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "reward_mean": 0.0}) + "\n")
+    summary = {"mode": "sync", "iterations": 1, "reward_errors": 0, "failures": {"exact_match": [64, 0, None]}}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    assert "Failures" not in build_report(run_dir)  # a reward that never failed: no section
+    failing = {"mymod:score": [64, 64, "ValueError: <b>no answer</b>"], "exact_match": [64, 0, None], "Env.step": [10, 2, "KeyError: 'x'"]}
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "reward_errors": 64, "failures": failing}))
+    page = build_report(run_dir)
+    assert "64 reward(s) scored 0" in page and "logs/worker-*.log" in page
+    rows = [attrs for tag, attrs in parse(page).tags if tag == "table" and attrs.get("class") == "failures"]
+    assert len(rows) == 1
+    assert "<th>mymod:score</th><td>64</td><td>64</td>" in page and "<th>Env.step</th><td>10</td><td>2</td>" in page
+    assert "exact_match</th>" not in page.split('class="failures"')[1].split("</table>")[0]
+    assert "&lt;b&gt;no answer&lt;/b&gt;" in page and "<b>no answer</b>" not in page  # user text is escaped
+
+
 def test_the_time_line_adds_the_trainers_parts_up_to_the_iteration_and_shows_generation_beside_them():
     import re
 

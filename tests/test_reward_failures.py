@@ -138,6 +138,20 @@ def test_an_always_failing_reward_ends_a_short_run_non_zero_with_one_line_naming
         assert read_jsonl(run_dir / "metrics.jsonl") == []
 
 
+def test_a_trainer_of_two_ranks_stops_on_a_failing_reward_with_one_line_and_no_restart(tmp_path, write_config):
+    """torchrun exits 1 whatever its ranks exited with: the launcher reads why from the run directory."""
+    config = write_config(
+        {"reward.functions": [{"name": "exact_match"}, {"name": BROKEN}], "trainer.iterations": 2, "trainer.ranks": 2, "eval.enabled": False}
+    )
+    run_dir = tmp_path / "run"
+    proc = run_cli("run", str(config), "--run-dir", str(run_dir), "--no-progress", timeout=300)
+    assert proc.returncode == REWARD_SERVER_FAILED_EXIT, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tidal: reward {BROKEN} failed every one of its") and "iteration 0, the run's first" in last, last
+    assert "restarting from the last checkpoint" not in (run_dir / "logs" / "launcher.log").read_text()
+    assert read_jsonl(run_dir / "metrics.jsonl") == []
+
+
 def test_an_environment_whose_step_always_raises_is_named_in_the_table_and_the_run_exits_non_zero(tmp_path, write_config):
     config = write_config(
         {

@@ -189,6 +189,26 @@ def summary_table(summary: dict) -> str:
     return f'<table class="summary">{"".join(rows)}</table>'
 
 
+def failures_table(summary: dict) -> str:
+    """Every reward and environment method that failed during the run, by name: its calls, failures and
+    first error (summary.json's `failures`), and the rewards that scored 0 for an error; empty when none did."""
+    failing = sorted((name, t) for name, t in (summary.get("failures") or {}).items() if t[1])
+    errors = int(summary.get("reward_errors") or 0)
+    if not failing and not errors:
+        return ""
+    rows = "".join(
+        f"<tr><th>{html.escape(name)}</th><td>{int(calls)}</td><td>{int(failed)}</td><td><code>{html.escape(str(error))}</code></td></tr>"
+        for name, (calls, failed, error) in failing
+    )
+    table = (
+        f'<table class="failures"><tr><th>reward or method</th><th>calls</th><th>failed</th><th>first error</th></tr>{rows}</table>' if rows else ""
+    )
+    return (
+        f'<h2>Failures</h2><p class="note">{errors} reward(s) scored 0 for an error; each one is in the run\'s logs '
+        f"(logs/worker-*.log; sync mode: logs/launcher.log).</p>{table}"
+    )
+
+
 def split_table(summary: dict, metrics: list[dict]) -> str:
     """The mean split, as the end-of-run table prints it."""
     cells = []
@@ -328,6 +348,7 @@ def build_report(run_dir: str | Path) -> str:
 <div class="charts">{time_split_chart(metrics)}</div>
 <div class="tables"><div><p class="note">Means over the run (summary.json)</p>{split_table(summary, metrics)}</div></div>
 {iteration_table(metrics) if metrics else ""}
+{failures_table(summary)}
 <h2>Summary</h2>
 {summary_table(summary) if summary else '<p class="empty">no summary.json (the run has not finished)</p>'}
 </body></html>

@@ -193,6 +193,11 @@ class RunDir:
     def pid_file(self, process: str) -> Path:
         return self.logs / f"{process}.pid"
 
+    def stop_file(self, process: str) -> Path:
+        """Why `process` stopped the run on purpose ({"code", "message"}): a trainer of several ranks exits
+        through torchrun, whose own exit code (1) says only that a rank failed."""
+        return self.logs / f"{process}.stop.json"
+
     def records(self, name: str) -> Records:
         return Records(self.root / name)
 

@@ -3,6 +3,7 @@ stopping all of them together (signals, the parent-death signal, the run directo
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -224,9 +225,20 @@ class RoleProcesses:
             return [sys.executable, "-m"]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m"]
 
+    def trainer_stop(self) -> dict | None:
+        """What the trainer recorded when it stopped the run on purpose (RunDir.stop_file), if anything."""
+        try:
+            return json.loads(self.run.stop_file("trainer").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def spawn_trainer(self) -> subprocess.Popen:
+        self.run.stop_file("trainer").unlink(missing_ok=True)  # an earlier start's reason is not this one's
+        return self._spawn(["train"], "trainer", self.trainer_threads)
+
     def start(self) -> None:
         self.run.logs.mkdir(parents=True, exist_ok=True)
-        self.trainer = self._spawn(["train"], "trainer", self.trainer_threads)
+        self.trainer = self.spawn_trainer()
         for i in range(self.cfg.rollout.initial_workers):
             self.start_worker(f"worker-{i}")
 
@@ -329,10 +341,13 @@ class RoleProcesses:
         code = self.trainer.poll()
         if code is None:
             return False
-        if code == REWARD_SERVER_FAILED_EXIT:  # a reward failing every call, or too often: a restart would ask it again
+        stop = self.trainer_stop() if code != 0 else None
+        if code == REWARD_SERVER_FAILED_EXIT or (stop or {}).get("code") == REWARD_SERVER_FAILED_EXIT:
+            # a reward failing every call, or too often: a restart would ask it again (several ranks: torchrun exits 1)
             from tidal.rewards.failures import RewardFailingError
 
-            raise RewardFailingError(f"{one_line_error(self.run.log('trainer')) or 'a reward failed'} (see {self.run.log('trainer')})")
+            said = (stop or {}).get("message") or one_line_error(self.run.log("trainer")) or "a reward failed"
+            raise RewardFailingError(f"{said.removeprefix('tidal: ')} (see {self.run.log('trainer')})")
         # torchrun exits 1 when one of its ranks was killed: for a multi-rank trainer any failure is retried;
         # NATS_LOST_EXIT: the trainer lost NATS for longer than its client reconnects
         restartable = code < 0 or code == NATS_LOST_EXIT or (self.cfg.trainer.ranks > 1 and code != 0)
@@ -344,7 +359,7 @@ class RoleProcesses:
             self.end(self.trainer)
             self.reopen_run()
             self.trainer_restarted_at = time.time()
-            self.trainer = self._spawn(["train"], "trainer", self.trainer_threads)
+            self.trainer = self.spawn_trainer()
             return False
         if code != 0:
             raise self.failed("trainer", code, "trainer")
