@@ -286,20 +286,6 @@ def main(argv: list[str] | None = None) -> int:
             gc.freeze()
 
 
-def record_stop(run_dir: str, process: str, code: int, message: str) -> None:
-    """The run directory's note of why `process` stopped the run on purpose (RunDir.stop_file), for a launcher
-    that sees only torchrun's exit code; any rank may write it, all write the same."""
-    import json
-
-    from tidal.rundir import RunDir
-
-    path = RunDir(Path(run_dir)).stop_file(process)
-    if path.parent.is_dir():
-        tmp = path.with_name(f"{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"code": code, "message": message}))
-        tmp.replace(path)
-
-
 def importable_from_working_directory() -> None:
     """`module:function` names (rewards, tools, estimators) resolve from the working directory, as under
     `python -m tidal.cli` and in every role (started with -m): a console script's sys.path starts with
@@ -347,7 +333,9 @@ def _main(argv: list[str] | None) -> int:
         if isinstance(err, RewardFailingError):
             print(f"tidal: {err}", file=sys.stderr)
             if args.func is train_command and getattr(args, "run_dir", None):
-                record_stop(args.run_dir, "trainer", REWARD_SERVER_FAILED_EXIT, str(err))
+                from tidal.rundir import RunDir
+
+                RunDir(Path(args.run_dir)).record_stop("trainer", REWARD_SERVER_FAILED_EXIT, str(err))
             return REWARD_SERVER_FAILED_EXIT
         if isinstance(err, (RoleFailed, SkippedStepsError)):
             print(f"tidal: {err}", file=sys.stderr)

@@ -250,7 +250,7 @@ def in_process_source(cfg: TidalConfig, run: RunDir, learner: Learner, tokenizer
 
     agent = AgentLoop.from_config(cfg, tokenizer, engine.context_length) if cfg.rollout.agent is not None else None
 
-    threads = sync_generation_threads(cfg, on_cpu=next(learner.model.parameters()).device.type == "cpu") if load_weights is None else None
+    threads = sync_generation_threads(cfg, on_cpu=str(learner.device).startswith("cpu")) if load_weights is None else None
 
     def generate(items, version):
         with torch_threads(threads):

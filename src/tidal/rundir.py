@@ -198,6 +198,22 @@ class RunDir:
         through torchrun, whose own exit code (1) says only that a rank failed."""
         return self.logs / f"{process}.stop.json"
 
+    def record_stop(self, process: str, code: int, message: str) -> None:
+        """Writes `stop_file` (any rank may, all write the same); nothing where the run has no logs folder."""
+        path = self.stop_file(process)
+        if path.parent.is_dir():
+            tmp = path.with_name(f"{path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"code": code, "message": message}))
+            tmp.replace(path)
+
+    def recorded_stop(self, process: str) -> tuple[int, str] | None:
+        """(code, message) from `stop_file`, if `process` wrote one."""
+        try:
+            record = json.loads(self.stop_file(process).read_text())
+            return int(record["code"]), str(record["message"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def records(self, name: str) -> Records:
         return Records(self.root / name)
 

@@ -3,7 +3,6 @@ stopping all of them together (signals, the parent-death signal, the run directo
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -225,13 +224,6 @@ class RoleProcesses:
             return [sys.executable, "-m"]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m"]
 
-    def trainer_stop(self) -> dict | None:
-        """What the trainer recorded when it stopped the run on purpose (RunDir.stop_file), if anything."""
-        try:
-            return json.loads(self.run.stop_file("trainer").read_text())
-        except (OSError, ValueError):
-            return None
-
     def spawn_trainer(self) -> subprocess.Popen:
         self.run.stop_file("trainer").unlink(missing_ok=True)  # an earlier start's reason is not this one's
         return self._spawn(["train"], "trainer", self.trainer_threads)
@@ -341,12 +333,12 @@ class RoleProcesses:
         code = self.trainer.poll()
         if code is None:
             return False
-        stop = self.trainer_stop() if code != 0 else None
-        if code == REWARD_SERVER_FAILED_EXIT or (stop or {}).get("code") == REWARD_SERVER_FAILED_EXIT:
+        stopped_code, said = (self.run.recorded_stop("trainer") if code != 0 else None) or (code, None)
+        if REWARD_SERVER_FAILED_EXIT in (code, stopped_code):
             # a reward failing every call, or too often: a restart would ask it again (several ranks: torchrun exits 1)
             from tidal.rewards.failures import RewardFailingError
 
-            said = (stop or {}).get("message") or one_line_error(self.run.log("trainer")) or "a reward failed"
+            said = said or one_line_error(self.run.log("trainer")) or "a reward failed"
             raise RewardFailingError(f"{said.removeprefix('tidal: ')} (see {self.run.log('trainer')})")
         # torchrun exits 1 when one of its ranks was killed: for a multi-rank trainer any failure is retried;
         # NATS_LOST_EXIT: the trainer lost NATS for longer than its client reconnects
