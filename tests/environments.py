@@ -89,6 +89,19 @@ class Overlapping(Chatty):
         return super().step(assistant_text)
 
 
+class SlowOnProblemZero(Chatty):
+    """Chatty whose steps for problem 0 take 3 s each (a slow tool call); every other problem's are instant."""
+
+    def reset(self, problem):
+        self.slow = problem.id == 0
+        return super().reset(problem)
+
+    def step(self, assistant_text: str):
+        if self.slow:
+            time.sleep(3)
+        return super().step(assistant_text)
+
+
 class StepRaises(Environment):
     """Every step() raises: each trajectory that ends a turn ends there, its reward from reward.functions."""
 

@@ -14,6 +14,7 @@ from tests.conftest import eos_prone
 from tests.conftest import mask_runs as runs
 from tests.environments import steps_at_once
 from tidal import sandbox
+from tidal.blocking import run_blocking
 from tidal.config import TrainerConfig, config_from_dict
 from tidal.demo.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
 from tidal.protocol import WorkItem, decode_group, pack
@@ -21,7 +22,7 @@ from tidal.rewards import RewardScorer
 from tidal.roles import group_limits
 from tidal.rollout.agent import AgentLoop
 from tidal.rollout.engine import HFEngine
-from tidal.rollout.generator import generate_groups
+from tidal.rollout.generator import Generator, generate_groups
 from tidal.rollout.worker import pull_size
 from tidal.trainer.learner import Learner
 
@@ -112,6 +113,23 @@ def test_the_hf_engine_runs_one_turns_environment_steps_at_once(tmp_path, monkey
     )
     for g, h in zip(groups, chatty):
         assert [s.token_ids.tolist() for s in g.samples] == [s.token_ids.tolist() for s in h.samples]
+
+
+def test_a_group_goes_out_when_its_trajectories_end_not_when_the_engine_call_does():
+    """Problem 0's tool calls take 3 s each; problem 1's group, in the same engine call, is yielded on its
+    own first (the worker publishes it and the trainer trains it meanwhile), then problem 0's."""
+    engine, tok = tiny_engine(eos_logit=2.5)
+    cfg = agent_config("tests.environments:SlowOnProblemZero", env_processes=len(items()) * G)
+    generator = Generator.for_worker(cfg, engine, tok, RewardScorer.from_config(cfg.reward), "w")
+
+    async def yields() -> list[list[int]]:
+        return [[g.prompt_id for g in groups] async for groups in generator.calls(items(), 0)]
+
+    try:
+        order = run_blocking(yields())
+    finally:
+        generator.close()
+    assert order == [[1], [0]]
 
 
 def test_long_observations_are_cut_to_the_per_turn_limit_and_counted():

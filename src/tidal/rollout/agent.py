@@ -26,6 +26,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -266,14 +267,23 @@ class AgentLoop:
     # --- one engine call ---------------------------------------------------------------------
 
     async def play(
-        self, engine: RolloutEngine, problems: list[Problem], requests: list[GroupRequest], greedy: bool = False, refresh: Refresh | None = None
+        self,
+        engine: RolloutEngine,
+        problems: list[Problem],
+        requests: list[GroupRequest],
+        greedy: bool = False,
+        refresh: Refresh | None = None,
+        on_done: Callable[[int, tuple[_Row, TrajectoryTokens]], None] | None = None,
     ) -> list[tuple[_Row, TrajectoryTokens]]:
         """The trajectories of `problems` (request i gives problem i's G rows their RNG and images; its prompt
         is set here): each row's environment and messages, and its tokens, in row order. `refresh`
-        (rollout.partial, HF engine): the rows go on with newer weights published meanwhile."""
+        (rollout.partial, HF engine): the rows go on with newer weights published meanwhile. `on_done(row,
+        (environment row, tokens))`: told of each trajectory as it ends, on the engine's event loop."""
         r = self.cfg.rollout
         responder = self.begin(problems, requests, getattr(engine, "processor", None))
         newer = {} if refresh is None else {"refresh": refresh}  # the HF engine's alone: the config refuses partial on vLLM
+        if on_done is not None:
+            newer["on_done"] = lambda row, tokens: on_done(row, (responder.rows[row], tokens))
         trajectories = await engine.play(requests, responder, r.agent.max_turns, r.max_new_tokens, greedy, **newer)
         return list(zip(responder.rows, trajectories))
 

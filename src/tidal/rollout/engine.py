@@ -14,7 +14,7 @@ from tidal.blocking import run_blocking
 from tidal.images import ImageInputs
 from tidal.rollout.hf_rows import INTERRUPTED, HFRows, gumbel_sample, returned_cache, turn_seed
 from tidal.rollout.refresh import Refresh
-from tidal.rollout.trajectory import Responder, TrajectoryTokens, play_rows
+from tidal.rollout.trajectory import Responder, RowDone, TrajectoryTokens, play_rows
 
 __all__ = ["INTERRUPTED", "gumbel_sample", "returned_cache", "turn_seed"]  # their home is hf_rows; callers import them from here
 
@@ -60,9 +60,16 @@ class RolloutEngine(Protocol):
         """One response per row, G rows per request, grouped by request."""
 
     async def play(
-        self, requests: list[GroupRequest], responder: Responder, max_turns: int, max_new_tokens: int | None = None, greedy: bool = False
+        self,
+        requests: list[GroupRequest],
+        responder: Responder,
+        max_turns: int,
+        max_new_tokens: int | None = None,
+        greedy: bool = False,
+        on_done: RowDone | None = None,
     ) -> list[TrajectoryTokens]:
-        """One multi-turn trajectory per row (G per request, in order): see tidal.rollout.trajectory. The
+        """One multi-turn trajectory per row (G per request, in order): see tidal.rollout.trajectory.
+        `on_done(row, tokens)` is told of each trajectory as it ends (on the engine's event loop). The
         HF engine's also takes `refresh` (rollout.partial, which the config refuses on vLLM)."""
 
     async def probe(self, sequences: list[dict]) -> list[list[float]]:
@@ -184,13 +191,14 @@ class HFEngine:
         max_turns: int,
         max_new_tokens: int | None = None,
         greedy: bool = False,
+        on_done: RowDone | None = None,
         refresh: Refresh | None = None,
     ) -> list[TrajectoryTokens]:
         """The rows of `requests` over one decode batch that each row leaves when its turn ends and joins
         again when its environment has answered (trajectory.play_rows): a slow step holds only its row.
         With `refresh` (rollout.partial) the rows go on with newer weights loaded between decode steps."""
         rows = await asyncio.to_thread(self.start, requests, max_turns)
-        return await play_rows(rows, responder, max_turns, max_new_tokens or self.max_new_tokens, greedy, refresh)
+        return await play_rows(rows, responder, max_turns, max_new_tokens or self.max_new_tokens, greedy, refresh, on_done)
 
     async def probe(self, sequences: list[dict]) -> list[list[float]]:
         return await asyncio.to_thread(self.probe_logprobs, sequences)

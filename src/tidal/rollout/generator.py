@@ -12,6 +12,7 @@ id) alone, through its own RNG (HF) or seed (vLLM), and every engine call holds 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor, Future
@@ -146,7 +147,8 @@ class Generator:
         refresh: Refresh | None = None,
     ) -> AsyncIterator[list[Group] | Future]:
         """One group per work item, one engine call at a time: yields each call's groups as soon as they
-        are scored. With `scoring` (an executor of one thread), a call's groups are scored there while the
+        are scored (with rollout.agent, each group as soon as its trajectories have ended, so not
+        necessarily in the items' order). With `scoring` (an executor of one thread), a call's groups are scored there while the
         engine runs the next call, and each yield is a Future of them. With `refresh` (rollout.partial),
         a call's rows may go on with newer weights (tidal.rollout.partial); each call starts with the
         version the engine then holds."""
@@ -158,10 +160,11 @@ class Generator:
         ):
             batch = [items[i] for i in chunk]
             requests = [self.request(it, prompts[i]) for i, it in zip(chunk, batch)]
-            if self.agent is not None:  # the agent loop scores each trajectory as it ends
+            if self.agent is not None:  # each group goes out as soon as its trajectories have ended
                 version = version if refresh is None else refresh.version
-                groups = await self.agent_groups(batch, requests, version, refresh=refresh)
-                yield groups if scoring is None else finished(groups)
+                async with contextlib.aclosing(self.agent_stream(batch, requests, version, refresh=refresh)) as stream:
+                    async for groups in stream:
+                        yield groups if scoring is None else finished(groups)
                 continue
             gen_start = time.time()
             if refresh is None:
@@ -189,30 +192,88 @@ class Generator:
     async def agent_groups(
         self, items: list[WorkItem], requests: list[GroupRequest], version: int, score_pool: Executor | None = None, refresh: Refresh | None = None
     ) -> list[Group]:
-        """rollout.agent: the items' trajectories, scored on `score_pool` (rewards may be slow user code).
-        With `refresh` (rollout.partial) a trajectory may go on with newer weights: `version` is the one
-        it started with, the oldest among its tokens."""
-        agent = self.agent
+        """`agent_stream`'s groups, all of them, in the items' order."""
+        async with contextlib.aclosing(self.agent_stream(items, requests, version, score_pool, refresh)) as stream:
+            made = [group async for groups in stream for group in groups]
+        return in_item_order(items, made)
+
+    async def agent_stream(
+        self, items: list[WorkItem], requests: list[GroupRequest], version: int, score_pool: Executor | None = None, refresh: Refresh | None = None
+    ) -> AsyncIterator[list[Group]]:
+        """rollout.agent: the items' trajectories in one engine call, each group scored (on `score_pool`:
+        rewards may be slow user code) and yielded as soon as its G trajectories have ended, while the
+        call's other rows go on; so a group held by a slow tool call delays only itself. With `refresh`
+        (rollout.partial) a trajectory may go on with newer weights: `version` is the one it started
+        with, the oldest among its tokens."""
+        agent, loop = self.agent, asyncio.get_running_loop()
+        group_of = [g for g, request in enumerate(requests) for _ in range(request.n)]
+        first_row = [sum(r.n for r in requests[:g]) for g in range(len(requests))]
+        rows_left = [r.n for r in requests]
+        played: dict[int, tuple] = {}
+        ended: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
+
+        def record(row: int, entry: tuple) -> None:
+            played[row] = entry
+            rows_left[group_of[row]] -= 1
+            if not rows_left[group_of[row]]:
+                ended.put_nowait((group_of[row], time.time()))
+
+        def row_done(row: int, entry: tuple) -> None:  # on the engine's event loop, another thread's with the blocking vLLM engine
+            loop.call_soon_threadsafe(record, row, entry)
+
         gen_start = time.time()
-        played = await agent.play(self.engine, [agent.problem(item) for item in items], requests, refresh=refresh)
-        gen_end = time.time()
+        play = asyncio.ensure_future(agent.play(self.engine, [agent.problem(item) for item in items], requests, refresh=refresh, on_done=row_done))
+        emitted: set[int] = set()
+        try:
+            while len(emitted) < len(requests):
+                if ended.empty() and not play.done():
+                    waiting = asyncio.ensure_future(ended.get())
+                    await asyncio.wait({waiting, play}, return_when=asyncio.FIRST_COMPLETED)
+                    if waiting.done():
+                        ended.put_nowait(waiting.result())
+                    else:
+                        waiting.cancel()
+                ready = []
+                while not ended.empty():
+                    ready.append(ended.get_nowait())
+                if not ready and play.done():  # every row has ended; callbacks still queued on another loop are not waited for
+                    done_at = time.time()
+                    played.update(dict(enumerate(play.result())))
+                    ready = [(g, done_at) for g in range(len(requests)) if g not in emitted]
+                ready = [(g, at) for g, at in ready if g not in emitted]
+                emitted.update(g for g, _ in ready)
+                if not ready:
+                    continue
 
-        def scored() -> list[Group]:
-            groups, at = [], 0
-            for item, request in zip(items, requests):
-                errors_before = self.scorer.errors
-                samples, stats = agent.scored(played[at : at + request.n], item, self.scorer)
-                for sample, (_, tokens) in zip(samples, played[at : at + request.n], strict=True):
-                    sample.versions = mixed_versions(tokens.versions, version)
-                at += request.n
-                errors = self.scorer.errors - errors_before
-                failures = self.scorer.ledger.take()
-                groups.append(
-                    self.make_group(item, request.prompt_ids, samples, version, (gen_start, gen_end), errors, env_stats=stats, failures=failures)
-                )
-            return groups
+                def scored(ready=ready) -> list[Group]:
+                    return [
+                        self.agent_group(
+                            items[g],
+                            requests[g],
+                            [played[row] for row in range(first_row[g], first_row[g] + requests[g].n)],
+                            version,
+                            (gen_start, at),
+                        )
+                        for g, at in ready
+                    ]
 
-        return await asyncio.get_running_loop().run_in_executor(score_pool, scored)
+                yield await loop.run_in_executor(score_pool, scored)
+            play.result()
+        finally:
+            if not play.done():
+                play.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await play
+
+    def agent_group(self, item: WorkItem, request: GroupRequest, played: list[tuple], version: int, times: tuple[float, float]) -> Group:
+        """One group of finished trajectories, scored."""
+        errors_before = self.scorer.errors
+        samples, stats = self.agent.scored(played, item, self.scorer)
+        for sample, (_, tokens) in zip(samples, played, strict=True):
+            sample.versions = mixed_versions(tokens.versions, version)
+        errors = self.scorer.errors - errors_before
+        failures = self.scorer.ledger.take()
+        return self.make_group(item, request.prompt_ids, samples, version, times, errors, env_stats=stats, failures=failures)
 
     def score(self, entries: list[tuple]) -> list[Group]:
         """Single-turn groups, every sample scored in one `score_many` (served rewards batch across the
@@ -261,6 +322,14 @@ class Generator:
         )
 
 
+def in_item_order(items: list[WorkItem], groups: list[Group]) -> list[Group]:
+    """`groups` (one per item, in any order) in the order of their work items."""
+    by_key: dict[tuple[int, int], list[Group]] = {}
+    for group in groups:
+        by_key.setdefault((group.iteration, group.prompt_id), []).append(group)
+    return [by_key[(item.iteration, item.prompt_id)].pop(0) for item in items]
+
+
 def mixed_versions(versions: list[int] | None, group_version: int) -> np.ndarray | None:
     """A trajectory's per-token versions as its sample carries them: None (every sampled token the
     group's version) unless some sampled token has another."""
@@ -306,7 +375,8 @@ def generate_groups(
     )
 
     async def collect() -> list[Group]:
-        return [group async for call in generator.calls(items, version, max_groups_per_call=max_groups_per_call) for group in call]
+        made = [group async for call in generator.calls(items, version, max_groups_per_call=max_groups_per_call) for group in call]
+        return in_item_order(items, made)
 
     try:
         return run_blocking(collect())

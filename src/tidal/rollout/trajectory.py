@@ -118,15 +118,25 @@ class RowBatch(Protocol):
     def drop(self, rows: list[int]) -> None: ...
 
 
+RowDone = Callable[[int, "TrajectoryTokens"], None]  # a row's trajectory has ended: (row, its tokens), final
+
+
 async def play_rows(
-    batch: RowBatch, responder: Responder, max_turns: int, max_new_tokens: int, greedy: bool = False, refresh: Refresh | None = None
+    batch: RowBatch,
+    responder: Responder,
+    max_turns: int,
+    max_new_tokens: int,
+    greedy: bool = False,
+    refresh: Refresh | None = None,
+    on_done: RowDone | None = None,
 ) -> list[TrajectoryTokens]:
     """One trajectory per row of `batch`, in row order. The batch decodes (on a thread) until some
     row's turn ends; that row's answer is asked for at once, and the rows whose answers are in join
     the batch again for their next turn while the others decode on. A trajectory that still wants a
     turn after `max_turns` ends there (finish reason max_turns). With `refresh` (rollout.partial),
     newer weights stop the batch between decode steps, are loaded, and every row goes on with them:
-    nothing is sampled or asked of an environment again, and each sampled token carries its version."""
+    nothing is sampled or asked of an environment again, and each sampled token carries its version.
+    `on_done(row, tokens)` is told of each trajectory as it ends, while the others go on."""
     if refresh is not None:
         batch.version = refresh.version
     out = {row: TrajectoryTokens() for row in batch.rows}
@@ -137,6 +147,8 @@ async def play_rows(
     async def answer(row: int, turn: Turn) -> None:
         reply = await responder.respond(row, turn)
         answers[row] = out[row].answered(reply, out[row].turns == max_turns)
+        if answers[row] is None and on_done is not None:
+            on_done(row, out[row])
         wake.set()
 
     try:
@@ -173,13 +185,17 @@ async def play_rows(
 SampleTurn = Callable[[list[int], int], Awaitable[Turn]]
 
 
-async def play_row(sample: SampleTurn, prompt_ids: list[int], row: int, responder: Responder, max_turns: int) -> TrajectoryTokens:
+async def play_row(
+    sample: SampleTurn, prompt_ids: list[int], row: int, responder: Responder, max_turns: int, on_done: RowDone | None = None
+) -> TrajectoryTokens:
     """Row `row`'s trajectory, one request per turn: `sample(token_prompt, turn_index)` samples a turn
-    on the prompt and every token so far, exactly as sampled and inserted."""
+    on the prompt and every token so far, exactly as sampled and inserted. `on_done` as play_rows'."""
     out = TrajectoryTokens()
     for turn_index in range(max_turns):
         turn = await sample([*prompt_ids, *out.token_ids], turn_index)
         out.add_sampled(turn)
         if out.answered(await responder.respond(row, turn), turn_index + 1 == max_turns) is None:
             break
+    if on_done is not None:
+        on_done(row, out)
     return out

@@ -33,7 +33,7 @@ from pathlib import Path
 from tidal.config import TidalConfig
 from tidal.logs import library_logs_to_log, output_to_log
 from tidal.rollout.engine import Completion, GroupRequest, Interrupt, turn_seed
-from tidal.rollout.trajectory import Responder, TrajectoryTokens, Turn, play_row
+from tidal.rollout.trajectory import Responder, RowDone, TrajectoryTokens, Turn, play_row
 from tidal.rollout.vllm_args import (
     VLLMStartError,
     check_head_size,
@@ -231,7 +231,13 @@ class VLLMEngine:
         return list(await asyncio.gather(*calls))
 
     async def play(
-        self, requests: list[GroupRequest], responder: Responder, max_turns: int, max_new_tokens: int | None = None, greedy: bool = False
+        self,
+        requests: list[GroupRequest],
+        responder: Responder,
+        max_turns: int,
+        max_new_tokens: int | None = None,
+        greedy: bool = False,
+        on_done: RowDone | None = None,
     ) -> list[TrajectoryTokens]:
         """One trajectory per row (G per request, in order), every row in flight at once, one request per
         turn (trajectory.play_row): while one row waits on `responder.respond`, the others decode. A row
@@ -250,7 +256,7 @@ class VLLMEngine:
 
         async with asyncio.TaskGroup() as tasks:
             running = [
-                tasks.create_task(play_row(sampler(row, request, index), request.prompt_ids, row, responder, max_turns))
+                tasks.create_task(play_row(sampler(row, request, index), request.prompt_ids, row, responder, max_turns, on_done))
                 for row, (request, index) in enumerate(rows)
             ]
         return [task.result() for task in running]
@@ -411,10 +417,16 @@ class BlockingVLLMEngine:
         return await self._on_loop(self.engine.complete(requests, greedy, max_new_tokens, tag))
 
     async def play(
-        self, requests: list[GroupRequest], responder: Responder, max_turns: int, max_new_tokens: int | None = None, greedy: bool = False
+        self,
+        requests: list[GroupRequest],
+        responder: Responder,
+        max_turns: int,
+        max_new_tokens: int | None = None,
+        greedy: bool = False,
+        on_done: RowDone | None = None,
     ) -> list[TrajectoryTokens]:
-        """VLLMEngine.play; `responder.respond` runs on the engine's event loop."""
-        return await self._on_loop(self.engine.play(requests, responder, max_turns, max_new_tokens, greedy))
+        """VLLMEngine.play; `responder.respond` and `on_done` run on the engine's event loop."""
+        return await self._on_loop(self.engine.play(requests, responder, max_turns, max_new_tokens, greedy, on_done))
 
     async def probe(self, probe: list[dict]) -> list[list[float]]:
         return await self._on_loop(self.engine.probe(probe))

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from tidal.config import TidalConfig
-from tidal.protocol import Group
+from tidal.protocol import Group, WorkItem
 from tidal.rewards import RewardScorer
 from tidal.rollout.arrival import version_to_generate
 from tidal.rollout.core import WorkerCore
@@ -127,31 +127,47 @@ class RolloutWorker:
             idle = time.time() - idle_since - load_seconds
             # the first pull of an iteration starts with a small call: the trainer waits on its first groups
             first = self.cfg.rollout.first_call_groups if new_version else None
-            taken = [0]  # groups of this pull handed to the publisher so far
+            answering = PullMessages(pulled)
             # rollout.partial: newer weights published meanwhile are loaded between decode steps
             refresh = PolicyRefresh.started(self.transport, self.arrival, iteration, self.version) if self.cfg.rollout.partial else None
             try:
                 # each call's groups are scored, then published (and their items acked), while the engine runs the next call
                 async for pending in self.generator.calls(items, self.version, first_call_groups=first, scoring=self.scoring, refresh=refresh):
                     publisher.raise_if_failed()
-                    publisher.submit(self._scored(pending, msgs, taken, load_seconds, idle))
+                    publisher.submit(self._scored(pending, answering, load_seconds, idle))
                     raise_if_stop_requested(self.stop_requested)  # the rest of the items go back, not into another engine call
             finally:
                 if refresh is not None:
                     await refresh.close()
             idle_since = time.time()
 
-    async def _scored(self, pending, msgs: list, taken: list[int], load_seconds: float, idle: float) -> list[tuple[Group, object]]:
-        """One engine call's groups (or a Future of them, being scored), paired with their work items'
-        messages. The publisher runs these in order, so `taken` counts the pull's groups before this call's."""
+    async def _scored(self, pending, answering: PullMessages, load_seconds: float, idle: float) -> list[tuple[Group, object]]:
+        """Groups of the pull (or a Future of them, being scored), each paired with its work item's message.
+        The pull's first group carries the weight load and the idle time before it."""
         groups = await asyncio.wrap_future(pending) if isinstance(pending, Future) else pending
-        start = taken[0]
-        taken[0] += len(groups)
         self.prompt_tokens = max([self.prompt_tokens, *(len(g.prompt_ids) for g in groups)])
-        for j, g in enumerate(groups):
-            g.weight_load_seconds = load_seconds if start + j == 0 else 0.0
-            g.worker_idle_seconds = idle if start + j == 0 else 0.0
-        return list(zip(groups, msgs[start : start + len(groups)]))
+        pairs = []
+        for g in groups:
+            first = answering.first
+            pairs.append((g, answering.take(g)))
+            g.weight_load_seconds = load_seconds if first else 0.0
+            g.worker_idle_seconds = idle if first else 0.0
+        return pairs
+
+
+class PullMessages:
+    """The work messages of one pull, given out to the groups that answer them, in whatever order the
+    groups are made (an agent call's groups come out as their trajectories end)."""
+
+    def __init__(self, pulled: list[tuple[object, WorkItem]]):
+        self.waiting: dict[tuple[int, int], list] = {}
+        for msg, item in pulled:
+            self.waiting.setdefault((item.iteration, item.prompt_id), []).append(msg)
+        self.first = True  # no group of the pull has been given its message yet
+
+    def take(self, group: Group):
+        self.first = False
+        return self.waiting[(group.iteration, group.prompt_id)].pop(0)
 
 
 class GroupPublisher:
