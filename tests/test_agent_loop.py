@@ -17,7 +17,7 @@ from tidal import sandbox
 from tidal.blocking import run_blocking
 from tidal.config import TrainerConfig, config_from_dict
 from tidal.demo.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
-from tidal.protocol import WorkItem, decode_group, pack
+from tidal.protocol import Group, WorkItem, decode_group, pack
 from tidal.rewards import RewardScorer
 from tidal.roles import group_limits
 from tidal.rollout.agent import AgentLoop
@@ -130,6 +130,28 @@ def test_a_group_goes_out_when_its_trajectories_end_not_when_the_engine_call_doe
     finally:
         generator.close()
     assert order == [[1], [0]]
+
+
+def test_the_next_item_joins_the_running_call_when_a_group_ends():
+    """Two groups in flight at most: problem 0's tool calls take 3 s each; when problem 1's group ends,
+    problem 2's joins the running call (not a call of its own after problem 0's), and goes out before
+    problem 0's. Every group is made once, from its own trajectories."""
+    engine, tok = tiny_engine(eos_logit=2.5)
+    cfg = agent_config("tests.environments:SlowOnProblemZero", env_processes=3 * G)
+    generator = Generator.for_worker(cfg, engine, tok, RewardScorer.from_config(cfg.reward), "w")
+    three = [*items(), WorkItem(0, 2, "3*4=", "12")]
+
+    async def yields() -> list[list[Group]]:
+        return [groups async for groups in generator.calls(three, 0, max_groups_per_call=2)]
+
+    try:
+        made = run_blocking(yields())
+    finally:
+        generator.close()
+    assert [[g.prompt_id for g in groups] for groups in made] == [[1], [2], [0]]
+    for (group,) in made:
+        assert len(group.samples) == G and group.env_stats["trajectories"] == G
+        assert tok.decode(group.prompt_ids.tolist()).endswith(three[group.prompt_id].prompt + "\n<a>")
 
 
 def test_long_observations_are_cut_to_the_per_turn_limit_and_counted():

@@ -14,11 +14,12 @@ import torch
 
 from tests.conftest import eos_prone
 from tidal.algo import token_logprobs_from_logits
+from tidal.blocking import run_blocking
 from tidal.config import TinyModelConfig, TrainerConfig
 from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 from tidal.protocol import Group, GroupLimits, Sample, decode_group, pack
 from tidal.rollout.engine import GroupRequest, HFEngine, group_generator
-from tidal.rollout.trajectory import Turn
+from tidal.rollout.trajectory import RowFeed, Turn
 from tidal.trainer.learner import Learner, as_packing_group, token_logprobs
 
 MAX_NEW_TOKENS = 7
@@ -257,3 +258,44 @@ def test_trajectories_do_not_depend_on_which_rows_share_a_decode_step():
         assert [t.loss_mask for t in run] == [t.loss_mask for t in reference]
         for t, r in zip(run, reference, strict=True):
             torch.testing.assert_close(torch.tensor(t.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+
+
+class SameForEveryRow:
+    """Answers every turn with the same tokens whichever row asks (so a row plays alike whatever number
+    it has in its call), and records, in order, each answer as (row, turn)."""
+
+    def __init__(self, tok):
+        self.tokens = tok("<ok>", add_special_tokens=False).input_ids
+        self.answered: list[tuple[int, int]] = []
+        self.turns: dict[int, int] = {}
+
+    async def respond(self, row: int, turn: Turn) -> list[int]:
+        self.turns[row] = self.turns.get(row, 0) + 1
+        self.answered.append((row, self.turns[row]))
+        return self.tokens
+
+
+def test_groups_fed_to_a_running_call_join_its_decode_batch_and_play_as_they_would_alone():
+    """Continuous batching: the call starts with the first group; the other two are fed to it when its
+    first trajectory ends, join the rows still playing (the first group's last turns and the fed rows'
+    first turns interleave), and every trajectory is the one its group plays alone (same tokens; log-probs
+    up to the rounding of other batch shapes)."""
+    model, tok = tiny()
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
+    alone = []
+    for request in requests(tok, seed=3):
+        alone += engine.play_blocking([request], SameForEveryRow(tok), max_turns=3)
+    grouped = requests(tok, seed=3)
+    env, feed = SameForEveryRow(tok), RowFeed()
+
+    def first_done(row: int, tokens) -> None:
+        if not feed.closed:
+            feed.put(grouped[1:])
+            feed.close()
+
+    together = run_blocking(engine.play(grouped[:1], env, 3, on_done=first_done, feed=feed))
+    assert [t.token_ids for t in together] == [t.token_ids for t in alone]
+    for t, a in zip(together, alone, strict=True):
+        torch.testing.assert_close(torch.tensor(t.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    first_fed = min(i for i, (row, _) in enumerate(env.answered) if row >= 3)
+    assert any(row < 3 for row, _ in env.answered[first_fed:])  # a first-group row still played after the fed rows began

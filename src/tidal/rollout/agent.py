@@ -42,7 +42,7 @@ from tidal.rewards import RewardScorer, checked_reward, exact_match
 from tidal.rewards.failures import RewardFailingError
 from tidal.rollout.engine import GroupRequest, RolloutEngine
 from tidal.rollout.refresh import Refresh
-from tidal.rollout.trajectory import TrajectoryTokens, Turn
+from tidal.rollout.trajectory import RowFeed, TrajectoryTokens, Turn
 
 log = logging.getLogger(__name__)
 
@@ -274,16 +274,27 @@ class AgentLoop:
         greedy: bool = False,
         refresh: Refresh | None = None,
         on_done: Callable[[int, tuple[_Row, TrajectoryTokens]], None] | None = None,
+        feed: RowFeed | None = None,
     ) -> list[tuple[_Row, TrajectoryTokens]]:
         """The trajectories of `problems` (request i gives problem i's G rows their RNG and images; its prompt
         is set here): each row's environment and messages, and its tokens, in row order. `refresh`
         (rollout.partial, HF engine): the rows go on with newer weights published meanwhile. `on_done(row,
-        (environment row, tokens))`: told of each trajectory as it ends, on the engine's event loop."""
+        (environment row, tokens))`: told of each trajectory as it ends, on the engine's event loop.
+        `feed` (HF engine): more (problem, request) pairs whose rows join the call while it runs."""
         r = self.cfg.rollout
         responder = self.begin(problems, requests, getattr(engine, "processor", None))
         newer = {} if refresh is None else {"refresh": refresh}  # the HF engine's alone: the config refuses partial on vLLM
         if on_done is not None:
             newer["on_done"] = lambda row, tokens: on_done(row, (responder.rows[row], tokens))
+        if feed is not None:
+
+            def joining(pairs: list[tuple[Problem, GroupRequest]]) -> list[GroupRequest]:
+                joined = [request for _, request in pairs]
+                responder.extend([problem for problem, _ in pairs], joined)
+                return joined
+
+            feed.prepare = joining
+            newer["feed"] = feed
         trajectories = await engine.play(requests, responder, r.agent.max_turns, r.max_new_tokens, greedy, **newer)
         return list(zip(responder.rows, trajectories))
 
@@ -291,26 +302,28 @@ class AgentLoop:
         """One environment per row (G per problem, in order), and each request's prompt: the first messages,
         rendered, with the request's images (`processor`: the vision-language model's, which processes them
         when the request does not carry them processed already)."""
-        rows: list[_Row] = []
-        prompt_lengths: list[int] = []
-        for problem, request in zip(problems, requests):
-            images = len(request.image_files or ())
-            group_rows = [self.start_row(problem, images) for _ in range(request.n)]
-            encoded = [self.render(row.messages, row.env.tool_schemas, True) for row in group_rows]
-            if any(e != encoded[0] for e in encoded[1:]):
-                raise EnvError(
-                    f"environment {self.factory.cls.__qualname__}: reset() gave different first messages for one problem; a group shares its prompt"
-                )
-            if images:
-                if processor is None:
-                    raise EnvError(f"problem {problem.id} has images but the model is not a vision-language model (no image processor)")
-                if request.images is None:
-                    request.images = processor.process_images(list(request.image_files))
-                encoded[0] = widened_image_tokens(processor, encoded[0], request.images, images)
-            request.prompt_ids = encoded[0]
-            rows += group_rows
-            prompt_lengths += [len(encoded[0])] * request.n
-        return EnvResponder(self, rows, prompt_lengths, time.monotonic(), placeholder_ids(processor))
+        responder = EnvResponder(self, placeholder_ids(processor), processor)
+        responder.extend(problems, requests)
+        return responder
+
+    def group_rows(self, problem: Problem, request: GroupRequest, processor=None) -> list[_Row]:
+        """One problem's G rows, each with its environment, and its request's prompt set: their first
+        messages rendered (every row's must render alike: a group shares its prompt)."""
+        images = len(request.image_files or ())
+        rows = [self.start_row(problem, images) for _ in range(request.n)]
+        encoded = [self.render(row.messages, row.env.tool_schemas, True) for row in rows]
+        if any(e != encoded[0] for e in encoded[1:]):
+            raise EnvError(
+                f"environment {self.factory.cls.__qualname__}: reset() gave different first messages for one problem; a group shares its prompt"
+            )
+        if images:
+            if processor is None:
+                raise EnvError(f"problem {problem.id} has images but the model is not a vision-language model (no image processor)")
+            if request.images is None:
+                request.images = processor.process_images(list(request.image_files))
+            encoded[0] = widened_image_tokens(processor, encoded[0], request.images, images)
+        request.prompt_ids = encoded[0]
+        return rows
 
     def scored(self, played: list[tuple[_Row, TrajectoryTokens]], item: WorkItem, scorer: RewardScorer) -> tuple[list[Sample], dict[str, float]]:
         """One group's finished trajectories as scored samples, and the group's environment counts."""
@@ -416,10 +429,20 @@ class EnvResponder:
     """The rows of one engine call and their environments, answering their turns (trajectory.Responder):
     the token ids to insert before a row's next turn, or None when its trajectory is over."""
 
-    def __init__(self, agent: AgentLoop, rows: list[_Row], prompt_lengths: list[int], started: float, placeholders: frozenset[int] = frozenset()):
-        self.agent, self.rows, self.prompt_lengths, self.started = agent, rows, prompt_lengths, started
+    def __init__(self, agent: AgentLoop, placeholders: frozenset[int] = frozenset(), processor=None):
+        self.agent, self.processor = agent, processor
+        self.rows: list[_Row] = []
+        self.prompt_lengths: list[int] = []
+        self.started: list[float] = []  # each row's start: trajectory_timeout_seconds counts from it
         # a vision-language model's image placeholders: in a later turn's prompt no image stands behind them
         self.placeholders = placeholders
+
+    def extend(self, problems: list[Problem], requests: list[GroupRequest]) -> None:
+        """Rows for more problems (G each, after the rows already here), each request's prompt set."""
+        for problem, request in zip(problems, requests, strict=True):
+            self.rows += self.agent.group_rows(problem, request, self.processor)
+            self.prompt_lengths += [len(request.prompt_ids)] * request.n
+            self.started += [time.monotonic()] * request.n
 
     async def respond(self, index: int, turn: Turn) -> list[int] | None:
         """One row's answer, its environment step on a thread: the other rows decode meanwhile."""
@@ -445,7 +468,7 @@ class EnvResponder:
             # what follows (inserted_tokens) starts after the tokenizer's EOS only
             row.finish_reason = "stop_token"
             return None
-        if time.monotonic() - self.started > self.agent.cfg.rollout.agent.trajectory_timeout_seconds:
+        if time.monotonic() - self.started[index] > self.agent.cfg.rollout.agent.trajectory_timeout_seconds:
             row.finish_reason = "timeout"
             return None
         return text

@@ -14,7 +14,7 @@ from tidal.blocking import run_blocking
 from tidal.images import ImageInputs
 from tidal.rollout.hf_rows import INTERRUPTED, HFRows, gumbel_sample, returned_cache, turn_seed
 from tidal.rollout.refresh import Refresh
-from tidal.rollout.trajectory import Responder, RowDone, TrajectoryTokens, play_rows
+from tidal.rollout.trajectory import Responder, RowDone, RowFeed, TrajectoryTokens, play_rows
 
 __all__ = ["INTERRUPTED", "gumbel_sample", "returned_cache", "turn_seed"]  # their home is hf_rows; callers import them from here
 
@@ -45,6 +45,8 @@ class RolloutEngine(Protocol):
     a thread, VLLMEngine is async at heart). Callers never ask which engine they hold."""
 
     kind: str  # "hf" or "vllm": the arrival check's default tolerance depends on it
+    # `play` takes `feed` (trajectory.RowFeed): groups join a running call (the HF engine's; vLLM schedules its requests itself)
+    joins_running_calls: bool = False
 
     @property
     def context_length(self) -> int | None:
@@ -111,6 +113,7 @@ class HFEngine:
 
     kind = "hf"
     compute_dtypes: tuple[str, ...] = ()  # the model's, which is the trainer's
+    joins_running_calls = True  # `play` takes a feed: groups join its decode batch while it runs
 
     def __init__(self, model, eos_token_id: int, pad_token_id: int, max_new_tokens: int, temperature: float = 1.0):
         self.model = model.eval()
@@ -193,12 +196,14 @@ class HFEngine:
         greedy: bool = False,
         on_done: RowDone | None = None,
         refresh: Refresh | None = None,
+        feed: RowFeed | None = None,
     ) -> list[TrajectoryTokens]:
         """The rows of `requests` over one decode batch that each row leaves when its turn ends and joins
         again when its environment has answered (trajectory.play_rows): a slow step holds only its row.
-        With `refresh` (rollout.partial) the rows go on with newer weights loaded between decode steps."""
+        With `refresh` (rollout.partial) the rows go on with newer weights loaded between decode steps;
+        with `feed`, more groups join the batch while it runs (continuous batching)."""
         rows = await asyncio.to_thread(self.start, requests, max_turns)
-        return await play_rows(rows, responder, max_turns, max_new_tokens or self.max_new_tokens, greedy, refresh, on_done)
+        return await play_rows(rows, responder, max_turns, max_new_tokens or self.max_new_tokens, greedy, refresh, on_done, feed)
 
     async def probe(self, sequences: list[dict]) -> list[list[float]]:
         return await asyncio.to_thread(self.probe_logprobs, sequences)

@@ -31,6 +31,7 @@ from tidal.rollout.engine import Completion, GroupRequest, RolloutEngine, group_
 from tidal.rollout.partial import complete_partial
 from tidal.rollout.refresh import Refresh
 from tidal.rollout.scoring_queue import GroupScoringQueue
+from tidal.rollout.trajectory import RowFeed
 from tidal.token_versions import NO_VERSION
 
 
@@ -155,9 +156,19 @@ class Generator:
         r = self.cfg.rollout
         prompts = [self.prompt(it) for it in items]
         cap = 1 if r.deterministic else max_groups_per_call
-        for chunk in generation_chunks(
+        chunks = generation_chunks(
             [len(p) for p in prompts], r.group_size, response_tokens(self.cfg), r.generation_token_budget, cap, first_call_groups
-        ):
+        )
+        if self.agent is not None and getattr(self.engine, "joins_running_calls", False) and not r.deterministic and len(chunks) > 1:
+            # one running call: a chunk's worth of groups in flight, the next items joining as groups end
+            requests = [self.request(it, prompts[i]) for i, it in enumerate(items)]
+            version = version if refresh is None else refresh.version
+            stream = self.agent_stream(items, requests, version, refresh=refresh, in_flight=max(map(len, chunks)), first=len(chunks[0]))
+            async with contextlib.aclosing(stream) as groups_as_they_end:
+                async for groups in groups_as_they_end:
+                    yield groups if scoring is None else finished(groups)
+            return
+        for chunk in chunks:
             batch = [items[i] for i in chunk]
             requests = [self.request(it, prompts[i]) for i, it in zip(chunk, batch)]
             if self.agent is not None:  # each group goes out as soon as its trajectories have ended
@@ -198,31 +209,55 @@ class Generator:
         return in_item_order(items, made)
 
     async def agent_stream(
-        self, items: list[WorkItem], requests: list[GroupRequest], version: int, score_pool: Executor | None = None, refresh: Refresh | None = None
+        self,
+        items: list[WorkItem],
+        requests: list[GroupRequest],
+        version: int,
+        score_pool: Executor | None = None,
+        refresh: Refresh | None = None,
+        in_flight: int | None = None,
+        first: int | None = None,
     ) -> AsyncIterator[list[Group]]:
         """rollout.agent: the items' trajectories in one engine call, each group scored (on `score_pool`:
         rewards may be slow user code) and yielded as soon as its G trajectories have ended, while the
-        call's other rows go on; so a group held by a slow tool call delays only itself. With `refresh`
-        (rollout.partial) a trajectory may go on with newer weights: `version` is the one it started
-        with, the oldest among its tokens."""
+        call's other rows go on; so a group held by a slow tool call delays only itself. With `in_flight`
+        (an engine that `joins_running_calls`), the call starts with `first` groups and the rest join it
+        as groups end, at most `in_flight` groups playing at once (continuous batching: the tail of one
+        batch of groups overlaps the next). With `refresh` (rollout.partial) a trajectory may go on with
+        newer weights: its group's version is the one the engine held when the group started, the oldest
+        among its tokens."""
         agent, loop = self.agent, asyncio.get_running_loop()
         group_of = [g for g, request in enumerate(requests) for _ in range(request.n)]
         first_row = [sum(r.n for r in requests[:g]) for g in range(len(requests))]
         rows_left = [r.n for r in requests]
         played: dict[int, tuple] = {}
         ended: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
+        started = min(first or len(items), in_flight or len(items), len(items))
+        feed = RowFeed() if started < len(items) else None
+        begun = [(time.time(), version)] * started  # each group's start and the version it started with
+        finished_groups = [0]
 
         def record(row: int, entry: tuple) -> None:
             played[row] = entry
             rows_left[group_of[row]] -= 1
-            if not rows_left[group_of[row]]:
-                ended.put_nowait((group_of[row], time.time()))
+            if rows_left[group_of[row]]:
+                return
+            ended.put_nowait((group_of[row], time.time()))
+            finished_groups[0] += 1
+            if feed is not None and not feed.closed:  # room in the call: the next items join it
+                room = in_flight - (len(begun) - finished_groups[0])
+                joining = range(len(begun), min(len(begun) + room, len(items)))
+                now = (time.time(), version if refresh is None else refresh.version)
+                begun.extend([now] * len(joining))
+                feed.put([(agent.problem(items[g]), requests[g]) for g in joining])
+                if len(begun) == len(items):
+                    feed.close()
 
         def row_done(row: int, entry: tuple) -> None:  # on the engine's event loop, another thread's with the blocking vLLM engine
             loop.call_soon_threadsafe(record, row, entry)
 
-        gen_start = time.time()
-        play = asyncio.ensure_future(agent.play(self.engine, [agent.problem(item) for item in items], requests, refresh=refresh, on_done=row_done))
+        problems = [agent.problem(item) for item in items[:started]]
+        play = asyncio.ensure_future(agent.play(self.engine, problems, requests[:started], refresh=refresh, on_done=row_done, feed=feed))
         emitted: set[int] = set()
         try:
             while len(emitted) < len(requests):
@@ -251,8 +286,8 @@ class Generator:
                             items[g],
                             requests[g],
                             [played[row] for row in range(first_row[g], first_row[g] + requests[g].n)],
-                            version,
-                            (gen_start, at),
+                            begun[g][1],
+                            (begun[g][0], at),
                         )
                         for g, at in ready
                     ]

@@ -151,29 +151,43 @@ class HFRows:
     """The rows of one engine call (G per request, in request order) over one decode batch."""
 
     def __init__(self, engine, requests, max_turns: int):
-        self.engine, self.requests, self.max_turns = engine, requests, max_turns
-        model = engine.model
-        self.device = device = next(model.parameters()).device  # the trainer's, when the model is shared with it
-        self.state = [RowState(g, j) for g, r in enumerate(requests) for j in range(r.n)]
+        self.engine, self.max_turns = engine, max_turns
+        self.device = next(engine.model.parameters()).device  # the trainer's, when the model is shared with it
+        self.requests: list = []
+        self.state: list[RowState] = []
         self.kept: dict[int, Kept] = {}
         self.version: int | None = None  # rollout.partial: the weights' version, stamped on each sampled token
         self.stopped: list[int] = []  # rows stopped mid-turn for newer weights: they go on after `reload`
+        self.slab: Slab | None = None
+        self.add(requests)
+
+    @torch.no_grad()
+    def add(self, requests) -> list[int]:
+        """More requests' rows (G each, numbered after the rows already here): their prompts prefilled
+        (each once, its cache copied to its G rows), and the rows join the decode batch. Returns them."""
+        first_group, first_row = len(self.requests), len(self.state)
+        self.requests += requests
+        self.state += [RowState(first_group + g, j) for g, r in enumerate(requests) for j in range(r.n)]
+        model, device = self.engine.model, self.device
         prompts = [r.prompt_ids for r in requests]
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[engine.pad] * (width - len(p)) + p for p in prompts], device=device)
+        ids = torch.tensor([[self.engine.pad] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad():
-            if any(r.images is not None for r in requests):
-                out, positions = prefill_with_images(model, requests, ids, mask)
-            else:
-                out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        if any(r.images is not None for r in requests):
+            out, positions = prefill_with_images(model, requests, ids, mask)
+        else:
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         row_prompt = torch.repeat_interleave(torch.arange(len(requests), device=device), torch.tensor([r.n for r in requests], device=device))
         cache = returned_cache(out)
         cache.batch_select_indices(row_prompt)
-        self.slab: Slab | None = Slab(
-            cache, mask[row_prompt], positions[row_prompt, -1:] + 1, out.logits[row_prompt, -1, :], list(range(len(row_prompt)))
-        )
+        rows = list(range(first_row, len(self.state)))
+        added = Slab(cache, mask[row_prompt], positions[row_prompt, -1:] + 1, out.logits[row_prompt, -1, :], rows)
+        if self.slab is None or not self.slab.rows:
+            self.slab = added
+        else:
+            self.slab.merge(added)
+        return rows
 
     @property
     def rows(self) -> list[int]:

@@ -117,6 +117,35 @@ class RowBatch(Protocol):
 
     def drop(self, rows: list[int]) -> None: ...
 
+    def add(self, requests: list) -> list[int]: ...
+
+
+class RowFeed:
+    """Groups that join a running call (continuous batching): whoever feeds the call `put`s entries as it
+    sees room; `play_rows` turns them into requests (`prepare`, set by whoever owns the rows' responder:
+    the rows must be known to it before they decode) and adds their rows between decode steps, until
+    the feed is `close`d. A call with a feed ends only when it is closed and every row has ended."""
+
+    def __init__(self):
+        self.waiting: list = []
+        self.closed = False
+        self.changed = asyncio.Event()
+        self.prepare: Callable[[list], list] = lambda entries: entries
+
+    def put(self, entries: list) -> None:
+        self.waiting += entries
+        self.changed.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.changed.set()
+
+    def take(self) -> list:
+        """The requests of the entries put since the last take (prepared)."""
+        entries, self.waiting = self.waiting, []
+        self.changed.clear()
+        return self.prepare(entries) if entries else []
+
 
 RowDone = Callable[[int, "TrajectoryTokens"], None]  # a row's trajectory has ended: (row, its tokens), final
 
@@ -129,6 +158,7 @@ async def play_rows(
     greedy: bool = False,
     refresh: Refresh | None = None,
     on_done: RowDone | None = None,
+    feed: RowFeed | None = None,
 ) -> list[TrajectoryTokens]:
     """One trajectory per row of `batch`, in row order. The batch decodes (on a thread) until some
     row's turn ends; that row's answer is asked for at once, and the rows whose answers are in join
@@ -136,7 +166,9 @@ async def play_rows(
     turn after `max_turns` ends there (finish reason max_turns). With `refresh` (rollout.partial),
     newer weights stop the batch between decode steps, are loaded, and every row goes on with them:
     nothing is sampled or asked of an environment again, and each sampled token carries its version.
-    `on_done(row, tokens)` is told of each trajectory as it ends, while the others go on."""
+    `on_done(row, tokens)` is told of each trajectory as it ends, while the others go on. With `feed`,
+    more groups' rows join the batch as they are put there (row numbers go on after the batch's), and
+    the call ends when the feed is closed and every row has ended."""
     if refresh is not None:
         batch.version = refresh.version
     out = {row: TrajectoryTokens() for row in batch.rows}
@@ -156,6 +188,11 @@ async def play_rows(
             for task in [t for t in tasks if t.done()]:
                 tasks.discard(task)
                 task.result()  # a responder that raised: the call fails, as it would on one thread
+            if feed is not None and feed.waiting:
+                requests = feed.take()
+                added = await asyncio.to_thread(batch.add, requests)
+                out.update({row: TrajectoryTokens() for row in added})
+                continue
             if answers:
                 ready = dict(answers)
                 answers.clear()
@@ -172,8 +209,13 @@ async def play_rows(
                     tasks.add(asyncio.create_task(answer(row, turn)))
                 if batch.stopped:  # newer weights wait: loaded here, while no forward runs
                     await asyncio.to_thread(batch.reload, await refresh.swap())
-            elif tasks:
-                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            elif tasks or (feed is not None and not feed.closed):
+                waits = set(tasks)
+                if feed is not None and not feed.closed:
+                    waits.add(asyncio.ensure_future(feed.changed.wait()))
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for task in waits - tasks:
+                    task.cancel()
             else:
                 break
     finally:
