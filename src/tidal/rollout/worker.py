@@ -34,19 +34,13 @@ log = logging.getLogger(__name__)
 FETCH_LINGER_SECONDS = 0.02  # the trainer publishes an iteration's work items one after another
 
 
-def pull_size(cfg: TidalConfig, prompt_tokens: int, calls: int = 1) -> int:
-    """Work items a worker fetches at once: what `calls` engine calls hold at prompts of ``prompt_tokens``."""
+def pull_size(cfg: TidalConfig, prompt_tokens: int) -> int:
+    """Work items a worker fetches at once: what one engine call holds at prompts of ``prompt_tokens``."""
     r = cfg.rollout
     if r.deterministic:
         return 1
     fits = max(1, r.generation_token_budget // (r.group_size * (prompt_tokens + response_tokens(cfg))))
-    return calls * (min(fits, r.groups_per_batch) if r.groups_per_batch else fits)
-
-
-# Multi-turn on an engine whose calls take groups while they run: a pull holds two calls' worth, and the
-# second's groups join the running call as the first's end, so one batch's tail (its last tool calls)
-# overlaps the next batch's decoding.
-CALLS_PER_PULL_JOINING = 2
+    return min(fits, r.groups_per_batch) if r.groups_per_batch else fits
 
 
 class RolloutWorker:
@@ -66,8 +60,6 @@ class RolloutWorker:
         core = WorkerCore.build(cfg, engine, tokenizer, transport, worker_id, weights_root, scorer)
         self.health, self.lease, self.arrival, self.generator = core.health, core.lease, core.arrival, core.generator
         self.prompt_tokens = 16  # until the first prompts are seen: the longest encoded prompt sizes later pulls
-        joins = cfg.rollout.agent is not None and getattr(engine, "joins_running_calls", False)
-        self.calls_per_pull = CALLS_PER_PULL_JOINING if joins else 1
         # served rewards: one engine call's groups are scored while the engine runs the next (one thread: the
         # scorer's counts stay exact). In-process functions score in microseconds: they stay inline, where
         # the groups go out soonest (tests/test_end_to_end.py's overlap check saw the thread hop delay them)
@@ -107,7 +99,7 @@ class RolloutWorker:
                 self.transport,
                 await self.transport.fetch(
                     sub,
-                    pull_size(self.cfg, self.prompt_tokens, self.calls_per_pull),
+                    pull_size(self.cfg, self.prompt_tokens),
                     timeout=1.0,
                     linger=FETCH_LINGER_SECONDS,
                     linger_after_wait_only=True,
