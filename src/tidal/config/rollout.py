@@ -223,7 +223,8 @@ class RolloutConfig(Strict):
         None,
         gt=0,
         description="periodic/bounded: the first engine call after new weights holds at most this many groups, so the trainer "
-        "starts on its first groups sooner; unset: as many as the token budget allows.",
+        "starts on its first groups sooner (with rollout.agent on the HF engine the pull's other groups join that call as its "
+        "groups end); unset: as many as the token budget allows.",
     )
     sync_groups_per_call: int | None = Field(None, gt=0, description="Sync mode: cap on groups per engine call.")
     deterministic: bool = Field(
