@@ -82,7 +82,8 @@ docs: install-test
 # Two pytest processes, whole files each (a file's fixtures, e.g. a shared run, stay in one process): the
 # suite is mostly waiting on subprocesses it starts, so two at a time finish it sooner even on 2 cores.
 TEST_PROCS ?= 2
-CORE_TESTS = $(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_PROCS) --dist loadfile
+# --durations: the slowest tests close each run's output, for whoever keeps CI under its hour
+CORE_TESTS = $(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_PROCS) --dist loadfile --durations=20
 test-core: install-test
 	$(CORE_TESTS)
 
