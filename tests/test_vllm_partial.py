@@ -50,7 +50,7 @@ def perturbed(state: dict, seed: int, scale: float = 0.3) -> dict:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """A tiny model dir, a weight store with v0 (the base) and v1 (other weights), one engine."""
-    from tidal.rollout.vllm_adapter import VLLMEngine
+    from tidal.rollout.vllm_adapter import VLLMEngine, cancel_pending_tasks
 
     root = tmp_path_factory.mktemp("vllm-partial")
     cfg = config_from_dict(
@@ -80,6 +80,7 @@ def setup(tmp_path_factory):
     engine = VLLMEngine.create(cfg, root / "base")
     yield {"cfg": cfg, "tok": tok, "model": model, "store": store, "states": states, "engine": engine, "loop": loop}
     engine.shutdown()
+    loop.run_until_complete(cancel_pending_tasks())  # the engine's output tasks end here, not when the closed loop is collected
     loop.close()
 
 
@@ -206,7 +207,7 @@ def test_a_vllm_row_with_an_image_resumes_with_its_image_under_the_new_weights(t
     from tidal.demo.vision import TinyVLMSize, save_tiny_vlm
     from tidal.model.loading import load_model
     from tidal.model.vision import load_processor
-    from tidal.rollout.vllm_adapter import VLLMEngine
+    from tidal.rollout.vllm_adapter import VLLMEngine, cancel_pending_tasks
     from tidal.trainer.vision_packing import packed_vision_token_logprobs
 
     directory = save_tiny_vlm(tmp_path / "vlm", size=TinyVLMSize(num_heads=2, num_kv_heads=1))  # head size 32 for vLLM's CPU attention
@@ -243,6 +244,7 @@ def test_a_vllm_row_with_an_image_resumes_with_its_image_under_the_new_weights(t
         (group,) = loop.run_until_complete(complete_partial(engine, [request], MAX_NEW, refresh))
     finally:
         engine.shutdown()
+        loop.run_until_complete(cancel_pending_tasks())
         loop.close()
     assert refresh.swaps == 1
     spanning = [c for c in group if c.versions is not None]

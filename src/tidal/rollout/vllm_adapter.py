@@ -445,8 +445,20 @@ class BlockingVLLMEngine:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        # AsyncLLM leaves its output tasks pending on this loop: stopped with them, they are destroyed
+        # later and log "output_handler failed ... Event loop is closed"; cancelled here, they end quietly
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel_pending_tasks(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+async def cancel_pending_tasks() -> None:
+    """Cancels every other task of the running loop and waits for them to end."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 _reaper = None
