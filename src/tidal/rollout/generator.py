@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import Executor, Future
 from functools import partial
+from itertools import accumulate
 
 import numpy as np
 
@@ -228,14 +229,13 @@ class Generator:
         among its tokens."""
         agent, loop = self.agent, asyncio.get_running_loop()
         group_of = [g for g, request in enumerate(requests) for _ in range(request.n)]
-        first_row = [sum(r.n for r in requests[:g]) for g in range(len(requests))]
+        first_row = [0, *accumulate(r.n for r in requests)]
         rows_left = [r.n for r in requests]
         played: dict[int, tuple] = {}
         ended: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
         started = min(first or len(items), in_flight or len(items), len(items))
         feed = RowFeed() if started < len(items) else None
         begun = [(time.time(), version)] * started  # each group's start and the version it started with
-        finished_groups = [0]
 
         def record(row: int, entry: tuple) -> None:
             played[row] = entry
@@ -243,9 +243,8 @@ class Generator:
             if rows_left[group_of[row]]:
                 return
             ended.put_nowait((group_of[row], time.time()))
-            finished_groups[0] += 1
             if feed is not None and not feed.closed:  # room in the call: the next items join it
-                room = in_flight - (len(begun) - finished_groups[0])
+                room = in_flight - sum(1 for g in range(len(begun)) if rows_left[g])
                 joining = range(len(begun), min(len(begun) + room, len(items)))
                 now = (time.time(), version if refresh is None else refresh.version)
                 begun.extend([now] * len(joining))
@@ -271,7 +270,7 @@ class Generator:
                 ready = []
                 while not ended.empty():
                     ready.append(ended.get_nowait())
-                if not ready and play.done():  # every row has ended; callbacks still queued on another loop are not waited for
+                if not ready and play.done():  # the call is over; an engine that did not tell of each row as it ended is read here
                     done_at = time.time()
                     played.update(dict(enumerate(play.result())))
                     ready = [(g, done_at) for g in range(len(requests)) if g not in emitted]
@@ -357,12 +356,26 @@ class Generator:
         )
 
 
+class ByPrompt:
+    """Values waiting per prompt (iteration, prompt id: a work item's, or the group that answers it),
+    handed out first in, first out: groups come out of an agent call in the order they end, not the
+    order of their items. `taken`: how many have been handed out."""
+
+    def __init__(self, pairs: Iterable[tuple[WorkItem | Group, object]]):
+        self.waiting: dict[tuple[int, int], list] = {}
+        for key, value in pairs:
+            self.waiting.setdefault((key.iteration, key.prompt_id), []).append(value)
+        self.taken = 0
+
+    def take(self, key: WorkItem | Group):
+        self.taken += 1
+        return self.waiting[(key.iteration, key.prompt_id)].pop(0)
+
+
 def in_item_order(items: list[WorkItem], groups: list[Group]) -> list[Group]:
     """`groups` (one per item, in any order) in the order of their work items."""
-    by_key: dict[tuple[int, int], list[Group]] = {}
-    for group in groups:
-        by_key.setdefault((group.iteration, group.prompt_id), []).append(group)
-    return [by_key[(item.iteration, item.prompt_id)].pop(0) for item in items]
+    waiting = ByPrompt((group, group) for group in groups)
+    return [waiting.take(item) for item in items]
 
 
 def mixed_versions(versions: list[int] | None, group_version: int) -> np.ndarray | None:

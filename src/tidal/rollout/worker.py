@@ -19,12 +19,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from tidal.config import TidalConfig
-from tidal.protocol import Group, WorkItem
+from tidal.protocol import Group
 from tidal.rewards import RewardScorer
 from tidal.rollout.arrival import version_to_generate
 from tidal.rollout.core import WorkerCore
 from tidal.rollout.engine import RolloutEngine
-from tidal.rollout.generator import response_tokens
+from tidal.rollout.generator import ByPrompt, response_tokens
 from tidal.rollout.lease import Lease, decode_work, log_taken, raise_if_stop_requested
 from tidal.rollout.partial import PolicyRefresh
 from tidal.transport import Transport
@@ -131,7 +131,7 @@ class RolloutWorker:
             idle = time.time() - idle_since - load_seconds
             # the first pull of an iteration starts with a small call: the trainer waits on its first groups
             first = self.cfg.rollout.first_call_groups if new_version else None
-            answering = PullMessages(pulled)
+            answering = ByPrompt((item, msg) for msg, item in pulled)  # each group's work message
             # rollout.partial: newer weights published meanwhile are loaded between decode steps
             refresh = PolicyRefresh.started(self.transport, self.arrival, iteration, self.version) if self.cfg.rollout.partial else None
             try:
@@ -145,33 +145,18 @@ class RolloutWorker:
                     await refresh.close()
             idle_since = time.time()
 
-    async def _scored(self, pending, answering: PullMessages, load_seconds: float, idle: float) -> list[tuple[Group, object]]:
+    async def _scored(self, pending, answering: ByPrompt, load_seconds: float, idle: float) -> list[tuple[Group, object]]:
         """Groups of the pull (or a Future of them, being scored), each paired with its work item's message.
         The pull's first group carries the weight load and the idle time before it."""
         groups = await asyncio.wrap_future(pending) if isinstance(pending, Future) else pending
         self.prompt_tokens = max([self.prompt_tokens, *(len(g.prompt_ids) for g in groups)])
         pairs = []
         for g in groups:
-            first = answering.first
+            first = answering.taken == 0
             pairs.append((g, answering.take(g)))
             g.weight_load_seconds = load_seconds if first else 0.0
             g.worker_idle_seconds = idle if first else 0.0
         return pairs
-
-
-class PullMessages:
-    """The work messages of one pull, given out to the groups that answer them, in whatever order the
-    groups are made (an agent call's groups come out as their trajectories end)."""
-
-    def __init__(self, pulled: list[tuple[object, WorkItem]]):
-        self.waiting: dict[tuple[int, int], list] = {}
-        for msg, item in pulled:
-            self.waiting.setdefault((item.iteration, item.prompt_id), []).append(msg)
-        self.first = True  # no group of the pull has been given its message yet
-
-    def take(self, group: Group):
-        self.first = False
-        return self.waiting[(group.iteration, group.prompt_id)].pop(0)
 
 
 class GroupPublisher:
