@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tidal.rollout.kv_slots import keep_rows, stack_rows, with_spare_slots
 from tidal.rollout.trajectory import Turn
 
 INTERRUPTED = "interrupted"  # a turn stopped between tokens for new weights (rollout.partial)
@@ -101,23 +102,19 @@ class Slab:
 
     def select(self, keep: list[int]) -> None:
         index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[index], layer.values[index]
         self.mask, self.next_pos, self.logits = self.mask[index], self.next_pos[index], self.logits[index]
         self.rows = [self.rows[i] for i in keep]
         real = self.mask.any(0).nonzero()
-        first = int(real[0]) if len(real) else self.mask.shape[1]
-        if first:  # slots no row has a token in
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-            self.mask = self.mask[:, first:]
+        first = int(real[0]) if len(real) else self.mask.shape[1]  # slots before it: no row has a token there
+        for layer in self.cache.layers:
+            keep_rows(layer, index, first)
+        self.mask = self.mask[:, first:]
 
     def merge(self, other: Slab) -> None:
         """`other`'s rows join this slab (both left-padded to the wider cache)."""
         width = max(self.mask.shape[1], other.mask.shape[1])
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            mine.keys = torch.cat([left_pad(mine.keys, width, 2), left_pad(theirs.keys, width, 2)])
-            mine.values = torch.cat([left_pad(mine.values, width, 2), left_pad(theirs.values, width, 2)])
+            stack_rows(mine, theirs, width)
         self.mask = torch.cat([left_pad(self.mask, width, 1), left_pad(other.mask, width, 1)])
         self.next_pos = torch.cat([self.next_pos, other.next_pos])
         self.logits = torch.cat([self.logits, other.logits])
@@ -179,7 +176,7 @@ class HFRows:
         else:
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         row_prompt = torch.repeat_interleave(torch.arange(len(requests), device=device), torch.tensor([r.n for r in requests], device=device))
-        cache = returned_cache(out)
+        cache = with_spare_slots(returned_cache(out))
         cache.batch_select_indices(row_prompt)
         rows = list(range(first_row, len(self.state)))
         added = Slab(cache, mask[row_prompt], positions[row_prompt, -1:] + 1, out.logits[row_prompt, -1, :], rows)
