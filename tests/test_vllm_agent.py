@@ -231,3 +231,26 @@ def test_a_periodic_multi_turn_run_on_vllm_trains_every_group(setup, tmp_path, t
     print(
         f"\nvLLM multi-turn run: {iterations} iterations in {time.time() - started:.1f}s; iteration seconds {[m.get('iteration_seconds') for m in metrics]}"
     )
+
+
+def test_a_bounded_multi_turn_run_on_vllm_with_partial_rollouts_trains_every_group(setup, tmp_path, tiny_config_dict):
+    """rollout.partial with rollout.agent on vLLM: the worker's turns stop for newer weights and go on under
+    them (tests/test_vllm_partial.py checks each token's version and log-prob); here the whole run's path."""
+    setup["stop"]()  # one vLLM engine at a time on this machine: the run starts its own
+    iterations, prompts = 3, 8
+    data = model_settings(tiny_config_dict)
+    data["mode"] = "bounded"
+    data["rollout"] = agent_rollout(partial=True)
+    data["trainer"].update({"iterations": iterations, "prompts_per_iteration": prompts})
+    data["eval"] = {"enabled": False}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(data))
+    proc = run_cli("run", str(config), "--run-dir", str(tmp_path / "run"), "--no-progress")
+    worker_log = tmp_path / "run" / "logs" / "worker-0.log"
+    assert proc.returncode == 0, proc.stderr[-3000:] + (worker_log.read_text()[-3000:] if worker_log.is_file() else "")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["iterations"] == iterations and summary["groups_trained"] == iterations * prompts
+    for m in read_jsonl(tmp_path / "run" / "metrics.jsonl"):
+        assert m["agent_masked_token_fraction"] > 0 and m["staleness_max"] <= 1
+        assert m["token_staleness_fraction_0"] + m["token_staleness_fraction_1"] == pytest.approx(1.0)
+        assert m["logprob_mismatch"] < 0.1  # stale tokens against current weights: bounded, not exact

@@ -26,6 +26,7 @@ from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 from tidal.rollout.engine import INTERRUPTED, GroupRequest
 from tidal.rollout.partial import complete_partial
 from tidal.rollout.vllm_args import vllm_available
+from tidal.token_versions import NO_VERSION
 from tidal.weights import WeightStore
 
 pytestmark = [
@@ -159,6 +160,64 @@ def test_an_interrupted_vllm_request_keeps_what_was_read_before_the_stop(setup):
     (whole,) = loop.run_until_complete(engine.complete([request]))
     for part, full in zip(stopped, whole, strict=True):
         assert full.token_ids[: len(part.token_ids)] == part.token_ids
+
+
+class FixedAnswer:
+    """A responder that inserts the same tokens after a row's first turn and ends its trajectory after the second."""
+
+    def __init__(self, inserted: list[int]):
+        self.inserted = inserted
+        self.turns: dict[int, int] = {}
+
+    async def respond(self, row, turn):
+        self.turns[row] = self.turns.get(row, 0) + 1
+        await asyncio.sleep(0.01)  # an environment's round trip: the other rows' requests go on meanwhile
+        return None if self.turns[row] > 1 else list(self.inserted)
+
+
+def turn_spans(mask: list[int]) -> list[range]:
+    """The positions of each sampled turn: the runs of mask 1."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append(range(start, i))
+            start = None
+    return spans
+
+
+def test_vllm_multi_turn_trajectories_go_on_under_new_weights_and_each_token_carries_its_samplers_logprob(setup):
+    engine, tok, store = setup["engine"], setup["tok"], setup["store"]
+    setup["loop"].run_until_complete(engine.load_weights(store.path(0)))
+    prompts = [tok(t).input_ids for t in ("12+3=", "45+678=")]
+    inserted = tok(" ok ").input_ids
+    requests = [GroupRequest(p, G, seed=2000 + i) for i, p in enumerate(prompts)]
+    refresh = OutputsRefresh(engine, store, version=0, after=10)
+    trajectories = setup["loop"].run_until_complete(engine.play(requests, FixedAnswer(inserted), 2, MAX_NEW, refresh=refresh))
+    assert refresh.swaps == 1 and len(trajectories) == 2 * G
+    models = {0: model_with(setup, 0), 1: model_with(setup, 1)}
+    spanning = resumed_mid_turn = 0
+    for row, t in enumerate(trajectories):
+        prompt = prompts[row // G]
+        mask = t.loss_mask
+        assert t.versions is not None and len(t.versions) == len(t.token_ids) == len(t.logprobs) == len(mask)
+        assert all((v == NO_VERSION) == (m == 0) for v, m in zip(t.versions, mask, strict=True))
+        sampled = [v for v in t.versions if v != NO_VERSION]
+        assert sampled == sorted(sampled) and set(sampled) <= {0, 1}  # no token of v0 after one of v1
+        if t.turns == 2:
+            first = mask.index(0)
+            assert t.token_ids[first : first + len(inserted)] == inserted
+        spanning += len(set(sampled)) == 2
+        resumed_mid_turn += sum(len({t.versions[i] for i in span}) == 2 for span in turn_spans(mask))
+        for version, model in models.items():
+            mine = torch.tensor([v == version for v in t.versions])
+            if not mine.any():
+                continue
+            expected = logprobs_under(model, prompt, t.token_ids)
+            torch.testing.assert_close(torch.tensor(t.logprobs)[mine], expected[mine], atol=LOGPROB_TOL, rtol=0)
+    assert spanning >= G  # the rows were still sampling when the new weights came
+    assert resumed_mid_turn >= 1  # a turn stopped between tokens went on under the new weights
 
 
 def test_tidal_run_in_bounded_mode_with_partial_rollouts_on_vllm_finishes(tmp_path):

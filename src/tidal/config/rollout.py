@@ -249,7 +249,7 @@ class RolloutConfig(Strict):
         False,
         description="Mode bounded: when a newer version is published while a group is being generated, the worker stops it (HF: "
         "between decode steps; vLLM: aborts the requests), loads the version and continues the same responses (with rollout.agent, "
-        "HF engine only, the same trajectories: no turn or tool call again) with it; every sampled token carries the version that "
+        "the same trajectories: no turn or tool call again) with it; every sampled token carries the version that "
         "sampled it. See [Modes](modes.md#partial-rollouts).",
     )
     vllm: VLLMConfig = Field(VLLMConfig(), description="vLLM engine settings (`engine: vllm`).")

@@ -221,10 +221,6 @@ class TidalConfig(Strict):
             return self
         if self.mode != "bounded":
             raise config_error(f"rollout.partial needs mode 'bounded' (mode {self.mode!r} trains each iteration on its own weights alone)")
-        if self.rollout.engine != "hf" and self.rollout.agent is not None:
-            raise config_error(
-                "rollout.partial with rollout.agent runs on the HF engine alone (vLLM stops single-turn responses only): set rollout.engine 'hf'"
-            )
         return self
 
     def _lora_fits_vllm(self) -> None:

@@ -278,12 +278,12 @@ class AgentLoop:
     ) -> list[tuple[_Row, TrajectoryTokens]]:
         """The trajectories of `problems` (request i gives problem i's G rows their RNG and images; its prompt
         is set here): each row's environment and messages, and its tokens, in row order. `refresh`
-        (rollout.partial, HF engine): the rows go on with newer weights published meanwhile. `on_done(row,
+        (rollout.partial): the rows go on with newer weights published meanwhile. `on_done(row,
         (environment row, tokens))`: told of each trajectory as it ends, on the engine's event loop.
         `feed` (HF engine): more (problem, request) pairs whose rows join the call while it runs."""
         r = self.cfg.rollout
         responder = self.begin(problems, requests, getattr(engine, "processor", None))
-        newer = {} if refresh is None else {"refresh": refresh}  # the HF engine's alone: the config refuses partial on vLLM
+        newer = {} if refresh is None else {"refresh": refresh}
         if on_done is not None:
             newer["on_done"] = lambda row, tokens: on_done(row, (responder.rows[row], tokens))
         if feed is not None:

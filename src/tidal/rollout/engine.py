@@ -69,10 +69,11 @@ class RolloutEngine(Protocol):
         max_new_tokens: int | None = None,
         greedy: bool = False,
         on_done: RowDone | None = None,
+        refresh: Refresh | None = None,
     ) -> list[TrajectoryTokens]:
         """One multi-turn trajectory per row (G per request, in order): see tidal.rollout.trajectory.
-        `on_done(row, tokens)` is told of each trajectory as it ends (on the engine's event loop). The
-        HF engine's also takes `refresh` (rollout.partial, which the config refuses on vLLM)."""
+        `on_done(row, tokens)` is told of each trajectory as it ends (on the engine's event loop).
+        `refresh` (rollout.partial): the rows go on with newer weights published meanwhile."""
 
     async def probe(self, sequences: list[dict]) -> list[list[float]]:
         """The arrival check's probe: each response token's log-prob given what precedes it (temperature 1)."""

@@ -12,9 +12,9 @@ among its tokens, which the trainer's staleness bound applies to.
 The HF engine stops between decode steps rather than at a turn boundary: a single-turn response has
 one turn, so a turn boundary would never come before the response ends. The vLLM engine streams each
 group's request and aborts it (tidal.rollout.vllm_partial); its stopped rows resume as requests of
-their own. This module runs single-turn calls; multi-turn ones (rollout.agent, HF engine only) stop,
-load and go on inside their turn loop (trajectory.play_rows, hf_rows.HFRows.reload), since their
-rows are between turns as often as in one.
+their own. This module runs single-turn calls; multi-turn ones (rollout.agent) stop, load and go on
+inside their turn loops (HF: trajectory.play_rows, hf_rows.HFRows.reload; vLLM: each turn's request,
+vllm_partial.TurnSwaps), since their rows are between turns as often as in one.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from pathlib import Path
 from tidal.config import TidalConfig
 from tidal.logs import library_logs_to_log, output_to_log
 from tidal.rollout.engine import Completion, GroupRequest, Interrupt, turn_seed
+from tidal.rollout.refresh import Refresh
 from tidal.rollout.trajectory import Responder, RowDone, TrajectoryTokens, Turn, play_row
 from tidal.rollout.vllm_args import (
     VLLMStartError,
@@ -42,7 +43,7 @@ from tidal.rollout.vllm_args import (
     require_vllm,
     start_failure_hint,
 )
-from tidal.rollout.vllm_partial import streamed_group
+from tidal.rollout.vllm_partial import TurnSwaps, partial_turn, streamed_group
 from tidal.rollout.vllm_vision import check_vision_serving, collapse_image_tokens
 
 log = logging.getLogger(__name__)
@@ -238,16 +239,28 @@ class VLLMEngine:
         max_new_tokens: int | None = None,
         greedy: bool = False,
         on_done: RowDone | None = None,
+        refresh: Refresh | None = None,
     ) -> list[TrajectoryTokens]:
         """One trajectory per row (G per request, in order), every row in flight at once, one request per
         turn (trajectory.play_row): while one row waits on `responder.respond`, the others decode. A row
-        that fails cancels the rest (their requests are aborted)."""
+        that fails cancels the rest (their requests are aborted). With `refresh` (rollout.partial) each
+        turn's request streams, and newer weights stop the call's requests, load, and the turns go on under
+        them (vllm_partial.TurnSwaps); each sampled token carries its version."""
         rows = [(request, index) for request in requests for index in range(request.n)]
         tag = uuid.uuid4().hex[:8]
+        swaps = None if refresh is None else TurnSwaps(refresh)
 
         def sampler(row: int, request: GroupRequest, index: int):
             async def sample(prompt_ids: list[int], turn_index: int) -> Turn:
                 seed = None if request.seed is None else turn_seed(request.seed, index, turn_index)
+                if swaps is not None:
+
+                    def params_left(done: int, stops: int):
+                        resumed = seed if seed is None or not stops else turn_seed(seed, 0, stops)
+                        return sampling_params(self.cfg, 1, resumed, greedy, (max_new_tokens or self.cfg.rollout.max_new_tokens) - done)
+
+                    turn_request = GroupRequest(prompt_ids, 1, seed=seed, image_files=request.image_files)
+                    return await partial_turn(self, swaps, turn_request, params_left, f"t{tag}-{row}-{turn_index}")
                 params = sampling_params(self.cfg, 1, seed, greedy, max_new_tokens)
                 (sample,) = await self._request(prompt_ids, params, f"t{tag}-{row}-{turn_index}", request.image_files)
                 return Turn(sample.token_ids, sample.logprobs, sample.finish_reason)

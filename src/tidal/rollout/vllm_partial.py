@@ -12,15 +12,24 @@ log-prob is the new version's.
 
 A row of a prompt with images resumes with the same image files (one image token each in the prompt,
 widened again by vLLM).
+
+Multi-turn calls (rollout.agent) run every row as one request per turn; under rollout.partial each turn's
+request streams the same way (`partial_turn`), and `TurnSwaps` loads the new version once no request of
+the call is in flight: turns stopped mid-way resume under it, turns about to start wait for it, and a row
+between turns (its environment answering) is not held.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from tidal.rollout.engine import INTERRUPTED, Completion, GroupRequest, Interrupt
+from tidal.rollout.refresh import Refresh
+from tidal.rollout.trajectory import Turn
 
 
 @dataclass
@@ -81,3 +90,70 @@ async def streamed_group(engine, request: GroupRequest, params, tag: str, interr
     elif any(row.finish_reason is None for row in rows):
         raise RuntimeError(f"request {tag} ended without every sample finished")
     return [row.completion() for row in rows]
+
+
+class TurnSwaps:
+    """The turns of one multi-turn call on vLLM under rollout.partial: each turn's request streams and stops
+    when newer weights wait (`streamed_group`); once none of the call's requests is in flight the weights
+    are swapped, once, and every stopped turn goes on under them. A turn that would start while newer
+    weights wait, or while they load, starts after: no request runs across a swap, so the version a
+    request starts with is the one that samples all its tokens."""
+
+    def __init__(self, refresh: Refresh):
+        self.refresh = refresh
+        self.streaming = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.swapping: asyncio.Future | None = None
+
+    async def enter(self) -> int:
+        """Waits until no newer weights wait and none load; returns the version the request samples with."""
+        while True:
+            if self.swapping is not None:
+                await asyncio.shield(self.swapping)
+            elif self.refresh.interrupt():
+                await self.idle.wait()
+                if self.swapping is None and self.refresh.interrupt():
+                    self.swapping = asyncio.ensure_future(self._swap())
+            else:
+                break
+        self.streaming += 1
+        self.idle.clear()
+        return self.refresh.version
+
+    def leave(self) -> None:
+        self.streaming -= 1
+        if self.streaming == 0:
+            self.idle.set()
+
+    async def _swap(self) -> None:
+        try:
+            await self.refresh.swap()
+        finally:
+            self.swapping = None
+
+
+async def partial_turn(engine, swaps: TurnSwaps, request: GroupRequest, params_left: Callable[[int, int], object], tag: str) -> Turn:
+    """One turn of one row (`request`: its token prompt, n=1) under rollout.partial: streamed, stopped when
+    newer weights wait, and resumed after the swap as a request of the prompt and the turn's tokens so far
+    (`params_left(tokens so far, stops so far)`: the sampling of what is left). Each token carries the
+    version that sampled it."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    stops = 0
+    while True:
+        version = await swaps.enter()
+        try:
+            part = replace(request, prompt_ids=[*request.prompt_ids, *tokens])
+            (sampled,) = await streamed_group(engine, part, params_left(len(tokens), stops), f"{tag}-{stops}", swaps.refresh.interrupt)
+        finally:
+            swaps.leave()
+        tokens += sampled.token_ids
+        logprobs += sampled.logprobs
+        versions += [version] * len(sampled.token_ids)
+        if sampled.finish_reason != INTERRUPTED:
+            return Turn(tokens, logprobs, sampled.finish_reason, versions)
+        if request.image_files:
+            raise ValueError("rollout.partial: a multi-turn row with images cannot resume under new weights yet")
+        stops += 1
