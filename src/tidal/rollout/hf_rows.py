@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tidal.rollout.kv_slots import keep_rows, stack_rows, with_spare_slots
+from tidal.rollout.kv_slots import keep_rows, set_rows, stack_rows, with_spare_slots
 from tidal.rollout.trajectory import Turn
 
 INTERRUPTED = "interrupted"  # a turn stopped between tokens for new weights (rollout.partial)
@@ -325,9 +325,8 @@ class HFRows:
         template = self.slab.cache if self.slab is not None else None
         cache = copy.copy(template)
         cache.layers = [copy.copy(layer) for layer in template.layers]
-        for n, layer in enumerate(cache.layers):
-            layer.keys = torch.stack([left_pad(k.keys[n], width, 1) for k in kept])
-            layer.values = torch.stack([left_pad(k.values[n], width, 1) for k in kept])
+        for n, layer in enumerate(cache.layers):  # with spare slots: the prefill below writes into them
+            set_rows(layer, [k.keys[n][None] for k in kept], [k.values[n][None] for k in kept], width)
         lengths = [k.keys[0].shape[1] for k in kept]
         mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
         span = max(len(c) for c in chunks)

@@ -78,7 +78,12 @@ def rows_with_spare(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def stack_rows(layer, other, width: int) -> None:
     """`other`'s rows after `layer`'s, both left-padded (zeros, which the mask hides) to `width` slots."""
-    keys, values = [layer.keys, other.keys], [layer.values, other.values]
+    set_rows(layer, [layer.keys, other.keys], [layer.values, other.values], width)
+
+
+def set_rows(layer, keys: list[torch.Tensor], values: list[torch.Tensor], width: int) -> None:
+    """The layer's cache: the rows of `keys`/`values` ([rows, heads, slots, dim] each) one after another,
+    left-padded to `width` slots, with spare slots after them when the layer keeps some."""
     if isinstance(layer, SpareSlotsLayer):
         layer._set(padded_rows(keys, width, SPARE), padded_rows(values, width, SPARE), width)
     else:

@@ -254,13 +254,11 @@ class VLLMEngine:
             async def sample(prompt_ids: list[int], turn_index: int) -> Turn:
                 seed = None if request.seed is None else turn_seed(request.seed, index, turn_index)
                 if swaps is not None:
-
-                    def params_left(done: int, stops: int):
-                        resumed = seed if seed is None or not stops else turn_seed(seed, 0, stops)
-                        return sampling_params(self.cfg, 1, resumed, greedy, (max_new_tokens or self.cfg.rollout.max_new_tokens) - done)
-
-                    turn_request = GroupRequest(prompt_ids, 1, seed=seed, image_files=request.image_files)
-                    return await partial_turn(self, swaps, turn_request, params_left, f"t{tag}-{row}-{turn_index}")
+                    turn = GroupRequest(prompt_ids, 1, seed=seed, image_files=request.image_files)
+                    params = lambda seed, left: sampling_params(self.cfg, 1, seed, greedy, left)  # noqa: E731 - the turn's sampling, per part
+                    return await partial_turn(
+                        self, swaps, turn, params, max_new_tokens or self.cfg.rollout.max_new_tokens, f"t{tag}-{row}-{turn_index}"
+                    )
                 params = sampling_params(self.cfg, 1, seed, greedy, max_new_tokens)
                 (sample,) = await self._request(prompt_ids, params, f"t{tag}-{row}-{turn_index}", request.image_files)
                 return Turn(sample.token_ids, sample.logprobs, sample.finish_reason)

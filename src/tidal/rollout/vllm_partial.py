@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from tidal.rollout.engine import INTERRUPTED, Completion, GroupRequest, Interrupt
+from tidal.rollout.engine import INTERRUPTED, Completion, GroupRequest, Interrupt, turn_seed
 from tidal.rollout.refresh import Refresh
 from tidal.rollout.trajectory import Turn
 
@@ -133,20 +133,23 @@ class TurnSwaps:
             self.swapping = None
 
 
-async def partial_turn(engine, swaps: TurnSwaps, request: GroupRequest, params_left: Callable[[int, int], object], tag: str) -> Turn:
-    """One turn of one row (`request`: its token prompt, n=1) under rollout.partial: streamed, stopped when
-    newer weights wait, and resumed after the swap as a request of the prompt and the turn's tokens so far
-    (`params_left(tokens so far, stops so far)`: the sampling of what is left). Each token carries the
-    version that sampled it."""
+async def partial_turn(
+    engine, swaps: TurnSwaps, request: GroupRequest, params: Callable[[int | None, int], object], max_tokens: int, tag: str
+) -> Turn:
+    """One turn of one row (`request`: its token prompt, n=1, its seed) under rollout.partial: streamed,
+    stopped when newer weights wait, and resumed after the swap as a request of the prompt and the turn's
+    tokens so far, with the tokens left (`params(seed, max tokens)`: the sampling; in deterministic mode
+    resumption k draws with `turn_seed(seed, 0, k)`). Each token carries the version that sampled it."""
     tokens: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
     stops = 0
     while True:
         version = await swaps.enter()
+        seed = request.seed if request.seed is None or not stops else turn_seed(request.seed, 0, stops)
         try:
             part = replace(request, prompt_ids=[*request.prompt_ids, *tokens])
-            (sampled,) = await streamed_group(engine, part, params_left(len(tokens), stops), f"{tag}-{stops}", swaps.refresh.interrupt)
+            (sampled,) = await streamed_group(engine, part, params(seed, max_tokens - len(tokens)), f"{tag}-{stops}", swaps.refresh.interrupt)
         finally:
             swaps.leave()
         tokens += sampled.token_ids
