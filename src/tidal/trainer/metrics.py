@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 
 import numpy as np
@@ -143,14 +143,24 @@ def token_staleness_stats(groups: list[Group], version: int, max_staleness: int)
     """Staleness per sampled token (partial rollouts: a sample's tokens may come from several versions): the
     mean, the fraction of tokens at each staleness 0..max_staleness, and the fraction of samples whose
     tokens span more than one version."""
-    per_sample = [token_staleness(s.token_versions(g.policy_version), version) for g in groups for s in g.samples]
-    staleness = np.concatenate(per_sample) if per_sample else np.zeros(0, dtype=np.int64)
+    tokens: Counter[int] = Counter()  # staleness -> sampled tokens
+    mixed = samples = 0
+    for g in groups:
+        for s in g.samples:
+            samples += 1
+            if s.versions is None:  # every sampled token is the group's version: no per-token array to build
+                tokens[version - g.policy_version] += s.sampled_tokens
+                continue
+            values, counts = np.unique(token_staleness(s.versions, version), return_counts=True)
+            tokens.update(dict(zip(values.tolist(), counts.tolist(), strict=True)))
+            mixed += values.size > 1
+    total = sum(tokens.values())
     out = {
-        "token_staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
-        "mixed_version_sample_fraction": float(np.mean([np.unique(s).size > 1 for s in per_sample])) if per_sample else 0.0,
+        "token_staleness_mean": sum(k * n for k, n in tokens.items()) / total if total else 0.0,
+        "mixed_version_sample_fraction": mixed / samples if samples else 0.0,
     }
     for s in range(max_staleness + 1):
-        out[f"token_staleness_fraction_{s}"] = float((staleness == s).mean()) if staleness.size else 0.0
+        out[f"token_staleness_fraction_{s}"] = tokens[s] / total if total else 0.0
     return out
 
 
