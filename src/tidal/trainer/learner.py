@@ -133,6 +133,8 @@ class Learner:
             "clipped": 0.0,
             "computed_tokens": 0.0,
             "mismatch": 0.0,
+            "fresh_tokens": 0.0,
+            "drift": 0.0,
             "tis_truncated": 0.0,
             "ratio_max": 0.0,
         }
@@ -234,13 +236,21 @@ class Learner:
             return self.cfg.tis_cap
         return self.cfg.behaviour_weight_cap if group.policy_version < self.version else None
 
-    def stale_tokens(self, group: Group, width: int) -> torch.Tensor:
+    def stale_tokens(self, group: Group, trained: torch.Tensor) -> torch.Tensor:
         """bool [G, width]: the tokens the cap applies to: every token under tis_cap; else those sampled by
-        a version older than the one being trained (with partial rollouts a sample may hold both kinds)."""
+        a version older than the one being trained (with partial rollouts a sample may hold both kinds).
+        `trained`: the group's sampled tokens (bool [G, width])."""
         if self.cfg.tis_cap is not None:
-            return torch.ones((len(group.samples), width), dtype=torch.bool)
-        versions = padded([s.token_versions(group.policy_version) for s in group.samples], width)
-        return versions < self.version
+            return torch.ones_like(trained)
+        return trained & ~self.fresh_tokens(group, trained)
+
+    def fresh_tokens(self, group: Group, trained: torch.Tensor) -> torch.Tensor:
+        """bool [G, width]: the sampled tokens (`trained`) that the weights being trained sampled, whose
+        log-probs the engine and the trainer compute from the same weights."""
+        if all(s.versions is None for s in group.samples):  # every token of the group's own version
+            return trained if group.policy_version == self.version else torch.zeros_like(trained)
+        versions = padded([s.token_versions(group.policy_version) for s in group.samples], trained.shape[1])
+        return trained & (versions == self.version).to(trained.device)
 
     def _train_microbatch(self, groups: list[Group], packing: list[tuple], counted: bool = True) -> int:
         cfg = self.cfg
@@ -269,7 +279,7 @@ class Learner:
             rollout_logp = sampled_only(padded([s.logprobs for s in group.samples], mask.shape[1]).to(logp.device), trained)
             cap = self.behaviour_weight_cap(group)
             if cap is not None:
-                stale = self.stale_tokens(group, mask.shape[1]).to(logp.device)
+                stale = self.stale_tokens(group, trained)
                 weights, truncated = stale_token_weights(old_logp, rollout_logp, stale, cap)
                 loss_tok = loss_tok * weights
                 self.sums["tis_truncated"] += float((truncated.float() * mask).sum())
@@ -285,7 +295,13 @@ class Learner:
                 self.sums["entropy"] += float((out.entropy * mask).sum())
                 self.sums["clipped"] += float((clipped.float() * mask).sum())
                 self.sums["computed_tokens"] += group_tokens
-                self.sums["mismatch"] += logprob_mismatch(old_logp, rollout_logp, mask) * group_tokens
+                # engine against trainer on the tokens both compute from the same weights; the stale ones
+                # (bounded mode) measure how far the weights moved since they were sampled
+                fresh = self.fresh_tokens(group, trained)
+                fresh_count = int(fresh.sum())
+                self.sums["mismatch"] += logprob_mismatch(old_logp, rollout_logp, fresh) * fresh_count
+                self.sums["fresh_tokens"] += fresh_count
+                self.sums["drift"] += logprob_mismatch(old_logp, rollout_logp, trained & ~fresh) * (group_tokens - fresh_count)
                 self.sums["ratio_max"] = max(self.sums["ratio_max"], float((torch.exp(logp - old_logp) * mask).max()))
                 if kl is not None:
                     self.sums["kl"] += float((kl.detach() * mask).sum())
@@ -301,7 +317,7 @@ class Learner:
     def step(self) -> dict[str, float]:
         """Scales the accumulated gradients by 1/units (over all ranks), clips globally, steps.
         Returns the update's metrics, the same on every rank."""
-        summed = ["loss", "kl", "entropy", "clipped", "computed_tokens", "mismatch", "tis_truncated"]
+        summed = ["loss", "kl", "entropy", "clipped", "computed_tokens", "mismatch", "fresh_tokens", "drift", "tis_truncated"]
         totals = all_reduce_sum([self.units, float(self.tokens), *(self.sums[k] for k in summed)], self.ctx)
         units, tokens_trained = max(1.0, totals[0]), totals[1]
         sums = dict(zip(summed, totals[2:]))
@@ -323,7 +339,8 @@ class Learner:
             "entropy": sums["entropy"] / tokens,
             "clip_fraction": sums["clipped"] / tokens,
             "ratio_max": sums["ratio_max"],
-            "logprob_mismatch": sums["mismatch"] / tokens,
+            "logprob_mismatch": sums["mismatch"] / max(1.0, sums["fresh_tokens"]),
+            "stale_logprob_drift": sums["drift"] / max(1.0, sums["computed_tokens"] - sums["fresh_tokens"]),
             "tis_truncated_fraction": sums["tis_truncated"] / tokens,
             "grad_norm": grad_norm if math.isfinite(grad_norm) else float("nan"),
             "learning_rate": lr,
