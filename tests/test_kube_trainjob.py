@@ -138,8 +138,38 @@ def test_both_trainer_jobs_carry_the_kueue_queue_label_and_only_when_asked():
 def stand_in_api():
     """A Kubernetes API server with Kubeflow Trainer v2.2.0 and its torch-distributed runtime installed."""
     runtime_path = f"/apis/trainer.kubeflow.org/v1alpha1/clustertrainingruntimes/{RUNTIME}"
-    with StandInApi([load_crd("trainer-v2.2.0-trainjobs.json")], {runtime_path: {"metadata": {"name": RUNTIME}}}) as api:
+    objects = {runtime_path: {"metadata": {"name": RUNTIME}}, "/api/v1/namespaces/team-a/events": EVENTS}
+    with StandInApi([load_crd("trainer-v2.2.0-trainjobs.json")], objects) as api:
         yield api
+
+
+def core_event(kind: str, name: str, reason: str, message: str, at: str, via_events_api: bool = False) -> dict:
+    """An Event as the core v1 API lists it. One written through events.k8s.io/v1 (the scheduler's) has an
+    eventTime and no firstTimestamp there."""
+    when = {"eventTime": f"{at}.000000Z", "reportingComponent": "default-scheduler"} if via_events_api else {"firstTimestamp": f"{at}Z"}
+    return {
+        "metadata": {"name": f"{name}.{reason.lower()}", "namespace": "team-a"},
+        "involvedObject": {"kind": kind, "name": name},
+        "reason": reason,
+        "message": message,
+        **when,
+    }
+
+
+POD = "tidal-demo-r003-abcde-node-0-0-x7k2p"
+EVENTS = {
+    "kind": "EventList",
+    "apiVersion": "v1",
+    "metadata": {},
+    "items": [
+        core_event("Pod", POD, "OOMKilled", "out of memory", "2026-12-05T10:00:05"),
+        core_event("JobSet", "tidal-demo-r003-abcde", "FailedJobs", "job tidal-demo-r003-abcde-node-0 failed", "2026-12-05T10:00:09"),
+        core_event(
+            "Pod", POD, "FailedScheduling", "0/3 nodes are available: 3 Insufficient nvidia.com/gpu", "2026-12-05T10:00:01", via_events_api=True
+        ),
+        core_event("Pod", "tidal-demo-r003-abcdef-node-0-0-q1w2e", "OOMKilled", "another job's pod", "2026-12-05T10:00:07"),
+    ],
+}
 
 
 class StandInTrainerClient:
@@ -149,7 +179,7 @@ class StandInTrainerClient:
         self.api = api
         self.final_status = final_status
         self.deleted, self.waits = [], []
-        self.backend = SimpleNamespace(custom_api=k8s.CustomObjectsApi(api.api_client()))
+        self.backend = SimpleNamespace(custom_api=k8s.CustomObjectsApi(api.api_client()), core_api=k8s.CoreV1Api(api.api_client()))
 
     @property
     def created(self):
@@ -161,9 +191,6 @@ class StandInTrainerClient:
 
     def get_job_logs(self, name, follow=False):
         yield "iteration 1\n"
-
-    def get_job_events(self, name):
-        return [SimpleNamespace(involved_object_kind="Pod", involved_object_name=f"{name}-node-0-0", reason="OOMKilled", message="out of memory")]
 
     def delete_job(self, name):
         self.deleted.append(name)
@@ -185,8 +212,13 @@ def test_trainjob_backend_creates_strictly_waits_and_keeps_a_finished_job_with_a
 def test_a_failed_trainjob_is_deleted_and_its_events_named_with_a_stand_in_trainer_client(stand_in_api):
     client = StandInTrainerClient(stand_in_api, final_status="Failed")
     backend = TrainJobBackend(client_factory=lambda namespace: client, polling_interval_s=1)
-    with pytest.raises(TrainerJobFailed, match="OOMKilled: out of memory"):
+    with pytest.raises(TrainerJobFailed) as failed:
         run_trainer_job(backend, make_spec(), timeout_s=60)
+    # its own three events, oldest first, the scheduler's (eventTime, no firstTimestamp) among them
+    assert str(failed.value).endswith(
+        f"Pod/{POD}: FailedScheduling: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu; Pod/{POD}: OOMKilled: out of memory; "
+        "JobSet/tidal-demo-r003-abcde: FailedJobs: job tidal-demo-r003-abcde-node-0 failed"
+    ), str(failed.value)
     assert client.deleted == ["tidal-demo-r003-abcde"]
 
 

@@ -23,6 +23,7 @@ annotations in the metadata, so no ownerReference. The manifest is made of the S
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client as k8s
@@ -292,7 +293,7 @@ class TrainJobBackend:
         job = trainer.wait_for_job_status(name, status={"Complete", "Failed"}, timeout=timeout_s, polling_interval=self.polling_interval_s)
         if job.status == "Complete":
             return JobOutcome(name=name, succeeded=True)
-        return JobOutcome(name=name, succeeded=False, message=failure_message(trainer, name))
+        return JobOutcome(name=name, succeeded=False, message=failure_message(trainer.backend.core_api, namespace, name))
 
     def delete(self, name: str, namespace: str) -> None:
         self.client(namespace).delete_job(name)
@@ -338,14 +339,37 @@ def _read_or_none(read: Callable[[], Any]) -> Any:
         raise
 
 
-def failure_message(trainer: Any, name: str, last: int = 3) -> str:
-    """The TrainJob's last events (OOMKilled, DeadlineExceeded, BackoffLimitExceeded…); best effort."""
+TRAINJOB_EVENT_KINDS = frozenset({"TrainJob", "JobSet", "Job", "Pod"})
+
+
+def failure_message(core_api: Any, namespace: str, name: str, last: int = 3) -> str:
+    """The TrainJob's last events (OOMKilled, DeadlineExceeded, BackoffLimitExceeded, FailedScheduling…); best effort."""
     try:
-        events = trainer.get_job_events(name)
+        events = trainjob_events(core_api, namespace, name)
     except Exception as err:
         return f"status Failed (events unavailable: {err})"
-    lines = [f"{e.involved_object_kind}/{e.involved_object_name}: {e.reason}: {e.message}" for e in events[-last:]]
+    lines = [f"{e.involved_object.kind}/{e.involved_object.name}: {e.reason}: {e.message}" for e in events[-last:]]
     return "status Failed" + ("; " + "; ".join(lines) if lines else "")
+
+
+def trainjob_events(core_api: Any, namespace: str, name: str) -> list:
+    """The events of TrainJob `name` and of what it made (its JobSet, Jobs and Pods, named after it), oldest
+    first. Read here, not through TrainerClient.get_job_events, which drops every event without a
+    firstTimestamp: those written through the events.k8s.io/v1 API (the scheduler's FailedScheduling among
+    them) carry an eventTime instead."""
+    events = core_api.list_namespaced_event(namespace).items
+
+    def ours(event) -> bool:
+        ref = event.involved_object
+        return ref is not None and ref.kind in TRAINJOB_EVENT_KINDS and (ref.name == name or (ref.name or "").startswith(f"{name}-"))
+
+    return sorted(filter(ours, events), key=event_time)
+
+
+def event_time(event) -> datetime:
+    """When an event first happened, by whichever of the two APIs wrote it (the oldest possible when neither says)."""
+    created = event.metadata.creation_timestamp if event.metadata is not None else None
+    return event.first_timestamp or event.event_time or created or datetime.min.replace(tzinfo=UTC)
 
 
 def _default_trainer_client(namespace: str) -> Any:
