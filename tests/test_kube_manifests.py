@@ -233,7 +233,7 @@ def test_rbac_allows_trainer_jobs_and_the_worker_pool_and_nothing_more(overlay):
         (("trainer.kubeflow.org",), ("trainjobs",)): {"create", "get", "list", "watch", "delete"},
         (("trainer.kubeflow.org",), ("trainingruntimes",)): {"get", "list"},  # TrainerClient looks the runtime up
         (("",), ("pods", "pods/log")): {"get", "list", "watch"},
-        (("",), ("events",)): {"get", "list", "watch"},  # TrainerClient.get_job_events lists them for a failure's message
+        (("",), ("events",)): {"get", "list", "watch"},  # a failed TrainJob's message lists them (trainjob.trainjob_events)
         # worker_pool=elastic: the run's Deployment and ScaledObject, created by the pool step and deleted by finalize
         (("apps",), ("deployments",)): {"create", "get", "delete"},
         ((elastic.KEDA_GROUP,), (elastic.KEDA_PLURAL,)): {"create", "get", "delete"},
