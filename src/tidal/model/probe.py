@@ -63,15 +63,20 @@ def sample_responses(model: torch.nn.Module, probe: list[dict], seed: int) -> li
 
 @torch.no_grad()
 def probe_logprobs(model: torch.nn.Module, probe: list[dict]) -> list[list[float]]:
-    """Log-prob of each response token given what precedes it: one plain forward per sequence."""
+    """Log-prob of each response token given what precedes it: one plain forward (no padding, no mask) per shape
+    of sequence, i.e. one for the whole probe, whose sequences share one shape (every rank alike: a collective
+    under fsdp2 and ZeRO-3). A forward per sequence cost a worker 26 ms of each weight load on CPU."""
     device = next(model.parameters()).device
-    out = []
-    for seq in probe:
-        prompt, response = seq["prompt_ids"], seq["response_ids"]
-        ids = torch.tensor([prompt + response], device=device)
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(response, device=device)[:, None])[:, 0]
-        out.append(logp.cpu().tolist())
+    out: list[list[float]] = [[] for _ in probe]
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for i, seq in enumerate(probe):
+        shapes.setdefault((len(seq["prompt_ids"]), len(seq["response_ids"])), []).append(i)
+    for (prompt, _), members in shapes.items():
+        ids = torch.tensor([probe[i]["prompt_ids"] + probe[i]["response_ids"] for i in members], device=device)
+        logits = model(input_ids=ids).logits[:, prompt - 1 : -1].float()
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, prompt:, None])[..., 0]
+        for i, row in zip(members, logp.cpu().tolist(), strict=True):
+            out[i] = row
     return out
 
 
