@@ -65,7 +65,8 @@ def sample_responses(model: torch.nn.Module, probe: list[dict], seed: int) -> li
 def probe_logprobs(model: torch.nn.Module, probe: list[dict]) -> list[list[float]]:
     """Log-prob of each response token given what precedes it: one plain forward (no padding, no mask) per shape
     of sequence, i.e. one for the whole probe, whose sequences share one shape (every rank alike: a collective
-    under fsdp2 and ZeRO-3). A forward per sequence cost a worker 26 ms of each weight load on CPU."""
+    under fsdp2 and ZeRO-3). Both sides of every weight load run it, between one iteration's training and the
+    next one's generation, where a forward per sequence paid a forward's fixed cost eight times."""
     device = next(model.parameters()).device
     out: list[list[float]] = [[] for _ in probe]
     shapes: dict[tuple[int, int], list[int]] = {}

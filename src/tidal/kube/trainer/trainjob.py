@@ -293,7 +293,7 @@ class TrainJobBackend:
         job = trainer.wait_for_job_status(name, status={"Complete", "Failed"}, timeout=timeout_s, polling_interval=self.polling_interval_s)
         if job.status == "Complete":
             return JobOutcome(name=name, succeeded=True)
-        return JobOutcome(name=name, succeeded=False, message=failure_message(trainer.backend.core_api, namespace, name))
+        return JobOutcome(name=name, succeeded=False, message=failure_message(trainer, namespace, name))
 
     def delete(self, name: str, namespace: str) -> None:
         self.client(namespace).delete_job(name)
@@ -342,10 +342,11 @@ def _read_or_none(read: Callable[[], Any]) -> Any:
 TRAINJOB_EVENT_KINDS = frozenset({"TrainJob", "JobSet", "Job", "Pod"})
 
 
-def failure_message(core_api: Any, namespace: str, name: str, last: int = 3) -> str:
-    """The TrainJob's last events (OOMKilled, DeadlineExceeded, BackoffLimitExceeded, FailedScheduling…); best effort."""
+def failure_message(trainer: Any, namespace: str, name: str, last: int = 3) -> str:
+    """The TrainJob's last events (OOMKilled, DeadlineExceeded, BackoffLimitExceeded, FailedScheduling…), read over
+    `trainer`'s (a TrainerClient's) Kubernetes connection; best effort."""
     try:
-        events = trainjob_events(core_api, namespace, name)
+        events = trainjob_events(trainer.backend.core_api, namespace, name)
     except Exception as err:
         return f"status Failed (events unavailable: {err})"
     lines = [f"{e.involved_object.kind}/{e.involved_object.name}: {e.reason}: {e.message}" for e in events[-last:]]
