@@ -51,12 +51,13 @@ def as_packing_group(group: Group) -> tuple:
 
 
 def padded(rows: list, width: int) -> torch.Tensor:
-    """Per-response float arrays -> [G, width], zero-padded."""
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    """Per-response float arrays -> [G, width], zero-padded (filled in numpy: a group's rows are a dozen
+    tokens or so, where each torch call costs more than the copy)."""
+    out = np.zeros((len(rows), width), dtype=np.float32)
     for i, r in enumerate(rows):
         n = min(len(r), width)
-        out[i, :n] = torch.as_tensor(np.asarray(r[:n], dtype=np.float32))
-    return out
+        out[i, :n] = r[:n]
+    return torch.from_numpy(out)
 
 
 def token_logprobs(
@@ -301,8 +302,11 @@ class Learner:
                 fresh_count = int(fresh.sum())
                 self.sums["mismatch"] += logprob_mismatch(old_logp, rollout_logp, fresh) * fresh_count
                 self.sums["fresh_tokens"] += fresh_count
-                self.sums["drift"] += logprob_mismatch(old_logp, rollout_logp, trained & ~fresh) * (group_tokens - fresh_count)
-                self.sums["ratio_max"] = max(self.sums["ratio_max"], float((torch.exp(logp - old_logp) * mask).max()))
+                if fresh_count < group_tokens:
+                    self.sums["drift"] += logprob_mismatch(old_logp, rollout_logp, trained & ~fresh) * (group_tokens - fresh_count)
+                # with no old policy the ratio is exp(0) = 1 on every token
+                ratio_max = float((torch.exp(logp - old_logp) * mask).max()) if old is not None else float(group_tokens > 0)
+                self.sums["ratio_max"] = max(self.sums["ratio_max"], ratio_max)
                 if kl is not None:
                     self.sums["kl"] += float((kl.detach() * mask).sum())
         if not counted:  # padding: the passes and collectives happen, nothing is added
