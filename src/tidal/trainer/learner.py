@@ -237,13 +237,12 @@ class Learner:
             return self.cfg.tis_cap
         return self.cfg.behaviour_weight_cap if group.policy_version < self.version else None
 
-    def stale_tokens(self, group: Group, trained: torch.Tensor) -> torch.Tensor:
-        """bool [G, width]: the tokens the cap applies to: every token under tis_cap; else those sampled by
-        a version older than the one being trained (with partial rollouts a sample may hold both kinds).
-        `trained`: the group's sampled tokens (bool [G, width])."""
+    def stale_tokens(self, trained: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        """bool [G, width]: the tokens the cap applies to: every token under tis_cap; else the sampled ones
+        (`trained`) not `fresh`, i.e. sampled by an older version (with partial rollouts a sample may hold both kinds)."""
         if self.cfg.tis_cap is not None:
             return torch.ones_like(trained)
-        return trained & ~self.fresh_tokens(group, trained)
+        return trained & ~fresh
 
     def fresh_tokens(self, group: Group, trained: torch.Tensor) -> torch.Tensor:
         """bool [G, width]: the sampled tokens (`trained`) that the weights being trained sampled, whose
@@ -278,9 +277,10 @@ class Learner:
             advantages = compute_advantages(cfg.advantage, rewards, cfg.std_normalize)[:, None]
             loss_tok, clipped = policy_token_loss(cfg.policy_loss, logp, old_logp, advantages, mask, cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps)
             rollout_logp = sampled_only(padded([s.logprobs for s in group.samples], mask.shape[1]).to(logp.device), trained)
+            fresh = self.fresh_tokens(group, trained)
             cap = self.behaviour_weight_cap(group)
             if cap is not None:
-                stale = self.stale_tokens(group, trained)
+                stale = self.stale_tokens(trained, fresh)
                 weights, truncated = stale_token_weights(old_logp, rollout_logp, stale, cap)
                 loss_tok = loss_tok * weights
                 self.sums["tis_truncated"] += float((truncated.float() * mask).sum())
@@ -298,7 +298,6 @@ class Learner:
                 self.sums["computed_tokens"] += group_tokens
                 # engine against trainer on the tokens both compute from the same weights; the stale ones
                 # (bounded mode) measure how far the weights moved since they were sampled
-                fresh = self.fresh_tokens(group, trained)
                 fresh_count = int(fresh.sum())
                 self.sums["mismatch"] += logprob_mismatch(old_logp, rollout_logp, fresh) * fresh_count
                 self.sums["fresh_tokens"] += fresh_count
