@@ -157,7 +157,7 @@ def test_the_reference_is_the_base_with_the_adapter_disabled_not_a_copy():
     from tidal.trainer.learner import as_packing_group
     from tidal.trainer.packing import naive_token_logprobs
 
-    reference = learner._reference_logprobs([as_packing_group(group)])[0]
+    reference = learner._reference_logprobs([as_packing_group(group)])  # the one group's rows
     with torch.no_grad():
         expected = naive_token_logprobs(base, [as_packing_group(group)], 1.0)[0].logprobs
         policy = naive_token_logprobs(learner.model, [as_packing_group(group)], 1.0)[0].logprobs
@@ -242,7 +242,7 @@ def test_several_updates_per_iteration_keep_the_old_policy_as_a_second_adapter_n
     with torch.no_grad():
         expected = naive_token_logprobs(at_start, packing, 1.0)[0].logprobs
         policy = naive_token_logprobs(learner.model, packing, 1.0)[0].logprobs
-    old_logprobs = learner._frozen_logprobs(learner.old_policy, packing, "cpu", "old")[0]
+    old_logprobs = learner._frozen_logprobs(learner.old_policy, packing, "cpu", "old")  # the one group's rows
     torch.testing.assert_close(old_logprobs, expected[:, : old_logprobs.shape[1]], atol=1e-5, rtol=0)
     assert (policy - expected).abs().max() > 1e-4  # the trained adapter did move
 

@@ -34,9 +34,17 @@ from tidal.protocol import Group, Sample
 from tidal.trainer.assignment import assign_groups, group_token_count
 from tidal.trainer.distributed import SINGLE, all_reduce_max, all_reduce_sum
 from tidal.trainer.guard import record_skip, step_is_finite
-from tidal.trainer.packing import GroupTokenLogprobs, naive_token_logprobs, pack_groups, packed_token_logprobs, split_into_microbatches
+from tidal.trainer.packing import (
+    GroupTokenLogprobs,
+    naive_token_logprobs,
+    pack_groups,
+    packed_row_logprobs,
+    packed_token_logprobs,
+    split_into_microbatches,
+    stack_groups,
+)
 from tidal.trainer.strategy import SingleStrategy, Strategy
-from tidal.trainer.vision_packing import has_images, naive_vision_token_logprobs, packed_vision_token_logprobs
+from tidal.trainer.vision_packing import has_images, naive_vision_token_logprobs, packed_vision_row_logprobs, packed_vision_token_logprobs
 
 
 def warmup_then_constant(warmup_steps: int):
@@ -71,6 +79,15 @@ def token_logprobs(
     if attention == "naive":
         return naive_token_logprobs(model, groups, temperature, with_entropy)
     return packed_token_logprobs(model, pack_groups(groups, device=device), temperature, attention, with_entropy)
+
+
+def row_token_logprobs(model, groups: list[tuple], temperature: float, attention: str, device: str, with_entropy: bool = False) -> GroupTokenLogprobs:
+    """`token_logprobs` as one block of response rows [responses, longest], every group's rows in order."""
+    if attention == "naive":
+        return stack_groups(token_logprobs(model, groups, temperature, attention, device, with_entropy))
+    if has_images(groups):
+        return packed_vision_row_logprobs(model, groups, device, temperature, attention, with_entropy)
+    return packed_row_logprobs(model, pack_groups(groups, device=device), temperature, attention, with_entropy)
 
 
 class Learner:
@@ -160,17 +177,22 @@ class Learner:
         with self.model.disable_adapter():
             return self._frozen_logprobs(self.model, packing, self.device, "reference")
 
-    def _frozen_logprobs(self, model, groups: list[tuple], device: str, role: str) -> list[torch.Tensor]:
+    def _frozen_logprobs(self, model, groups: list[tuple], device: str, role: str) -> torch.Tensor:
         self.forwards[role] += 1
         with torch.no_grad():
-            outs = token_logprobs(model, groups, self.temperature, self.cfg.attention, device)
-        return [sampled_only(o.logprobs, o.trained).to(self.device) for o in outs]
+            out = row_token_logprobs(model, groups, self.temperature, self.cfg.attention, device)
+        return sampled_only(out.logprobs, out.trained).to(self.device)
 
     def shaped_rewards(self, group: Group, lengths: torch.Tensor) -> torch.Tensor:
         rewards = torch.tensor(group.rewards, dtype=torch.float32, device=lengths.device)
         if self.reward_cfg.overlong_buffer:
             rewards = rewards + overlong_penalty(lengths, self.max_new_tokens, self.reward_cfg.overlong_buffer, self.reward_cfg.overlong_penalty)
         return rewards
+
+    def group_advantages(self, group: Group) -> torch.Tensor:
+        """[G] advantages from the group's shaped rewards (without a KL penalty in the reward)."""
+        lengths = torch.tensor([len(s.token_ids) for s in group.samples])
+        return compute_advantages(self.cfg.advantage, self.shaped_rewards(group, lengths), self.cfg.std_normalize)
 
     def train_on_groups(self, groups: list[Group]) -> int:
         """Adds the loss-numerator gradients of this rank's share of `groups`, packed into micro-batches;
@@ -181,19 +203,27 @@ class Learner:
         ones, so that all ranks make the same number of forward/backward passes (FSDP's collectives hang
         otherwise). At one rank this is the plain loop."""
         rank, world = self.ctx.rank, self.ctx.world_size
-        live, silent = [], []
+        live, silent, advantages = [], [], []
         for g in groups:
-            (silent if self._contributes_no_gradient(g) else live).append(g)
+            # zero advantage everywhere and no KL term: the gradient is exactly zero, no forward is needed
+            adv = None if self.has_reference else self.group_advantages(g)
+            if adv is not None and bool((adv == 0).all()):
+                silent.append(g)
+            else:
+                live.append(g)
+                advantages.append(adv)
         total = sum(self._count_only(g) for g in silent[rank::world])  # each counted by exactly one rank
         shares = assign_groups([group_token_count(g) for g in live], world)
         plans = [split_into_microbatches([as_packing_group(live[i]) for i in share], self.cfg.token_budget) for share in shares]
         mine = [live[i] for i in shares[rank]]
+        mine_advantages = [advantages[i] for i in shares[rank]]
         start = 0
         for micro in plans[rank]:
-            total += self._train_microbatch(mine[start : start + len(micro)], micro)
-            start += len(micro)
+            end = start + len(micro)
+            total += self._train_microbatch(mine[start:end], micro, mine_advantages[start:end])
+            start = end
         for _ in range(max(len(plan) for plan in plans) - len(plans[rank])):
-            self._train_microbatch([self.padding_group], [as_packing_group(self.padding_group)], counted=False)
+            self._train_microbatch([self.padding_group], [as_packing_group(self.padding_group)], [None], counted=False)
         return total
 
     @property
@@ -202,14 +232,6 @@ class Learner:
         sample = Sample(np.array([self.pad_id], dtype=np.int32), np.zeros(1, dtype=np.float32), 0.0)
         other = Sample(np.array([self.pad_id], dtype=np.int32), np.zeros(1, dtype=np.float32), 1.0)
         return Group(self.version, -1, self.version, "padding", np.array([self.pad_id], dtype=np.int32), [sample, other])
-
-    def _contributes_no_gradient(self, group: Group) -> bool:
-        """Zero advantage everywhere and no KL term: the gradient is exactly zero, skip the forward."""
-        if self.has_reference:
-            return False
-        lengths = torch.tensor([len(s.token_ids) for s in group.samples])
-        rewards = self.shaped_rewards(group, lengths)
-        return bool((compute_advantages(self.cfg.advantage, rewards, self.cfg.std_normalize) == 0).all())
 
     def _count_only(self, group: Group) -> int:
         """The units and trained tokens of a group whose gradient is zero, without a forward pass."""
@@ -227,87 +249,85 @@ class Learner:
     def train_on_group(self, group: Group) -> int:
         return self.train_on_groups([group])
 
-    def behaviour_weight_cap(self, group: Group) -> float | None:
+    def behaviour_weight_cap(self, groups: list[Group]) -> float | None:
         """The cap of the importance weight pi_old / pi_behaviour (the engine's log-probs), or None
         for no weight. tis_cap corrects every sample for engine-vs-trainer mismatch; otherwise only
         stale tokens (bounded mode) are corrected, decoupled-PPO style (`stale_tokens`): a fresh one
         was generated by exactly the weights being trained, so bounded mode with max_staleness 0 equals
-        periodic. A group's policy_version is its oldest token's, so a group with none stale has no weight."""
+        periodic. A group's policy_version is its oldest token's, so groups with none stale need no weight
+        (and a group without stale tokens among stale ones gets weight 1 on every token)."""
         if self.cfg.tis_cap is not None:
             return self.cfg.tis_cap
-        return self.cfg.behaviour_weight_cap if group.policy_version < self.version else None
+        return self.cfg.behaviour_weight_cap if any(g.policy_version < self.version for g in groups) else None
 
     def stale_tokens(self, trained: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-        """bool [G, width]: the tokens the cap applies to: every token under tis_cap; else the sampled ones
+        """bool [rows, width]: the tokens the cap applies to: every token under tis_cap; else the sampled ones
         (`trained`) not `fresh`, i.e. sampled by an older version (with partial rollouts a sample may hold both kinds)."""
         if self.cfg.tis_cap is not None:
             return torch.ones_like(trained)
         return trained & ~fresh
 
-    def fresh_tokens(self, group: Group, trained: torch.Tensor) -> torch.Tensor:
-        """bool [G, width]: the sampled tokens (`trained`) that the weights being trained sampled, whose
-        log-probs the engine and the trainer compute from the same weights."""
-        if all(s.versions is None for s in group.samples):  # every token of the group's own version
-            return trained if group.policy_version == self.version else torch.zeros_like(trained)
-        versions = padded([s.token_versions(group.policy_version) for s in group.samples], trained.shape[1])
+    def fresh_tokens(self, groups: list[Group], trained: torch.Tensor) -> torch.Tensor:
+        """bool [rows, width]: the sampled tokens (`trained`, every group's rows in order) that the weights
+        being trained sampled, whose log-probs the engine and the trainer compute from the same weights."""
+        samples = [(g, s) for g in groups for s in g.samples]
+        if all(s.versions is None for _, s in samples):  # every token of its group's version
+            rows = torch.tensor([g.policy_version == self.version for g, _ in samples], device=trained.device)
+            return trained & rows[:, None]
+        versions = padded([s.token_versions(g.policy_version) for g, s in samples], trained.shape[1])
         return trained & (versions == self.version).to(trained.device)
 
-    def _train_microbatch(self, groups: list[Group], packing: list[tuple], counted: bool = True) -> int:
+    def _train_microbatch(self, groups: list[Group], packing: list[tuple], advantages: list[torch.Tensor | None], counted: bool = True) -> int:
+        """One forward and backward over a micro-batch; every per-token term is computed on one block of
+        response rows [the groups' samples, longest response], every group's rows in order. `advantages`:
+        each group's, or None where they are computed here (a KL penalty in the reward)."""
         cfg = self.cfg
         saved = (self.units, self.tokens, self.groups, dict(self.sums), dict(self.forwards))
         self.model.train()
         self.forwards["policy"] += 1
-        outs = token_logprobs(self.model, packing, self.temperature, cfg.attention, self.device, with_entropy=True)
+        out = row_token_logprobs(self.model, packing, self.temperature, cfg.attention, self.device, with_entropy=True)
+        # only the tokens the policy sampled are trained on, counted and measured (mask 1); an
+        # advantage is per trajectory, the same for each of its sampled tokens
+        trained = out.trained
+        mask = trained.float()
+        logp = sampled_only(out.logprobs, trained)
+        # One optimizer step per iteration: the old policy *is* the current one, ratio exactly 1.
         old = self._frozen_logprobs(self.old_policy, packing, self.device, "old") if self.old_policy is not None else None
+        old_logp = old if old is not None else logp.detach()
         ref = self._reference_logprobs(packing) if self.has_reference else None
-        numerator = None
-        n_tokens = 0
-        for i, (group, out) in enumerate(zip(groups, outs)):
-            # only the tokens the policy sampled are trained on, counted and measured (mask 1); an
-            # advantage is per trajectory, the same for each of its sampled tokens
-            trained = out.trained
-            mask = trained.float()
-            logp = sampled_only(out.logprobs, trained)
-            # One optimizer step per iteration: the old policy *is* the current one, ratio exactly 1.
-            old_logp = old[i] if old is not None else logp.detach()
-            rewards = self.shaped_rewards(group, out.mask.sum(-1))
-            kl = kl_estimate(logp, ref[i], cfg.kl_estimator) if ref is not None else None
-            if kl is not None and cfg.kl_in_reward:
-                rewards = kl_reward_penalty(rewards, kl.detach(), mask, cfg.kl_coef)
-            advantages = compute_advantages(cfg.advantage, rewards, cfg.std_normalize)[:, None]
-            loss_tok, clipped = policy_token_loss(cfg.policy_loss, logp, old_logp, advantages, mask, cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps)
-            rollout_logp = sampled_only(padded([s.logprobs for s in group.samples], mask.shape[1]).to(logp.device), trained)
-            fresh = self.fresh_tokens(group, trained)
-            cap = self.behaviour_weight_cap(group)
-            if cap is not None:
-                stale = self.stale_tokens(trained, fresh)
-                weights, truncated = stale_token_weights(old_logp, rollout_logp, stale, cap)
-                loss_tok = loss_tok * weights
-                self.sums["tis_truncated"] += float((truncated.float() * mask).sum())
-            if kl is not None and not cfg.kl_in_reward:
-                loss_tok = loss_tok + cfg.kl_coef * kl
-            num, units = aggregate_numerator(loss_tok, mask, cfg.loss_aggregation, cfg.aggregation_constant or self.max_new_tokens)
-            numerator = num if numerator is None else numerator + num
-            group_tokens = int(mask.sum())
-            n_tokens += group_tokens
-            self.units += units
-            with torch.no_grad():
-                self.sums["loss"] += float(num)
-                self.sums["entropy"] += float((out.entropy * mask).sum())
-                self.sums["clipped"] += float((clipped.float() * mask).sum())
-                self.sums["computed_tokens"] += group_tokens
-                # engine against trainer on the tokens both compute from the same weights; the stale ones
-                # (bounded mode) measure how far the weights moved since they were sampled
-                fresh_count = int(fresh.sum())
-                self.sums["mismatch"] += logprob_mismatch(old_logp, rollout_logp, fresh) * fresh_count
-                self.sums["fresh_tokens"] += fresh_count
-                if fresh_count < group_tokens:
-                    self.sums["drift"] += logprob_mismatch(old_logp, rollout_logp, trained & ~fresh) * (group_tokens - fresh_count)
-                # with no old policy the ratio is exp(0) = 1 on every token
-                ratio_max = float((torch.exp(logp - old_logp) * mask).max()) if old is not None else float(group_tokens > 0)
-                self.sums["ratio_max"] = max(self.sums["ratio_max"], ratio_max)
-                if kl is not None:
-                    self.sums["kl"] += float((kl.detach() * mask).sum())
+        kl = kl_estimate(logp, ref, cfg.kl_estimator) if ref is not None else None
+        row_advantages = self._row_advantages(groups, advantages, out.mask.sum(-1), kl, mask).to(logp.device)[:, None]
+        loss_tok, clipped = policy_token_loss(cfg.policy_loss, logp, old_logp, row_advantages, mask, cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps)
+        samples = [s for g in groups for s in g.samples]
+        rollout_logp = sampled_only(padded([s.logprobs for s in samples], mask.shape[1]).to(logp.device), trained)
+        fresh = self.fresh_tokens(groups, trained)
+        cap = self.behaviour_weight_cap(groups)
+        if cap is not None:
+            weights, truncated = stale_token_weights(old_logp, rollout_logp, self.stale_tokens(trained, fresh), cap)
+            loss_tok = loss_tok * weights
+            self.sums["tis_truncated"] += float((truncated.float() * mask).sum())
+        if kl is not None and not cfg.kl_in_reward:
+            loss_tok = loss_tok + cfg.kl_coef * kl
+        numerator, units = aggregate_numerator(loss_tok, mask, cfg.loss_aggregation, cfg.aggregation_constant or self.max_new_tokens)
+        n_tokens = int(mask.sum())
+        self.units += units
+        with torch.no_grad():
+            self.sums["loss"] += float(numerator)
+            self.sums["entropy"] += float((out.entropy * mask).sum())
+            self.sums["clipped"] += float((clipped.float() * mask).sum())
+            self.sums["computed_tokens"] += n_tokens
+            # engine against trainer on the tokens both compute from the same weights; the stale ones
+            # (bounded mode) measure how far the weights moved since they were sampled
+            fresh_count = int(fresh.sum())
+            self.sums["mismatch"] += logprob_mismatch(old_logp, rollout_logp, fresh) * fresh_count
+            self.sums["fresh_tokens"] += fresh_count
+            if fresh_count < n_tokens:
+                self.sums["drift"] += logprob_mismatch(old_logp, rollout_logp, trained & ~fresh) * (n_tokens - fresh_count)
+            # with no old policy the ratio is exp(0) = 1 on every token
+            ratio_max = float((torch.exp(logp - old_logp) * mask).max()) if old is not None else float(n_tokens > 0)
+            self.sums["ratio_max"] = max(self.sums["ratio_max"], ratio_max)
+            if kl is not None:
+                self.sums["kl"] += float((kl.detach() * mask).sum())
         if not counted:  # padding: the passes and collectives happen, nothing is added
             self.strategy.backward(numerator * 0.0)
             self.units, self.tokens, self.groups, self.sums, self.forwards = saved
@@ -316,6 +336,23 @@ class Learner:
         self.tokens += n_tokens
         self.groups += len(groups)
         return n_tokens
+
+    def _row_advantages(
+        self, groups: list[Group], advantages: list[torch.Tensor | None], lengths: torch.Tensor, kl: torch.Tensor | None, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """[rows] each sample's advantage; a group's computed here from its shaped rewards, less the KL
+        penalty when the KL is in the reward, where it is not given."""
+        parts, start = [], 0
+        for group, adv in zip(groups, advantages, strict=True):
+            end = start + len(group.samples)
+            if adv is None:
+                rewards = self.shaped_rewards(group, lengths[start:end])
+                if kl is not None and self.cfg.kl_in_reward:
+                    rewards = kl_reward_penalty(rewards, kl[start:end].detach(), mask[start:end], self.cfg.kl_coef)
+                adv = compute_advantages(self.cfg.advantage, rewards, self.cfg.std_normalize)
+            parts.append(adv.to(lengths.device))
+            start = end
+        return torch.cat(parts)
 
     def step(self) -> dict[str, float]:
         """Scales the accumulated gradients by 1/units (over all ranks), clips globally, steps.

@@ -389,20 +389,22 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def unpack_per_group(values: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
-    """Scatter packed per-token ``values [N]`` into one ``[G, R_max]`` tensor per group (zeros on padding)."""
-    num_responses = len(packed.response_lengths)
+def scatter_rows(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """Packed per-token ``values [N]`` -> ``[responses, R_max]``, right-padded with zeros."""
     width = max(packed.response_lengths, default=0)
-    padded = values.new_zeros(num_responses, width).index_put((packed.response_row, packed.response_col), values)
-    return _split_rows_per_group(padded, packed)
+    return values.new_zeros(len(packed.response_lengths), width).index_put((packed.response_row, packed.response_col), values)
 
 
-def response_masks(packed: PackedBatch) -> list[torch.Tensor]:
-    """``[G, R_max]`` boolean masks, True on real response tokens."""
+def response_mask(packed: PackedBatch) -> torch.Tensor:
+    """``[responses, R_max]`` bool, True on real response tokens."""
     lengths = torch.tensor(packed.response_lengths, dtype=torch.long, device=packed.input_ids.device)
     width = max(packed.response_lengths, default=0)
-    mask = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
-    return _split_rows_per_group(mask, packed)
+    return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def unpack_per_group(values: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
+    """Scatter packed per-token ``values [N]`` into one ``[G, R_max]`` tensor per group (zeros on padding)."""
+    return _split_rows_per_group(scatter_rows(values, packed), packed)
 
 
 def _split_rows_per_group(padded: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
@@ -432,6 +434,17 @@ def packed_token_logprobs(
     with_entropy: bool = False,
 ) -> list[GroupTokenLogprobs]:
     """Per-token log-probs of every response in ``packed``, one forward pass, one entry per group."""
+    return split_per_group(packed_row_logprobs(model, packed, temperature, kernel, with_entropy), packed.group_sizes, packed.response_lengths)
+
+
+def packed_row_logprobs(
+    model: torch.nn.Module,
+    packed: PackedBatch,
+    temperature: float = 1.0,
+    kernel: str = "auto",
+    with_entropy: bool = False,
+) -> GroupTokenLogprobs:
+    """`packed_token_logprobs` as one ``[N responses, R_max]`` block, every group's rows in order."""
     device = packed.input_ids.device
     kernel = resolve_kernel(kernel, device)
     with _attention_implementation(model, _HF_ATTENTION[kernel]):
@@ -442,15 +455,51 @@ def packed_token_logprobs(
             use_cache=False,
             **_attention_inputs(packed, kernel),
         ).logits[0]
-    logprobs, entropy = token_logprobs_from_logits(logits, packed.target_ids, temperature, with_entropy)
-    masks = response_masks(packed)
-    per_group_logprobs = unpack_per_group(logprobs, packed)
-    per_group_entropy = unpack_per_group(entropy, packed) if with_entropy else [None] * len(masks)
-    loss_masks = unpack_per_group(packed.loss_mask, packed)
-    return [
-        GroupTokenLogprobs(logprobs=lp, mask=m, entropy=ent, loss_mask=lm)
-        for lp, m, ent, lm in zip(per_group_logprobs, masks, per_group_entropy, loss_masks, strict=True)
-    ]
+    return packed_rows(packed, *token_logprobs_from_logits(logits, packed.target_ids, temperature, with_entropy))
+
+
+def packed_rows(packed: PackedBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> GroupTokenLogprobs:
+    """Packed per-token values ([N tokens]) as one right-padded block of response rows."""
+    return GroupTokenLogprobs(
+        logprobs=scatter_rows(logprobs, packed),
+        mask=response_mask(packed),
+        entropy=None if entropy is None else scatter_rows(entropy, packed),
+        loss_mask=scatter_rows(packed.loss_mask, packed),
+    )
+
+
+def split_per_group(rows: GroupTokenLogprobs, group_sizes: Sequence[int], response_lengths: Sequence[int]) -> list[GroupTokenLogprobs]:
+    """One block of response rows -> one entry per group, each cut to its own longest response."""
+    out, start = [], 0
+    for size in group_sizes:
+        end = start + size
+        width = max(response_lengths[start:end], default=0)
+        cut = slice(start, end), slice(0, width)
+        out.append(
+            GroupTokenLogprobs(
+                logprobs=rows.logprobs[cut],
+                mask=rows.mask[cut],
+                entropy=None if rows.entropy is None else rows.entropy[cut],
+                loss_mask=None if rows.loss_mask is None else rows.loss_mask[cut],
+            )
+        )
+        start = end
+    return out
+
+
+def stack_groups(outs: Sequence[GroupTokenLogprobs]) -> GroupTokenLogprobs:
+    """Per-group entries -> one block of response rows, right-padded to the longest response (zeros, mask False)."""
+
+    def stack(parts: list[torch.Tensor]) -> torch.Tensor:
+        width = max((p.shape[1] for p in parts), default=0)
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+    return GroupTokenLogprobs(
+        logprobs=stack([o.logprobs for o in outs]),
+        mask=stack([o.mask for o in outs]),
+        entropy=None if outs[0].entropy is None else stack([o.entropy for o in outs]),
+        loss_mask=stack([o.trained for o in outs]),
+    )
 
 
 def naive_token_logprobs(

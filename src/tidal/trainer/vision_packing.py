@@ -34,9 +34,9 @@ from tidal.trainer.packing import (
     _attention_inputs,
     group_parts,
     pack_groups,
+    packed_rows,
     resolve_kernel,
-    response_masks,
-    unpack_per_group,
+    split_per_group,
 )
 
 
@@ -103,6 +103,23 @@ def packed_vision_token_logprobs(
     with_entropy: bool = False,
 ) -> list[GroupTokenLogprobs]:
     """`packing.packed_token_logprobs` for groups with images: one forward, each image encoded once."""
+    packed, rows = _packed_vision_rows(model, groups, device, temperature, kernel, with_entropy)
+    return split_per_group(rows, packed.group_sizes, packed.response_lengths)
+
+
+def packed_vision_row_logprobs(
+    model: torch.nn.Module,
+    groups: Sequence[Sequence],
+    device: torch.device | str,
+    temperature: float = 1.0,
+    kernel: str = "auto",
+    with_entropy: bool = False,
+) -> GroupTokenLogprobs:
+    """`packed_vision_token_logprobs` as one block of response rows, every group's in order."""
+    return _packed_vision_rows(model, groups, device, temperature, kernel, with_entropy)[1]
+
+
+def _packed_vision_rows(model, groups, device, temperature: float, kernel: str, with_entropy: bool) -> tuple[PackedBatch, GroupTokenLogprobs]:
     packed = pack_groups(groups, device=device)
     images = pack_images(model, packed, groups)
     kernel = resolve_kernel(kernel, device)
@@ -116,15 +133,7 @@ def packed_vision_token_logprobs(
             use_cache=False,
             **_attention_inputs(packed, kernel),
         ).logits[0]
-    logprobs, entropy = token_logprobs_from_logits(logits, packed.target_ids, temperature, with_entropy)
-    masks = response_masks(packed)
-    per_group_entropy = unpack_per_group(entropy, packed) if with_entropy else [None] * len(masks)
-    return [
-        GroupTokenLogprobs(logprobs=lp, mask=m, entropy=ent, loss_mask=lm)
-        for lp, m, ent, lm in zip(
-            unpack_per_group(logprobs, packed), masks, per_group_entropy, unpack_per_group(packed.loss_mask, packed), strict=True
-        )
-    ]
+    return packed, packed_rows(packed, *token_logprobs_from_logits(logits, packed.target_ids, temperature, with_entropy))
 
 
 def naive_vision_token_logprobs(
