@@ -1,7 +1,7 @@
 """The HF engine's rows: a decode batch over one KV cache that rows join and leave as their turns end.
 
 A row decodes its turn with the others in the batch; when the turn ends (EOS or max_new_tokens) the
-row leaves the batch, its keys and values kept aside, compacted to its real tokens. When the
+row leaves the batch, its keys and values kept aside (from its first token on). When the
 environment's answer is in, the row joins again: its inserted tokens (after its last sampled token,
 which no forward has seen yet) are prefilled on top of its kept cache, and it decodes its next turn
 with whichever rows are decoding then. No row waits for another's turn or tool call.
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tidal.rollout.kv_slots import keep_rows, set_rows, stack_rows, with_spare_slots
+from tidal.rollout.kv_slots import fill_holes, set_rows, stack_rows, with_spare_slots
 from tidal.rollout.trajectory import Turn
 
 INTERRUPTED = "interrupted"  # a turn stopped between tokens for new weights (rollout.partial)
@@ -100,15 +100,27 @@ class Slab:
     logits: torch.Tensor  # [B, V]
     rows: list[int]
 
-    def select(self, keep: list[int]) -> None:
-        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+    def select(self, keep: list[int]) -> list[int]:
+        """Only the rows at positions `keep` (ascending) stay: each row that left before the last staying one
+        is filled by a staying row from after it, so only those rows' caches move. Returns where each
+        staying row was (the new order)."""
+        count, kept = len(keep), set(keep)
+        holes = [i for i in range(count) if i not in kept]
+        fillers = [i for i in keep if i >= count]  # as many as there are holes
+        order = list(range(count))
+        for hole, filler in zip(holes, fillers, strict=True):
+            order[hole] = filler
+        device = self.mask.device
+        index = torch.tensor(order, dtype=torch.long, device=device)
         self.mask, self.next_pos, self.logits = self.mask[index], self.next_pos[index], self.logits[index]
-        self.rows = [self.rows[i] for i in keep]
+        self.rows = [self.rows[i] for i in order]
         real = self.mask.any(0).nonzero()
         first = int(real[0]) if len(real) else self.mask.shape[1]  # slots before it: no row has a token there
+        holes_at, fillers_at = (torch.tensor(x, dtype=torch.long, device=device) for x in (holes, fillers))
         for layer in self.cache.layers:
-            keep_rows(layer, index, first)
+            fill_holes(layer, holes_at, fillers_at, count, first)
         self.mask = self.mask[:, first:]
+        return order
 
     def merge(self, other: Slab) -> None:
         """`other`'s rows join this slab (both left-padded to the wider cache)."""
@@ -123,11 +135,13 @@ class Slab:
 
 @dataclass
 class Kept:
-    """A row between turns: its keys and values per layer ([heads, tokens, dim], real tokens only) and
-    its last sampled token, which no forward has seen yet."""
+    """A row between turns: its keys and values per layer ([heads, slots, dim], from its first token on),
+    which of those slots hold a token (a turn's inserted tokens shorter than another row's leave slots of
+    none), and its last sampled token, which no forward has seen yet."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    mask: torch.Tensor  # [slots]
     next_pos: torch.Tensor  # [1]
     pending: int
 
@@ -242,12 +256,10 @@ class HFRows:
                 else:
                     keep.append(i)
             if leave:
-                for i in leave:
-                    row = slab.rows[i]
-                    if self.state[row].turn + 1 < self.max_turns:
-                        self.kept[row] = self._kept(i, step_tokens[i])
-                slab.select(keep)
-                nxt = nxt[torch.tensor(keep, dtype=torch.long, device=self.device)]
+                going_on = [i for i in leave if self.state[slab.rows[i]].turn + 1 < self.max_turns]
+                if going_on:
+                    self.kept.update(self._keep_aside(going_on, [step_tokens[i] for i in going_on]))
+                nxt = nxt[torch.tensor(slab.select(keep), dtype=torch.long, device=self.device)]
             if not keep:
                 break
             if interrupt is not None and interrupt():
@@ -272,12 +284,19 @@ class HFRows:
             return None
         return [*s.stamped, *[self.version] * (len(s.tokens) - len(s.stamped))]
 
-    def _kept(self, i: int, pending: int, slab: Slab | None = None) -> Kept:
+    def _keep_aside(self, positions: list[int], pending: list[int], slab: Slab | None = None) -> dict[int, Kept]:
+        """The rows at `positions` of `slab` (default: the decode batch), kept between turns: their caches
+        gathered together, one copy per layer for all of them."""
         slab = slab or self.slab
-        real = slab.mask[i].nonzero().flatten()
-        keys = [layer.keys[i][:, real] for layer in slab.cache.layers]
-        values = [layer.values[i][:, real] for layer in slab.cache.layers]
-        return Kept(keys, values, slab.next_pos[i], pending)
+        index = torch.tensor(positions, dtype=torch.long, device=self.device)
+        masks = slab.mask[index]
+        firsts = masks.ne(0).int().argmax(1).tolist()  # every row has a token (its prompt's at least)
+        keys = [layer.keys.index_select(0, index) for layer in slab.cache.layers]
+        values = [layer.values.index_select(0, index) for layer in slab.cache.layers]
+        return {
+            slab.rows[p]: Kept([k[j, :, f:] for k in keys], [v[j, :, f:] for v in values], masks[j, f:], slab.next_pos[p], token)
+            for j, (p, f, token) in enumerate(zip(positions, firsts, pending, strict=True))
+        }
 
     def drop(self, rows: list[int]) -> None:
         """Rows whose trajectories are over: their kept caches go."""
@@ -308,8 +327,7 @@ class HFRows:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         prefilled = Slab(returned_cache(out), mask, positions[:, -1:] + 1, None, rows)
-        for i, (row, context) in enumerate(zip(rows, contexts)):
-            self.kept[row] = self._kept(i, context[-1], prefilled)
+        self.kept.update(self._keep_aside(list(range(len(rows))), [c[-1] for c in contexts], prefilled))
         if stopped:
             self.join({row: [] for row in stopped}, next_turn=False)
 
@@ -327,8 +345,7 @@ class HFRows:
         cache.layers = [copy.copy(layer) for layer in template.layers]
         for n, layer in enumerate(cache.layers):  # with spare slots: the prefill below writes into them
             set_rows(layer, [k.keys[n][None] for k in kept], [k.values[n][None] for k in kept], width)
-        lengths = [k.keys[0].shape[1] for k in kept]
-        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], device=self.device)
+        mask = torch.stack([left_pad(k.mask, width, 0) for k in kept])
         span = max(len(c) for c in chunks)
         ids = torch.tensor([c + [self.engine.pad] * (span - len(c)) for c in chunks], device=self.device)
         real = torch.tensor([[1] * len(c) + [0] * (span - len(c)) for c in chunks], device=self.device)

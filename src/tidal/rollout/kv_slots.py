@@ -3,10 +3,11 @@
 transformers' DynamicLayer appends each decode step's keys and values with `torch.cat`, copying the
 whole cache of every row at every step: on CPU that copy cost more than the attention itself. A
 `SpareSlotsLayer` keeps its keys and values as the first slots of larger buffers and writes a step's
-into the next free slots in place; it copies only when the buffers are full (every `SPARE` steps) or
-when the decode batch changes rows (`keep_rows`, `stack_rows`, which build the new buffers with spare
-slots directly). Keys and values stay what DynamicLayer would hold, so a forward pass over them is the
-same computation.
+into the next free slots in place; it copies the whole cache only when the buffers are full (every
+`SPARE` steps). When rows leave the decode batch, rows from after them move into their places
+(`fill_holes`) and joining rows take the rows left free (`stack_rows`): only the rows that move are
+copied, and a new buffer is built only when the joining rows do not fit. Keys and values stay what
+DynamicLayer would hold, so a forward pass over them is the same computation.
 """
 
 from __future__ import annotations
@@ -18,29 +19,33 @@ SPARE = 64  # slots kept free after the tokens: one copy of the cache every SPAR
 
 
 class SpareSlotsLayer(DynamicLayer):
-    """A DynamicLayer whose `keys`/`values` are views of the first slots of `buffers`."""
+    """A DynamicLayer whose `keys`/`values` are views of `buffers`: the first `keys.shape[0]` rows, the
+    slots from `start` on."""
 
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None
     view: torch.Tensor | None = None  # the `keys` this layer last set: anything else was set from outside
+    start: int = 0  # the buffers' slot where the keys begin (slots before it: no row's token any more)
 
     def _owns_keys(self) -> bool:
         return self.buffers is not None and self.keys is self.view
 
-    def _set(self, keys_buffer: torch.Tensor, values_buffer: torch.Tensor, length: int) -> None:
-        self.buffers = (keys_buffer, values_buffer)
-        self.keys, self.values = keys_buffer[:, :, :length], values_buffer[:, :, :length]
+    def _set(self, keys_buffer: torch.Tensor, values_buffer: torch.Tensor, length: int, start: int = 0, rows: int | None = None) -> None:
+        self.buffers, self.start = (keys_buffer, values_buffer), start
+        rows = keys_buffer.shape[0] if rows is None else rows
+        self.keys, self.values = keys_buffer[:rows, :, start : start + length], values_buffer[:rows, :, start : start + length]
         self.view = self.keys
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized or self.keys.numel() == 0:
             return super().update(key_states, value_states, *args, **kwargs)
         length, new = self.keys.shape[-2], key_states.shape[-2]
-        if not self._owns_keys() or self.buffers[0].shape[-2] < length + new:
+        if not self._owns_keys() or self.buffers[0].shape[-2] < self.start + length + new:
             self._set(with_spare(self.keys, new + SPARE), with_spare(self.values, new + SPARE), length)
         keys_buffer, values_buffer = self.buffers
-        keys_buffer[:, :, length : length + new] = key_states
-        values_buffer[:, :, length : length + new] = value_states
-        self._set(keys_buffer, values_buffer, length + new)
+        rows, end = self.keys.shape[0], self.start + length
+        keys_buffer[:rows, :, end : end + new] = key_states
+        values_buffer[:rows, :, end : end + new] = value_states
+        self._set(keys_buffer, values_buffer, length + new, self.start, rows)
         return self.keys, self.values
 
 
@@ -69,6 +74,23 @@ def keep_rows(layer, index: torch.Tensor, first: int) -> None:
         layer.keys, layer.values = layer.keys[index][:, :, first:], layer.values[index][:, :, first:]
 
 
+def fill_holes(layer, holes: torch.Tensor, fillers: torch.Tensor, count: int, first: int) -> None:
+    """The layer's cache of its first `count` rows, row `holes[i]` replaced by row `fillers[i]` (a row past
+    `count`), from slot `first` on. A layer with buffers moves only the filling rows, in place: rows that
+    leave the decode batch cost a copy of themselves, not of every row that stays."""
+    if isinstance(layer, SpareSlotsLayer) and layer._owns_keys():
+        length = layer.keys.shape[-2]
+        for buffer in layer.buffers:
+            used = buffer[:, :, layer.start : layer.start + length]
+            if len(holes):
+                used.index_copy_(0, holes, used.index_select(0, fillers))
+        layer._set(*layer.buffers, length - first, layer.start + first, count)
+        return
+    order = torch.arange(count, device=holes.device)
+    order[holes] = fillers
+    keep_rows(layer, order, first)
+
+
 def rows_with_spare(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """A buffer of `t`'s rows `index` and `SPARE` free slots after them (one gather, no second copy)."""
     buffer = t.new_empty(len(index), t.shape[1], t.shape[2] + SPARE, t.shape[3])
@@ -77,7 +99,20 @@ def rows_with_spare(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def stack_rows(layer, other, width: int) -> None:
-    """`other`'s rows after `layer`'s, both left-padded (zeros, which the mask hides) to `width` slots."""
+    """`other`'s rows after `layer`'s, both left-padded (zeros, which the mask hides) to `width` slots. A layer
+    whose buffers have the rows and the slots (rows that left the batch leave theirs) takes them in place:
+    only `other`'s rows are copied."""
+    if isinstance(layer, SpareSlotsLayer) and layer._owns_keys():
+        rows, length, joining = layer.keys.shape[0], layer.keys.shape[-2], other.keys.shape[0]
+        end = layer.start + length
+        start = end - width
+        if start >= 0 and rows + joining <= layer.buffers[0].shape[0]:
+            for buffer, theirs in zip(layer.buffers, (other.keys, other.values), strict=True):
+                buffer[:rows, :, start : layer.start] = 0  # padding: a NaN here would survive its zero attention weight
+                buffer[rows : rows + joining, :, start : end - theirs.shape[-2]] = 0
+                buffer[rows : rows + joining, :, end - theirs.shape[-2] : end] = theirs
+            layer._set(*layer.buffers, width, start, rows + joining)
+            return
     set_rows(layer, [layer.keys, other.keys], [layer.values, other.values], width)
 
 
