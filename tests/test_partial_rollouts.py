@@ -245,6 +245,46 @@ def test_the_log_prob_mismatch_reads_fresh_tokens_and_the_drift_stale_ones():
     assert mlflow_metric_name("stale_logprob_drift") == "train/stale_logprob_drift"
 
 
+def test_groups_trained_in_one_micro_batch_equal_the_groups_trained_one_by_one():
+    """The learner computes a micro-batch's per-token terms on one block of every group's rows: a fresh group
+    (3 samples, the weights being trained), a stale one of 4 with tokens of two versions, and a stale one of 2
+    with its own reward shape, of unequal lengths, trained together give the gradient, the loss and the
+    counts of the three trained one at a time."""
+    model, tok = tiny()
+    rng = np.random.default_rng(3)
+
+    def group(version: int, lengths: list[int], rewards: list[float], versions: list | None = None) -> Group:
+        prompt = rng.integers(4, 60, int(rng.integers(3, 7))).tolist()
+        samples = []
+        for i, (n, reward) in enumerate(zip(lengths, rewards)):
+            tokens = rng.integers(4, 60, n).tolist()
+            behaviour = (logprobs_under(model, prompt, tokens) - torch.from_numpy(rng.uniform(0.0, 1.5, n)).float()).numpy()
+            v = None if versions is None or versions[i] is None else np.array(versions[i], np.int32)
+            samples.append(Sample(np.array(tokens, np.int32), behaviour.astype(np.float32), reward, versions=v))
+        return Group(3, 0, version, "w", np.array(prompt, np.int32), samples)
+
+    groups = [
+        group(3, [5, 2, 7], [1.0, 0.0, 0.5]),
+        group(2, [4, 6, 3, 5], [0.0, 1.0, 1.0, 0.0], [[2, 2, 3, 3], None, [2, 3, 3], [3, 3, 3, 3, 3]]),
+        group(2, [9, 1], [1.0, 0.0]),
+    ]
+
+    def trained(batches: list[list[Group]]) -> tuple[dict, dict]:
+        learner = Learner(TrainerConfig(behaviour_weight_cap=2.0, max_grad_norm=1e9), copy.deepcopy(model), tok.pad_token_id)
+        learner.begin_iteration(3)
+        for batch in batches:
+            learner.train_on_groups(batch)
+        grads = {n: p.grad.clone() for n, p in learner.model.named_parameters()}
+        return grads, {**learner.sums, "units": learner.units, "tokens": learner.tokens, "groups": learner.groups}
+
+    together, apart = trained([groups]), trained([[g] for g in groups])
+    assert together[1]["tis_truncated"] > 0 and together[1]["drift"] > 0  # the stale tokens are weighted and measured
+    for key, value in apart[1].items():
+        assert together[1][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for name, grad in apart[0].items():
+        torch.testing.assert_close(together[0][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def logprobs_under_grad(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     ids = torch.tensor([prompt + tokens])
     logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1]
