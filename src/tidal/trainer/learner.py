@@ -44,7 +44,7 @@ from tidal.trainer.packing import (
     stack_groups,
 )
 from tidal.trainer.strategy import SingleStrategy, Strategy
-from tidal.trainer.vision_packing import has_images, naive_vision_token_logprobs, packed_vision_row_logprobs, packed_vision_token_logprobs
+from tidal.trainer.vision_packing import has_images, naive_vision_token_logprobs, packed_vision_rows, packed_vision_token_logprobs
 
 
 def warmup_then_constant(warmup_steps: int):
@@ -86,7 +86,7 @@ def row_token_logprobs(model, groups: list[tuple], temperature: float, attention
     if attention == "naive":
         return stack_groups(token_logprobs(model, groups, temperature, attention, device, with_entropy))
     if has_images(groups):
-        return packed_vision_row_logprobs(model, groups, device, temperature, attention, with_entropy)
+        return packed_vision_rows(model, groups, device, temperature, attention, with_entropy)[1]
     return packed_row_logprobs(model, pack_groups(groups, device=device), temperature, attention, with_entropy)
 
 

@@ -103,23 +103,19 @@ def packed_vision_token_logprobs(
     with_entropy: bool = False,
 ) -> list[GroupTokenLogprobs]:
     """`packing.packed_token_logprobs` for groups with images: one forward, each image encoded once."""
-    packed, rows = _packed_vision_rows(model, groups, device, temperature, kernel, with_entropy)
+    packed, rows = packed_vision_rows(model, groups, device, temperature, kernel, with_entropy)
     return split_per_group(rows, packed.group_sizes, packed.response_lengths)
 
 
-def packed_vision_row_logprobs(
+def packed_vision_rows(
     model: torch.nn.Module,
     groups: Sequence[Sequence],
     device: torch.device | str,
     temperature: float = 1.0,
     kernel: str = "auto",
     with_entropy: bool = False,
-) -> GroupTokenLogprobs:
-    """`packed_vision_token_logprobs` as one block of response rows, every group's in order."""
-    return _packed_vision_rows(model, groups, device, temperature, kernel, with_entropy)[1]
-
-
-def _packed_vision_rows(model, groups, device, temperature: float, kernel: str, with_entropy: bool) -> tuple[PackedBatch, GroupTokenLogprobs]:
+) -> tuple[PackedBatch, GroupTokenLogprobs]:
+    """`packed_vision_token_logprobs` as one block of response rows, every group's in order, and the packed row."""
     packed = pack_groups(groups, device=device)
     images = pack_images(model, packed, groups)
     kernel = resolve_kernel(kernel, device)
