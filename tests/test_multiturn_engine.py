@@ -148,6 +148,36 @@ def test_inserted_tokens_extend_the_cache_without_recomputing_the_prefix():
     assert all(t.turns == 3 for t in trajectories)
 
 
+def test_rows_joining_with_inserted_tokens_of_very_different_lengths_are_prefilled_apart():
+    """Rows joining together, some after 2 inserted tokens and some after 40, are prefilled in two forwards
+    (the short ones not padded to 40), and each row's next turn samples with the log-probs of the trainer's
+    forward over its whole trajectory."""
+    model, tok = tiny()
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, MAX_NEW_TOKENS)
+    reqs = requests(tok)
+    rows = engine.start(reqs, max_turns=2)
+    first = {}
+    while rows.decoding:
+        first.update(rows.decode(MAX_NEW_TOKENS))
+    short, long = tok("ab", add_special_tokens=False).input_ids, tok("x" * 40, add_special_tokens=False).input_ids
+    inserted = {row: long if row % 3 == 0 else short for row in first}
+    prefills = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: prefills.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        rows.join(inserted)
+    finally:
+        hook.remove()
+    assert sorted(prefills, key=lambda shape: shape[1]) == [(6, len(short) + 1), (3, len(long) + 1)]
+    second = {}
+    while rows.decoding:
+        second.update(rows.decode(MAX_NEW_TOKENS))
+    prompts = [r.prompt_ids for r in reqs for _ in range(r.n)]
+    for row, prompt in enumerate(prompts):
+        tokens = [*first[row].token_ids, *inserted[row], *second[row].token_ids]
+        ref = trained_logprobs(model, prompt, tokens, 1.0)[-len(second[row].token_ids) :]
+        torch.testing.assert_close(torch.tensor(second[row].logprobs), ref, atol=1e-4, rtol=0)
+
+
 def test_one_turn_is_the_single_turn_engine():
     """A trajectory the environment ends after its first turn is `generate`'s sample: the same tokens, and
     log-probs equal up to float rounding (the two paths run forward passes of other shapes, and a CPU

@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tidal.buckets import length_buckets
 from tidal.rollout.kv_slots import fill_holes, set_rows, stack_rows, with_spare_slots
 from tidal.rollout.trajectory import Turn
 
 INTERRUPTED = "interrupted"  # a turn stopped between tokens for new weights (rollout.partial)
+JOIN_BUCKET_BITS = 5  # joining rows whose inserted tokens number up to 2**5 share one prefill
 
 
 def turn_seed(group: int, row: int, turn: int) -> int:
@@ -335,7 +337,14 @@ class HFRows:
     def join(self, inserted: dict[int, list[int]], next_turn: bool = True) -> None:
         """Rows between turns take their next turn: `inserted[row]` (the environment's and the
         template's tokens) is prefilled after the row's last sampled token on its kept cache, and the
-        rows join the decode batch. `next_turn` False: rows stopped mid-turn (`reload`) go on with it."""
+        rows join the decode batch. `next_turn` False: rows stopped mid-turn (`reload`) go on with it.
+        Rows whose inserted tokens differ in length a lot are prefilled in separate forwards (a tool's
+        long output would pad every short one to its length)."""
+        rows = sorted(inserted)
+        for bucket in length_buckets([len(inserted[row]) + 1 for row in rows], JOIN_BUCKET_BITS):
+            self._join({rows[i]: inserted[rows[i]] for i in bucket}, next_turn)
+
+    def _join(self, inserted: dict[int, list[int]], next_turn: bool) -> None:
         rows = sorted(inserted)
         kept = [self.kept.pop(row) for row in rows]
         chunks = [[k.pending, *inserted[row]] for row, k in zip(rows, kept)]

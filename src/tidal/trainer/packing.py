@@ -44,6 +44,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from tidal.algo.logprobs import token_logprobs_from_logits
+from tidal.buckets import length_buckets
 
 Group = tuple[Sequence[int], Sequence[Sequence[int]]] | tuple[Sequence[int], Sequence[Sequence[int]], Sequence[Sequence[int] | None]]
 """``(prompt_ids, [response_ids, ...])``, or with ``[loss_mask, ...]`` (None: every token sampled)."""
@@ -244,19 +245,6 @@ class SegmentedLayout:
     prompt_valid: torch.Tensor  # [groups, P] True on real prompt tokens
     buckets: tuple[ResponseBucket, ...]
     packed_order: torch.Tensor  # [T] where each packed position sits in the concatenated (prompts, buckets) outputs
-
-
-SHORT_RESPONSE_BITS = 4  # responses of up to 2**4 tokens share one bucket: a call's dispatch costs more than their padding
-
-
-def length_buckets(lengths: Sequence[int]) -> list[list[int]]:
-    """Indices of `lengths` grouped by the power of two above each length, shortest first, every length up
-    to 2**SHORT_RESPONSE_BITS in the first: beyond that a group's longest is at most twice its shortest, so
-    attention costs at most twice what it would with no padding at all, in about log2(longest / 16) calls."""
-    buckets: dict[int, list[int]] = {}
-    for i, length in enumerate(lengths):
-        buckets.setdefault(max(SHORT_RESPONSE_BITS, max(0, length - 1).bit_length()), []).append(i)
-    return [buckets[b] for b in sorted(buckets)]
 
 
 def segmented_layout(packed: PackedBatch) -> SegmentedLayout:
