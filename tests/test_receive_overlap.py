@@ -90,6 +90,8 @@ def test_groups_that_arrive_while_the_learner_trains_are_received_then_and_train
     gc.unfreeze()
     assert frozen > 0  # the trainer moved its start-up objects out of the cyclic collector's scans
     half = prompts // 2
-    assert len(calls) == 2 and [len(c) for c in calls] == [half, prompts - half]  # the second half in one call, right after the first
+    # the first call trains what is in when it starts (the whole first half on a quiet machine, less when the
+    # machine is loaded and the trainer wakes between two publishes); everything after it comes in one call
+    assert len(calls) == 2 and 1 <= len(calls[0]) <= half and len(calls[0]) + len(calls[1]) == prompts
     assert sorted(received_while_training) == sorted(calls[1])  # ... and it was taken from the queue during the first
     assert metrics["samples"] == prompts * 4 and metrics["train_seconds"] >= 2 * TRAIN_CALL_SECONDS

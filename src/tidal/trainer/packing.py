@@ -392,16 +392,17 @@ def response_mask(packed: PackedBatch) -> torch.Tensor:
 
 def unpack_per_group(values: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
     """Scatter packed per-token ``values [N]`` into one ``[G, R_max]`` tensor per group (zeros on padding)."""
-    return _split_rows_per_group(scatter_rows(values, packed), packed)
+    padded = scatter_rows(values, packed)
+    return [padded[cut] for cut in group_cuts(packed.group_sizes, packed.response_lengths)]
 
 
-def _split_rows_per_group(padded: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
-    out, row = [], 0
-    for size in packed.group_sizes:
-        width = max(packed.response_lengths[row : row + size], default=0)
-        out.append(padded[row : row + size, :width])
-        row += size
-    return out
+def group_cuts(group_sizes: Sequence[int], response_lengths: Sequence[int]) -> list[tuple[slice, slice]]:
+    """Each group's (rows, columns) in a block of response rows: its rows, up to its own longest response."""
+    cuts, start = [], 0
+    for size in group_sizes:
+        cuts.append((slice(start, start + size), slice(0, max(response_lengths[start : start + size], default=0))))
+        start += size
+    return cuts
 
 
 def _attention_inputs(packed: PackedBatch, kernel: str) -> dict:
@@ -458,21 +459,15 @@ def packed_rows(packed: PackedBatch, logprobs: torch.Tensor, entropy: torch.Tens
 
 def split_per_group(rows: GroupTokenLogprobs, group_sizes: Sequence[int], response_lengths: Sequence[int]) -> list[GroupTokenLogprobs]:
     """One block of response rows -> one entry per group, each cut to its own longest response."""
-    out, start = [], 0
-    for size in group_sizes:
-        end = start + size
-        width = max(response_lengths[start:end], default=0)
-        cut = slice(start, end), slice(0, width)
-        out.append(
-            GroupTokenLogprobs(
-                logprobs=rows.logprobs[cut],
-                mask=rows.mask[cut],
-                entropy=None if rows.entropy is None else rows.entropy[cut],
-                loss_mask=None if rows.loss_mask is None else rows.loss_mask[cut],
-            )
+    return [
+        GroupTokenLogprobs(
+            logprobs=rows.logprobs[cut],
+            mask=rows.mask[cut],
+            entropy=None if rows.entropy is None else rows.entropy[cut],
+            loss_mask=None if rows.loss_mask is None else rows.loss_mask[cut],
         )
-        start = end
-    return out
+        for cut in group_cuts(group_sizes, response_lengths)
+    ]
 
 
 def stack_groups(outs: Sequence[GroupTokenLogprobs]) -> GroupTokenLogprobs:
