@@ -390,12 +390,6 @@ def response_mask(packed: PackedBatch) -> torch.Tensor:
     return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
 
 
-def unpack_per_group(values: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
-    """Scatter packed per-token ``values [N]`` into one ``[G, R_max]`` tensor per group (zeros on padding)."""
-    padded = scatter_rows(values, packed)
-    return [padded[cut] for cut in group_cuts(packed.group_sizes, packed.response_lengths)]
-
-
 def group_cuts(group_sizes: Sequence[int], response_lengths: Sequence[int]) -> list[tuple[slice, slice]]:
     """Each group's (rows, columns) in a block of response rows: its rows, up to its own longest response."""
     cuts, start = [], 0
