@@ -146,7 +146,12 @@ def big_group(i: int, tokens: int) -> Group:
     return Group(0, i, 0, "w", np.array([1], dtype=np.int32), [Sample(ids, np.zeros(tokens, dtype=np.float32), 0.0)])
 
 
-def test_a_full_rollouts_stream_drops_its_oldest_groups_and_a_full_work_stream_refuses_new_work(nats_server):
+def test_a_full_rollouts_stream_drops_its_oldest_groups_and_a_full_work_stream_refuses_new_work(nats_server, monkeypatch, caplog):
+    import tidal.transport.client as client
+
+    # a full work stream is retried like an outage (workers may drain it), then refused: 2 s, not a minute
+    monkeypatch.setattr(client, "OUTAGE_SECONDS", 2.0)
+
     async def scenario():
         cfg = TransportConfig(max_payload_mb=1, stream_max_mb=4)
         t = await Transport.connect(nats_server.url, "full", cfg)
@@ -158,6 +163,7 @@ def test_a_full_rollouts_stream_drops_its_oldest_groups_and_a_full_work_stream_r
             for i in range(12):
                 await t.publish_work(WorkItem(0, i, "x" * 600_000, "1"))
         assert await t.work_queue_depth() < 12  # what fit is queued; nothing was silently dropped to make room
+        assert "maximum bytes exceeded" in caplog.text  # the retry's log line says why
         await t.close()
 
     asyncio.run(scenario())

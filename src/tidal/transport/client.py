@@ -115,7 +115,10 @@ class Transport:
                 raise_if_denied(self.nc, mark, what)  # the server dropped it: no reply will come, however long we wait
                 if self.nc.is_closed or loop.time() > deadline:
                     raise
-                log.warning("NATS %s: %s; retrying", what, type(err).__name__)
+                # a full stream answers 503 with its reason ("maximum bytes exceeded"): name it, since it
+                # clears only as workers drain the stream, not as a server comes back
+                reason = getattr(err, "description", None)
+                log.warning("NATS %s: %s%s; retrying", what, type(err).__name__, f" ({reason})" if reason else "")
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 4.0)
 
