@@ -31,7 +31,15 @@ from tidal.protocol import (
     run_status_from,
     unpack,
 )
-from tidal.transport.connect import TRANSIENT_ERRORS, connect_nats, credentials_from_env, permission_violations, raise_if_denied
+from tidal.transport.connect import (
+    DENIED,
+    TRANSIENT_ERRORS,
+    connect_nats,
+    credentials_from_env,
+    permission_violations,
+    raise_if_denied,
+    unless_denied,
+)
 from tidal.transport.streams import TRAINER_CONSUMER, WORKERS_CONSUMER, create_bucket, ensure_streams, stream_names, wait_for_bucket
 
 # the package's log lines carry one name, whichever of its modules writes them
@@ -110,7 +118,10 @@ class Transport:
         mark = len(permission_violations(self.nc))
         while True:
             try:
-                return await request()
+                answer = await unless_denied(self.nc, mark, request())
+                if answer is DENIED:
+                    raise_if_denied(self.nc, mark, what)
+                return answer
             except TRANSIENT_ERRORS as err:
                 raise_if_denied(self.nc, mark, what)  # the server dropped it: no reply will come, however long we wait
                 if self.nc.is_closed or loop.time() > deadline:

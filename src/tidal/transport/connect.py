@@ -4,9 +4,12 @@ and logs each connection event in one line, and the server's refusals (of the lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import nats
 import nats.errors
@@ -14,6 +17,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import ServiceUnavailableError
 
 DEFAULT_INBOX_PREFIX = "_INBOX"  # nats-py's
+T = TypeVar("T")
 
 # the package's log lines carry one name, whichever of its modules writes them
 log = logging.getLogger("tidal.transport")
@@ -37,6 +41,12 @@ class NatsClient(nats.NATS):
     def __init__(self) -> None:
         super().__init__()
         self.permission_violations: list[str] = []
+        self.next_violation = asyncio.Event()  # set (and replaced) when the server reports one
+
+    def note_violation(self, message: str) -> None:
+        self.permission_violations.append(message)
+        reported, self.next_violation = self.next_violation, asyncio.Event()
+        reported.set()
 
 
 def permission_violations(nc: nats.NATS) -> list[str]:
@@ -88,7 +98,7 @@ async def connect_nats(url: str, name: str, credentials: dict) -> NatsClient:
     async def on_error(err: Exception) -> None:
         message = str(err) or type(err).__name__
         if "permissions violation" in message.lower():
-            nc.permission_violations.append(message.removeprefix("nats: "))
+            nc.note_violation(message.removeprefix("nats: "))
         if isinstance(err, nats.errors.AuthorizationError) or "authorization violation" in message.lower():
             refused.set()
         log.warning("NATS %s: %s", url, message)
@@ -142,6 +152,30 @@ def _who(credentials: dict) -> str:
     if credentials.get("user_credentials"):
         return f"credentials file {credentials['user_credentials']} not accepted (NATS_CREDS)"
     return "it requires credentials and the environment has none (NATS_USER / NATS_PASSWORD, NATS_TOKEN or NATS_CREDS)"
+
+
+DENIED = object()  # unless_denied's answer when the server refused the request
+
+
+async def unless_denied(nc: nats.NATS, since: int, request: Awaitable[T]) -> T | object:
+    """`request`'s result, or DENIED as soon as the server reports a permission violation to ``nc`` (after
+    the first ``since``): a request the server drops gets no reply, and waiting out its timeout only
+    delays the refusal (the caller then raises it with raise_if_denied)."""
+    if not isinstance(nc, NatsClient):
+        return await request
+    task = asyncio.ensure_future(request)
+    while not task.done():
+        if len(nc.permission_violations) > since:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return DENIED
+        violation = asyncio.ensure_future(nc.next_violation.wait())
+        try:
+            await asyncio.wait({task, violation}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            violation.cancel()
+    return task.result()
 
 
 def raise_if_denied(nc: nats.NATS, since: int, what: str) -> None:
