@@ -169,6 +169,32 @@ def test_a_full_rollouts_stream_drops_its_oldest_groups_and_a_full_work_stream_r
     asyncio.run(scenario())
 
 
+def test_work_refused_by_a_full_work_stream_is_stored_once_a_worker_drains_it(nats_server, monkeypatch):
+    """The refused publish is retried (a full stream answers as a server does while it restarts): a worker
+    that takes an item meanwhile makes room, and the waiting item is stored, once."""
+    import tidal.transport.client as client
+
+    async def scenario():
+        t = await Transport.connect(nats_server.url, "drain", TransportConfig(max_payload_mb=1, stream_max_mb=4))
+        monkeypatch.setattr(client, "OUTAGE_SECONDS", 0.5)  # filling it: the first refusal ends the loop soon
+        queued = 0
+        with pytest.raises(Exception, match="maximum bytes"):
+            for i in range(12):
+                await t.publish_work(WorkItem(0, i, "x" * 600_000, "1"))
+                queued += 1
+        monkeypatch.setattr(client, "OUTAGE_SECONDS", 60.0)
+        waiting = asyncio.ensure_future(t.publish_work(WorkItem(0, 99, "y" * 600_000, "1")))
+        await asyncio.sleep(1.0)
+        assert not waiting.done()  # refused, and being retried
+        (taken,) = await t.fetch(await t.work_subscription(), 1, timeout=5.0)
+        await taken.ack()
+        await asyncio.wait_for(waiting, 30)
+        assert await t.work_queue_depth() == queued  # one taken, the waiting one stored in its place
+        await t.close()
+
+    asyncio.run(scenario())
+
+
 def test_delete_run_removes_the_streams_and_kv_bucket_and_a_second_call_finds_nothing(nats_server):
     from tidal.transport import delete_run, stream_names
 
