@@ -164,18 +164,21 @@ async def unless_denied(nc: nats.NATS, since: int, request: Awaitable[T]) -> T |
     if not isinstance(nc, NatsClient):
         return await request
     task = asyncio.ensure_future(request)
-    while not task.done():
-        if len(nc.permission_violations) > since:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return DENIED
-        violation = asyncio.ensure_future(nc.next_violation.wait())
-        try:
-            await asyncio.wait({task, violation}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            violation.cancel()
-    return task.result()
+    try:
+        while not task.done():
+            if len(nc.permission_violations) > since:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return DENIED
+            violation = asyncio.ensure_future(nc.next_violation.wait())
+            try:
+                await asyncio.wait({task, violation}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                violation.cancel()
+        return task.result()
+    finally:
+        task.cancel()  # the caller was cancelled meanwhile: so is its request (a no-op once it is done)
 
 
 def raise_if_denied(nc: nats.NATS, since: int, what: str) -> None:
