@@ -406,7 +406,8 @@ def test_a_leaving_worker_hands_back_its_items_for_immediate_redelivery_and_says
 def test_a_request_ends_when_a_violation_is_reported_and_with_its_caller_and_otherwise_answers():
     """connect.unless_denied: a dropped request ends as soon as the server reports a permissions violation
     (not at its timeout); a cancelled caller cancels its request; a request that answers is answered."""
-    from tidal.transport.connect import DENIED, NatsClient, unless_denied
+    from tidal.transport import NatsPermissionError
+    from tidal.transport.connect import NatsClient, unless_denied
 
     async def scenario():
         nc = NatsClient()  # never connected: only its record of violations is used
@@ -422,12 +423,14 @@ def test_a_request_ends_when_a_violation_is_reported_and_with_its_caller_and_oth
         async def answered():
             return 5
 
-        assert await unless_denied(nc, 0, answered()) == 5
-        waiting = asyncio.ensure_future(unless_denied(nc, 0, dropped()))
+        assert await unless_denied(nc, 0, "asking", answered()) == 5
+        waiting = asyncio.ensure_future(unless_denied(nc, 0, "publishing", dropped()))
         await asyncio.sleep(0.05)
         nc.note_violation('permissions violation for publish to "$kv.x.policy"')
-        assert await asyncio.wait_for(waiting, 5) is DENIED and ended == ["cancelled"]
-        caller = asyncio.ensure_future(unless_denied(nc, 1, dropped()))
+        with pytest.raises(NatsPermissionError, match="publishing"):
+            await asyncio.wait_for(waiting, 5)
+        assert ended == ["cancelled"]
+        caller = asyncio.ensure_future(unless_denied(nc, 1, "publishing", dropped()))
         await asyncio.sleep(0.05)
         caller.cancel()
         with pytest.raises(asyncio.CancelledError):

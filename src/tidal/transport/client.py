@@ -32,7 +32,6 @@ from tidal.protocol import (
     unpack,
 )
 from tidal.transport.connect import (
-    DENIED,
     TRANSIENT_ERRORS,
     connect_nats,
     credentials_from_env,
@@ -118,10 +117,7 @@ class Transport:
         mark = len(permission_violations(self.nc))
         while True:
             try:
-                answer = await unless_denied(self.nc, mark, request())
-                if answer is DENIED:
-                    raise_if_denied(self.nc, mark, what)
-                return answer
+                return await unless_denied(self.nc, mark, what, request())
             except TRANSIENT_ERRORS as err:
                 raise_if_denied(self.nc, mark, what)  # the server dropped it: no reply will come, however long we wait
                 if self.nc.is_closed or loop.time() > deadline:
@@ -176,7 +172,7 @@ class Transport:
         A pull the server refused (this user may not use that consumer) is a NatsPermissionError, not an empty queue."""
         mark = len(permission_violations(self.nc))
         started = time.monotonic()
-        msgs = await _fetch_once(sub, batch, timeout)
+        msgs = await unless_denied(self.nc, mark, "pulling messages", _fetch_once(sub, batch, timeout))
         if not msgs:
             raise_if_denied(self.nc, mark, "pulling messages")
         if linger_after_wait_only and time.monotonic() - started < linger:

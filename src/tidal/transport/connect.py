@@ -154,13 +154,10 @@ def _who(credentials: dict) -> str:
     return "it requires credentials and the environment has none (NATS_USER / NATS_PASSWORD, NATS_TOKEN or NATS_CREDS)"
 
 
-DENIED = object()  # unless_denied's answer when the server refused the request
-
-
-async def unless_denied(nc: nats.NATS, since: int, request: Awaitable[T]) -> T | object:
-    """`request`'s result, or DENIED as soon as the server reports a permission violation to ``nc`` (after
-    the first ``since``): a request the server drops gets no reply, and waiting out its timeout only
-    delays the refusal (the caller then raises it with raise_if_denied)."""
+async def unless_denied(nc: nats.NATS, since: int, what: str, request: Awaitable[T]) -> T:
+    """`request`'s result; a NatsPermissionError (raise_if_denied's, naming `what`) as soon as the server
+    reports a permission violation to ``nc`` after the first ``since``: a request the server drops gets
+    no reply, and waiting out its timeout would only delay the refusal."""
     if not isinstance(nc, NatsClient):
         return await request
     task = asyncio.ensure_future(request)
@@ -170,7 +167,7 @@ async def unless_denied(nc: nats.NATS, since: int, request: Awaitable[T]) -> T |
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                return DENIED
+                raise_if_denied(nc, since, what)
             violation = asyncio.ensure_future(nc.next_violation.wait())
             try:
                 await asyncio.wait({task, violation}, return_when=asyncio.FIRST_COMPLETED)
