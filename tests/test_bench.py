@@ -90,12 +90,17 @@ def test_modes_benchmark_reports_pipeline_efficiency_and_the_agent_figures_where
     base.update(trainer_idle_seconds=0.0, generated_tokens=10)
     metrics = [
         {**base, "wall_time": 10.0 + 2 * i, "pipeline_efficiency": e, "agent_tool_calls_mean": c, "agent_env_seconds": 0.5}
-        for i, (e, c) in enumerate([(0.1, 0.0), (0.5, 0.4), (0.7, 0.6)])
+        | {"generation_tail_seconds": tail, "response_length_p50": 10.0 + i, "response_length_p99": 100.0 * (i + 1)}
+        for i, (e, c, tail) in enumerate([(0.1, 0.0, 9.0), (0.5, 0.4, 0.25), (0.7, 0.6, 0.75)])
     ]
     figures = steady_state(metrics, warmup=1)
     assert figures["pipeline_efficiency_mean"] == pytest.approx(0.6) and figures["tool_calls_per_trajectory"] == pytest.approx(0.5)
-    assert "pipeline efficiency 0.60" in pipeline(figures) and "tool calls/trajectory 0.50" in pipeline(figures)
-    plain = steady_state([{k: v for k, v in m.items() if not k.startswith(("agent_", "pipeline"))} for m in metrics], warmup=1)
+    assert figures["generation_tail_seconds_mean"] == pytest.approx(0.5) and figures["response_length_p99_mean"] == pytest.approx(250.0)
+    shown = pipeline(figures)
+    assert "pipeline efficiency 0.60" in shown and "tool calls/trajectory 0.50" in shown
+    assert "generation tail 0.50 s" in shown and "response length p50 12 / p99 250 tokens" in shown
+    left_out = ("agent_", "pipeline", "generation_tail", "response_length")
+    plain = steady_state([{k: v for k, v in m.items() if not k.startswith(left_out)} for m in metrics], warmup=1)
     assert plain["pipeline_efficiency_mean"] is None and plain["tool_calls_per_trajectory"] is None and pipeline(plain) == ""
 
 

@@ -9,7 +9,8 @@ Runs `tidal run` once per system (same seed, same warm start) and prints, from e
 metrics.jsonl, seconds per iteration as `tidal bench trl` times it (tidal.bench.timing: the wall time
 between the ends of consecutive iterations, the mean after the first `--warmup` ones), the mean split
 (generate / train / weight-sync / idle), the mean pipeline efficiency ((max(generate, train) + weight
-sync) / iteration), for agent configs the tool calls per trajectory and the environment's seconds,
+sync) / iteration), the generation tail (from an iteration's first finished group to its last), the
+responses' length (p50 and p99 tokens per sample), for agent configs the tool calls per trajectory and the environment's seconds,
 the mean staleness (per sample and per token) and the ratio of sync's seconds per
 iteration to each system's (> 1: faster than sync), and from its summary.json the held-out accuracy
 (greedy and sampled) before and after the run. The held-out evaluations run before and after the
@@ -21,7 +22,10 @@ of the timings: in periodic mode the trainer's first iteration waits for the rol
 
 Slow tools: an agent config with a heavy-tailed tool latency (rollout.agent.tool_latency, tidal.envs.latency),
 e.g. `--config examples/calculator.yaml --set rollout.agent.tool_latency.p50_seconds=0.05 --set
-rollout.agent.tool_latency.p99_over_p50=10`, measures what waiting on tools costs each mode.
+rollout.agent.tool_latency.p99_over_p50=10`, measures what waiting on tools costs each mode. Long
+responses: a warm start whose answers follow a scratch pad of heavy-tailed length
+(model.warm_start.length_tail, tidal.demo.length_tail), e.g. `--set model.warm_start.length_tail.p50_tokens=16
+--set rollout.max_new_tokens=240`, measures what waiting on the longest responses costs.
 
 Every system's run is logged to one MLflow experiment (`--experiment`, default tidal-bench-modes) in
 one store (`--tracking-uri`, default $MLFLOW_TRACKING_URI, else runs/bench-modes/mlflow.db), tagged
@@ -63,6 +67,9 @@ OPTIONAL = {  # figure -> per-iteration metric, where the runs record it
     "pipeline_efficiency_mean": "pipeline_efficiency",
     "tool_calls_per_trajectory": "agent_tool_calls_mean",
     "env_seconds_mean": "agent_env_seconds",  # summed over an iteration's trajectories (time spent in the environment's steps)
+    "generation_tail_seconds_mean": "generation_tail_seconds",  # first group finished to the last: the stragglers' wait
+    "response_length_p50_mean": "response_length_p50",  # tokens per sample: how long-tailed the responses were
+    "response_length_p99_mean": "response_length_p99",
 }
 
 
@@ -112,8 +119,13 @@ def run_figures(run: RunDir, warmup: int) -> dict:
 
 
 def pipeline(r: dict) -> str:
-    """The pipeline efficiency, and for agent runs the tool calls per trajectory and environment seconds."""
+    """The pipeline efficiency, the generation tail and response lengths, and for agent runs the tool calls
+    per trajectory and environment seconds."""
     out = "" if r.get("pipeline_efficiency_mean") is None else f"pipeline efficiency {r['pipeline_efficiency_mean']:.2f}; "
+    if r.get("generation_tail_seconds_mean") is not None:
+        out += f"generation tail {r['generation_tail_seconds_mean']:.2f} s; "
+    if r.get("response_length_p50_mean") is not None:
+        out += f"response length p50 {r['response_length_p50_mean']:.0f} / p99 {r['response_length_p99_mean']:.0f} tokens; "
     if r.get("tool_calls_per_trajectory") is not None:
         out += f"tool calls/trajectory {r['tool_calls_per_trajectory']:.2f}, env {r['env_seconds_mean']:.2f} s; "
     return out

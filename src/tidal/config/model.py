@@ -32,6 +32,15 @@ class TinyModelConfig(Strict):
     vision_heads: int = Field(2, gt=0, description="qwen2_vl: the vision tower's attention heads.")
 
 
+class LengthTailConfig(Strict):
+    """A scratch pad of log-normal length before each answer of the warm-start data (tidal.demo.length_tail), so
+    the warm-started policy's responses have long-tailed lengths: this median and this ratio of the 99th
+    percentile to the median (sigma = ln(ratio) / 2.326)."""
+
+    p50_tokens: int = Field(gt=0, description="The pad's median length, in tokens (characters, for the tiny model).")
+    p99_over_p50: float = Field(10.0, ge=1, description="The 99th percentile over the median: how heavy the tail is.")
+
+
 class WarmStartConfig(Strict):
     """Short supervised warm start on the task so RL starts with signal."""
 
@@ -64,6 +73,12 @@ class WarmStartConfig(Strict):
         le=1,
         description="The share of those tool calls made wrongly (a mistyped operand; an argument `calc` does not take, or a "
         "`python` program that never prints), so RL has better and worse calls to tell apart.",
+    )
+    length_tail: LengthTailConfig | None = Field(
+        None,
+        description="A scratch pad of heavy-tailed length before each answer of the warm-start data (with `rollout.agent`: "
+        "before the first turn), so responses have long-tailed lengths (benchmarks: long responses); each pad is cut to fit "
+        "`rollout.max_new_tokens` with its answer. Unset: none.",
     )
     cache_dir: str | None = Field(None, description="Where warm starts are cached; unset: `$TIDAL_CACHE`, else `~/.cache/tidal`.")
     seed: int | None = Field(None, description="Unset: the run's seed; a number: runs of any seed share this warm start.")

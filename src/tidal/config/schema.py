@@ -216,6 +216,16 @@ class TidalConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _length_tail_on_the_text_warm_starts(self) -> TidalConfig:
+        if self.model.warm_start.length_tail is None or self.model.name_or_path is not None:
+            return self
+        if self.model.tiny.arch == "qwen2_vl":
+            raise config_error(
+                "model.warm_start.length_tail pads the tiny text model's answers; the tiny vision-language model's warm start has none"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _partial_rollouts_in_bounded_mode(self) -> TidalConfig:
         if not self.rollout.partial:
             return self

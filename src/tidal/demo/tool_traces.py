@@ -19,10 +19,12 @@ import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from tidal.data import Problem
+from tidal.demo.length_tail import ScratchPads
 from tidal.envs.python_tool import NO_OUTPUT
 
 TRACE_KINDS = ("direct", "tool", "typo", "malformed")
@@ -96,13 +98,16 @@ class Trace:
     kind: str
 
 
-def play_trace(loop, problem: Problem, kind: str, rng: random.Random, tool: str = "calc") -> Trace:
-    """Plays one scripted trajectory through the run's environment and template (`loop`: an AgentLoop)."""
+def play_trace(loop, problem: Problem, kind: str, rng: random.Random, tool: str = "calc", pad: Callable[[str, int], str] | None = None) -> Trace:
+    """Plays one scripted trajectory through the run's environment and template (`loop`: an AgentLoop).
+    `pad(text, tokens)`: the first turn with a scratch pad before it (model.warm_start.length_tail)."""
     row = loop.start_row(problem)
     tools = row.env.tool_schemas
     ids = loop.render(row.messages, tools, True)
     labels = [-100] * len(ids)
     text = first_turn(kind, problem, rng, tool)
+    if pad is not None:
+        text = pad(text, len(loop.tokenizer(text, add_special_tokens=False).input_ids))
     for _ in range(loop.cfg.rollout.agent.max_turns):
         sampled = loop.tokenizer(text, add_special_tokens=False).input_ids + [loop.eos]
         ids += sampled
@@ -119,9 +124,15 @@ def play_trace(loop, problem: Problem, kind: str, rng: random.Random, tool: str 
     return Trace(ids, labels, kind)
 
 
-def make_traces(loop, problems: list[Problem], tool_use: float, tool_mistakes: float, seed: int, tool: str = "calc") -> list[Trace]:
+def make_traces(
+    loop, problems: list[Problem], tool_use: float, tool_mistakes: float, seed: int, tool: str = "calc", pads: ScratchPads | None = None
+) -> list[Trace]:
+    """One trace per problem; with `pads` (model.warm_start.length_tail) trace n's first turn has pad n."""
     rng = random.Random(f"tidal-tool-traces-{seed}")
-    return [play_trace(loop, p, trace_kind(rng, tool_use, tool_mistakes), rng, tool) for p in problems]
+    return [
+        play_trace(loop, p, trace_kind(rng, tool_use, tool_mistakes), rng, tool, None if pads is None else partial(pads.pad, n))
+        for n, p in enumerate(problems)
+    ]
 
 
 def trace_batch(traces: list[Trace], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

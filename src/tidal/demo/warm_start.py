@@ -17,6 +17,7 @@ import torch
 
 from tidal.config import TidalConfig
 from tidal.data import Dataset, Problem, arithmetic_completion, load_dataset, prompt_encoder
+from tidal.demo.length_tail import ScratchPads
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +44,20 @@ def is_tiny_vlm(cfg: TidalConfig) -> bool:
 
 def warm_start_key(cfg: TidalConfig) -> str:
     """Everything the warm-started weights depend on, hashed."""
+    # unset, the length tail stays out of the key (the warm starts cached before it keep theirs); set, its pads
+    # are cut to fit rollout.max_new_tokens, so that enters too
+    no_length_tail = {"length_tail"} if cfg.model.warm_start.length_tail is None else set()
     spec = {
         "format": 1,
         # a field that does not apply to the model or the task stays out, so the text demo's keys do not change with it
         "tiny": cfg.model.tiny.model_dump(mode="json", exclude=set() if is_tiny_vlm(cfg) else VISION_FIELDS),
         # the seed enters resolved (below): an unset warm_start.seed and one equal to the run's give one model
-        "warm_start": cfg.model.warm_start.model_dump(mode="json", exclude={"cache_dir", "seed"}),
+        "warm_start": cfg.model.warm_start.model_dump(mode="json", exclude={"cache_dir", "seed"} | no_length_tail),
         "data": cfg.data.model_dump(mode="json", exclude={"num_eval", "eval_path"} | (set() if cfg.data.task == "count_squares" else COUNT_FIELDS)),
         "seed": warm_start_seed(cfg),
     }
+    if not no_length_tail:
+        spec["max_new_tokens"] = cfg.rollout.max_new_tokens
     if is_tiny_vlm(cfg):  # its chat template is saved with it (multi-turn rollouts render tools and tool turns with it)
         from tidal.demo.vision import VISION_CHAT_TEMPLATE
 
@@ -62,15 +68,17 @@ def warm_start_key(cfg: TidalConfig) -> str:
 
 
 def sft_batch(
-    tokenizer, problems: list[Problem], encode: Callable[[str], list[int]] | None = None
+    tokenizer, problems: list[Problem], encode: Callable[[str], list[int]] | None = None, completions: list[str] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded prompt+completion+eos; labels only on the completion. `encode`: the prompt ids
-    RL will use (data.prompt_template), so warm start and RL see the same prompts."""
+    RL will use (data.prompt_template), so warm start and RL see the same prompts. `completions`: each
+    problem's completion text (default: its final-answer line)."""
     encode = encode or prompt_encoder(tokenizer)
+    completions = completions or [arithmetic_completion(p.answer) for p in problems]
     rows, labels = [], []
-    for p in problems:
+    for p, text in zip(problems, completions, strict=True):
         prompt = encode(p.prompt)
-        completion = tokenizer(arithmetic_completion(p.answer), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        completion = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         rows.append(prompt + completion)
         labels.append([-100] * len(prompt) + completion)
     width = max(len(r) for r in rows)
@@ -109,9 +117,15 @@ class WarmStartResult:
     probe_accuracy: float | None  # greedy accuracy on the probe prompts at the last check
 
 
-def answer_batcher(tokenizer, problems: list[Problem], encode: Callable[[str], list[int]] | None = None) -> Batcher:
-    """The single-turn SFT batches: prompt + final-answer line + EOS, labels on the answer."""
-    return lambda indices: [sft_batch(tokenizer, [problems[i] for i in indices], encode)]
+def answer_batcher(tokenizer, problems: list[Problem], encode: Callable[[str], list[int]] | None = None, pads: ScratchPads | None = None) -> Batcher:
+    """The single-turn SFT batches: prompt + final-answer line + EOS, labels on the answer (with `pads`, on
+    its scratch pad too: model.warm_start.length_tail)."""
+    if pads is None:
+        return lambda indices: [sft_batch(tokenizer, [problems[i] for i in indices], encode)]
+    answers = [arithmetic_completion(p.answer) for p in problems]
+    texts = [pads.pad(n, a, len(tokenizer(a, add_special_tokens=False).input_ids)) for n, a in enumerate(answers)]
+    pads.report()
+    return lambda indices: [sft_batch(tokenizer, [problems[i] for i in indices], encode, [texts[i] for i in indices])]
 
 
 def supervised_warm_start(
@@ -177,7 +191,7 @@ def answer_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem], p
     ws = cfg.model.warm_start
     encode = prompt_encoder(tokenizer, cfg.data)
     probe = greedy_probe(model, tokenizer, pool[: ws.probe_prompts], cfg.rollout.max_new_tokens, encode) if ws.stop_at_accuracy else None
-    batch = answer_batcher(tokenizer, pool, encode)
+    batch = answer_batcher(tokenizer, pool, encode, ScratchPads.from_config(cfg, warm_start_seed(cfg)))
     return supervised_warm_start(
         model, batch, len(pool), ws.steps, ws.batch_size, ws.lr, warm_start_seed(cfg), progress, probe, ws.probe_every, ws.stop_at_accuracy
     )
@@ -232,9 +246,12 @@ def tool_use_warm_start(cfg: TidalConfig, model, tokenizer, pool: list[Problem],
     agent = cfg.rollout.agent.model_copy(update={"tool_latency": None})
     loop = AgentLoop.from_config(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"agent": agent})}), tokenizer)
     try:
-        traces = make_traces(loop, pool, ws.tool_use, ws.tool_mistakes, warm_start_seed(cfg), trace_tool(agent.tools))
+        pads = ScratchPads.from_config(cfg, warm_start_seed(cfg))
+        traces = make_traces(loop, pool, ws.tool_use, ws.tool_mistakes, warm_start_seed(cfg), trace_tool(agent.tools), pads)
     finally:
         loop.close()
+    if pads is not None:
+        pads.report()
     kinds = {k: sum(t.kind == k for t in traces) for k in sorted({t.kind for t in traces})}
     log.info("warm start on %d tool-use traces: %s", len(traces), kinds)
     return supervised_warm_start(

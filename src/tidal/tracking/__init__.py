@@ -338,7 +338,7 @@ def register_model(uri: str, run_id: str, name: str, folder: str | Path, artifac
 # where the time went. metrics.jsonl keeps the flat names; only the store sees the grouped ones.
 ROLLOUT_METRICS = frozenset(
     {
-        "reward_mean", "reward_std", "accuracy", "response_length_mean", "response_length_max", "response_length_correct_mean",
+        "reward_mean", "reward_std", "accuracy", "response_length_mean", "response_length_max", "response_length_p50", "response_length_p99", "response_length_correct_mean",
         "response_length_incorrect_mean", "generated_tokens", "samples", "reward_errors", "zero_advantage_group_fraction",
         "pass_at_group_size", "staleness_max", "staleness_mean", "token_staleness_mean", "mixed_version_sample_fraction", "groups_discarded", "groups_filtered", "messages_rejected",
         "messages_rejected_total", "queue_depth", "policy_version", "reward_server_requests", "reward_server_retries",

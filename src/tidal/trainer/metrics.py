@@ -55,6 +55,8 @@ def group_stats(groups: list[Group]) -> dict[str, float]:
         "accuracy": float(correct.mean()),
         "response_length_mean": float(lengths.mean()),
         "response_length_max": float(lengths.max()),
+        "response_length_p50": float(np.percentile(lengths, 50)),
+        "response_length_p99": float(np.percentile(lengths, 99)),
         "generated_tokens": float(lengths.sum()),
         "samples": float(len(rewards)),
         "reward_errors": float(sum(g.reward_errors for g in groups)),
