@@ -3,22 +3,26 @@ length, so its responses are long-tailed (the long-response benchmark of `tidal 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import random
 import statistics
 
+import numpy as np
 import pytest
+import torch
 
 from tests.test_tool_traces import calculator_config, sampled_text
-from tidal.config import ConfigError, config_from_dict
+from tidal.config import ConfigError, TinyModelConfig, config_from_dict
 from tidal.data import Problem
-from tidal.demo.length_tail import ScratchPads, scratch_length, with_scratch
-from tidal.demo.tiny import build_char_tokenizer
+from tidal.demo.length_tail import PAD, ScratchPads, scratch_length, with_scratch
+from tidal.demo.tiny import build_char_tokenizer, build_tiny_model
 from tidal.demo.tool_traces import make_traces, play_trace
-from tidal.demo.warm_start import answer_batcher, warm_start_key
+from tidal.demo.warm_start import answer_batcher, supervised_warm_start, warm_start_key
 from tidal.rewards.builtin import exact_match, format_reward
 from tidal.rollout.agent import AgentLoop
+from tidal.rollout.engine import GroupRequest, HFEngine
 
 
 def test_pad_lengths_are_log_normal_with_the_median_and_tail_asked_for_and_repeat_per_example():
@@ -94,3 +98,22 @@ def test_the_tiny_vision_model_refuses_a_length_tail_in_one_line():
                 "model": {"tiny": {"arch": "qwen2_vl"}, "warm_start": {"length_tail": {"p50_tokens": 8}}},
             }
         )
+
+
+def test_a_model_warm_started_with_pads_samples_responses_as_long_tailed_as_it_was_taught():
+    """The job the tail exists for: 200 SFT steps of a small model, then 256 sampled responses whose pads
+    have the taught median and a long tail (p90 several times the median), each still ending in an answer."""
+    torch.manual_seed(0)
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1), tok)
+    problems = [Problem(i, f"{i % 90 + 10}+{i % 7}=", str(i % 90 + 10 + i % 7)) for i in range(2000)]
+    pads = ScratchPads(12, 10.0, seed=0, max_new_tokens=160)
+    supervised_warm_start(model, answer_batcher(tok, problems, pads=pads), len(problems), 200, 32, 3e-3, 0)
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, 160, temperature=1.0)
+    prompt = tok("37+4=", add_special_tokens=False).input_ids
+    (completions,) = asyncio.run(engine.complete([GroupRequest(prompt, 256, torch.Generator().manual_seed(1))]))
+    texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    sampled = np.array([len(t) - len(t.lstrip(PAD)) for t in texts])
+    p50, p90 = np.percentile(sampled, [50, 90])
+    assert 6 <= p50 <= 24 and p90 >= 2 * p50 and sampled.max() >= 4 * p50, (p50, p90, sampled.max())
+    assert np.mean([t.lstrip(PAD).startswith("\nA:") for t in texts]) >= 0.8  # the answer line follows the pad
