@@ -101,19 +101,25 @@ def test_the_tiny_vision_model_refuses_a_length_tail_in_one_line():
 
 
 def test_a_model_warm_started_with_pads_samples_responses_as_long_tailed_as_it_was_taught():
-    """The job the tail exists for: 200 SFT steps of a small model, then 256 sampled responses whose pads
+    """The job the tail exists for: 150 SFT steps of a small model, then 256 sampled responses whose pads
     have the taught median and a long tail (p90 several times the median), each still ending in an answer."""
     torch.manual_seed(0)
     tok = build_char_tokenizer()
     model = build_tiny_model(TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1), tok)
     problems = [Problem(i, f"{i % 90 + 10}+{i % 7}=", str(i % 90 + 10 + i % 7)) for i in range(2000)]
-    pads = ScratchPads(12, 10.0, seed=0, max_new_tokens=160)
-    supervised_warm_start(model, answer_batcher(tok, problems, pads=pads), len(problems), 200, 32, 3e-3, 0)
-    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, 160, temperature=1.0)
-    prompt = tok("37+4=", add_special_tokens=False).input_ids
-    (completions,) = asyncio.run(engine.complete([GroupRequest(prompt, 256, torch.Generator().manual_seed(1))]))
+    median = 8
+    pads = ScratchPads(median, 10.0, seed=0, max_new_tokens=96)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a small model: a second thread only contends with the suite's other processes
+    try:
+        supervised_warm_start(model, answer_batcher(tok, problems, pads=pads), len(problems), 150, 32, 3e-3, 0)
+        engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, 96, temperature=1.0)
+        prompt = tok("37+4=", add_special_tokens=False).input_ids
+        (completions,) = asyncio.run(engine.complete([GroupRequest(prompt, 256, torch.Generator().manual_seed(1))]))
+    finally:
+        torch.set_num_threads(threads)
     texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     sampled = np.array([len(t) - len(t.lstrip(PAD)) for t in texts])
     p50, p90 = np.percentile(sampled, [50, 90])
-    assert 6 <= p50 <= 24 and p90 >= 2 * p50 and sampled.max() >= 4 * p50, (p50, p90, sampled.max())
+    assert median / 2 <= p50 <= 2 * median and p90 >= 2 * p50 and sampled.max() >= 4 * p50, (p50, p90, sampled.max())
     assert np.mean([t.lstrip(PAD).startswith("\nA:") for t in texts]) >= 0.8  # the answer line follows the pad
