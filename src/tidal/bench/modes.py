@@ -25,7 +25,8 @@ e.g. `--config examples/calculator.yaml --set rollout.agent.tool_latency.p50_sec
 rollout.agent.tool_latency.p99_over_p50=10`, measures what waiting on tools costs each mode. Long
 responses: a warm start whose answers follow a scratch pad of heavy-tailed length
 (model.warm_start.length_tail, tidal.demo.length_tail), e.g. `--set model.warm_start.length_tail.p50_tokens=16
---set rollout.max_new_tokens=240`, measures what waiting on the longest responses costs.
+--set rollout.max_new_tokens=240 --set model.tiny.max_position_embeddings=1024` (a context that holds the
+calculator's longest trajectories), measures what waiting on the longest responses costs.
 
 Every system's run is logged to one MLflow experiment (`--experiment`, default tidal-bench-modes) in
 one store (`--tracking-uri`, default $MLFLOW_TRACKING_URI, else runs/bench-modes/mlflow.db), tagged
