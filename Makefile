@@ -88,9 +88,10 @@ test-core: install-test
 	$(CORE_TESTS)
 
 # Each file starts its own vLLM engines: one pytest process per file (one process for several files hangs
-# at exit in vLLM's zmq). The files run in two streams side by side, balanced by their run time here (each
-# ~14 min alone): vLLM on CPU keeps one core busy only part of the time, so two streams take ~40 % off
-# the wall time. A stream's output is shown when it ends (--output-sync); a failing file stops its stream.
+# at exit in vLLM's zmq). The files run in two streams side by side, balanced by their run time on a
+# 2-core machine: vLLM on CPU keeps a core busy only part of the time, so the streams share the cores
+# (docs/development.md has the times). A stream's output is shown when it ends (--output-sync); a failing
+# file stops its stream.
 VLLM_PYTEST = TIDAL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q
 VLLM_STREAM_1 = run agent lora engine agent_qwen3
 VLLM_STREAM_2 = examples partial vision reward_server vision_agent
