@@ -14,10 +14,8 @@ then the answer on a line of its own, so the policy learns only how long to writ
 from __future__ import annotations
 
 import logging
-import math
-import random
 
-from tidal.envs.latency import lognormal_sigma
+from tidal.envs.latency import lognormal_draw
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +24,7 @@ PAD = "."
 
 def scratch_length(p50_tokens: int, p99_over_p50: float, seed: int, example: int) -> int:
     """Example `example`'s pad length before any cut: log-normal, at least one token."""
-    z = random.Random(f"tidal-length-tail:{seed}:{example}").gauss(0.0, 1.0)
-    return max(1, round(p50_tokens * math.exp(lognormal_sigma(p99_over_p50) * z)))
+    return max(1, round(lognormal_draw(p50_tokens, p99_over_p50, f"tidal-length-tail:{seed}:{example}")))
 
 
 def with_scratch(answer: str, length: int) -> str:

@@ -31,6 +31,11 @@ def lognormal_mean_over_p50(p99_over_p50: float) -> float:
     return math.exp(lognormal_sigma(p99_over_p50) ** 2 / 2)
 
 
+def lognormal_draw(p50: float, p99_over_p50: float, key: str) -> float:
+    """One draw of that log-normal with median `p50`, from a generator seeded with `key` (the same key, the same draw)."""
+    return p50 * math.exp(lognormal_sigma(p99_over_p50) * random.Random(key).gauss(0.0, 1.0))
+
+
 @dataclass(frozen=True)
 class ToolLatency:
     """rollout.agent.tool_latency, with the run's seed: `seconds(n)` is call n's latency."""
@@ -44,5 +49,4 @@ class ToolLatency:
         return None if latency is None else cls(latency.p50_seconds, latency.p99_over_p50, seed)
 
     def seconds(self, call: int) -> float:
-        z = random.Random(f"tidal-tool-latency:{self.seed}:{call}").gauss(0.0, 1.0)
-        return self.p50_seconds * math.exp(lognormal_sigma(self.p99_over_p50) * z)
+        return lognormal_draw(self.p50_seconds, self.p99_over_p50, f"tidal-tool-latency:{self.seed}:{call}")
