@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.buckets import length_buckets
+from tidal.rollout.decode_step import DecodeStep
 from tidal.rollout.kv_slots import fill_holes, set_rows, stack_rows, with_spare_slots
 from tidal.rollout.trajectory import Turn
 
@@ -172,6 +173,7 @@ class HFRows:
         self.version: int | None = None  # rollout.partial: the weights' version, stamped on each sampled token
         self.stopped: list[int] = []  # rows stopped mid-turn for newer weights: they go on after `reload`
         self.slab: Slab | None = None
+        self.step = DecodeStep.of(engine.model)  # None: decode steps take the transformers forward
         self.add(requests)
 
     @torch.no_grad()
@@ -274,7 +276,10 @@ class HFRows:
                 slab.select([])
                 break
             slab.mask = torch.cat([slab.mask, torch.ones_like(slab.mask[:, :1])], dim=1)
-            slab.logits = self._forward(slab, nxt[:, None], slab.next_pos)[:, -1, :]
+            if self.step is not None and not self.engine.model.training:
+                slab.logits = self.step.logits(nxt[:, None], slab.mask, slab.next_pos, slab.cache)
+            else:
+                slab.logits = self._forward(slab, nxt[:, None], slab.next_pos)[:, -1, :]
             slab.next_pos = slab.next_pos + 1
             if wake is not None and wake.is_set():
                 break

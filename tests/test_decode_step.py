@@ -1,0 +1,128 @@
+"""The HF engine's own decode step (tidal.rollout.decode_step): the logits and the cache the transformers
+forward gives for the same step, on every family it covers, plain and under a LoRA adapter, and the
+transformers forward kept for what it does not cover."""
+
+import copy
+import random
+
+import pytest
+import torch
+import transformers
+
+from tidal.rollout.decode_step import DecodeStep, unsupported
+from tidal.rollout.engine import GroupRequest, HFEngine, cache_argument_name, group_generator, returned_cache
+from tidal.rollout.kv_slots import with_spare_slots
+
+VOCAB, EOS, PAD = 64, 1, 0
+
+
+def tiny_model(family: str, **extra) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        **extra,
+    )
+    if family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif family == "qwen2-mha":  # as many key/value heads as query heads
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**common, "num_key_value_heads": 4}))
+    elif family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, attention_bias=True))
+    return model.float().eval()
+
+
+def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """A LoRA adapter on every projection, its B matrices random: the adapter changes every logit."""
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]))
+    torch.manual_seed(1)
+    for name, p in peft.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.2)
+    return peft.eval()
+
+
+def left_padded_prefill(model, prompts: list[list[int]]):
+    """The prompts' prefill as the engine makes it: left padding, positions counting real tokens only."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    return with_spare_slots(returned_cache(out)), mask, positions[:, -1:] + 1
+
+
+def transformers_step(model, cache, ids, mask, positions) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_argument_name(model): cache}).logits[
+            :, -1, :
+        ]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2-mha", "qwen3", "llama", "qwen2+lora"])
+def test_decode_steps_give_the_transformers_forwards_logits_and_cache(family):
+    model = tiny_model(family.split("+")[0])
+    if family.endswith("+lora"):
+        model = with_lora(model)
+    assert unsupported(model) is None
+    step = DecodeStep.of(model)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (3, 9, 6, 1)]  # unequal: left padding
+    theirs, mask, positions = left_padded_prefill(model, prompts)
+    ours = copy.deepcopy(theirs)
+    for _ in range(12):
+        ids = torch.tensor([[rng.randrange(2, VOCAB)] for _ in prompts])
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        expected = transformers_step(model, theirs, ids, mask, positions)
+        with torch.no_grad():
+            got = step.logits(ids, mask, positions, ours)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+        positions = positions + 1
+    for mine, reference in zip(ours.layers, theirs.layers, strict=True):
+        torch.testing.assert_close(mine.keys, reference.keys, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(mine.values, reference.values, atol=1e-6, rtol=1e-5)
+
+
+def test_what_it_does_not_cover_keeps_the_transformers_forward():
+    sliding = tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    assert "sliding window" in unsupported(sliding)
+    assert DecodeStep.of(sliding) is None
+    hooked = tiny_model("qwen2")
+    hooked.model.layers[1].mlp.register_forward_hook(lambda *a: None)  # a hook the step would bypass
+    assert "forward hooks" in unsupported(hooked)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
+    assert "GPT2LMHeadModel" in unsupported(gpt2)
+
+
+def generate(engine: HFEngine, prompts: list[list[int]]):
+    requests = [GroupRequest(p, 4, group_generator(0, 0, i)) for i, p in enumerate(prompts)]
+    return [c for group in engine.generate(requests) for c in group]
+
+
+def test_the_engine_samples_the_same_responses_with_its_step_as_with_the_transformers_forward(monkeypatch):
+    """The default engine takes its own step (the qwen2 tiny model is covered); forcing the transformers
+    forward samples the same tokens from the same noise, with log-probs within float32 rounding."""
+    model = tiny_model("qwen2")
+    engine = HFEngine(model, EOS, PAD, max_new_tokens=24)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (4, 7, 2, 5)]
+    steps, logits = [], DecodeStep.logits
+    monkeypatch.setattr(DecodeStep, "logits", lambda self, *a: steps.append(1) or logits(self, *a))
+    own = generate(engine, prompts)
+    assert steps, "the engine did not take its own decode step"
+    monkeypatch.setattr(DecodeStep, "of", classmethod(lambda cls, m: None))
+    reference = generate(engine, prompts)
+    assert [c.token_ids for c in own] == [c.token_ids for c in reference]
+    assert sum(len(c.token_ids) for c in own) > 4 * len(prompts)
+    for a, b in zip(own, reference, strict=True):
+        assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0.0) < 1e-4
