@@ -31,8 +31,14 @@ FAMILIES = {
 def grouped_query_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scaling: float) -> torch.Tensor:
     """One query token per row: query [rows, heads, 1, dim] against keys/values [rows, kv_heads, slots, dim];
     query head h reads kv head h // (heads / kv_heads), as transformers' `repeat_kv` arranges them.
-    bias [rows, 1, 1, slots]: 0 where a slot is attended, -inf where it is padding. Returns [rows, 1, heads * dim]."""
+    bias [rows, 1, 1, slots]: 0 where a slot is attended, -inf where it is padding. Returns [rows, 1, heads * dim].
+    In float32 on a CPU two matrix products and a softmax (torch's fused CPU kernel works in blocks of
+    queries, and one query a row leaves it slower); elsewhere torch's fused attention, which keeps float32
+    accumulators for a bfloat16 model as transformers' forward does."""
     rows, heads, _, dim = query.shape
+    if query.device.type != "cpu" or query.dtype != torch.float32:
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).reshape(rows, 1, heads * dim)
     kv_heads = keys.shape[1]
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scaling).add_(bias)
