@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from tests.tiny_models import tiny_causal_lm
 from tidal.rollout.decode_step import DecodeStep, unsupported
 from tidal.rollout.engine import GroupRequest, HFEngine, cache_argument_name, group_generator, returned_cache
 from tidal.rollout.kv_slots import with_spare_slots
@@ -17,26 +18,7 @@ VOCAB, EOS, PAD = 64, 1, 0
 
 
 def tiny_model(family: str, **extra) -> torch.nn.Module:
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        **extra,
-    )
-    if family == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    elif family == "qwen2-mha":  # as many key/value heads as query heads
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**common, "num_key_value_heads": 4}))
-    elif family == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, attention_bias=True))
-    return model.float().eval()
+    return tiny_causal_lm(family, VOCAB, **extra)
 
 
 def with_lora(model: torch.nn.Module) -> torch.nn.Module:

@@ -4,8 +4,8 @@ import random
 
 import pytest
 import torch
-import transformers
 
+from tests.tiny_models import tiny_causal_lm
 from tidal.trainer.packing import (
     dense_attention_mask,
     flex_attention_supported,
@@ -29,26 +29,9 @@ FLEX_GRAD_SKIP = pytest.mark.skipif(
 
 
 def tiny_model(family: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    if family == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    elif family == "qwen2-mha":  # as many key/value heads as query heads: no grouped-query attention
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**common, "num_key_value_heads": 4}))
-    elif family == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    model = tiny_causal_lm(family, VOCAB)
     model.config._attn_implementation = "sdpa"
-    return model.float().eval()
+    return model
 
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen2-mha", "qwen3", "llama"])
