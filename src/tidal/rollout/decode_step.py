@@ -75,10 +75,11 @@ def unsupported(model) -> str | None:
     for module in model.modules():
         if module._forward_hooks or module._forward_pre_hooks:
             return f"{type(module).__name__} has forward hooks"
-    from torch.distributed.tensor import DTensor
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
 
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return "its parameters are sharded"
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            return "its parameters are sharded"
     return None
 
 
