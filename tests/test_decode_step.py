@@ -17,10 +17,6 @@ from tidal.rollout.kv_slots import with_spare_slots
 VOCAB, EOS, PAD = 64, 1, 0
 
 
-def tiny_model(family: str, **extra) -> torch.nn.Module:
-    return tiny_causal_lm(family, VOCAB, **extra)
-
-
 def with_lora(model: torch.nn.Module) -> torch.nn.Module:
     """A LoRA adapter on every projection, its B matrices random: the adapter changes every logit."""
     from peft import LoraConfig, get_peft_model
@@ -55,7 +51,7 @@ def transformers_step(model, cache, ids, mask, positions) -> torch.Tensor:
 def test_decode_steps_give_the_transformers_forwards_logits_and_cache(family):
     """float32 (the default dtype) within float32 rounding; bfloat16 (torch's fused attention, as transformers')
     within bfloat16's."""
-    model = tiny_model(family.split("+")[0])
+    model = tiny_causal_lm(family.split("+")[0], VOCAB)
     if family.endswith("+lora"):
         model = with_lora(model)
     bf16 = family.endswith("+bfloat16")
@@ -81,10 +77,10 @@ def test_decode_steps_give_the_transformers_forwards_logits_and_cache(family):
 
 
 def test_what_it_does_not_cover_keeps_the_transformers_forward():
-    sliding = tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    sliding = tiny_causal_lm("qwen2", VOCAB, use_sliding_window=True, sliding_window=4, max_window_layers=0)
     assert "sliding window" in unsupported(sliding)
     assert DecodeStep.of(sliding) is None
-    hooked = tiny_model("qwen2")
+    hooked = tiny_causal_lm("qwen2", VOCAB)
     hooked.model.layers[1].mlp.register_forward_hook(lambda *a: None)  # a hook the step would bypass
     assert "forward hooks" in unsupported(hooked)
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
@@ -99,7 +95,7 @@ def generate(engine: HFEngine, prompts: list[list[int]]):
 def test_the_engine_samples_the_same_responses_with_its_step_as_with_the_transformers_forward(monkeypatch):
     """The default engine takes its own step (the qwen2 tiny model is covered); forcing the transformers
     forward samples the same tokens from the same noise, with log-probs within float32 rounding."""
-    model = tiny_model("qwen2")
+    model = tiny_causal_lm("qwen2", VOCAB)
     engine = HFEngine(model, EOS, PAD, max_new_tokens=24)
     rng = random.Random(1)
     prompts = [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (4, 7, 2, 5)]

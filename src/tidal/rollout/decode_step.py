@@ -68,9 +68,8 @@ def unsupported(model) -> str | None:
         return f"its layers are not all {layer_class}"
     if len(layers) != lm.config.num_hidden_layers:
         return "it runs fewer layers than it holds"
-    if any(getattr(layer.self_attn, "sliding_window", None) for layer in layers) or set(
-        getattr(lm.config, "layer_types", None) or ["full_attention"]
-    ) != {"full_attention"}:
+    layer_types = set(getattr(lm.config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} or any(getattr(layer.self_attn, "sliding_window", None) for layer in layers):
         return "a layer has a sliding window"
     for module in model.modules():
         if module._forward_hooks or module._forward_pre_hooks:
