@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from tests.tiny_models import tiny_causal_lm
+from tidal.rollout import decode_step
 from tidal.rollout.decode_step import DecodeStep, unsupported
 from tidal.rollout.engine import GroupRequest, HFEngine, cache_argument_name, group_generator, returned_cache
 from tidal.rollout.kv_slots import with_spare_slots
@@ -47,10 +48,12 @@ def transformers_step(model, cache, ids, mask, positions) -> torch.Tensor:
         ]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen2-mha", "qwen3", "llama", "qwen2+lora", "qwen2+bfloat16"])
-def test_decode_steps_give_the_transformers_forwards_logits_and_cache(family):
+@pytest.mark.parametrize("family", ["qwen2", "qwen2-mha", "qwen3", "llama", "qwen2+lora", "qwen2+bfloat16", "qwen2+unfused"])
+def test_decode_steps_give_the_transformers_forwards_logits_and_cache(family, monkeypatch):
     """float32 (the default dtype) within float32 rounding; bfloat16 (torch's fused attention, as transformers')
-    within bfloat16's."""
+    within bfloat16's. `unfused`: a plain model too large for fused copies of its projections (the limit set to 0)."""
+    if family.endswith("+unfused"):
+        monkeypatch.setattr(decode_step, "FUSED_COPY_BYTES", 0)
     model = tiny_causal_lm(family.split("+")[0], VOCAB)
     if family.endswith("+lora"):
         model = with_lora(model)
@@ -59,6 +62,7 @@ def test_decode_steps_give_the_transformers_forwards_logits_and_cache(family):
         model = model.to(torch.bfloat16)
     assert unsupported(model) is None
     step = DecodeStep.of(model)
+    assert step.fusable is not family.endswith(("+lora", "+unfused"))  # a small plain model's projections fused
     rng = random.Random(0)
     prompts = [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (3, 9, 6, 1)]  # unequal: left padding
     theirs, mask, positions = left_padded_prefill(model, prompts)
@@ -74,6 +78,55 @@ def test_decode_steps_give_the_transformers_forwards_logits_and_cache(family):
     for mine, reference in zip(ours.layers, theirs.layers, strict=True):
         torch.testing.assert_close(mine.keys, reference.keys, atol=2e-2 if bf16 else 1e-6, rtol=2e-2 if bf16 else 1e-5)
         torch.testing.assert_close(mine.values, reference.values, atol=2e-2 if bf16 else 1e-6, rtol=2e-2 if bf16 else 1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "qwen2+lora", "qwen2+bfloat16"])
+def test_joins_give_the_transformers_forwards_logits_and_cache(family):
+    """Rows joining the decode batch with several new tokens each (right-padded to the longest): the logits
+    after each row's last new token, and the cache, equal the transformers forward's over the same tokens."""
+    model = tiny_causal_lm(family.split("+")[0], VOCAB)
+    if family.endswith("+lora"):
+        model = with_lora(model)
+    bf16 = family.endswith("+bfloat16")
+    if bf16:
+        model = model.to(torch.bfloat16)
+    step = DecodeStep.of(model)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (5, 2, 8)]
+    theirs, mask, positions = left_padded_prefill(model, prompts)
+    ours = copy.deepcopy(theirs)
+    chunks = [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (4, 1, 7)]  # unequal: right padding
+    span = max(map(len, chunks))
+    ids = torch.tensor([c + [PAD] * (span - len(c)) for c in chunks])
+    mask = torch.cat([mask, torch.tensor([[1] * len(c) + [0] * (span - len(c)) for c in chunks])], dim=1)
+    positions = positions + torch.arange(span)[None, :]
+    last = torch.tensor([len(c) - 1 for c in chunks])
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_argument_name(model): theirs})
+        expected = out.logits[torch.arange(len(chunks)), last]
+        got = step.join_logits(ids, mask, positions, ours, last)
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if bf16 else {"atol": 1e-5, "rtol": 1e-4}
+    torch.testing.assert_close(got, expected, **tolerance)
+    for mine, reference in zip(ours.layers, returned_cache(out).layers, strict=True):
+        torch.testing.assert_close(mine.keys, reference.keys, **tolerance)
+        torch.testing.assert_close(mine.values, reference.values, **tolerance)
+
+
+def test_the_fused_projections_follow_weights_loaded_in_place():
+    """A plain model's fused matrices are copies: after new weights are loaded into the model (as a worker
+    loads each version), the step computes with the new weights, not the copies of the old."""
+    model = tiny_causal_lm("qwen2", VOCAB)
+    step = DecodeStep.of(model)
+    assert step.fusable
+    cache, mask, positions = left_padded_prefill(model, [[3, 4, 5], [6, 7]])
+    ids, mask = torch.tensor([[9], [10]]), torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    with torch.no_grad():
+        before = step.logits(ids, mask, positions, copy.deepcopy(cache))
+        model.load_state_dict({k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()})
+        expected = transformers_step(model, copy.deepcopy(cache), ids, mask, positions)
+        after = step.logits(ids, mask, positions, copy.deepcopy(cache))
+    assert (after - before).abs().max() > 1e-2
+    torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-4)
 
 
 def test_what_it_does_not_cover_keeps_the_transformers_forward():

@@ -8,17 +8,27 @@ rows' query against their cached keys and values, grouped-query heads read in pl
 keys), padding hidden by an additive mask built once per step. The cache is the engine's own
 (tidal.rollout.kv_slots), written through its layers' `update` as the transformers forward writes it.
 
+A step of a small model costs more in the number of operations than in arithmetic, so where the layers
+are plain (no adapter) and small, a layer's query, key and value projections run as one matrix product,
+its gate and up projections as another, its norms through torch's `rms_norm` and the rotation of its
+queries and keys as one. The fused matrices are copies (at most `FUSED_COPY_BYTES`: a large model's
+step is arithmetic, and its memory is better spent on the cache), made again whenever a weight they
+copy changes (a new version loaded in place, an optimizer step).
+
 It covers the decoder-only families whose layers are exactly that (Llama, Qwen2, Qwen3: `FAMILIES`),
 plain or under a peft adapter, with full attention in every layer; `DecodeStep.of` returns None for
 anything else (sliding windows, vision towers, sharded or hooked modules), and the engine keeps the
-transformers forward there. Prefills and joins (several tokens a row) always take the transformers forward.
+transformers forward there. Joins (rows coming back to the decode batch with their inserted tokens,
+several a row) take the same forward, causal over their new tokens; prefills keep the transformers forward.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 # (causal LM class, decoder layer class) of the families whose decode step this module computes
 FAMILIES = {
@@ -29,25 +39,40 @@ FAMILIES = {
 
 
 def grouped_query_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scaling: float) -> torch.Tensor:
-    """One query token per row: query [rows, heads, 1, dim] against keys/values [rows, kv_heads, slots, dim];
-    query head h reads kv head h // (heads / kv_heads), as transformers' `repeat_kv` arranges them.
-    bias [rows, 1, 1, slots]: 0 where a slot is attended, -inf where it is padding. Returns [rows, 1, heads * dim].
+    """query [rows, heads, tokens, dim] against keys/values [rows, kv_heads, slots, dim]; query head h reads kv
+    head h // (heads / kv_heads), as transformers' `repeat_kv` arranges them. bias [rows, 1, tokens, slots]:
+    0 where a slot is attended, -inf where it is not. Returns [rows, tokens, heads * dim].
     In float32 on a CPU two matrix products and a softmax (torch's fused CPU kernel works in blocks of
-    queries, and one query a row leaves it slower); elsewhere torch's fused attention, which keeps float32
-    accumulators for a bfloat16 model as transformers' forward does."""
-    rows, heads, _, dim = query.shape
+    queries, and a query or a few a row leave it slower); elsewhere torch's fused attention, which keeps
+    float32 accumulators for a bfloat16 model as transformers' forward does."""
+    rows, heads, tokens, dim = query.shape
     if query.device.type != "cpu" or query.dtype != torch.float32:
         out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2).reshape(rows, 1, heads * dim)
-    kv_heads = keys.shape[1]
-    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scaling).add_(bias)
-    return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(rows, 1, heads * dim)
+        return out.transpose(1, 2).reshape(rows, tokens, heads * dim)
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    grouped = query.reshape(rows, kv_heads, group * tokens, dim)  # a kv head's query heads one after another
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scaling)
+    scores = scores.view(rows, kv_heads, group, tokens, slots).add_(bias[:, :, None]).view(rows, kv_heads, group * tokens, slots)
+    out = torch.matmul(torch.softmax(scores, dim=-1), values).view(rows, heads, tokens, dim)
+    return out.transpose(1, 2).reshape(rows, tokens, heads * dim)
 
 
 def padding_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[rows, slots] of 1 (a token) / 0 (padding) as the additive attention mask [rows, 1, 1, slots]."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask == 0, float("-inf"))[:, None, None, :]
+
+
+def attention_bias(mask: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [rows, 1, tokens, slots] of `tokens` new tokens a row, the last `tokens` of the
+    mask's slots: padding hidden from every token, and each new token's later ones hidden from it."""
+    bias = padding_bias(mask, dtype)
+    if tokens == 1:
+        return bias
+    later = torch.full((tokens, tokens), float("-inf"), dtype=dtype, device=mask.device).triu(1)
+    bias = bias.expand(-1, -1, tokens, -1).clone()
+    bias[..., -tokens:] += later
+    return bias
 
 
 def causal_lm(model):
@@ -82,9 +107,65 @@ def unsupported(model) -> str | None:
     return None
 
 
+# the norms whose forward is exactly torch's RMSNorm over the last dimension (weight * x / rms(x), in float32)
+RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+SILU = frozenset({"SiLU", "SiLUActivation"})  # torch's and transformers' (`hidden_act: silu`)
+FUSED_COPY_BYTES = 64 * 2**20
+
+
+def fusable(lm) -> bool:
+    """True where every layer is plain (torch Linear projections, no adapter; a SiLU-gated MLP; `RMS_NORMS`)
+    and the fused copies of its projections take at most FUSED_COPY_BYTES."""
+    copies = sum(t.numel() * t.element_size() for layer in lm.model.layers for t in fused_sources(layer))
+    if copies > FUSED_COPY_BYTES:
+        return False
+    for layer in lm.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if any(type(m) is not torch.nn.Linear for m in linears) or type(mlp.act_fn).__name__ not in SILU:
+            return False
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, *(getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n))]
+        if any(type(n).__name__ not in RMS_NORMS for n in norms):
+            return False
+    return type(lm.model.norm).__name__ in RMS_NORMS
+
+
+def rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    qkv_weight: torch.Tensor  # [q + k + v outputs, hidden]
+    qkv_bias: torch.Tensor | None
+    gate_up_weight: torch.Tensor  # [2 x intermediate, hidden]
+
+    @classmethod
+    def of(cls, layer) -> FusedLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        bias = None
+        if any(p.bias is not None for p in projections):
+            bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections])
+        return cls(torch.cat([p.weight for p in projections]), bias, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+
+
+def fused_sources(layer) -> list[torch.Tensor]:
+    attn, mlp = layer.self_attn, layer.mlp
+    modules = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+    return [t for m in modules for t in (m.weight, m.bias) if t is not None]
+
+
 class DecodeStep:
     """The logits of one decode step ([rows, vocab]) from the rows' next tokens, their attention mask
-    (every slot of the cache and the new one) and positions; the cache gets the step's keys and values."""
+    (every slot of the cache and the new one) and positions; the cache gets the step's keys and values.
+    `join_logits` is the same forward over several new tokens a row (rows joining the decode batch with
+    their inserted tokens)."""
 
     def __init__(self, model):
         lm = causal_lm(model)
@@ -92,22 +173,63 @@ class DecodeStep:
         first = self.inner.layers[0].self_attn
         self.rotate = inspect.getmodule(type(first)).apply_rotary_pos_emb
         self.head_dim, self.scaling = first.head_dim, first.scaling
+        self.heads, self.kv_heads = lm.config.num_attention_heads, lm.config.num_key_value_heads
+        self.fusable = fusable(lm)
+        self._fused: list[FusedLayer] = []
+        self._fused_from: tuple = ()  # (storage, version) of every weight the fused matrices copy
 
     @classmethod
     def of(cls, model) -> DecodeStep | None:
         return cls(model) if unsupported(model) is None else None
 
+    def fused_layers(self) -> list[FusedLayer]:
+        """The layers' fused matrices, copied again when any weight they copy has changed since."""
+        sources = tuple((t.data_ptr(), t._version) for layer in self.inner.layers for t in fused_sources(layer))
+        if sources != self._fused_from:
+            self._fused, self._fused_from = [FusedLayer.of(layer) for layer in self.inner.layers], sources
+        return self._fused
+
     def logits(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        return self.head(self.hidden_states(input_ids, mask, positions, cache)[:, -1])
+
+    def join_logits(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache, last: torch.Tensor) -> torch.Tensor:
+        """input_ids [rows, tokens] (right-padded; `mask` ends with their slots, 0 on the padding): the logits
+        [rows, vocab] after each row's token at `last`."""
+        hidden = self.hidden_states(input_ids, mask, positions, cache)
+        return self.head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+
+    def hidden_states(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """The last layer's normalised hidden states [rows, tokens, hidden] of the rows' new tokens."""
         hidden = self.inner.embed_tokens(input_ids)
         cos, sin = self.inner.rotary_emb(hidden, positions)
-        bias = padding_bias(mask, hidden.dtype)
+        bias = attention_bias(mask, input_ids.shape[1], hidden.dtype)
+        if self.fusable:
+            return self._fused_hidden_states(hidden, cos, sin, bias, cache)
         for index, layer in enumerate(self.inner.layers):
             hidden = hidden + self._attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, bias, cache.layers[index])
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.head(self.inner.norm(hidden))[:, -1, :]
+        return self.inner.norm(hidden)
+
+    def _fused_hidden_states(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor, cache) -> torch.Tensor:
+        (rows, tokens, _), heads, kv_heads, dim = hidden.shape, self.heads, self.kv_heads, self.head_dim
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [rows, tokens, 1 (every head), dim]
+        for index, (layer, fused) in enumerate(zip(self.inner.layers, self.fused_layers(), strict=True)):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = F.linear(rms_norm(layer.input_layernorm, hidden), fused.qkv_weight, fused.qkv_bias)
+            qkv = qkv.view(rows, tokens, heads + 2 * kv_heads, dim)
+            query_key, value = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads :]
+            if hasattr(attn, "q_norm"):  # Qwen3: each head normalised before the rotation
+                query_key = torch.cat([rms_norm(attn.q_norm, query_key[:, :, :heads]), rms_norm(attn.k_norm, query_key[:, :, heads:])], dim=2)
+            query_key = query_key * cos + rotate_half(query_key) * sin
+            keys, values = cache.layers[index].update(query_key[:, :, heads:].transpose(1, 2), value.transpose(1, 2))
+            attended = grouped_query_attention(query_key[:, :, :heads].transpose(1, 2), keys, values, bias, self.scaling)
+            hidden = hidden + attn.o_proj(attended)
+            gate, up = F.linear(rms_norm(layer.post_attention_layernorm, hidden), fused.gate_up_weight).chunk(2, dim=-1)
+            hidden = hidden + mlp.down_proj(F.silu(gate) * up)
+        return rms_norm(self.inner.norm, hidden)
 
     def _attention(self, attn, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor, cache_layer) -> torch.Tensor:
-        shape = (hidden.shape[0], 1, -1, self.head_dim)
+        shape = (*hidden.shape[:2], -1, self.head_dim)
         query, key = attn.q_proj(hidden).view(shape), attn.k_proj(hidden).view(shape)
         if hasattr(attn, "q_norm"):  # Qwen3: each head normalised before the rotation
             query, key = attn.q_norm(query), attn.k_norm(key)

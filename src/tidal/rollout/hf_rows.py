@@ -226,6 +226,10 @@ class HFRows:
                 parts.append(torch.rand(vocab, generator=s.generator))
         return torch.stack(parts).to(self.device)
 
+    def own_step(self) -> bool:
+        """True: decode steps and joins take the engine's own forward (tidal.rollout.decode_step)."""
+        return self.step is not None and not self.engine.model.training
+
     def _forward(self, slab: Slab, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         engine = self.engine
         out = engine.model(input_ids=input_ids, attention_mask=slab.mask, position_ids=positions, use_cache=True, **{engine.cache_kwarg: slab.cache})
@@ -276,7 +280,7 @@ class HFRows:
                 slab.select([])
                 break
             slab.mask = torch.cat([slab.mask, torch.ones_like(slab.mask[:, :1])], dim=1)
-            if self.step is not None and not self.engine.model.training:
+            if self.own_step():
                 slab.logits = self.step.logits(nxt[:, None], slab.mask, slab.next_pos, slab.cache)
             else:
                 slab.logits = self._forward(slab, nxt[:, None], slab.next_pos)[:, -1, :]
@@ -366,9 +370,12 @@ class HFRows:
         start = torch.stack([k.next_pos for k in kept])
         joining = Slab(cache, torch.cat([mask, real], dim=1), start, None, rows)
         # a padded slot gets any position: nothing ever attends to it
-        logits = self._forward(joining, ids, start + torch.arange(span, device=self.device)[None, :])
+        positions = start + torch.arange(span, device=self.device)[None, :]
         last = torch.tensor([len(c) - 1 for c in chunks], device=self.device)
-        joining.logits = logits[torch.arange(len(rows), device=self.device), last]
+        if self.own_step():
+            joining.logits = self.step.join_logits(ids, joining.mask, positions, joining.cache, last)
+        else:
+            joining.logits = self._forward(joining, ids, positions)[torch.arange(len(rows), device=self.device), last]
         joining.next_pos = start + last[:, None] + 1
         for row in rows:
             s = self.state[row]
