@@ -173,7 +173,8 @@ class DecodeStep:
         first = self.inner.layers[0].self_attn
         self.rotate = inspect.getmodule(type(first)).apply_rotary_pos_emb
         self.head_dim, self.scaling = first.head_dim, first.scaling
-        self.heads, self.kv_heads = lm.config.num_attention_heads, lm.config.num_key_value_heads
+        self.heads = lm.config.num_attention_heads
+        self.kv_heads = getattr(lm.config, "num_key_value_heads", None) or self.heads
         self.fusable = fusable(lm)
         self._fused: list[FusedLayer] = []
         self._fused_from: tuple = ()  # (storage, version) of every weight the fused matrices copy
