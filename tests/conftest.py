@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -16,6 +17,7 @@ import yaml
 
 from tests.processes import SESSION_ENV, kill, session_leftovers
 from tidal.config import config_from_dict
+from tidal.parentdeath import set_parent_death_signal
 from tidal.sandbox import PASS_ENV
 from tidal.transport.server import EmbeddedNats
 
@@ -99,6 +101,12 @@ def nats_server(tmp_path):
         yield server
 
 
+def ends_with_the_tests() -> None:
+    """preexec_fn of the `tidal` commands the tests start: SIGTERM when the test process ends, even killed
+    (SIGKILL, a timeout), so a run a killed test session started stops in order instead of running on."""
+    set_parent_death_signal(signal.SIGTERM)
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
     """Runs `tidal ...` as a user would, in a subprocess."""
     return subprocess.run(
@@ -108,6 +116,7 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 900) -> subpro
         timeout=timeout,
         env={**os.environ, **(env or {})},
         cwd=ROOT,
+        preexec_fn=ends_with_the_tests,
     )
 
 
@@ -144,7 +153,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def start_run(config: Path, run_dir: Path) -> subprocess.Popen:
     """`tidal run` in the background, as a user starts it; its output is piped."""
     cmd = [sys.executable, "-m", "tidal.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ends_with_the_tests)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import embedded_nats_url, read_jsonl, run_cli, run_processes, start_run, wait_until
+from tests.processes import left_running, running, start_time
 from tidal.rundir import latest_checkpoint
 from tidal.supervise import last_error_line
 
@@ -342,3 +345,22 @@ def test_a_run_directory_moved_after_it_stopped_resumes_there_and_logs_to_the_st
     (version,) = client.search_model_versions("name='moved-policy'")
     assert version.source.startswith(moved.as_uri() + "/") and (moved / "mlartifacts").is_dir()
     assert not first.exists()  # nothing written where the run used to be
+
+
+def test_what_the_tests_start_with_run_cli_or_start_run_ends_when_the_test_process_is_killed(tmp_path):
+    """A test session killed mid-run (SIGKILL, a CI timeout) leaves no `tidal run` behind: the helpers' children
+    get SIGTERM from the kernel when the process that started them dies (tidal.supervise stops a run on it)."""
+    script = (
+        "import subprocess, sys, time\n"
+        "from tests.conftest import ends_with_the_tests\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], preexec_fn=ends_with_the_tests)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    child = int(starter.stdout.readline())
+    started = start_time(child)
+    assert running(child, started)
+    starter.kill()
+    starter.wait()
+    assert left_running({child: started}, seconds=10) == []
