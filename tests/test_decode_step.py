@@ -30,6 +30,14 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
     return peft.eval()
 
 
+def model_of(family: str) -> torch.nn.Module:
+    """The tiny model of `family` ("qwen2", "qwen3", ...), with "+lora" under an adapter, with "+bfloat16" in bfloat16."""
+    model = tiny_causal_lm(family.split("+")[0], VOCAB)
+    if family.endswith("+lora"):
+        model = with_lora(model)
+    return model.to(torch.bfloat16) if family.endswith("+bfloat16") else model
+
+
 def left_padded_prefill(model, prompts: list[list[int]]):
     """The prompts' prefill as the engine makes it: left padding, positions counting real tokens only."""
     width = max(len(p) for p in prompts)
@@ -54,12 +62,7 @@ def test_decode_steps_give_the_transformers_forwards_logits_and_cache(family, mo
     within bfloat16's. `unfused`: a plain model too large for fused copies of its projections (the limit set to 0)."""
     if family.endswith("+unfused"):
         monkeypatch.setattr(decode_step, "FUSED_COPY_BYTES", 0)
-    model = tiny_causal_lm(family.split("+")[0], VOCAB)
-    if family.endswith("+lora"):
-        model = with_lora(model)
-    bf16 = family.endswith("+bfloat16")
-    if bf16:
-        model = model.to(torch.bfloat16)
+    model, bf16 = model_of(family), family.endswith("+bfloat16")
     assert unsupported(model) is None
     step = DecodeStep.of(model)
     assert step.fusable is not family.endswith(("+lora", "+unfused"))  # a small plain model's projections fused
@@ -84,12 +87,7 @@ def test_decode_steps_give_the_transformers_forwards_logits_and_cache(family, mo
 def test_joins_give_the_transformers_forwards_logits_and_cache(family):
     """Rows joining the decode batch with several new tokens each (right-padded to the longest): the logits
     after each row's last new token, and the cache, equal the transformers forward's over the same tokens."""
-    model = tiny_causal_lm(family.split("+")[0], VOCAB)
-    if family.endswith("+lora"):
-        model = with_lora(model)
-    bf16 = family.endswith("+bfloat16")
-    if bf16:
-        model = model.to(torch.bfloat16)
+    model, bf16 = model_of(family), family.endswith("+bfloat16")
     step = DecodeStep.of(model)
     rng = random.Random(2)
     prompts = [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (5, 2, 8)]
