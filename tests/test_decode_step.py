@@ -110,23 +110,6 @@ def test_joins_give_the_transformers_forwards_logits_and_cache(family):
         torch.testing.assert_close(mine.values, reference.values, **tolerance)
 
 
-def test_the_fused_projections_follow_weights_loaded_in_place():
-    """A plain model's fused matrices are copies: after new weights are loaded into the model (as a worker
-    loads each version), the step computes with the new weights, not the copies of the old."""
-    model = tiny_causal_lm("qwen2", VOCAB)
-    step = DecodeStep.of(model)
-    assert step.fusable
-    cache, mask, positions = left_padded_prefill(model, [[3, 4, 5], [6, 7]])
-    ids, mask = torch.tensor([[9], [10]]), torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    with torch.no_grad():
-        before = step.logits(ids, mask, positions, copy.deepcopy(cache))
-        model.load_state_dict({k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()})
-        expected = transformers_step(model, copy.deepcopy(cache), ids, mask, positions)
-        after = step.logits(ids, mask, positions, copy.deepcopy(cache))
-    assert (after - before).abs().max() > 1e-2
-    torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-4)
-
-
 def test_what_it_does_not_cover_keeps_the_transformers_forward():
     sliding = tiny_causal_lm("qwen2", VOCAB, use_sliding_window=True, sliding_window=4, max_window_layers=0)
     assert "sliding window" in unsupported(sliding)

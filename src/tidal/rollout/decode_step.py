@@ -12,8 +12,9 @@ A step of a small model costs more in the number of operations than in arithmeti
 are plain (no adapter) and small, a layer's query, key and value projections run as one matrix product,
 its gate and up projections as another, its norms through torch's `rms_norm` and the rotation of its
 queries and keys as one. The fused matrices are copies (at most `FUSED_COPY_BYTES`: a large model's
-step is arithmetic, and its memory is better spent on the cache), made again whenever a weight they
-copy changes (a new version loaded in place, an optimizer step).
+step is arithmetic, and its memory is better spent on the cache) of the weights the model holds when
+the step is made: the engine makes one per call, and a new one when a call's rows go on with newer
+weights (`HFRows.reload`).
 
 It covers the decoder-only families whose layers are exactly that (Llama, Qwen2, Qwen3: `FAMILIES`),
 plain or under a peft adapter, with full attention in every layer; `DecodeStep.of` returns None for
@@ -116,7 +117,7 @@ FUSED_COPY_BYTES = 64 * 2**20
 def fusable(lm) -> bool:
     """True where every layer is plain (torch Linear projections, no adapter; a SiLU-gated MLP; `RMS_NORMS`)
     and the fused copies of its projections take at most FUSED_COPY_BYTES."""
-    copies = sum(t.numel() * t.element_size() for layer in lm.model.layers for t in fused_sources(layer))
+    copies = sum(t.numel() * t.element_size() for layer in lm.model.layers for t in fused_weights(layer))
     if copies > FUSED_COPY_BYTES:
         return False
     for layer in lm.model.layers:
@@ -155,7 +156,8 @@ class FusedLayer:
         return cls(torch.cat([p.weight for p in projections]), bias, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
 
 
-def fused_sources(layer) -> list[torch.Tensor]:
+def fused_weights(layer) -> list[torch.Tensor]:
+    """The weights and biases a layer's fused matrices copy."""
     attn, mlp = layer.self_attn, layer.mlp
     modules = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
     return [t for m in modules for t in (m.weight, m.bias) if t is not None]
@@ -175,20 +177,15 @@ class DecodeStep:
         self.head_dim, self.scaling = first.head_dim, first.scaling
         self.heads = lm.config.num_attention_heads
         self.kv_heads = getattr(lm.config, "num_key_value_heads", None) or self.heads
-        self.fusable = fusable(lm)
-        self._fused: list[FusedLayer] = []
-        self._fused_from: tuple = ()  # (storage, version) of every weight the fused matrices copy
+        self.fused = [FusedLayer.of(layer) for layer in self.inner.layers] if fusable(lm) else None
 
     @classmethod
     def of(cls, model) -> DecodeStep | None:
         return cls(model) if unsupported(model) is None else None
 
-    def fused_layers(self) -> list[FusedLayer]:
-        """The layers' fused matrices, copied again when any weight they copy has changed since."""
-        sources = tuple((t.data_ptr(), t._version) for layer in self.inner.layers for t in fused_sources(layer))
-        if sources != self._fused_from:
-            self._fused, self._fused_from = [FusedLayer.of(layer) for layer in self.inner.layers], sources
-        return self._fused
+    @property
+    def fusable(self) -> bool:
+        return self.fused is not None
 
     def logits(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         return self.head(self.hidden_states(input_ids, mask, positions, cache)[:, -1])
@@ -214,7 +211,7 @@ class DecodeStep:
     def _fused_hidden_states(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor, cache) -> torch.Tensor:
         (rows, tokens, _), heads, kv_heads, dim = hidden.shape, self.heads, self.kv_heads, self.head_dim
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [rows, tokens, 1 (every head), dim]
-        for index, (layer, fused) in enumerate(zip(self.inner.layers, self.fused_layers(), strict=True)):
+        for index, (layer, fused) in enumerate(zip(self.inner.layers, self.fused, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = F.linear(rms_norm(layer.input_layernorm, hidden), fused.qkv_weight, fused.qkv_bias)
             qkv = qkv.view(rows, tokens, heads + 2 * kv_heads, dim)

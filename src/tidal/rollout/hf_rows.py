@@ -327,6 +327,7 @@ class HFRows:
             s = self.state[row]
             s.stamped = self._versions(s) or []
         self.version = version
+        self.step = DecodeStep.of(self.engine.model)  # its fused matrices are copies of the old weights
         rows = sorted([*self.kept, *stopped])
         if not rows:
             return
