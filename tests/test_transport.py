@@ -438,3 +438,33 @@ def test_a_request_ends_when_a_violation_is_reported_and_with_its_caller_and_oth
         assert ended == ["cancelled", "cancelled"]
 
     asyncio.run(scenario())
+
+
+def test_items_a_worker_is_stopped_with_right_after_its_pull_are_handed_back(nats_server):
+    """SIGTERM's cancellation can come at the first await after a pull (the worker asks which version to
+    generate, loads weights): what `decode_work` returned is already held, so the lease hands it back and
+    another worker gets it at once, not after the ack deadline (an hour here)."""
+    from tidal.rollout.lease import Lease, decode_work, delivery_count
+    from tidal.transport.health import WorkerHealth
+
+    async def scenario():
+        cfg = TransportConfig(ack_wait_seconds=3600.0)
+        t = await Transport.connect(nats_server.url, "stopped-after-pull", cfg)
+        leaving = await Transport.connect(nats_server.url, "stopped-after-pull", cfg, create=False)
+        try:
+            for i in range(2):
+                await t.publish_work(item(i))
+            lease = Lease(leaving, WorkerHealth("worker-1"), cfg.ack_wait_seconds)
+            with pytest.raises(asyncio.CancelledError):
+                async with lease.kept():
+                    pulled = await decode_work(leaving, await leaving.fetch(await leaving.work_subscription(), 2, timeout=5), "worker-1", lease)
+                    assert len(pulled) == 2
+                    raise asyncio.CancelledError("SIGTERM")  # as at the worker's next await
+            got = {m.metadata.sequence.stream: m for m in await t.fetch(await t.work_subscription(), 2, timeout=20)}
+            assert sorted(decode_work_item(m.data).prompt_id for m in got.values()) == [0, 1]
+            assert all(delivery_count(m) == 2 for m in got.values())
+        finally:
+            await leaving.close()
+            await t.close()
+
+    asyncio.run(scenario())

@@ -34,15 +34,21 @@ def delivery_count(msg) -> int:
         return 1
 
 
-async def decode_work(transport: Transport, msgs: list, worker_id: str) -> list[tuple[object, WorkItem]]:
-    """The valid work items of `msgs`; a malformed one is terminated (never redelivered) and logged."""
-    out = []
+async def decode_work(transport: Transport, msgs: list, worker_id: str, lease: Lease) -> list[tuple[object, WorkItem]]:
+    """The valid work items of `msgs`, held by `lease` before anything is awaited (a SIGTERM from then on
+    hands them back; one that came between their fetch and a later hold would lose them until their ack
+    deadline); a malformed one is terminated (never redelivered) and logged."""
+    out, bad = [], []
     for m in msgs:
         try:
             out.append((m, decode_work_item(m.data, transport.max_message_bytes)))
         except ProtocolError as err:
-            log.error("worker %s rejected a message on %s: %s", worker_id, m.subject, err)
-            await m.term()
+            bad.append((m, err))
+    if out:
+        lease.hold(out)
+    for m, err in bad:
+        log.error("worker %s rejected a message on %s: %s", worker_id, m.subject, err)
+        await m.term()
     return out
 
 

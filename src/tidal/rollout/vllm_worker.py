@@ -157,11 +157,10 @@ class VLLMRolloutWorker:
             return
         # in-flight groups progress while we wait; an idle NCCL member also watches for offers
         timeout = 0.05 if self.inflight else (0.25 if self.nccl else 1.0)
-        pulled = await decode_work(self.transport, await self.transport.fetch(sub, free, timeout=timeout), self.worker_id)
+        pulled = await decode_work(self.transport, await self.transport.fetch(sub, free, timeout=timeout), self.worker_id, self.lease)
         self.backlog.extend(pulled)
         if pulled:
             log_taken(self.worker_id, pulled)
-            self.lease.hold(pulled)  # a heartbeat at once lists them (not on every poll while a backlog waits)
 
     async def _start_ready(self) -> None:
         """Starts backlog items of the loaded version; switches version only with nothing in flight."""

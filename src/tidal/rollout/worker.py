@@ -105,6 +105,7 @@ class RolloutWorker:
                     linger_after_wait_only=True,
                 ),
                 self.worker_id,
+                self.lease,
             )
             publisher.raise_if_failed()
             if not pulled:
@@ -113,16 +114,15 @@ class RolloutWorker:
             iteration = pulled[0][1].iteration
             for m, it in pulled:
                 if it.iteration != iteration:
-                    await m.nak()  # another iteration: handle it on a later pull
+                    await self.lease.nak(m)  # another iteration: handle it on a later pull
             pulled = [(m, it) for m, it in pulled if it.iteration == iteration]
             version = await version_to_generate(self.transport, self.cfg.mode, pulled[0][1])
             if version is None:
                 log.info("worker %s: dropping %d obsolete work item(s) of iteration %d", self.worker_id, len(pulled), iteration)
                 for m, _ in pulled:
-                    await m.ack()
+                    await self.lease.ack(m)
                 continue
             msgs, items = [m for m, _ in pulled], [it for _, it in pulled]
-            self.lease.hold(pulled)  # held from here on: a long weight load must not let them go to another worker
             new_version = self.version != version
             load_seconds = await self.arrival.load(version) if new_version else 0.0
             if load_seconds is None:
