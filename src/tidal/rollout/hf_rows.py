@@ -327,7 +327,7 @@ class HFRows:
             s = self.state[row]
             s.stamped = self._versions(s) or []
         self.version = version
-        self.step = DecodeStep.of(self.engine.model)  # its fused matrices are copies of the old weights
+        self.step = DecodeStep.of(self.engine.model)  # a new step: the old one's fused matrices copy the old weights
         rows = sorted([*self.kept, *stopped])
         if not rows:
             return
