@@ -135,11 +135,6 @@ def rms_norm(norm, hidden: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 @dataclass(frozen=True)
 class FusedLayer:
     qkv_weight: torch.Tensor  # [q + k + v outputs, hidden]
@@ -173,7 +168,8 @@ class DecodeStep:
         lm = causal_lm(model)
         self.inner, self.head = lm.model, lm.lm_head
         first = self.inner.layers[0].self_attn
-        self.rotate = inspect.getmodule(type(first)).apply_rotary_pos_emb
+        family = inspect.getmodule(type(first))
+        self.rotate, self.rotate_half = family.apply_rotary_pos_emb, family.rotate_half
         self.head_dim, self.scaling = first.head_dim, first.scaling
         self.heads = lm.config.num_attention_heads
         self.kv_heads = getattr(lm.config, "num_key_value_heads", None) or self.heads
@@ -218,7 +214,7 @@ class DecodeStep:
             query_key, value = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads :]
             if hasattr(attn, "q_norm"):  # Qwen3: each head normalised before the rotation
                 query_key = torch.cat([rms_norm(attn.q_norm, query_key[:, :, :heads]), rms_norm(attn.k_norm, query_key[:, :, heads:])], dim=2)
-            query_key = query_key * cos + rotate_half(query_key) * sin
+            query_key = query_key * cos + self.rotate_half(query_key) * sin
             keys, values = cache.layers[index].update(query_key[:, :, heads:].transpose(1, 2), value.transpose(1, 2))
             attended = grouped_query_attention(query_key[:, :, :heads].transpose(1, 2), keys, values, bias, self.scaling)
             hidden = hidden + attn.o_proj(attended)
